@@ -1,0 +1,593 @@
+"""The public async face of the batching engine: submit, start, stop.
+
+Each replica runs one loop: ask the scheduler for a batch; if there is one, run it;
+if not, sleep until a request arrives or the oldest request's delay expires. A batch is
+therefore closed only when a replica is free to run it, and while every replica is busy
+requests pile up, so batches grow with load (pull-based, least-loaded by construction).
+
+A batch that raises is bisected until the failing requests are found; only they get a
+:class:`ModelError`. Out of memory splits the batch into halves, retries them, and lowers
+the effective max batch size until ``oom_recovery_s`` passes without another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from carpool.core.clock import Clock, MonotonicClock
+from carpool.core.collate import Collator, OutputCountMismatch, collator_for
+from carpool.core.policy import BatchPolicy, ClassLimits
+from carpool.core.queues import Queues
+from carpool.core.replicas import BatchFn, FnFactory, Replica, is_out_of_memory
+from carpool.core.request import Batch, Outcome, Request, RequestState
+from carpool.core.scheduler import Scheduler
+from carpool.core.telemetry import NullTelemetry, Telemetry, TelemetrySnapshot, TraceHook
+from carpool.errors import (
+    CapacityError,
+    CarpoolError,
+    Closed,
+    ConfigError,
+    DeadlineExceeded,
+    InvalidInput,
+    ModelError,
+    QueueFull,
+)
+
+MemoryProbe = Callable[[], tuple[int, int]]  # (used_bytes, total_bytes)
+
+_QUEUED = RequestState.QUEUED
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class Batcher:
+    """Coalesces single requests into batches for one model.
+
+    Args:
+        fn: the batched model: takes one batch, returns outputs aligned with it along
+            axis 0. Sync functions run on a replica thread, ``async`` ones on the loop.
+        policy: batching limits; :class:`BatchPolicy` defaults when omitted.
+        name: the model's name in telemetry and thread names.
+        num_replicas: copies of the model pulling batches concurrently.
+        devices: one device string per replica (sets ``num_replicas``).
+        fn_factory: instead of ``fn``: called once per replica with its device string,
+            on that replica's thread, returning the replica's model.
+        collate: "auto" (by the first payload's type), "list", "numpy", "torch" or a
+            :class:`~carpool.core.collate.Collator`.
+        clock: time source; tests pass a :class:`~carpool.core.clock.FakeClock`.
+        on_trace: called with each finished request's :class:`RequestTrace`.
+        slow_request_s: log, to ``carpool.slow``, where the time of slower requests went.
+        memory_probe: returns ``(used_bytes, total_bytes)`` after each batch.
+        telemetry: False only to measure what telemetry costs (benchmarks).
+
+    Raises:
+        ConfigError: when the arguments contradict each other.
+    """
+
+    def __init__(
+        self,
+        fn: BatchFn | None = None,
+        policy: BatchPolicy | None = None,
+        *,
+        name: str | None = None,
+        num_replicas: int | None = None,
+        devices: list[str] | None = None,
+        fn_factory: FnFactory | None = None,
+        collate: str | Collator = "auto",
+        clock: Clock | None = None,
+        on_trace: TraceHook | None = None,
+        slow_request_s: float | None = None,
+        memory_probe: MemoryProbe | None = None,
+        telemetry: bool = True,
+    ) -> None:
+        if (fn is None) == (fn_factory is None):
+            raise ConfigError("fn", fn, "exactly one of fn or fn_factory")
+        if devices is not None:
+            if num_replicas is not None and num_replicas != len(devices):
+                raise ConfigError("num_replicas", num_replicas, f"{len(devices)}, one per device")
+            num_replicas = len(devices)
+        num_replicas = 1 if num_replicas is None else num_replicas
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ConfigError("num_replicas", num_replicas, "an integer >= 1")
+        self._fn = fn
+        self._fn_factory = fn_factory
+        self._name = name or getattr(fn or fn_factory, "__name__", None) or "model"
+        self._devices = list(devices) if devices is not None else ["cpu"] * num_replicas
+        self._policy = policy if policy is not None else BatchPolicy()
+        if isinstance(collate, str):
+            collator_for(collate, None)  # validates the name now, not on the first request
+        self._collate = collate
+        self._collator: Collator | None = None if isinstance(collate, str) else collate
+        self._clock: Clock = clock if clock is not None else MonotonicClock()
+        self._memory_probe = memory_probe
+        slos = {c.name: c.slo_s for c in self._policy.classes}
+        telemetry_cls = Telemetry if telemetry else NullTelemetry
+        self._telemetry = telemetry_cls(
+            self._name, slos, on_trace=on_trace, slow_request_s=slow_request_s
+        )
+        self._queues = Queues(self._policy)
+        self._scheduler = Scheduler()
+        self._state = _State.NEW
+        self._starting: asyncio.Future[None] | None = None
+        self._replicas: list[Replica] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._idle: deque[asyncio.Future[None]] = deque()
+        self._request_ids = itertools.count()
+        self._started_s = math.nan
+        self._oom_cap: int | None = None
+        self._oom_at_s = 0.0
+
+    # -- properties -------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def policy(self) -> BatchPolicy:
+        return self._policy
+
+    @property
+    def is_running(self) -> bool:
+        return self._state is _State.RUNNING
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._devices)
+
+    @property
+    def num_pending(self) -> int:
+        return self._queues.num_live
+
+    @property
+    def effective_max_batch_size(self) -> int:
+        """``max_batch_size``, or less while recovering from out of memory."""
+        cap = self._oom_cap
+        return self._policy.max_batch_size if cap is None else cap
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load every replica and start pulling batches. Idempotent."""
+        if self._state is _State.RUNNING:
+            return
+        if self._starting is not None:
+            return await asyncio.shield(self._starting)
+        if self._state is _State.DRAINING:
+            raise Closed(self._name)
+        loop = asyncio.get_running_loop()
+        self._starting = loop.create_future()
+        try:
+            replicas = [
+                Replica(i, device, self._name, self._fn, self._fn_factory)
+                for i, device in enumerate(self._devices)
+            ]
+            try:
+                await asyncio.gather(*(r.load() for r in replicas))
+            except BaseException:
+                for replica in replicas:
+                    replica.close()
+                raise
+            self._replicas = replicas
+            self._started_s = self._clock.now()
+            self._state = _State.RUNNING
+            self._tasks = [
+                loop.create_task(self._replica_loop(r), name=f"carpool-{self._name}-r{i}")
+                for i, r in enumerate(replicas)
+            ]
+            self._starting.set_result(None)
+        except BaseException as exc:
+            self._starting.set_exception(exc)
+            self._starting.exception()  # retrieved here; concurrent starters re-raise it
+            raise
+        finally:
+            self._starting = None
+
+    async def stop(self, drain: bool = True) -> None:
+        """Stop accepting requests. With ``drain`` every queued request is still run and
+        answered (without waiting for batches to fill); without it they fail with
+        :class:`Closed`. Returns when every replica loop and thread has ended."""
+        if self._state in (_State.NEW, _State.STOPPED):
+            return
+        self._state = _State.DRAINING
+        if not drain:
+            for queue in self._queues.ordered:
+                for request in list(queue.live()):
+                    self._drop(request, Outcome.CLOSED)
+        self._wake_all()
+        try:
+            await asyncio.gather(*self._tasks)
+        finally:
+            for replica in self._replicas:
+                replica.close()
+            self._tasks = []
+            self._state = _State.STOPPED
+
+    async def __aenter__(self) -> Batcher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop(drain=True)
+
+    # -- submitting -------------------------------------------------------------------
+
+    async def submit(
+        self,
+        payload: Any,
+        *,
+        priority: str | None = None,
+        timeout_s: float | None = None,
+        cost: float | None = None,
+    ) -> Any:
+        """Run one item in some batch and return its own output.
+
+        Args:
+            payload: one item (the batch stacks items along a new axis 0).
+            priority: a class name of the policy; the default class when omitted.
+            timeout_s: deadline from now; the class's ``timeout_s`` when omitted.
+            cost: this request's cost; ``cost_fn(payload)`` or its item count when omitted.
+
+        Raises:
+            InvalidInput, QueueFull, DeadlineExceeded, ModelError, CapacityError, Closed.
+        """
+        return await self._submit(payload, False, priority, timeout_s, cost)
+
+    async def submit_many(
+        self,
+        payloads: Any,
+        *,
+        priority: str | None = None,
+        timeout_s: float | None = None,
+        cost: float | None = None,
+    ) -> Any:
+        """Run k items (along axis 0 of ``payloads``) in one batch; returns k outputs."""
+        return await self._submit(payloads, True, priority, timeout_s, cost)
+
+    async def _submit(
+        self,
+        payload: Any,
+        is_many: bool,
+        priority: str | None,
+        timeout_s: float | None,
+        cost: float | None,
+    ) -> Any:
+        if self._state is not _State.RUNNING:
+            if self._state is not _State.NEW:
+                raise Closed(self._name)
+            await self.start()
+        request = self._make_request(payload, is_many, priority, timeout_s, cost)
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            if request.state is _QUEUED:
+                self._drop(request, Outcome.CANCELLED)
+            raise
+
+    def _make_request(
+        self,
+        payload: Any,
+        is_many: bool,
+        priority: str | None,
+        timeout_s: float | None,
+        cost: float | None,
+    ) -> Request:
+        policy = self._policy
+        limits = policy.limits.get(policy.default_class if priority is None else priority)
+        if limits is None:
+            self._telemetry.rejected(policy.default_class, "invalid")
+            raise InvalidInput(
+                f"unknown priority {priority!r}: expected one of {list(policy.limits)}"
+            )
+        try:
+            num_items, signature = self._inspect(payload, is_many)
+            cost = self._cost(payload, num_items, cost, limits)
+            deadline_s, now = self._deadline(timeout_s, limits)
+        except InvalidInput:
+            self._telemetry.rejected(limits.name, "invalid")
+            raise
+        request = Request(
+            request_id=next(self._request_ids),
+            payload=payload,
+            num_items=num_items,
+            is_many=is_many,
+            cost=cost,
+            class_name=limits.name,
+            rank=limits.rank,
+            arrival_s=now,
+            deadline_s=deadline_s,
+            future=asyncio.get_running_loop().create_future(),
+            signature=signature,
+        )
+        try:
+            self._queues.admit(request)
+        except QueueFull:
+            self._telemetry.rejected(limits.name, "queue_full")
+            raise
+        self._telemetry.admitted(request)
+        if deadline_s is not None:
+            request.timer = self._clock.call_at(deadline_s, lambda: self._on_deadline(request))
+        if self._idle:
+            self._wake_one()
+        return request
+
+    def _inspect(self, payload: Any, is_many: bool) -> tuple[int, Hashable]:
+        collator = self._collator
+        if collator is None:
+            collator = self._collator = collator_for(self._collate, payload)
+        try:
+            num_items = collator.num_items(payload) if is_many else 1
+            signature = collator.signature(payload, is_many)
+        except (TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise InvalidInput(f"payload cannot be batched ({type(exc).__name__}: {exc})") from exc
+        if num_items < 1:
+            raise InvalidInput("submit_many got 0 items; expected at least one along axis 0")
+        return num_items, signature
+
+    def _cost(self, payload: Any, num_items: int, cost: float | None, limits: ClassLimits) -> float:
+        if num_items > limits.max_batch_size:
+            raise InvalidInput(
+                f"the request carries {num_items} items, more than max_batch_size="
+                f"{limits.max_batch_size} of class {limits.name!r}; split it into smaller requests"
+            )
+        policy = self._policy
+        if cost is None:
+            cost = float(policy.cost_fn(payload)) if policy.cost_fn is not None else num_items
+        if not (isinstance(cost, int | float) and math.isfinite(cost) and cost >= 0):
+            raise InvalidInput(f"cost={cost!r}: expected a finite number >= 0")
+        if policy.max_batch_cost is not None and cost > policy.max_batch_cost:
+            raise InvalidInput(
+                f"the request costs {cost:g}, more than max_batch_cost={policy.max_batch_cost:g}; "
+                "it could never fit in a batch"
+            )
+        return float(cost)
+
+    def _deadline(self, timeout_s: float | None, limits: ClassLimits) -> tuple[float | None, float]:
+        now = self._clock.now()
+        if timeout_s is None:
+            timeout_s = limits.timeout_s
+            if timeout_s is None:
+                return None, now
+        elif not (
+            isinstance(timeout_s, int | float) and timeout_s > 0 and math.isfinite(timeout_s)
+        ):
+            raise InvalidInput(f"timeout_s={timeout_s!r}: expected a finite number of seconds > 0")
+        return now + timeout_s, now
+
+    # -- replica loop -----------------------------------------------------------------
+
+    async def _replica_loop(self, replica: Replica) -> None:
+        clock = self._clock
+        while True:
+            now = clock.now()
+            decision = self._scheduler.decide(
+                now,
+                self._policy,
+                self._queues,
+                num_replicas=len(self._replicas),
+                max_items_cap=self._current_oom_cap(now),
+                is_draining=self._state is _State.DRAINING,
+                expire=self._expire,
+            )
+            if decision.batch is not None:
+                if self._queues.num_live and self._idle:
+                    self._wake_one()
+                await self._run_batch(replica, decision.batch)
+                continue
+            if self._state is not _State.RUNNING and self._queues.num_live == 0:
+                return
+            if replica.idle_since_s is None:
+                replica.idle_since_s = now
+            await self._idle_wait(decision.wake_at_s)
+
+    async def _idle_wait(self, wake_at_s: float | None) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._idle.append(waiter)
+        timer = None
+        if wake_at_s is not None:
+            timer = self._clock.call_at(wake_at_s, lambda: _wake(waiter))
+        try:
+            await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if not waiter.done():
+                waiter.cancel()
+            with contextlib.suppress(ValueError):  # already popped by whoever woke it
+                self._idle.remove(waiter)
+
+    def _wake_one(self) -> None:
+        idle = self._idle
+        while idle:
+            waiter = idle.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _wake_all(self) -> None:
+        while self._idle:
+            _wake(self._idle.popleft())
+
+    async def _run_batch(self, replica: Replica, batch: Batch) -> None:
+        now = self._clock.now()
+        idle_since = replica.idle_since_s
+        replica.idle_since_s = None
+        if idle_since is not None:
+            oldest = min(r.arrival_s for r in batch.requests)
+            replica.counters.fill_wait_s += max(0.0, now - max(idle_since, oldest))
+        batch.replica_id = replica.replica_id
+        for request in batch.requests:
+            request.state = RequestState.RUNNING
+            if request.timer is not None:
+                request.timer.cancel()
+                request.timer = None
+            request.batch_closed_s = now
+            request.compute_start_s = now
+            request.batch_size = batch.num_items
+            request.replica_id = replica.replica_id
+            if idle_since is not None:
+                request.fill_wait_s = max(0.0, now - max(idle_since, request.arrival_s))
+        try:
+            for group in _by_signature(batch.requests):
+                await self._run_group(replica, group)
+        finally:
+            end = self._clock.now()
+            self._telemetry.batch_done(batch, replica.counters, end - now)
+            if self._memory_probe is not None:
+                used, total = self._memory_probe()
+                self._telemetry.memory(used, total)
+            queue = self._queues.by_name.get(batch.lead_class)
+            if queue is not None:
+                queue.num_running -= 1
+            if self._queues.num_live and self._idle:
+                self._wake_one()
+
+    async def _run_group(self, replica: Replica, requests: list[Request]) -> None:
+        """Run ``requests`` as one model call; bisect on error, split on out of memory."""
+        collator = self._collator
+        assert collator is not None, "a request was admitted, so the collator is known"
+        try:
+            results = await replica.run(
+                collator,
+                [r.payload for r in requests],
+                [r.is_many for r in requests],
+                [r.num_items for r in requests],
+            )
+        except OutputCountMismatch as exc:
+            for request in requests:
+                self._fail(request, ModelError(str(exc), request_id=request.request_id), exc)
+            return
+        except Exception as exc:
+            oom = is_out_of_memory(exc)
+            if oom:
+                self._note_oom(sum(r.num_items for r in requests))
+            if len(requests) == 1:
+                request = requests[0]
+                error: CarpoolError
+                if oom:
+                    error = CapacityError(request.request_id, request.num_items)
+                else:
+                    error = ModelError(
+                        f"the model raised {type(exc).__name__}: {exc}",
+                        request_id=request.request_id,
+                    )
+                self._fail(request, error, exc)
+                return
+            half = len(requests) // 2
+            await self._run_group(replica, requests[:half])
+            await self._run_group(replica, requests[half:])
+            return
+        now = self._clock.now()
+        telemetry = self._telemetry
+        for request, result in zip(requests, results, strict=True):
+            request.compute_end_s = now
+            request.state = RequestState.DONE
+            future = request.future
+            if not future.done():
+                future.set_result(result)
+            telemetry.answered(request, Outcome.OK, now)
+
+    def _fail(self, request: Request, error: CarpoolError, cause: BaseException) -> None:
+        now = self._clock.now()
+        request.compute_end_s = now
+        request.state = RequestState.DONE
+        error.__cause__ = cause
+        if not request.future.done():
+            request.future.set_exception(error)
+        outcome = Outcome.OUT_OF_MEMORY if isinstance(error, CapacityError) else Outcome.MODEL_ERROR
+        self._telemetry.answered(request, outcome, now)
+
+    # -- deadlines, cancellation, out of memory -----------------------------------------
+
+    def _on_deadline(self, request: Request) -> None:
+        if request.state is _QUEUED:
+            self._expire(request)
+
+    def _expire(self, request: Request) -> None:
+        self._drop(request, Outcome.EXPIRED)
+
+    def _drop(self, request: Request, outcome: Outcome) -> None:
+        """Take a QUEUED request out of the running: expired, cancelled or closed."""
+        request.state = (
+            RequestState.CANCELLED if outcome is Outcome.CANCELLED else RequestState.EXPIRED
+        )
+        self._queues.forget(request)
+        if request.timer is not None:
+            request.timer.cancel()
+            request.timer = None
+        now = self._clock.now()
+        future = request.future
+        if not future.done():
+            if outcome is Outcome.EXPIRED:
+                assert request.deadline_s is not None
+                timeout_s = request.deadline_s - request.arrival_s
+                error: CarpoolError = DeadlineExceeded(
+                    request.request_id, timeout_s, now - request.arrival_s
+                )
+            else:
+                error = Closed(self._name)
+            future.set_exception(error)
+        self._telemetry.answered(request, outcome, now)
+
+    def _note_oom(self, num_items: int) -> None:
+        cap = max(1, num_items // 2)
+        self._oom_cap = cap if self._oom_cap is None else min(self._oom_cap, cap)
+        self._oom_at_s = self._clock.now()
+
+    def _current_oom_cap(self, now: float) -> int | None:
+        cap = self._oom_cap
+        if cap is not None and now - self._oom_at_s >= self._policy.oom_recovery_s:
+            cap *= 2
+            self._oom_at_s = now
+            self._oom_cap = cap = None if cap >= self._policy.max_batch_size else cap
+        return cap
+
+    # -- policy and telemetry ---------------------------------------------------------
+
+    def set_policy(self, policy: BatchPolicy) -> None:
+        """Replace the policy while running; takes effect at the next batch."""
+        self._queues.reconfigure(policy)
+        self._policy = policy
+        self._telemetry.set_classes({c.name: c.slo_s for c in policy.classes})
+        self._wake_all()
+
+    def update_policy(self, **changes: Any) -> BatchPolicy:
+        """Change policy fields while running (validated first); returns the new policy."""
+        policy = self._policy.replace(**changes)
+        self.set_policy(policy)
+        return policy
+
+    def snapshot(self) -> TelemetrySnapshot:
+        """Everything measured so far, as frozen typed values."""
+        uptime = self._clock.now() - self._started_s if self._replicas else 0.0
+        return self._telemetry.snapshot(
+            uptime, self._queues.pending_by_class(), [r.counters for r in self._replicas]
+        )
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _by_signature(requests: list[Request]) -> list[list[Request]]:
+    """Split a batch into groups that can be collated together, keeping order."""
+    first = requests[0].signature
+    if all(r.signature == first for r in requests):
+        return [requests]
+    groups: dict[Hashable, list[Request]] = {}
+    for request in requests:
+        groups.setdefault(request.signature, []).append(request)
+    return list(groups.values())

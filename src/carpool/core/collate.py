@@ -1,0 +1,180 @@
+"""How payloads become one batch and how the model's outputs go back to each request.
+
+A request carries one item (``submit``) or k items along axis 0 (``submit_many``).
+``collate`` joins the payloads of a batch along axis 0; ``split`` cuts the outputs back::
+
+    requests   r0 (1 item)   r1 (3 items)      r2 (1 item)
+    batch      [ x0 | y0 y1 y2 | z0 ]          5 rows along axis 0
+    outputs    [ o0 | o1 o2 o3 | o4 ]          must also have 5 rows
+    results    o0    [o1 o2 o3]    o4          one item → its row; k items → k rows
+
+Outputs may be one array-like (NumPy array, torch tensor, list), a tuple of them
+(several outputs, each split the same way), or a dict of them (split per key).
+torch is imported only when a torch payload is actually seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from carpool.errors import ConfigError
+
+
+class OutputCountMismatch(Exception):
+    """The model returned a number of outputs different from the number of items."""
+
+    def __init__(self, expected: int, got: int, where: str = "", kind: str = "") -> None:
+        self.expected = expected
+        self.got = got
+        at = f" in output {where!r}" if where else ""
+        came = f"{got} outputs" if got >= 0 else f"a {kind} with no length along axis 0"
+        super().__init__(
+            f"the model returned {came}{at} for a batch of {expected} items; a batched "
+            "model must return one output per input item, aligned along axis 0"
+        )
+
+
+class Collator(Protocol):
+    """Joins payloads into a batch and splits outputs back (see the module docstring)."""
+
+    def signature(self, payload: Any, is_many: bool) -> Hashable:
+        """What must match for two payloads to share a batch (dtype, trailing shape)."""
+        ...
+
+    def num_items(self, payload: Any) -> int:
+        """How many items a ``submit_many`` payload carries along axis 0."""
+        ...
+
+    def collate(self, payloads: list[Any], is_many: list[bool]) -> Any: ...
+
+    def split(self, outputs: Any, counts: list[int], is_many: list[bool]) -> list[Any]: ...
+
+
+class ListCollator:
+    """A batch is a plain list of items; outputs are any sequence aligned with it."""
+
+    def signature(self, payload: Any, is_many: bool) -> Hashable:
+        return None
+
+    def num_items(self, payload: Any) -> int:
+        return len(payload)
+
+    def collate(self, payloads: list[Any], is_many: list[bool]) -> Any:
+        if not any(is_many):
+            return list(payloads)
+        batch: list[Any] = []
+        for payload, many in zip(payloads, is_many, strict=True):
+            if many:
+                batch.extend(payload)
+            else:
+                batch.append(payload)
+        return batch
+
+    def split(self, outputs: Any, counts: list[int], is_many: list[bool]) -> list[Any]:
+        return split_outputs(outputs, counts, is_many)
+
+
+class NumpyCollator:
+    """Stacks items into one ``numpy.ndarray`` along a new (or, for many, the first) axis."""
+
+    def signature(self, payload: Any, is_many: bool) -> Hashable:
+        array = np.asarray(payload)
+        return (array.dtype.str, array.shape[1:] if is_many else array.shape)
+
+    def num_items(self, payload: Any) -> int:
+        return int(np.shape(payload)[0])
+
+    def collate(self, payloads: list[Any], is_many: list[bool]) -> Any:
+        if not any(is_many):
+            return np.stack(payloads)
+        parts = [
+            np.asarray(p) if m else np.asarray(p)[None]
+            for p, m in zip(payloads, is_many, strict=True)
+        ]
+        return np.concatenate(parts)
+
+    def split(self, outputs: Any, counts: list[int], is_many: list[bool]) -> list[Any]:
+        return split_outputs(outputs, counts, is_many)
+
+
+class TorchCollator:
+    """Stacks ``torch.Tensor`` items; torch is imported on first use only."""
+
+    def signature(self, payload: Any, is_many: bool) -> Hashable:
+        shape = tuple(payload.shape[1:] if is_many else payload.shape)
+        return (str(payload.dtype), shape, str(payload.device))
+
+    def num_items(self, payload: Any) -> int:
+        return int(payload.shape[0])
+
+    def collate(self, payloads: list[Any], is_many: list[bool]) -> Any:
+        import torch
+
+        if not any(is_many):
+            return torch.stack(payloads)
+        return torch.cat(
+            [p if m else p.unsqueeze(0) for p, m in zip(payloads, is_many, strict=True)]
+        )
+
+    def split(self, outputs: Any, counts: list[int], is_many: list[bool]) -> list[Any]:
+        return split_outputs(outputs, counts, is_many)
+
+
+def split_outputs(
+    outputs: Any, counts: list[int], is_many: list[bool], where: str = ""
+) -> list[Any]:
+    """Cut ``outputs`` into one result per request (see the module docstring)."""
+    if isinstance(outputs, dict):
+        per_key = {k: split_outputs(v, counts, is_many, str(k)) for k, v in outputs.items()}
+        return [{k: parts[i] for k, parts in per_key.items()} for i in range(len(counts))]
+    if isinstance(outputs, tuple):
+        per_output = [
+            split_outputs(v, counts, is_many, f"{where}[{j}]") for j, v in enumerate(outputs)
+        ]
+        return [tuple(parts[i] for parts in per_output) for i in range(len(counts))]
+    total = sum(counts)
+    got = _length(outputs)
+    if got != total:
+        raise OutputCountMismatch(total, got, where, type(outputs).__name__)
+    if not any(is_many):
+        return list(outputs) if isinstance(outputs, list) else [outputs[i] for i in range(total)]
+    results: list[Any] = []
+    offset = 0
+    for count, many in zip(counts, is_many, strict=True):
+        results.append(outputs[offset : offset + count] if many else outputs[offset])
+        offset += count
+    return results
+
+
+def _length(outputs: Any) -> int:
+    shape = getattr(outputs, "shape", None)
+    if shape is not None:
+        if len(shape) == 0:
+            return -1  # a scalar has no items; reported as a mismatch
+        return int(shape[0])
+    if isinstance(outputs, Sequence):
+        return len(outputs)
+    return -1
+
+
+_BY_NAME: dict[str, type] = {"list": ListCollator, "numpy": NumpyCollator, "torch": TorchCollator}
+
+
+def collator_for(kind: str | Collator, sample: Any) -> Collator:
+    """Resolve ``kind`` ("auto", "list", "numpy", "torch" or a Collator) for ``sample``."""
+    if not isinstance(kind, str):
+        return kind
+    if kind == "auto":
+        if isinstance(sample, np.ndarray):
+            return NumpyCollator()
+        if type(sample).__module__.startswith("torch") and hasattr(sample, "shape"):
+            return TorchCollator()
+        return ListCollator()
+    try:
+        collator: Collator = _BY_NAME[kind]()
+    except KeyError:
+        raise ConfigError("collate", kind, f"one of {['auto', *_BY_NAME]} or a Collator") from None
+    return collator

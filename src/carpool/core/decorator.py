@@ -1,0 +1,161 @@
+"""``@carpool.batched``: turn a batched function into an awaitable per-item function."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, overload
+
+from carpool.core.batcher import Batcher, MemoryProbe
+from carpool.core.clock import Clock
+from carpool.core.collate import Collator
+from carpool.core.policy import DEFAULT_CLASS, DEFAULT_CLASSES, BatchPolicy, ClassPolicy, CostFn
+from carpool.core.replicas import BatchFn
+from carpool.core.telemetry import TelemetrySnapshot, TraceHook
+
+
+class BatchedFunction:
+    """Call it with one item and await that item's output; the batch forms behind it.
+
+    It is an async context manager that starts and drains its batcher, and it also
+    starts lazily on the first call. ``.batcher`` is the underlying :class:`Batcher`.
+    """
+
+    def __init__(self, fn: BatchFn, batcher: Batcher) -> None:
+        functools.update_wrapper(self, fn)
+        self.batcher = batcher
+
+    async def __call__(
+        self,
+        item: Any,
+        *,
+        priority: str | None = None,
+        timeout_s: float | None = None,
+        cost: float | None = None,
+    ) -> Any:
+        return await self.batcher.submit(item, priority=priority, timeout_s=timeout_s, cost=cost)
+
+    async def many(
+        self,
+        items: Any,
+        *,
+        priority: str | None = None,
+        timeout_s: float | None = None,
+        cost: float | None = None,
+    ) -> Any:
+        """Submit k items along axis 0 as one request; returns their k outputs."""
+        return await self.batcher.submit_many(
+            items, priority=priority, timeout_s=timeout_s, cost=cost
+        )
+
+    async def start(self) -> None:
+        await self.batcher.start()
+
+    async def stop(self, drain: bool = True) -> None:
+        await self.batcher.stop(drain=drain)
+
+    async def __aenter__(self) -> BatchedFunction:
+        await self.batcher.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.batcher.stop(drain=True)
+
+    def snapshot(self) -> TelemetrySnapshot:
+        return self.batcher.snapshot()
+
+    def update_policy(self, **changes: Any) -> BatchPolicy:
+        return self.batcher.update_policy(**changes)
+
+
+@overload
+def batched(fn: BatchFn, /) -> BatchedFunction: ...
+
+
+@overload
+def batched(
+    fn: None = None,
+    /,
+    *,
+    max_batch_size: int = ...,
+    max_delay_s: float = ...,
+    preferred_batch_sizes: tuple[int, ...] = ...,
+    max_batch_cost: float | None = ...,
+    cost_fn: CostFn | None = ...,
+    max_queue_size: int | None = ...,
+    timeout_s: float | None = ...,
+    classes: tuple[ClassPolicy, ...] = ...,
+    default_class: str = ...,
+    fill_from_lower: bool = ...,
+    oom_recovery_s: float = ...,
+    num_replicas: int | None = ...,
+    devices: list[str] | None = ...,
+    collate: str | Collator = ...,
+    name: str | None = ...,
+    clock: Clock | None = ...,
+    on_trace: TraceHook | None = ...,
+    slow_request_s: float | None = ...,
+    memory_probe: MemoryProbe | None = ...,
+) -> Callable[[BatchFn], BatchedFunction]: ...
+
+
+def batched(
+    fn: BatchFn | None = None,
+    /,
+    *,
+    max_batch_size: int = 32,
+    max_delay_s: float = 0.005,
+    preferred_batch_sizes: tuple[int, ...] = (),
+    max_batch_cost: float | None = None,
+    cost_fn: CostFn | None = None,
+    max_queue_size: int | None = None,
+    timeout_s: float | None = None,
+    classes: tuple[ClassPolicy, ...] = DEFAULT_CLASSES,
+    default_class: str = DEFAULT_CLASS,
+    fill_from_lower: bool = True,
+    oom_recovery_s: float = 30.0,
+    num_replicas: int | None = None,
+    devices: list[str] | None = None,
+    collate: str | Collator = "auto",
+    name: str | None = None,
+    clock: Clock | None = None,
+    on_trace: TraceHook | None = None,
+    slow_request_s: float | None = None,
+    memory_probe: MemoryProbe | None = None,
+) -> BatchedFunction | Callable[[BatchFn], BatchedFunction]:
+    """Decorate a batched function: ``await f(x)`` then runs ``x`` inside some batch.
+
+    Used bare (``@batched``) or with policy keywords (``@batched(max_batch_size=64,
+    max_delay_s=0.002)``); the keywords are the fields of :class:`BatchPolicy` plus the
+    :class:`Batcher` options. The policy is validated here, at decoration time.
+    """
+    policy = BatchPolicy(
+        max_batch_size=max_batch_size,
+        max_delay_s=max_delay_s,
+        preferred_batch_sizes=tuple(preferred_batch_sizes),
+        max_batch_cost=max_batch_cost,
+        cost_fn=cost_fn,
+        max_queue_size=max_queue_size,
+        timeout_s=timeout_s,
+        classes=tuple(classes),
+        default_class=default_class,
+        fill_from_lower=fill_from_lower,
+        oom_recovery_s=oom_recovery_s,
+    )
+
+    def wrap(target: BatchFn) -> BatchedFunction:
+        batcher = Batcher(
+            target,
+            policy,
+            name=name,
+            num_replicas=num_replicas,
+            devices=devices,
+            collate=collate,
+            clock=clock,
+            on_trace=on_trace,
+            slow_request_s=slow_request_s,
+            memory_probe=memory_probe,
+        )
+        return BatchedFunction(target, batcher)
+
+    return wrap if fn is None else wrap(fn)

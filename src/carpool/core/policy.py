@@ -1,0 +1,204 @@
+"""Batch policy and per-class policy, validated once when built.
+
+A :class:`BatchPolicy` holds the model-wide limits and an ordered tuple of
+:class:`ClassPolicy` (highest priority first). A class field left as ``None``
+inherits the model-wide value; :attr:`BatchPolicy.limits` holds the resolved
+values per class so the hot path never looks twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from carpool.errors import ConfigError
+
+CostFn = Callable[[Any], float]
+
+
+def _check_int(field_name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(field_name, value, f"an integer >= {minimum}")
+
+
+def _check_optional_int(field_name: str, value: object, *, minimum: int) -> None:
+    if value is not None:
+        _check_int(field_name, value, minimum=minimum)
+
+
+def _check_float(field_name: str, value: object, *, minimum: float, strict: bool = False) -> None:
+    ok = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > minimum if strict else value >= minimum)
+    )
+    if not ok:
+        op = ">" if strict else ">="
+        raise ConfigError(field_name, value, f"a finite number {op} {minimum}")
+
+
+def _check_optional_float(
+    field_name: str, value: object, *, minimum: float, strict: bool = False
+) -> None:
+    if value is not None:
+        _check_float(field_name, value, minimum=minimum, strict=strict)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPolicy:
+    """One priority class. Fields left ``None`` inherit the model-wide policy.
+
+    ``share`` is the fraction of replicas that batches led by this class may occupy at
+    once (at least one). ``max_wait_s`` is the aging bound: a request that has waited
+    longer is served before any younger request of any class, so no class starves.
+    ``slo_s`` is the end-to-end latency target that SLO attainment is measured against.
+    """
+
+    name: str
+    max_batch_size: int | None = None
+    max_delay_s: float | None = None
+    max_queue_size: int | None = None
+    timeout_s: float | None = None
+    share: float = 1.0
+    max_wait_s: float | None = None
+    slo_s: float | None = None
+
+    def __post_init__(self) -> None:
+        where = f"classes[{self.name!r}]"
+        if not self.name or not isinstance(self.name, str):
+            raise ConfigError("classes[].name", self.name, "a non-empty string")
+        _check_optional_int(f"{where}.max_batch_size", self.max_batch_size, minimum=1)
+        _check_optional_float(f"{where}.max_delay_s", self.max_delay_s, minimum=0.0)
+        _check_optional_int(f"{where}.max_queue_size", self.max_queue_size, minimum=1)
+        _check_optional_float(f"{where}.timeout_s", self.timeout_s, minimum=0.0, strict=True)
+        _check_optional_float(f"{where}.max_wait_s", self.max_wait_s, minimum=0.0)
+        _check_optional_float(f"{where}.slo_s", self.slo_s, minimum=0.0, strict=True)
+        if not (isinstance(self.share, int | float) and 0.0 < self.share <= 1.0):
+            raise ConfigError(f"{where}.share", self.share, "a number in (0, 1]")
+
+
+DEFAULT_CLASSES: tuple[ClassPolicy, ...] = (
+    ClassPolicy("interactive", slo_s=0.1),
+    ClassPolicy("normal", max_wait_s=1.0, slo_s=1.0),
+    ClassPolicy("background", share=0.5, max_wait_s=5.0, slo_s=30.0),
+)
+DEFAULT_CLASS = "normal"
+
+
+@dataclass(frozen=True, slots=True)
+class ClassLimits:
+    """The resolved limits of one class (no ``None`` left where a default exists)."""
+
+    name: str
+    rank: int
+    max_batch_size: int
+    max_delay_s: float
+    max_queue_size: int | None
+    timeout_s: float | None
+    share: float
+    max_wait_s: float | None
+    slo_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPolicy:
+    """How requests of one model are grouped into batches.
+
+    Args:
+        max_batch_size: most items in one batch.
+        max_delay_s: longest a request waits for others, counted from the arrival of
+            the oldest waiting request.
+        preferred_batch_sizes: sizes to send as soon as the queue can fill one (the
+            largest that fits) when a replica is free.
+        max_batch_cost: budget of one batch in the units of ``cost_fn`` (tokens,
+            pixels, rows); ``None`` means no budget.
+        cost_fn: cost of one request's payload; defaults to its number of items.
+        max_queue_size: most requests waiting across all classes.
+        timeout_s: default deadline of a request, counted from its arrival.
+        classes: priority classes, highest first.
+        default_class: the class of a request that names none.
+        fill_from_lower: fill a batch's leftover room with lower-class requests.
+        oom_recovery_s: after an out-of-memory split, how long without another before
+            the effective max batch size doubles back towards ``max_batch_size``.
+
+    Raises:
+        ConfigError: naming the first invalid field.
+    """
+
+    max_batch_size: int = 32
+    max_delay_s: float = 0.005
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_batch_cost: float | None = None
+    cost_fn: CostFn | None = None
+    max_queue_size: int | None = None
+    timeout_s: float | None = None
+    classes: tuple[ClassPolicy, ...] = DEFAULT_CLASSES
+    default_class: str = DEFAULT_CLASS
+    fill_from_lower: bool = True
+    oom_recovery_s: float = 30.0
+    limits: dict[str, ClassLimits] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_int("max_batch_size", self.max_batch_size, minimum=1)
+        _check_float("max_delay_s", self.max_delay_s, minimum=0.0)
+        _check_optional_float("max_batch_cost", self.max_batch_cost, minimum=0.0, strict=True)
+        _check_optional_int("max_queue_size", self.max_queue_size, minimum=1)
+        _check_optional_float("timeout_s", self.timeout_s, minimum=0.0, strict=True)
+        _check_float("oom_recovery_s", self.oom_recovery_s, minimum=0.0)
+        if self.cost_fn is not None and not callable(self.cost_fn):
+            raise ConfigError("cost_fn", self.cost_fn, "a callable taking one payload")
+        preferred = tuple(self.preferred_batch_sizes)
+        for size in preferred:
+            _check_int("preferred_batch_sizes[]", size, minimum=1)
+            if size > self.max_batch_size:
+                raise ConfigError(
+                    "preferred_batch_sizes",
+                    preferred,
+                    f"sizes no larger than max_batch_size={self.max_batch_size}",
+                )
+        object.__setattr__(self, "preferred_batch_sizes", tuple(sorted(set(preferred))))
+        classes = tuple(self.classes)
+        if not classes:
+            raise ConfigError("classes", classes, "at least one class")
+        names = [c.name for c in classes]
+        if len(set(names)) != len(names):
+            raise ConfigError("classes", names, "unique class names")
+        if self.default_class not in names:
+            raise ConfigError("default_class", self.default_class, f"one of {names}")
+        object.__setattr__(self, "classes", classes)
+        object.__setattr__(
+            self, "limits", {c.name: self._resolve(c, i) for i, c in enumerate(classes)}
+        )
+
+    def _resolve(self, c: ClassPolicy, rank: int) -> ClassLimits:
+        return ClassLimits(
+            name=c.name,
+            rank=rank,
+            max_batch_size=min(c.max_batch_size or self.max_batch_size, self.max_batch_size),
+            max_delay_s=self.max_delay_s if c.max_delay_s is None else c.max_delay_s,
+            max_queue_size=c.max_queue_size,
+            timeout_s=self.timeout_s if c.timeout_s is None else c.timeout_s,
+            share=c.share,
+            max_wait_s=c.max_wait_s,
+            slo_s=c.slo_s,
+        )
+
+    def replace(self, **changes: Any) -> BatchPolicy:
+        """A copy with ``changes`` applied and validated again."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self) if f.init}
+        if unknown:
+            raise ConfigError(
+                "policy", sorted(unknown), "fields of BatchPolicy (max_batch_size, ...)"
+            )
+        return dataclasses.replace(self, **changes)
+
+    def class_limits(self, name: str | None) -> ClassLimits:
+        """Resolved limits of class ``name`` (the default class for ``None``)."""
+        try:
+            return self.limits[self.default_class if name is None else name]
+        except KeyError:
+            raise ConfigError("priority", name, f"one of {list(self.limits)}") from None

@@ -1,0 +1,128 @@
+"""Per-class FIFO queues with admission bounds and lazy deletion.
+
+Each class keeps a deque of requests in arrival order plus running totals of its live
+(QUEUED) requests, items and cost. A request that expires or is cancelled while queued
+is only marked and subtracted from the totals (O(1)); scans skip it and pops discard it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from carpool.core.policy import BatchPolicy, ClassLimits
+from carpool.core.request import Request, RequestState
+from carpool.errors import ConfigError, QueueFull
+
+_QUEUED = RequestState.QUEUED
+
+
+class ClassQueue:
+    """The waiting requests of one priority class, oldest first."""
+
+    __slots__ = ("_deque", "limits", "live_cost", "num_live", "num_live_items", "num_running")
+
+    def __init__(self, limits: ClassLimits) -> None:
+        self.limits = limits
+        self._deque: deque[Request] = deque()
+        self.num_live = 0
+        self.num_live_items = 0
+        self.live_cost = 0.0
+        self.num_running = 0  # batches led by this class now running
+
+    @property
+    def name(self) -> str:
+        return self.limits.name
+
+    def push(self, request: Request) -> None:
+        self._deque.append(request)
+        self.num_live += 1
+        self.num_live_items += request.num_items
+        self.live_cost += request.cost
+
+    def head(self) -> Request | None:
+        """The oldest live request, discarding dead ones in front of it."""
+        dq = self._deque
+        while dq:
+            if dq[0].state is _QUEUED:
+                return dq[0]
+            dq.popleft()
+        return None
+
+    def live(self) -> Iterator[Request]:
+        """Live requests, oldest first."""
+        return (r for r in self._deque if r.state is _QUEUED)
+
+    def forget(self, request: Request) -> None:
+        """Subtract a request that left the QUEUED state without being popped."""
+        self.num_live -= 1
+        self.num_live_items -= request.num_items
+        self.live_cost -= request.cost
+        if self.num_live == 0:
+            self._deque.clear()
+            self.live_cost = 0.0
+
+    def pop_live(self, count: int) -> list[Request]:
+        """Remove and return the ``count`` oldest live requests."""
+        out: list[Request] = []
+        dq = self._deque
+        while len(out) < count:
+            request = dq.popleft()
+            if request.state is _QUEUED:
+                out.append(request)
+                self.num_live -= 1
+                self.num_live_items -= request.num_items
+                self.live_cost -= request.cost
+        if self.num_live == 0:
+            self.live_cost = 0.0
+        return out
+
+
+class Queues:
+    """All classes' queues of one model, in priority order, with admission control."""
+
+    __slots__ = ("by_name", "max_queue_size", "ordered")
+
+    def __init__(self, policy: BatchPolicy) -> None:
+        self.ordered = [ClassQueue(policy.limits[c.name]) for c in policy.classes]
+        self.by_name = {q.name: q for q in self.ordered}
+        self.max_queue_size = policy.max_queue_size
+
+    @property
+    def num_live(self) -> int:
+        """Requests waiting across all classes."""
+        return sum(q.num_live for q in self.ordered)
+
+    def admit(self, request: Request) -> None:
+        """Queue ``request`` or raise :class:`QueueFull` naming the bound it hit."""
+        queue = self.by_name[request.class_name]
+        if self.max_queue_size is not None and self.num_live >= self.max_queue_size:
+            raise QueueFull("all classes", self.max_queue_size)
+        bound = queue.limits.max_queue_size
+        if bound is not None and queue.num_live >= bound:
+            raise QueueFull(queue.name, bound)
+        queue.push(request)
+
+    def forget(self, request: Request) -> None:
+        self.by_name[request.class_name].forget(request)
+
+    def pending_by_class(self) -> dict[str, int]:
+        return {q.name: q.num_live for q in self.ordered}
+
+    def reconfigure(self, policy: BatchPolicy) -> None:
+        """Adopt a new policy's classes; a class with waiting requests may not vanish."""
+        for queue in self.ordered:
+            if queue.name not in policy.limits and queue.num_live:
+                raise ConfigError(
+                    "classes",
+                    [c.name for c in policy.classes],
+                    f"to keep class {queue.name!r}, which has {queue.num_live} waiting requests",
+                )
+        old = self.by_name
+        self.ordered = []
+        for c in policy.classes:
+            queue = old.get(c.name) or ClassQueue(policy.limits[c.name])
+            queue.limits = policy.limits[c.name]
+            self.ordered.append(queue)
+        self.by_name = {q.name: q for q in self.ordered}
+        self.max_queue_size = policy.max_queue_size

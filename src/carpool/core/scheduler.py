@@ -1,0 +1,179 @@
+"""Decides, for a replica that is free now, which batch to close, or when to look again.
+
+The scheduler is pure bookkeeping over :class:`~carpool.core.queues.Queues`: no asyncio,
+no threads, time passed in. That keeps every rule testable with a fake clock:
+
+1. Classes are tried in priority order, except that a class whose oldest request has
+   waited past its ``max_wait_s`` (aging) goes before all others, oldest first.
+2. A class already leading as many running batches as its ``share`` of the replicas
+   allows is skipped (unless aged).
+3. A batch is planned FIFO from the class, then (``fill_from_lower``) from lower classes,
+   stopping at the first request that would break ``max_batch_size`` or ``max_batch_cost``.
+4. It is closed now if it is full, if the oldest request's ``max_delay_s`` has expired,
+   if the batcher is draining, or if a preferred size can be filled (then the largest
+   such). Otherwise the earliest expiry among classes is when to look again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from carpool.core.policy import BatchPolicy
+from carpool.core.queues import ClassQueue, Queues
+from carpool.core.request import Batch, Request
+
+
+@dataclass(slots=True)
+class Decision:
+    """Either a batch to run now, or the time to decide again (``None``: on next event)."""
+
+    batch: Batch | None = None
+    wake_at_s: float | None = None
+
+
+@dataclass(slots=True)
+class _Plan:
+    takes: list[tuple[ClassQueue, int]] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    num_items: int = 0
+    cost: float = 0.0
+    is_full: bool = False
+
+
+def share_cap(share: float, num_replicas: int) -> int:
+    """How many batches a class with ``share`` may lead at once on ``num_replicas``."""
+    return max(1, math.floor(share * num_replicas + 1e-9))
+
+
+class Scheduler:
+    """Forms batches from queues under a policy; see the module docstring for the rules."""
+
+    __slots__ = ("_batch_ids",)
+
+    def __init__(self) -> None:
+        self._batch_ids = itertools.count()
+
+    def decide(
+        self,
+        now: float,
+        policy: BatchPolicy,
+        queues: Queues,
+        *,
+        num_replicas: int,
+        max_items_cap: int | None,
+        is_draining: bool,
+        expire: Callable[[Request], None],
+    ) -> Decision:
+        """The batch a free replica should run now, or when to ask again."""
+        candidates = [q for q in queues.ordered if q.num_live]
+        if not candidates:
+            return Decision()
+        heads: dict[str, Request] = {}
+        for queue in candidates:
+            head = queue.head()
+            assert head is not None, "a queue with live requests has a head"
+            heads[queue.name] = head
+        aged = sorted(
+            (
+                q
+                for q in candidates
+                if q.limits.max_wait_s is not None
+                and now - heads[q.name].arrival_s >= q.limits.max_wait_s
+            ),
+            key=lambda q: heads[q.name].arrival_s,
+        )
+        order = aged + [q for q in candidates if q not in aged]
+        wake_at_s: float | None = None
+        for queue in order:
+            is_aged = queue in aged
+            if not is_aged and queue.num_running >= share_cap(queue.limits.share, num_replicas):
+                continue
+            max_items = queue.limits.max_batch_size
+            if max_items_cap is not None:
+                max_items = min(max_items, max_items_cap)
+            plan, expired = self._plan(queue, queues, policy, max_items, now)
+            for request in expired:
+                expire(request)
+            if not plan.requests:
+                continue
+            due_s = plan.requests[0].arrival_s + queue.limits.max_delay_s
+            is_due = is_draining or plan.is_full or now >= due_s
+            if not is_due and not _trim_to_preferred(plan, policy.preferred_batch_sizes):
+                wake_at_s = due_s if wake_at_s is None else min(wake_at_s, due_s)
+                continue
+            return Decision(batch=self._commit(plan, queue, max_items, now))
+        return Decision(wake_at_s=wake_at_s)
+
+    def _plan(
+        self,
+        lead: ClassQueue,
+        queues: Queues,
+        policy: BatchPolicy,
+        max_items: int,
+        now: float,
+    ) -> tuple[_Plan, list[Request]]:
+        plan = _Plan()
+        expired: list[Request] = []
+        sources = [lead]
+        if policy.fill_from_lower:
+            sources += [q for q in queues.ordered if q.limits.rank > lead.limits.rank]
+        max_cost = policy.max_batch_cost
+        for queue in sources:
+            taken = 0
+            for request in queue.live():
+                if request.deadline_s is not None and request.deadline_s <= now:
+                    expired.append(request)
+                    continue
+                fits = plan.num_items + request.num_items <= max_items and (
+                    max_cost is None or plan.cost + request.cost <= max_cost
+                )
+                if not fits:
+                    plan.is_full = True
+                    break
+                plan.requests.append(request)
+                plan.num_items += request.num_items
+                plan.cost += request.cost
+                taken += 1
+                if plan.num_items == max_items:
+                    plan.is_full = True
+                    break
+            if taken:
+                plan.takes.append((queue, taken))
+            if plan.is_full:
+                break
+        return plan, expired
+
+    def _commit(self, plan: _Plan, lead: ClassQueue, max_items: int, now: float) -> Batch:
+        requests: list[Request] = []
+        for queue, count in plan.takes:
+            requests += queue.pop_live(count)
+        assert requests == plan.requests, "a plan pops exactly the requests it chose"
+        lead.num_running += 1
+        return Batch(
+            batch_id=next(self._batch_ids),
+            requests=requests,
+            num_items=plan.num_items,
+            cost=plan.cost,
+            lead_class=lead.name,
+            max_batch_size=max_items,
+            closed_s=now,
+        )
+
+
+def _trim_to_preferred(plan: _Plan, preferred: tuple[int, ...]) -> bool:
+    """Cut ``plan`` to the largest preferred size it can fill; False if it fills none."""
+    target = max((p for p in preferred if p <= plan.num_items), default=None)
+    if target is None:
+        return False
+    while plan.num_items > target:
+        request = plan.requests.pop()
+        plan.num_items -= request.num_items
+        plan.cost -= request.cost
+        queue, count = plan.takes[-1]
+        plan.takes[-1] = (queue, count - 1)
+        if count == 1:
+            plan.takes.pop()
+    return plan.num_items == target or bool(plan.requests)

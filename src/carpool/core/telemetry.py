@@ -1,0 +1,377 @@
+"""Counters and histograms of one batcher: always on, a few hundred ns per request.
+
+Histograms keep cumulative buckets (for Prometheus-style export) and a ring of the most
+recent samples (for exact percentiles). :meth:`Telemetry.snapshot` turns everything into
+frozen, typed values; exporters (Prometheus, a person's view) read only those.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from bisect import bisect_left
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from carpool.core.request import Batch, Outcome, Request, RequestTrace, trace_of
+
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+RING_SIZE = 8192  # a power of two: the ring index is masked, not divided
+
+slow_log = logging.getLogger("carpool.slow")
+
+TraceHook = Callable[[RequestTrace], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyStats:
+    """Seconds; percentiles over the most recent ``RING_SIZE`` samples."""
+
+    count: int
+    mean_s: float
+    p50_s: float
+    p90_s: float
+    p99_s: float
+    p999_s: float
+    max_s: float
+    buckets: tuple[tuple[float, int], ...]  # (upper bound, cumulative count), +inf last
+
+
+class Histogram:
+    __slots__ = ("_pos", "_ring", "bounds", "count", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.count = 0
+        self.total = 0.0
+        self._ring = [0.0] * RING_SIZE
+        self._pos = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.total += value
+        self._ring[self._pos & (RING_SIZE - 1)] = value
+        self._pos += 1
+
+    def stats(self) -> LatencyStats:
+        recent = sorted(self._ring[: min(self._pos, RING_SIZE)])
+        cumulative, running = [], 0
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            running += count
+            cumulative.append((bound, running))
+        return LatencyStats(
+            count=self.count,
+            mean_s=self.total / self.count if self.count else math.nan,
+            p50_s=_quantile(recent, 0.50),
+            p90_s=_quantile(recent, 0.90),
+            p99_s=_quantile(recent, 0.99),
+            p999_s=_quantile(recent, 0.999),
+            max_s=recent[-1] if recent else math.nan,
+            buckets=tuple(cumulative),
+        )
+
+
+def _balance(fractions: list[float]) -> float:
+    highest = max(fractions, default=0.0)
+    return min(fractions) / highest if highest > 0 else 1.0
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    if not ordered:
+        return math.nan
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassStats:
+    """One priority class. ``slo_attainment``: answered within ``slo_s`` / (answered + expired)."""
+
+    name: str
+    num_requests: int
+    num_items: int
+    num_completed: int
+    num_failed: int
+    num_pending: int
+    num_batches_led: int
+    rejections: dict[str, int]
+    latency: LatencyStats
+    queue_wait: LatencyStats
+    slo_s: float | None
+    slo_attainment: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStats:
+    """``fill_ratio``: mean batch size / max batch size. ``effective_compute_ratio``:
+    compute time / (compute time + time replicas idled holding a batch open to fill)."""
+
+    num_batches: int
+    num_items: int
+    mean_batch_size: float
+    size_histogram: dict[int, int]
+    fill_ratio: float
+    effective_compute_ratio: float
+    compute: LatencyStats
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    replica_id: int
+    device: str
+    num_batches: int
+    num_items: int
+    busy_s: float
+    fill_wait_s: float
+    busy_fraction: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryStats:
+    """From the runner's memory probe: ``volatility`` = (peak - trough) / total."""
+
+    num_samples: int
+    peak_bytes: int
+    trough_bytes: int
+    total_bytes: int
+    volatility: float
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetrySnapshot:
+    """Everything a batcher measured, at one moment."""
+
+    model: str
+    uptime_s: float
+    num_pending: int
+    classes: dict[str, ClassStats]
+    batches: BatchStats
+    replicas: tuple[ReplicaStats, ...]
+    replica_balance: float  # min busy / max busy; 1.0 is perfectly even
+    memory: MemoryStats | None
+    latency: LatencyStats
+
+
+class _ClassCounters:
+    __slots__ = (
+        "batches_led",
+        "completed",
+        "failed",
+        "items",
+        "latency",
+        "queue_wait",
+        "rejections",
+        "requests",
+        "slo_met",
+        "slo_total",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.items = 0
+        self.completed = 0
+        self.failed = 0
+        self.batches_led = 0
+        self.rejections: Counter[str] = Counter()
+        self.latency = Histogram()
+        self.queue_wait = Histogram()
+        self.slo_met = 0
+        self.slo_total = 0
+
+
+class ReplicaCounters:
+    __slots__ = ("batches", "busy_s", "device", "fill_wait_s", "items", "replica_id")
+
+    def __init__(self, replica_id: int, device: str) -> None:
+        self.replica_id = replica_id
+        self.device = device
+        self.batches = 0
+        self.items = 0
+        self.busy_s = 0.0
+        self.fill_wait_s = 0.0
+
+
+class Telemetry:
+    """Collects what one batcher does. Methods are called from the event loop only."""
+
+    def __init__(
+        self,
+        model: str,
+        slo_by_class: dict[str, float | None],
+        *,
+        on_trace: TraceHook | None = None,
+        slow_request_s: float | None = None,
+    ) -> None:
+        self.model = model
+        self.on_trace = on_trace
+        self.slow_request_s = slow_request_s
+        self._slo = dict(slo_by_class)
+        self._classes = {name: _ClassCounters() for name in slo_by_class}
+        self._sizes: Counter[int] = Counter()
+        self._num_batches = 0
+        self._num_items = 0
+        self._fill_sum = 0.0
+        self._compute = Histogram()
+        self._latency = Histogram()
+        self._mem: list[int] = []  # [num, peak, trough, total]
+
+    def set_classes(self, slo_by_class: dict[str, float | None]) -> None:
+        self._slo = dict(slo_by_class)
+        for name in slo_by_class:
+            self._classes.setdefault(name, _ClassCounters())
+
+    def admitted(self, request: Request) -> None:
+        counters = self._classes[request.class_name]
+        counters.requests += 1
+        counters.items += request.num_items
+
+    def rejected(self, class_name: str, reason: str) -> None:
+        counters = self._classes.get(class_name)
+        if counters is not None:
+            counters.rejections[reason] += 1
+
+    def batch_done(self, batch: Batch, replica: ReplicaCounters, compute_s: float) -> None:
+        self._num_batches += 1
+        self._num_items += batch.num_items
+        self._sizes[batch.num_items] += 1
+        self._fill_sum += batch.num_items / batch.max_batch_size
+        self._compute.observe(compute_s)
+        self._classes[batch.lead_class].batches_led += 1
+        replica.batches += 1
+        replica.items += batch.num_items
+        replica.busy_s += compute_s
+
+    def answered(self, request: Request, outcome: Outcome, now: float) -> None:
+        counters = self._classes[request.class_name]
+        total_s = now - request.arrival_s
+        if outcome is Outcome.OK:
+            counters.completed += 1
+            counters.latency.observe(total_s)
+            counters.queue_wait.observe(request.batch_closed_s - request.arrival_s)
+            self._latency.observe(total_s)
+        elif outcome is Outcome.EXPIRED:
+            counters.rejections["deadline"] += 1
+        elif outcome is Outcome.CANCELLED:
+            counters.rejections["cancelled"] += 1
+        elif outcome is Outcome.CLOSED:
+            counters.rejections["closed"] += 1
+        else:
+            counters.failed += 1
+        slo = self._slo.get(request.class_name)
+        if slo is not None and outcome in (Outcome.OK, Outcome.EXPIRED):
+            counters.slo_total += 1
+            counters.slo_met += outcome is Outcome.OK and total_s <= slo
+        if self.on_trace is not None or (
+            self.slow_request_s is not None and total_s > self.slow_request_s
+        ):
+            self._report(trace_of(request, outcome, now), total_s)
+
+    def _report(self, trace: RequestTrace, total_s: float) -> None:
+        if self.slow_request_s is not None and total_s > self.slow_request_s:
+            slow_log.warning("slow request (%s): %s", self.model, trace.describe())
+        if self.on_trace is not None:
+            self.on_trace(trace)
+
+    def memory(self, used_bytes: int, total_bytes: int) -> None:
+        if not self._mem:
+            self._mem = [1, used_bytes, used_bytes, total_bytes]
+            return
+        mem = self._mem
+        mem[0] += 1
+        mem[1] = max(mem[1], used_bytes)
+        mem[2] = min(mem[2], used_bytes)
+        mem[3] = total_bytes
+
+    def snapshot(
+        self,
+        uptime_s: float,
+        pending_by_class: dict[str, int],
+        replicas: list[ReplicaCounters],
+    ) -> TelemetrySnapshot:
+        classes = {
+            name: self._class_stats(name, c, pending_by_class.get(name, 0))
+            for name, c in self._classes.items()
+        }
+        busy = sum(r.busy_s for r in replicas)
+        fill_wait = sum(r.fill_wait_s for r in replicas)
+        fractions = [r.busy_s / uptime_s if uptime_s > 0 else 0.0 for r in replicas]
+        return TelemetrySnapshot(
+            model=self.model,
+            uptime_s=uptime_s,
+            num_pending=sum(pending_by_class.values()),
+            classes=classes,
+            batches=BatchStats(
+                num_batches=self._num_batches,
+                num_items=self._num_items,
+                mean_batch_size=self._num_items / self._num_batches if self._num_batches else 0.0,
+                size_histogram=dict(sorted(self._sizes.items())),
+                fill_ratio=self._fill_sum / self._num_batches if self._num_batches else 0.0,
+                effective_compute_ratio=busy / (busy + fill_wait) if busy + fill_wait else 0.0,
+                compute=self._compute.stats(),
+            ),
+            replicas=tuple(
+                ReplicaStats(
+                    replica_id=r.replica_id,
+                    device=r.device,
+                    num_batches=r.batches,
+                    num_items=r.items,
+                    busy_s=r.busy_s,
+                    fill_wait_s=r.fill_wait_s,
+                    busy_fraction=f,
+                )
+                for r, f in zip(replicas, fractions, strict=True)
+            ),
+            replica_balance=_balance(fractions),
+            memory=self._memory_stats(),
+            latency=self._latency.stats(),
+        )
+
+    def _class_stats(self, name: str, c: _ClassCounters, pending: int) -> ClassStats:
+        slo = self._slo.get(name)
+        return ClassStats(
+            name=name,
+            num_requests=c.requests,
+            num_items=c.items,
+            num_completed=c.completed,
+            num_failed=c.failed,
+            num_pending=pending,
+            num_batches_led=c.batches_led,
+            rejections=dict(c.rejections),
+            latency=c.latency.stats(),
+            queue_wait=c.queue_wait.stats(),
+            slo_s=slo,
+            slo_attainment=c.slo_met / c.slo_total if slo is not None and c.slo_total else None,
+        )
+
+    def _memory_stats(self) -> MemoryStats | None:
+        if not self._mem:
+            return None
+        num, peak, trough, total = self._mem
+        return MemoryStats(
+            num_samples=num,
+            peak_bytes=peak,
+            trough_bytes=trough,
+            total_bytes=total,
+            volatility=(peak - trough) / total if total else 0.0,
+        )
+
+
+class NullTelemetry(Telemetry):
+    """Records nothing. Exists only so the benchmark can measure what telemetry costs."""
+
+    def admitted(self, request: Request) -> None:
+        pass
+
+    def batch_done(self, batch: Batch, replica: ReplicaCounters, compute_s: float) -> None:
+        replica.busy_s += compute_s
+
+    def answered(self, request: Request, outcome: Outcome, now: float) -> None:
+        pass

@@ -1,0 +1,98 @@
+"""Every exception carpool raises, in one place.
+
+::
+
+    CarpoolError                  root: catch this to catch anything carpool raises
+    ├── ConfigError               a policy or config value is invalid (names the field)
+    ├── InvalidInput              one request's payload cannot be batched or run
+    ├── QueueFull                 admission refused: a queue bound was reached
+    ├── DeadlineExceeded          the request's deadline passed before it ran
+    ├── ModelError                the model raised on this request (carries the cause)
+    ├── CapacityError             out of memory even at the smallest batch
+    └── Closed                    the batcher is stopped or stopping
+
+Each exception keeps its facts as attributes (request id, limit, value) and builds its
+message in ``__init__``: what was expected, what came, what to do. Wire formats (HTTP
+status, KServe or OpenAI error bodies) are mapped elsewhere, in ``carpool.server``.
+"""
+
+from __future__ import annotations
+
+
+class CarpoolError(Exception):
+    """Root of every error carpool raises."""
+
+
+class ConfigError(CarpoolError, ValueError):
+    """A configuration value is invalid."""
+
+    def __init__(self, field: str, value: object, expected: str) -> None:
+        self.field = field
+        self.value = value
+        self.expected = expected
+        super().__init__(f"invalid {field}={value!r}: expected {expected}")
+
+
+class InvalidInput(CarpoolError, ValueError):
+    """One request's input is unusable; the other requests of its batch are unaffected."""
+
+    def __init__(self, reason: str, *, request_id: int | None = None) -> None:
+        self.reason = reason
+        self.request_id = request_id
+        where = f"request {request_id}: " if request_id is not None else ""
+        super().__init__(f"{where}{reason}")
+
+
+class QueueFull(CarpoolError):
+    """A request was refused at admission because a queue bound was reached."""
+
+    def __init__(self, queue: str, limit: int) -> None:
+        self.queue = queue
+        self.limit = limit
+        super().__init__(
+            f"queue {queue!r} is full ({limit} requests waiting, the configured maximum); "
+            "retry later or raise max_queue_size"
+        )
+
+
+class DeadlineExceeded(CarpoolError, TimeoutError):
+    """The request's deadline passed while it waited; it never ran."""
+
+    def __init__(self, request_id: int, timeout_s: float, waited_s: float) -> None:
+        self.request_id = request_id
+        self.timeout_s = timeout_s
+        self.waited_s = waited_s
+        super().__init__(
+            f"request {request_id} waited {waited_s * 1e3:.1f} ms, past its timeout of "
+            f"{timeout_s * 1e3:.1f} ms, and was dropped before it ran; raise timeout_s "
+            "or add capacity"
+        )
+
+
+class ModelError(CarpoolError):
+    """The model raised while running this request; ``__cause__`` is the original error."""
+
+    def __init__(self, message: str, *, request_id: int | None = None) -> None:
+        self.request_id = request_id
+        where = f"request {request_id}: " if request_id is not None else ""
+        super().__init__(f"{where}{message}")
+
+
+class CapacityError(CarpoolError, MemoryError):
+    """Out of memory even when the request ran alone."""
+
+    def __init__(self, request_id: int, num_items: int) -> None:
+        self.request_id = request_id
+        self.num_items = num_items
+        super().__init__(
+            f"request {request_id} ({num_items} items) ran out of memory even alone; "
+            "send fewer items per request or give the model more memory"
+        )
+
+
+class Closed(CarpoolError):
+    """The batcher is stopped or draining and accepts no new requests."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"batcher {name!r} is not accepting requests (stopped or draining)")

@@ -1,0 +1,1 @@
+"""Runners that make a model a batched callable. Importing a runner may import torch."""

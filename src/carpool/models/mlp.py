@@ -1,0 +1,58 @@
+"""The reference workload W1: a four-layer PyTorch MLP, one request = 256 float32 values.
+
+``Linear(256, 2048) - GELU - Linear(2048, 2048) - GELU - Linear(2048, 2048) - GELU -
+Linear(2048, 16)``, float32, weights from ``torch.manual_seed(0)``, eval mode, run under
+``torch.inference_mode()``. The benchmarks and ``make serve`` use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+W1_INPUT_DIM = 256
+W1_OUTPUT_DIM = 16
+W1_HIDDEN_DIM = 2048
+
+
+def build_w1(seed: int = 0) -> Any:
+    """The W1 module with deterministic weights (``torch.manual_seed(seed)``), in eval mode."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(W1_INPUT_DIM, W1_HIDDEN_DIM),
+        nn.GELU(),
+        nn.Linear(W1_HIDDEN_DIM, W1_HIDDEN_DIM),
+        nn.GELU(),
+        nn.Linear(W1_HIDDEN_DIM, W1_HIDDEN_DIM),
+        nn.GELU(),
+        nn.Linear(W1_HIDDEN_DIM, W1_OUTPUT_DIM),
+    )
+    return model.eval()
+
+
+class W1Runner:
+    """A batched callable: ``(n, 256)`` float32 NumPy array in, ``(n, 16)`` out."""
+
+    def __init__(self, seed: int = 0, device: str = "cpu") -> None:
+        import torch
+
+        self._torch = torch
+        self.device = torch.device(device)
+        self.model = build_w1(seed).to(self.device)
+
+    def __call__(self, batch: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        torch = self._torch
+        with torch.inference_mode():
+            x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self.device)
+            out: npt.NDArray[np.float32] = self.model(x).cpu().numpy()
+        return out
+
+
+def make_w1(device: str = "cpu") -> W1Runner:
+    """Factory for ``Batcher(fn_factory=...)``: one W1 copy per replica device."""
+    return W1Runner(device=device)
