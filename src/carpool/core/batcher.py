@@ -154,7 +154,7 @@ class Batcher:
     @property
     def effective_max_batch_size(self) -> int:
         """``max_batch_size``, or less while recovering from out of memory."""
-        cap = self._oom_cap
+        cap = self._current_oom_cap(self._clock.now())
         return self._policy.max_batch_size if cap is None else cap
 
     # -- lifecycle --------------------------------------------------------------------
@@ -343,9 +343,18 @@ class Batcher:
                 f"{limits.max_batch_size} of class {limits.name!r}; split it into smaller requests"
             )
         policy = self._policy
-        if cost is None:
-            cost = float(policy.cost_fn(payload)) if policy.cost_fn is not None else num_items
-        if not (isinstance(cost, int | float) and math.isfinite(cost) and cost >= 0):
+        if cost is None and policy.cost_fn is not None:
+            try:
+                cost = float(policy.cost_fn(payload))
+            except (TypeError, ValueError, AttributeError, IndexError, KeyError) as exc:
+                raise InvalidInput(
+                    f"cost_fn could not price this payload ({type(exc).__name__}: {exc})"
+                ) from exc
+        elif cost is None:
+            cost = num_items
+        if isinstance(cost, bool) or not (
+            isinstance(cost, int | float) and math.isfinite(cost) and cost >= 0
+        ):
             raise InvalidInput(f"cost={cost!r}: expected a finite number >= 0")
         if policy.max_batch_cost is not None and cost > policy.max_batch_cost:
             raise InvalidInput(
@@ -360,7 +369,7 @@ class Batcher:
             timeout_s = limits.timeout_s
             if timeout_s is None:
                 return None, now
-        elif not (
+        elif isinstance(timeout_s, bool) or not (
             isinstance(timeout_s, int | float) and timeout_s > 0 and math.isfinite(timeout_s)
         ):
             raise InvalidInput(f"timeout_s={timeout_s!r}: expected a finite number of seconds > 0")
@@ -547,12 +556,20 @@ class Batcher:
         self._oom_at_s = self._clock.now()
 
     def _current_oom_cap(self, now: float) -> int | None:
+        """The OOM cap, doubled once per ``oom_recovery_s`` that passed without an OOM."""
         cap = self._oom_cap
-        if cap is not None and now - self._oom_at_s >= self._policy.oom_recovery_s:
-            cap *= 2
+        if cap is None:
+            return None
+        recovery_s = self._policy.oom_recovery_s
+        periods = math.inf if recovery_s <= 0 else (now - self._oom_at_s) // recovery_s
+        if periods >= 1:
+            max_size = self._policy.max_batch_size
+            while periods >= 1 and cap < max_size:
+                cap *= 2
+                periods -= 1
             self._oom_at_s = now
-            self._oom_cap = cap = None if cap >= self._policy.max_batch_size else cap
-        return cap
+            self._oom_cap = None if cap >= max_size else cap
+        return self._oom_cap
 
     # -- policy and telemetry ---------------------------------------------------------
 

@@ -77,7 +77,8 @@ class ClassPolicy:
         _check_optional_float(f"{where}.timeout_s", self.timeout_s, minimum=0.0, strict=True)
         _check_optional_float(f"{where}.max_wait_s", self.max_wait_s, minimum=0.0)
         _check_optional_float(f"{where}.slo_s", self.slo_s, minimum=0.0, strict=True)
-        if not (isinstance(self.share, int | float) and 0.0 < self.share <= 1.0):
+        share = self.share
+        if isinstance(share, bool) or not (isinstance(share, int | float) and 0.0 < share <= 1.0):
             raise ConfigError(f"{where}.share", self.share, "a number in (0, 1]")
 
 

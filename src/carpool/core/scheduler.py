@@ -10,8 +10,9 @@ no threads, time passed in. That keeps every rule testable with a fake clock:
 3. A batch is planned FIFO from the class, then (``fill_from_lower``) from lower classes,
    stopping at the first request that would break ``max_batch_size`` or ``max_batch_cost``.
 4. It is closed now if it is full, if the oldest request's ``max_delay_s`` has expired,
-   if the batcher is draining, or if a preferred size can be filled (then the largest
-   such). Otherwise the earliest expiry among classes is when to look again.
+   if its class is aged, if the batcher is draining, or if a preferred size can be
+   filled exactly (then the largest such). Otherwise the earliest expiry among classes
+   is when to look again.
 """
 
 from __future__ import annotations
@@ -68,14 +69,19 @@ class Scheduler:
         expire: Callable[[Request], None],
     ) -> Decision:
         """The batch a free replica should run now, or when to ask again."""
-        candidates = [q for q in queues.ordered if q.num_live]
+        candidates: list[ClassQueue] = []
+        heads: dict[str, Request] = {}
+        for queue in queues.ordered:
+            head = queue.head()
+            # A head past its deadline will never run: it must not make its class aged.
+            while head is not None and head.deadline_s is not None and head.deadline_s <= now:
+                expire(head)
+                head = queue.head()
+            if head is not None:
+                candidates.append(queue)
+                heads[queue.name] = head
         if not candidates:
             return Decision()
-        heads: dict[str, Request] = {}
-        for queue in candidates:
-            head = queue.head()
-            assert head is not None, "a queue with live requests has a head"
-            heads[queue.name] = head
         aged = sorted(
             (
                 q
@@ -100,7 +106,7 @@ class Scheduler:
             if not plan.requests:
                 continue
             due_s = plan.requests[0].arrival_s + queue.limits.max_delay_s
-            is_due = is_draining or plan.is_full or now >= due_s
+            is_due = is_aged or is_draining or plan.is_full or now >= due_s
             if not is_due and not _trim_to_preferred(plan, policy.preferred_batch_sizes):
                 wake_at_s = due_s if wake_at_s is None else min(wake_at_s, due_s)
                 continue
@@ -130,19 +136,23 @@ class Scheduler:
                 fits = plan.num_items + request.num_items <= max_items and (
                     max_cost is None or plan.cost + request.cost <= max_cost
                 )
-                if not fits:
+                if not fits and plan.requests:
                     plan.is_full = True
                     break
+                # A request that alone exceeds a limit lowered after its admission (an
+                # out-of-memory cap, a policy update) runs alone rather than never.
                 plan.requests.append(request)
                 plan.num_items += request.num_items
                 plan.cost += request.cost
                 taken += 1
-                if plan.num_items == max_items:
+                if not fits or plan.num_items == max_items:
                     plan.is_full = True
                     break
             if taken:
                 plan.takes.append((queue, taken))
-            if plan.is_full:
+            # A class whose requests all expired leads nothing: lower classes wait for
+            # their own turn (their own delay and share), not this class's.
+            if plan.is_full or not plan.requests:
                 break
         return plan, expired
 
@@ -158,7 +168,7 @@ class Scheduler:
             num_items=plan.num_items,
             cost=plan.cost,
             lead_class=lead.name,
-            max_batch_size=max_items,
+            max_batch_size=max(max_items, plan.num_items),  # a lone oversized request
             closed_s=now,
         )
 
@@ -176,4 +186,4 @@ def _trim_to_preferred(plan: _Plan, preferred: tuple[int, ...]) -> bool:
         plan.takes[-1] = (queue, count - 1)
         if count == 1:
             plan.takes.pop()
-    return plan.num_items == target or bool(plan.requests)
+    return plan.num_items == target

@@ -1,0 +1,39 @@
+"""The README's example and the `make serve` demo run as a user would run them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_readme_example_runs_and_prints_the_shapes_it_promises() -> None:
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S)
+    assert code is not None, "README has a python example"
+    result = subprocess.run(
+        [sys.executable, "-c", code.group(1)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "(16,) (16,) (3, 16)"
+
+
+def test_demo_reports_what_batching_bought() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "demo", "--clients", "16", "--duration-s", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "one at a time" in out and "carpool batching" in out
+    speedup = re.search(r"batching carried ([0-9.]+)x the traffic", out)
+    assert speedup is not None, out
+    # Mean batch size of the batched run is reported and exceeds 1 with 16 callers.
+    batched_line = next(line for line in out.splitlines() if line.startswith("carpool batching"))
+    mean_batch = float(re.search(r"mean batch\s+([0-9.]+)", batched_line).group(1))  # type: ignore[union-attr]
+    assert mean_batch > 1.0

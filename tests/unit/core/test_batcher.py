@@ -1,0 +1,1009 @@
+"""Behaviour of :class:`carpool.Batcher`, driven through its public methods.
+
+Time is a FakeClock: batches close only when a test advances it (or when a size limit
+is reached). Most models are async fakes that run on the loop, so each step is
+deterministic; a few tests use a sync model blocked on a ``threading.Event`` to check
+what happens off the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from carpool import (
+    Batcher,
+    CapacityError,
+    ClassPolicy,
+    Closed,
+    ConfigError,
+    DeadlineExceeded,
+    InvalidInput,
+    ModelError,
+    QueueFull,
+    RequestTrace,
+)
+from carpool.core.clock import FakeClock, settle
+from carpool.core.request import Outcome
+
+SAFETY_S = 5.0  # a net against a hung test, never a timing assertion
+
+THREE_CLASSES = (ClassPolicy("interactive"), ClassPolicy("normal"), ClassPolicy("background"))
+
+
+async def finish(*tasks: asyncio.Task[Any]) -> list[Any]:
+    """Results (or exceptions) of tasks that may be waiting on a replica thread."""
+    return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), SAFETY_S)
+
+
+async def occupy(
+    batcher: Batcher, model: Any, spawn: Any, clock: FakeClock, blocker: Any = -1
+) -> asyncio.Task:
+    """Make the (single) replica busy: a blocker request runs and is held in the model."""
+    model.hold()
+    task = spawn(batcher.submit(blocker))
+    await clock.advance(batcher.policy.max_delay_s)
+    assert model.running == 1, "the blocker should be running"
+    return task
+
+
+# -- closing batches: size, delay, preferred sizes, cost ----------------------------------
+
+
+async def test_flushes_when_max_batch_size_reached(make_batcher, fake_model, fake_clock, spawn):
+    batcher = make_batcher(max_batch_size=4, max_delay_s=10.0)
+    await batcher.start()
+
+    tasks = [spawn(batcher.submit(i)) for i in range(4)]
+    await settle()
+
+    assert fake_model.batches == [[0, 1, 2, 3]]
+    assert fake_clock.now() == 1000.0
+    assert [t.result() for t in tasks] == [0, 10, 20, 30]
+
+
+async def test_batches_never_exceed_max_batch_size(make_batcher, fake_model, fake_clock, spawn):
+    batcher = make_batcher(max_batch_size=4, max_delay_s=10.0)
+    await batcher.start()
+
+    tasks = [spawn(batcher.submit(i)) for i in range(10)]
+    await settle()
+    assert fake_model.sizes == [4, 4]
+    assert batcher.num_pending == 2
+
+    await fake_clock.advance(10.0)
+    assert fake_model.sizes == [4, 4, 2]
+    assert [t.result() for t in tasks] == [i * 10 for i in range(10)]
+
+
+async def test_max_delay_counts_from_the_oldest_waiting_request(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_batch_size=8, max_delay_s=1.0)
+    await batcher.start()
+
+    first = spawn(batcher.submit("r1"))
+    await fake_clock.advance(0.5)
+    second = spawn(batcher.submit("r2"))
+    await fake_clock.advance(0.25)
+    assert fake_model.batches == []
+    assert not first.done()
+
+    await fake_clock.advance(0.25)  # t + max_delay_s, where t is r1's arrival
+    assert fake_model.batches == [["r1", "r2"]]
+    assert fake_model.started_at == [1001.0]
+    assert (first.result(), second.result()) == ("r1" * 10, "r2" * 10)
+
+
+async def test_nothing_runs_before_max_delay_when_the_batch_is_not_full(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_batch_size=8, max_delay_s=1.0)
+    task = spawn(batcher.submit(1))
+    await fake_clock.advance(0.875)
+    assert fake_model.batches == []
+    assert batcher.num_pending == 1
+
+    await fake_clock.advance(0.125)
+    assert fake_model.batches == [[1]]
+    assert task.result() == 10
+
+
+@pytest.mark.parametrize(
+    ("queued", "sent_at_once"),
+    [(3, None), (5, 4), (7, 4), (9, 8), (16, 16)],
+)
+async def test_free_replica_sends_the_largest_preferred_size_the_queue_fills(
+    make_batcher, fake_model, fake_clock, spawn, queued, sent_at_once
+):
+    batcher = make_batcher(max_batch_size=16, max_delay_s=10.0, preferred_batch_sizes=(4, 8))
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    for i in range(queued):
+        spawn(batcher.submit(i))
+    await settle()
+
+    fake_model.release()
+    await settle()
+
+    after_blocker = fake_model.sizes[1:]
+    assert after_blocker == ([] if sent_at_once is None else [sent_at_once])
+    assert batcher.num_pending == queued - (sent_at_once or 0)
+
+
+async def test_batches_stay_within_max_batch_cost(make_batcher, fake_model, fake_clock, spawn):
+    batcher = make_batcher(
+        collate="list", cost_fn=len, max_batch_cost=10, max_batch_size=16, max_delay_s=1.0
+    )
+    await occupy(batcher, fake_model, spawn, fake_clock, blocker="z")
+    words = ["aaaa", "bbb", "cc", "ddddd", "eeeeee", "f"]
+    tasks = [spawn(batcher.submit(w)) for w in words]
+    await settle()
+
+    fake_model.release()
+    await settle()
+    assert fake_model.batches[1:] == [["aaaa", "bbb", "cc"], ["ddddd"]]
+
+    await fake_clock.advance(1.0)
+    assert fake_model.batches[1:] == [["aaaa", "bbb", "cc"], ["ddddd"], ["eeeeee", "f"]]
+    assert all(sum(map(len, b)) <= 10 for b in fake_model.batches[1:])
+    assert [t.result() for t in tasks] == [w * 10 for w in words]
+
+
+async def test_request_costing_more_than_the_budget_is_rejected_at_submit(make_batcher):
+    batcher = make_batcher(collate="list", cost_fn=len, max_batch_cost=10)
+
+    with pytest.raises(InvalidInput, match="max_batch_cost"):
+        await batcher.submit("x" * 11)
+
+    assert batcher.num_pending == 0
+    assert batcher.snapshot().classes["normal"].rejections == {"invalid": 1}
+
+
+async def test_cost_keyword_overrides_cost_fn(make_batcher, fake_model, fake_clock, spawn):
+    batcher = make_batcher(
+        collate="list", cost_fn=len, max_batch_cost=10, max_batch_size=16, max_delay_s=1.0
+    )
+    with pytest.raises(InvalidInput, match="max_batch_cost"):
+        await batcher.submit("x", cost=11)
+
+    a = spawn(batcher.submit("a", cost=6))
+    b = spawn(batcher.submit("b", cost=6))
+    long = spawn(batcher.submit("y" * 12, cost=1))
+    await settle()
+    assert fake_model.batches == [["a"]]  # closed at once: "b" would break the budget
+
+    await fake_clock.advance(1.0)
+    assert fake_model.batches == [["a"], ["b", "y" * 12]]
+    assert (a.result(), b.result(), long.result()) == ("a" * 10, "b" * 10, "y" * 120)
+
+
+# -- admission: queue bounds, deadlines --------------------------------------------------
+
+
+async def test_global_max_queue_size_raises_queue_full_at_once(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_queue_size=2, max_delay_s=0.0)
+    blocker = await occupy(batcher, fake_model, spawn, fake_clock)
+    queued = [spawn(batcher.submit(i)) for i in (1, 2)]
+    await settle()
+
+    with pytest.raises(QueueFull) as caught:
+        await batcher.submit(3)
+
+    assert caught.value.limit == 2
+    assert batcher.snapshot().classes["normal"].rejections == {"queue_full": 1}
+    fake_model.release()
+    await settle()
+    assert [t.result() for t in (blocker, *queued)] == [-10, 10, 20]
+    assert 3 not in [x for b in fake_model.batches for x in b]
+
+
+async def test_class_max_queue_size_bounds_only_that_class(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(
+        classes=(ClassPolicy("interactive", max_queue_size=1), ClassPolicy("normal")),
+        max_delay_s=0.0,
+    )
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    spawn(batcher.submit(1, priority="interactive"))
+    await settle()
+
+    with pytest.raises(QueueFull) as caught:
+        await batcher.submit(2, priority="interactive")
+    spawn(batcher.submit(3, priority="normal"))
+    await settle()
+
+    assert caught.value.queue == "interactive"
+    assert batcher.num_pending == 2
+    classes = batcher.snapshot().classes
+    assert classes["interactive"].rejections == {"queue_full": 1}
+    assert classes["normal"].rejections == {}
+
+
+async def test_request_expires_while_queued_and_never_reaches_the_model(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_delay_s=0.0)
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    task = spawn(batcher.submit(7, timeout_s=0.5))
+    await fake_clock.advance(0.25)
+    assert not task.done()
+
+    await fake_clock.advance(0.25)
+    assert task.done()
+    with pytest.raises(DeadlineExceeded) as caught:
+        task.result()
+    assert caught.value.timeout_s == 0.5
+
+    fake_model.release()
+    await settle()
+    assert fake_model.batches == [[-1]]
+    assert batcher.snapshot().classes["normal"].rejections == {"deadline": 1}
+
+
+async def test_class_timeout_is_the_default_deadline(make_batcher, fake_model, fake_clock, spawn):
+    batcher = make_batcher(classes=(ClassPolicy("normal", timeout_s=0.25),), max_delay_s=0.0)
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    defaulted = spawn(batcher.submit(1))
+    explicit = spawn(batcher.submit(2, timeout_s=1.0))
+
+    await fake_clock.advance(0.25)
+
+    assert isinstance(defaulted.exception(), DeadlineExceeded)
+    assert defaulted.exception().timeout_s == 0.25
+    assert not explicit.done()
+    fake_model.release()
+    await settle()
+    assert explicit.result() == 20
+
+
+async def test_policy_timeout_is_the_default_deadline(make_batcher, fake_model, fake_clock, spawn):
+    batcher = make_batcher(timeout_s=0.5, max_delay_s=0.0)
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    task = spawn(batcher.submit(1))
+    await fake_clock.advance(0.5)
+    assert isinstance(task.exception(), DeadlineExceeded)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, math.nan, math.inf, "1", True])
+async def test_invalid_timeout_is_rejected(make_batcher, timeout_s):
+    batcher = make_batcher()
+    with pytest.raises(InvalidInput, match="timeout_s"):
+        await batcher.submit(1, timeout_s=timeout_s)
+    assert batcher.num_pending == 0
+    assert batcher.snapshot().classes["normal"].rejections == {"invalid": 1}
+
+
+# -- cancellation -------------------------------------------------------------------------
+
+
+async def test_cancelled_while_queued_is_dropped_and_the_rest_of_the_batch_succeeds(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_delay_s=0.0)
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    one, two, three = (spawn(batcher.submit(i)) for i in (1, 2, 3))
+    await settle()
+
+    two.cancel()
+    await settle()
+    assert batcher.num_pending == 2
+    fake_model.release()
+    await settle()
+
+    assert fake_model.batches == [[-1], [1, 3]]
+    assert two.cancelled()
+    assert (one.result(), three.result()) == (10, 30)
+    assert batcher.snapshot().classes["normal"].rejections == {"cancelled": 1}
+
+
+async def test_cancelled_while_running_lets_the_batch_finish_for_the_others(
+    make_batcher, fake_model, fake_clock, spawn, loop_errors
+):
+    batcher = make_batcher(max_delay_s=0.0)
+    await batcher.start()
+    fake_model.hold()
+    one, two = spawn(batcher.submit(1)), spawn(batcher.submit(2))
+    await settle()
+    assert fake_model.batches == [[1, 2]]
+
+    one.cancel()
+    await settle()
+    fake_model.release()
+    await settle()
+
+    assert one.cancelled()
+    assert two.result() == 20
+    assert batcher.snapshot().classes["normal"].rejections == {}
+    assert loop_errors == []
+
+
+# -- priority classes ---------------------------------------------------------------------
+
+
+async def test_higher_classes_lead_the_next_batches(make_batcher, fake_model, fake_clock, spawn):
+    batcher = make_batcher(
+        classes=THREE_CLASSES, fill_from_lower=False, max_delay_s=0.0, max_batch_size=4
+    )
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    for name, priority in [("b1", "background"), ("n1", "normal"), ("i1", "interactive")]:
+        spawn(batcher.submit(name, priority=priority))
+    await settle()
+
+    fake_model.release()
+    await settle()
+
+    assert fake_model.batches[1:] == [["i1"], ["n1"], ["b1"]]
+
+
+async def test_fill_from_lower_fills_leftover_room_with_lower_classes(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(
+        classes=THREE_CLASSES, fill_from_lower=True, max_delay_s=0.0, max_batch_size=3
+    )
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    arrivals = [("b1", "background"), ("b2", "background"), ("n1", "normal"), ("i1", "interactive")]
+    for name, priority in arrivals:
+        spawn(batcher.submit(name, priority=priority))
+    await settle()
+
+    fake_model.release()
+    await settle()
+
+    assert fake_model.batches[1:] == [["i1", "n1", "b1"], ["b2"]]
+
+
+@pytest.mark.parametrize(("waited_s", "first"), [(1.0, ["i1", "i2"]), (2.0, ["b1"])])
+async def test_request_waiting_past_max_wait_goes_before_younger_higher_classes(
+    make_batcher, fake_model, fake_clock, spawn, waited_s, first
+):
+    batcher = make_batcher(
+        classes=(
+            ClassPolicy("interactive"),
+            ClassPolicy("normal"),
+            ClassPolicy("background", max_wait_s=2.0),
+        ),
+        fill_from_lower=False,
+        max_delay_s=0.0,
+    )
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    spawn(batcher.submit("b1", priority="background"))
+    await fake_clock.advance(waited_s)
+    for name in ("i1", "i2"):
+        spawn(batcher.submit(name, priority="interactive"))
+    await settle()
+
+    fake_model.release()
+    await settle()
+
+    assert fake_model.batches[1] == first
+    assert sorted(x for b in fake_model.batches[1:] for x in b) == ["b1", "i1", "i2"]
+
+
+@pytest.mark.parametrize(("share", "running_at_once"), [(0.5, 1), (1.0, 2)])
+async def test_share_limits_batches_a_class_leads_at_once(
+    make_batcher, fake_model, spawn, share, running_at_once
+):
+    batcher = make_batcher(
+        num_replicas=2,
+        classes=(ClassPolicy("normal"), ClassPolicy("background", share=share)),
+        max_batch_size=1,
+        max_delay_s=0.0,
+    )
+    await batcher.start()
+    fake_model.hold()
+    background = [spawn(batcher.submit(i, priority="background")) for i in (1, 2)]
+    await settle()
+    assert fake_model.running == running_at_once
+
+    normal = spawn(batcher.submit(3))
+    await settle()
+    assert fake_model.running == 2  # the class cap leaves the other replica to others
+
+    fake_model.release()
+    await settle()
+    assert [t.result() for t in (*background, normal)] == [10, 20, 30]
+
+
+# -- failures -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "payloads", [["a", "poison", "b", "c"], ["poison", "a", "b", "poison"]], ids=["one", "two"]
+)
+async def test_model_error_reaches_only_the_poisoned_requests(
+    make_batcher, fake_model, spawn, payloads
+):
+    fake_model.fail_if = lambda items: ValueError("poison!") if "poison" in items else None
+    batcher = make_batcher(collate="list", max_batch_size=4, max_delay_s=10.0)
+    tasks = [spawn(batcher.submit(p)) for p in payloads]
+    await settle()
+    outcomes = await finish(*tasks)
+
+    for payload, outcome in zip(payloads, outcomes, strict=True):
+        if payload == "poison":
+            assert isinstance(outcome, ModelError)
+            assert isinstance(outcome.__cause__, ValueError)
+            assert "poison!" in str(outcome)
+        else:
+            assert outcome == payload * 10
+    stats = batcher.snapshot().classes["normal"]
+    assert (stats.num_failed, stats.num_completed) == (
+        payloads.count("poison"),
+        len(payloads) - payloads.count("poison"),
+    )
+
+
+async def test_output_count_mismatch_fails_every_request_of_the_batch(make_batcher, spawn):
+    async def drops_last(batch: list[int]) -> list[int]:
+        return batch[:-1]
+
+    batcher = make_batcher(fn=drops_last, max_batch_size=3, max_delay_s=10.0)
+    tasks = [spawn(batcher.submit(i)) for i in range(3)]
+    await settle()
+    outcomes = await finish(*tasks)
+
+    assert all(isinstance(o, ModelError) for o in outcomes)
+    for outcome in outcomes:
+        assert "2 outputs" in str(outcome)
+        assert "3 items" in str(outcome)
+
+
+async def test_out_of_memory_splits_the_batch_and_lowers_the_effective_size(
+    make_batcher, fake_model, spawn
+):
+    fake_model.oom_above = 2
+    batcher = make_batcher(max_batch_size=8, max_delay_s=10.0, oom_recovery_s=10.0)
+    tasks = [spawn(batcher.submit(i)) for i in range(8)]
+    await settle()
+
+    assert [t.result() for t in tasks] == [i * 10 for i in range(8)]
+    assert fake_model.sizes[0] == 8
+    assert max(fake_model.sizes[1:]) <= 4
+    assert batcher.effective_max_batch_size == 2
+
+
+async def test_effective_size_doubles_back_after_oom_recovery_s(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    fake_model.oom_above = 2
+    batcher = make_batcher(max_batch_size=8, max_delay_s=10.0, oom_recovery_s=10.0)
+    for i in range(8):
+        spawn(batcher.submit(i))
+    await settle()
+    fake_model.oom_above = None  # memory is free again
+    calls = len(fake_model.batches)
+
+    async def round_of_eight() -> list[int]:
+        nonlocal calls
+        tasks = [spawn(batcher.submit(i)) for i in range(8)]
+        await settle()
+        assert [t.result() for t in tasks] == [i * 10 for i in range(8)]
+        sizes, calls = fake_model.sizes[calls:], len(fake_model.batches)
+        return sizes
+
+    assert await round_of_eight() == [2, 2, 2, 2]
+    await fake_clock.advance(9.5)
+    assert await round_of_eight() == [2, 2, 2, 2]
+    await fake_clock.advance(0.5)
+    assert await round_of_eight() == [4, 4]
+    assert batcher.effective_max_batch_size == 4
+    await fake_clock.advance(10.0)
+    assert await round_of_eight() == [8]
+    assert batcher.effective_max_batch_size == 8
+
+
+async def test_request_out_of_memory_alone_gets_capacity_error(make_batcher, fake_model, spawn):
+    fake_model.oom_above = 0
+    batcher = make_batcher(max_batch_size=2, max_delay_s=10.0)
+    tasks = [spawn(batcher.submit(i)) for i in range(2)]
+    await settle()
+    outcomes = await finish(*tasks)
+
+    assert all(isinstance(o, CapacityError) for o in outcomes)
+    assert all(isinstance(o.__cause__, MemoryError) for o in outcomes)
+    assert batcher.snapshot().classes["normal"].num_failed == 2
+
+
+async def test_request_larger_than_the_oom_cap_still_runs(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    fake_model.oom_above = 2
+    batcher = make_batcher(max_batch_size=8, max_delay_s=1.0, oom_recovery_s=10.0)
+    for i in range(8):
+        spawn(batcher.submit(i))
+    await settle()
+    assert batcher.effective_max_batch_size == 2
+    fake_model.oom_above = None
+
+    task = spawn(batcher.submit_many(np.arange(4)))
+    await fake_clock.advance(1.0)
+
+    assert task.done(), "a request admitted under max_batch_size must not wait forever"
+    np.testing.assert_array_equal(task.result(), np.arange(4) * 10)
+
+
+async def test_payloads_of_different_shapes_run_in_separate_groups(make_batcher, spawn):
+    shapes: list[tuple[int, ...]] = []
+
+    async def row_sums(x: np.ndarray) -> np.ndarray:
+        shapes.append(x.shape)
+        return x.sum(axis=1)
+
+    batcher = make_batcher(fn=row_sums, max_batch_size=3, max_delay_s=10.0)
+    tasks = [spawn(batcher.submit(p)) for p in (np.ones(3), np.full(4, 2.0), np.ones(3))]
+    await settle()
+
+    assert [t.result() for t in tasks] == [3.0, 8.0, 3.0]
+    assert shapes == [(2, 3), (1, 4)]
+    assert batcher.snapshot().batches.num_batches == 1
+
+
+# -- replicas and threads -----------------------------------------------------------------
+
+
+async def test_sync_model_runs_off_the_loop_and_batches_grow_while_it_is_busy(
+    make_batcher, sync_model, spawn
+):
+    batcher = make_batcher(fn=sync_model, max_batch_size=16, max_delay_s=0.0)
+    first = spawn(batcher.submit(0))
+    items, thread_name = await sync_model.wait_entered()
+    assert items == [0]
+    assert thread_name.startswith("carpool-")
+    assert thread_name != threading.current_thread().name
+
+    queued = [spawn(batcher.submit(i)) for i in range(1, 6)]
+    await settle()
+    assert batcher.num_pending == 5  # accepted while the model is blocked
+    assert not any(t.done() for t in (first, *queued))
+
+    sync_model.gate.set()
+    assert await finish(first, *queued) == [0, 10, 20, 30, 40, 50]
+    assert sync_model.sizes == [1, 5]
+
+
+async def test_two_replicas_run_batches_at_once(make_batcher, sync_model, spawn):
+    batcher = make_batcher(fn=sync_model, num_replicas=2, max_batch_size=2, max_delay_s=0.0)
+    first = spawn(batcher.submit(0))
+    _, thread_a = await sync_model.wait_entered()
+    second = spawn(batcher.submit(1))
+    _, thread_b = await sync_model.wait_entered()
+    assert thread_a != thread_b  # both replicas busy at once
+
+    queued = [spawn(batcher.submit(i)) for i in range(2, 8)]
+    await settle()
+    assert batcher.num_pending == 6
+    sync_model.gate.set()
+    assert await finish(first, second, *queued) == [i * 10 for i in range(8)]
+
+    snap = batcher.snapshot()
+    assert all(r.num_batches >= 1 for r in snap.replicas)
+    assert sum(r.num_items for r in snap.replicas) == 8
+    assert snap.batches.size_histogram == {1: 2, 2: 3}
+
+
+# -- lifecycle ----------------------------------------------------------------------------
+
+
+async def test_context_manager_drains_every_accepted_request(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_delay_s=10.0)
+    async with batcher:
+        assert batcher.is_running
+        tasks = [spawn(batcher.submit(i)) for i in range(3)]
+        await settle()
+        assert fake_model.batches == []
+
+    assert not batcher.is_running
+    assert await finish(*tasks) == [0, 10, 20]
+    assert fake_clock.now() == 1000.0  # answered without the delay expiring
+
+
+async def test_stop_without_drain_fails_queued_requests_with_closed(
+    make_batcher, fake_model, spawn
+):
+    batcher = make_batcher(max_delay_s=10.0)
+    tasks = [spawn(batcher.submit(i)) for i in range(3)]
+    await settle()
+
+    await batcher.stop(drain=False)
+
+    outcomes = await finish(*tasks)
+    assert all(isinstance(o, Closed) for o in outcomes)
+    assert fake_model.batches == []
+    assert batcher.snapshot().classes["normal"].rejections == {"closed": 3}
+
+
+@pytest.mark.parametrize("drain", [True, False])
+async def test_submit_after_stop_raises_closed(make_batcher, drain):
+    batcher = make_batcher()
+    await batcher.start()
+    await batcher.stop(drain=drain)
+    with pytest.raises(Closed):
+        await batcher.submit(1)
+
+
+async def test_first_submit_starts_the_batcher(make_batcher):
+    batcher = make_batcher(max_delay_s=0.0)
+    assert not batcher.is_running
+    assert await batcher.submit(2) == 20
+    assert batcher.is_running
+
+
+async def test_stop_leaves_no_tasks_or_threads_behind(make_batcher, sync_model, spawn):
+    sync_model.gate.set()
+    threads_before = set(threading.enumerate())
+    tasks_before = asyncio.all_tasks()
+    batcher = make_batcher(fn=sync_model, num_replicas=2, max_delay_s=0.0, max_batch_size=1)
+
+    await batcher.start()
+    assert await finish(*(spawn(batcher.submit(i)) for i in range(4))) == [0, 10, 20, 30]
+    assert any(t.name.startswith("carpool-") for t in threading.enumerate())
+    assert len(asyncio.all_tasks() - tasks_before) == 2
+    await batcher.stop()
+
+    assert set(threading.enumerate()) == threads_before
+    assert asyncio.all_tasks() == tasks_before
+
+
+async def test_start_is_idempotent(make_batcher):
+    batcher = make_batcher(num_replicas=2)
+    tasks_before = asyncio.all_tasks()
+    await batcher.start()
+    await batcher.start()
+    await asyncio.gather(batcher.start(), batcher.start())
+
+    new_tasks = asyncio.all_tasks() - tasks_before
+    assert len(new_tasks) == 2
+    assert batcher.snapshot().replicas[1].replica_id == 1
+    assert len(batcher.snapshot().replicas) == 2
+
+
+async def test_restarts_after_stop(make_batcher):
+    batcher = make_batcher(max_delay_s=0.0)
+    await batcher.start()
+    assert await batcher.submit(1) == 10
+    await batcher.stop()
+    await batcher.start()
+
+    assert batcher.is_running
+    assert await batcher.submit(2) == 20
+
+
+# -- policy updates -----------------------------------------------------------------------
+
+
+async def test_update_policy_takes_effect_for_the_next_batch(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_batch_size=2, max_delay_s=0.0)
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    for i in range(4):
+        spawn(batcher.submit(i))
+    await settle()
+
+    new = batcher.update_policy(max_batch_size=4)
+    fake_model.release()
+    await settle()
+
+    assert new.max_batch_size == 4
+    assert batcher.policy is new
+    assert fake_model.batches[1:] == [[0, 1, 2, 3]]
+
+
+async def test_update_policy_shortening_max_delay_releases_a_waiting_batch(
+    make_batcher, fake_model, spawn
+):
+    batcher = make_batcher(max_delay_s=10.0)
+    task = spawn(batcher.submit(1))
+    await settle()
+    assert fake_model.batches == []
+
+    batcher.update_policy(max_delay_s=0.0)
+    await settle()
+
+    assert fake_model.batches == [[1]]
+    assert task.result() == 10
+
+
+async def test_update_policy_below_a_queued_requests_size_still_runs_it(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_batch_size=4, max_delay_s=0.0)
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    many = spawn(batcher.submit_many([1, 2, 3, 4]))
+    await settle()
+
+    batcher.update_policy(max_batch_size=2)
+    fake_model.release()
+    await settle()
+    assert many.result() == [10, 20, 30, 40]
+
+    singles = [spawn(batcher.submit(i)) for i in (5, 6, 7)]
+    await fake_clock.advance(0.0)
+    assert [t.result() for t in singles] == [50, 60, 70]
+    assert fake_model.batches[1:] == [[1, 2, 3, 4], [5, 6], [7]]
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_delay_s": -1.0}, "max_delay_s"),
+        ({"preferred_batch_sizes": (64,)}, "preferred_batch_sizes"),
+        ({"max_queue_size": 0}, "max_queue_size"),
+        ({"bogus": 1}, "policy"),
+    ],
+)
+async def test_invalid_policy_update_raises_config_error_naming_the_field(
+    make_batcher, changes, field
+):
+    batcher = make_batcher(max_delay_s=0.0)
+    await batcher.start()
+    before = batcher.policy
+
+    with pytest.raises(ConfigError) as caught:
+        batcher.update_policy(**changes)
+
+    assert caught.value.field == field
+    assert field in str(caught.value)
+    assert batcher.policy is before
+    assert await batcher.submit(1) == 10
+
+
+# -- submit_many --------------------------------------------------------------------------
+
+
+async def test_submit_many_counts_every_item_toward_max_batch_size(make_batcher, spawn):
+    batcher = make_batcher(max_batch_size=4, max_delay_s=10.0)
+    many = spawn(batcher.submit_many(np.arange(6.0).reshape(3, 2)))
+    single = spawn(batcher.submit(np.array([7.0, 8.0])))
+    await settle()  # 3 + 1 items fill the batch: no delay needed
+
+    np.testing.assert_array_equal(many.result(), np.arange(6.0).reshape(3, 2) * 10)
+    np.testing.assert_array_equal(single.result(), [70.0, 80.0])
+
+
+async def test_submit_many_that_does_not_fit_waits_for_the_next_batch(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_batch_size=4, max_delay_s=10.0)
+    three = spawn(batcher.submit_many(np.ones((3, 2))))
+    two = spawn(batcher.submit_many(np.ones((2, 2))))
+    await settle()
+    assert fake_model.sizes == [3]
+
+    await fake_clock.advance(10.0)
+    assert fake_model.sizes == [3, 2]
+    assert (len(three.result()), len(two.result())) == (3, 2)
+
+
+async def test_submit_many_with_a_list_returns_exactly_its_outputs(make_batcher, spawn):
+    batcher = make_batcher(collate="list", max_batch_size=4, max_delay_s=10.0)
+    many = spawn(batcher.submit_many(["a", "b", "c"]))
+    single = spawn(batcher.submit("d"))
+    await settle()
+    assert many.result() == ["a" * 10, "b" * 10, "c" * 10]
+    assert single.result() == "d" * 10
+
+
+@pytest.mark.parametrize(
+    ("payload", "match"),
+    [(np.ones((5, 2)), "max_batch_size"), (np.ones((0, 2)), "0 items")],
+    ids=["too_many", "empty"],
+)
+async def test_submit_many_rejects_bad_item_counts(make_batcher, payload, match):
+    batcher = make_batcher(max_batch_size=4)
+    with pytest.raises(InvalidInput, match=match):
+        await batcher.submit_many(payload)
+    assert batcher.num_pending == 0
+
+
+# -- telemetry ----------------------------------------------------------------------------
+
+
+async def test_snapshot_counts_requests_and_batch_sizes(make_batcher, fake_clock, spawn):
+    batcher = make_batcher(max_batch_size=4, max_delay_s=1.0)
+    tasks = [spawn(batcher.submit(i)) for i in range(6)]
+    await settle()
+    await fake_clock.advance(1.0)
+    await finish(*tasks)
+
+    snap = batcher.snapshot()
+    normal = snap.classes["normal"]
+    assert (normal.num_requests, normal.num_completed, normal.num_failed) == (6, 6, 0)
+    assert snap.classes["interactive"].num_requests == 0
+    assert snap.batches.num_batches == 2
+    assert snap.batches.size_histogram == {2: 1, 4: 1}
+    assert snap.batches.mean_batch_size == 3.0
+    assert snap.batches.fill_ratio == pytest.approx((4 / 4 + 2 / 4) / 2)
+
+
+async def _two_timed_requests(batcher: Batcher, model: Any, clock: FakeClock, spawn: Any) -> None:
+    """r1 arrives at 0 on an idle replica, its batch closes at 0.25 (max_delay_s) and
+    computes until 1.0; r2 arrives at 0.5 behind it and runs at 1.0 in no time.
+
+    r1: fill wait 0.25, queue 0, compute 0.75, total 1.0; r2: queue 0.5, total 0.5.
+    """
+    await batcher.start()
+    await settle()
+    model.hold()
+    r1 = spawn(batcher.submit(1))
+    await clock.advance(0.25)
+    assert model.running == 1
+    await clock.advance(0.25)
+    r2 = spawn(batcher.submit(2))
+    await clock.advance(0.5)
+    model.release()
+    await settle()
+    assert (r1.result(), r2.result()) == (10, 20)
+
+
+async def test_trace_hook_sees_where_each_requests_time_went(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    traces: list[RequestTrace] = []
+    batcher = make_batcher(max_delay_s=0.25, on_trace=traces.append)
+    await _two_timed_requests(batcher, fake_model, fake_clock, spawn)
+
+    first, second = traces
+    assert first.outcome is Outcome.OK
+    assert (first.fill_wait_s, first.queue_s, first.compute_s, first.total_s) == pytest.approx(
+        (0.25, 0.0, 0.75, 1.0)
+    )
+    assert (first.batch_size, first.replica_id) == (1, 0)
+    assert (second.fill_wait_s, second.queue_s, second.compute_s, second.total_s) == pytest.approx(
+        (0.0, 0.5, 0.0, 0.5)
+    )
+
+
+async def test_snapshot_reports_latency_percentiles_and_effective_compute_ratio(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_delay_s=0.25)
+    await _two_timed_requests(batcher, fake_model, fake_clock, spawn)
+
+    snap = batcher.snapshot()
+    latency = snap.classes["normal"].latency
+    assert latency.count == 2
+    assert (latency.p50_s, latency.max_s) == pytest.approx((0.75, 1.0))
+    assert snap.classes["normal"].queue_wait.max_s == pytest.approx(0.5)
+    # 0.75 s of compute against 0.25 s of a replica idling while the batch filled
+    assert 0.0 <= snap.batches.effective_compute_ratio <= 1.0
+    assert snap.batches.effective_compute_ratio == pytest.approx(0.75)
+
+
+async def test_slo_attainment_is_the_share_answered_within_slo(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(classes=(ClassPolicy("normal", slo_s=0.5),), max_delay_s=0.25)
+    await _two_timed_requests(batcher, fake_model, fake_clock, spawn)
+
+    stats = batcher.snapshot().classes["normal"]
+    assert stats.slo_s == 0.5
+    assert stats.slo_attainment == pytest.approx(0.5)  # r2 in 0.5 s, r1 in 1.0 s
+
+
+async def test_slow_requests_are_logged_to_carpool_slow(
+    make_batcher, fake_model, fake_clock, spawn, caplog
+):
+    batcher = make_batcher(max_delay_s=0.25, slow_request_s=0.75)
+    with caplog.at_level(logging.WARNING, logger="carpool.slow"):
+        await _two_timed_requests(batcher, fake_model, fake_clock, spawn)
+
+    slow = [r for r in caplog.records if r.name == "carpool.slow"]
+    assert len(slow) == 1  # r1 took 1.0 s; r2 took 0.5 s
+    message = slow[0].getMessage()
+    assert "request 0" in message
+    assert "compute 750.00 ms" in message
+
+
+async def test_memory_probe_feeds_memory_volatility(make_batcher):
+    samples = iter([(100, 1000), (300, 1000), (200, 1000)])
+    batcher = make_batcher(max_delay_s=0.0, memory_probe=lambda: next(samples))
+    await batcher.start()
+    assert batcher.snapshot().memory is None
+
+    for i in range(3):
+        await batcher.submit(i)
+
+    memory = batcher.snapshot().memory
+    assert memory is not None
+    assert (memory.num_samples, memory.peak_bytes, memory.trough_bytes) == (3, 300, 100)
+    assert memory.volatility == pytest.approx(0.2)
+
+
+async def test_unknown_priority_is_rejected(make_batcher):
+    batcher = make_batcher()
+    with pytest.raises(InvalidInput, match="unknown priority 'urgent'"):
+        await batcher.submit(1, priority="urgent")
+    assert batcher.num_pending == 0
+
+
+# -- construction -------------------------------------------------------------------------
+
+
+async def test_fn_factory_builds_one_model_per_device_on_its_replica_thread(make_batcher, spawn):
+    built: list[tuple[str, str]] = []
+
+    def factory(device: str) -> Any:
+        built.append((device, threading.current_thread().name))
+
+        async def model(batch: list[int]) -> list[str]:
+            return [f"{device}:{x}" for x in batch]
+
+        return model
+
+    batcher = make_batcher(fn_factory=factory, devices=["dev0", "dev1"], max_delay_s=0.0)
+    await asyncio.wait_for(batcher.start(), SAFETY_S)
+
+    assert sorted(device for device, _ in built) == ["dev0", "dev1"]
+    assert all(name.startswith("carpool-") for _, name in built)
+    assert batcher.num_replicas == 2
+    assert await batcher.submit(1) in ("dev0:1", "dev1:1")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"fn": None}, "fn"),
+        ({"fn_factory": lambda device: device}, "fn"),
+        ({"num_replicas": 0}, "num_replicas"),
+        ({"num_replicas": 3, "devices": ["a", "b"]}, "num_replicas"),
+        ({"collate": "arrow"}, "collate"),
+    ],
+)
+def test_contradictory_construction_raises_config_error(kwargs, field):
+    async def model(batch: list[int]) -> list[int]:
+        return batch
+
+    kwargs = {"fn": model, **kwargs}
+    with pytest.raises(ConfigError) as caught:
+        Batcher(kwargs.pop("fn"), clock=FakeClock(), **kwargs)
+    assert caught.value.field == field
+
+
+async def test_effective_size_recovers_once_per_elapsed_period_without_new_batches(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    fake_model.oom_above = 1
+    batcher = make_batcher(max_batch_size=8, max_delay_s=10.0, oom_recovery_s=10.0)
+    for i in range(8):
+        spawn(batcher.submit(i))
+    await settle()
+    assert batcher.effective_max_batch_size == 1
+    # Three quiet periods pass with nothing submitted: the cap doubles three times.
+    await fake_clock.advance(30.0)
+    assert batcher.effective_max_batch_size == 8
+
+
+async def test_cost_fn_that_cannot_price_a_payload_is_invalid_input(make_batcher):
+    batcher = make_batcher(collate="list", max_batch_cost=10.0, cost_fn=len)
+    with pytest.raises(InvalidInput, match="cost_fn"):
+        await batcher.submit(5)  # len(5) raises TypeError
+    assert batcher.snapshot().classes["normal"].rejections == {"invalid": 1}
+
+
+async def test_preferred_size_closes_early_only_when_filled_exactly(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(
+        collate="list", max_batch_size=8, max_delay_s=1.0, preferred_batch_sizes=(4,)
+    )
+    first = spawn(batcher.submit_many([1, 2, 3]))
+    second = spawn(batcher.submit_many([4, 5, 6]))
+    await settle()
+    assert fake_model.batches == []  # 3 or 6 items cannot make exactly 4: wait
+    await fake_clock.advance(1.0)
+    assert fake_model.sizes == [6]
+    assert await finish(first, second) == [[10, 20, 30], [40, 50, 60]]

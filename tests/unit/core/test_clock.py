@@ -1,0 +1,161 @@
+"""FakeClock: time moves only on advance; timers fire in time order; cancelled never fire."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from carpool import FakeClock
+from carpool.core.clock import MonotonicClock, settle
+
+
+def test_fake_clock_starts_where_told_and_stands_still() -> None:
+    clock = FakeClock(start_s=5.0)
+    assert clock.now() == 5.0
+    assert clock.now() == 5.0
+
+
+async def test_advance_moves_time_by_delta() -> None:
+    clock = FakeClock(start_s=0.0)
+    await clock.advance(1.5)
+    await clock.advance(0.25)
+    assert clock.now() == 1.75
+
+
+async def test_timers_fire_in_time_order_not_registration_order() -> None:
+    clock = FakeClock(start_s=0.0)
+    fired: list[tuple[str, float]] = []
+    for name, when in [("c", 3.0), ("a", 1.0), ("b", 2.0)]:
+        clock.call_at(when, lambda name=name: fired.append((name, clock.now())))
+    await clock.advance(10.0)
+    assert fired == [("a", 1.0), ("b", 2.0), ("c", 3.0)]
+    assert clock.now() == 10.0
+
+
+async def test_timers_at_the_same_time_fire_in_registration_order() -> None:
+    clock = FakeClock(start_s=0.0)
+    fired: list[int] = []
+    for i in range(5):
+        clock.call_at(1.0, lambda i=i: fired.append(i))
+    await clock.advance(1.0)
+    assert fired == [0, 1, 2, 3, 4]
+
+
+async def test_timers_fire_only_when_their_time_is_reached() -> None:
+    clock = FakeClock(start_s=0.0)
+    fired: list[str] = []
+    clock.call_at(1.0, lambda: fired.append("early"))
+    clock.call_at(2.0, lambda: fired.append("late"))
+    await clock.advance(0.999)
+    assert fired == []
+    await clock.advance(0.001)
+    assert fired == ["early"]
+    assert clock.num_pending_timers == 1
+    assert clock.next_timer_s() == 2.0
+
+
+async def test_timer_in_the_past_fires_on_next_advance_without_moving_time_back() -> None:
+    clock = FakeClock(start_s=10.0)
+    seen: list[float] = []
+    clock.call_at(3.0, lambda: seen.append(clock.now()))
+    await clock.advance(0.0)
+    assert seen == [10.0]
+
+
+async def test_cancelled_timers_never_fire() -> None:
+    clock = FakeClock(start_s=0.0)
+    fired: list[str] = []
+    keep = clock.call_at(1.0, lambda: fired.append("keep"))
+    drop = clock.call_at(0.5, lambda: fired.append("drop"))
+    drop.cancel()
+    assert clock.num_pending_timers == 1
+    assert clock.next_timer_s() == 1.0
+    await clock.advance(5.0)
+    assert fired == ["keep"]
+    keep.cancel()  # cancelling after it fired is harmless
+    assert clock.num_pending_timers == 0
+    assert clock.next_timer_s() is None
+
+
+async def test_timer_cancelled_by_an_earlier_timer_does_not_fire() -> None:
+    clock = FakeClock(start_s=0.0)
+    fired: list[str] = []
+    later = clock.call_at(2.0, lambda: fired.append("later"))
+    clock.call_at(1.0, later.cancel)
+    await clock.advance(3.0)
+    assert fired == []
+
+
+async def test_timer_set_by_a_callback_within_the_window_fires_in_the_same_advance() -> None:
+    clock = FakeClock(start_s=0.0)
+    fired: list[tuple[str, float]] = []
+
+    def first() -> None:
+        fired.append(("first", clock.now()))
+        clock.call_at(clock.now() + 1.0, lambda: fired.append(("second", clock.now())))
+
+    clock.call_at(1.0, first)
+    await clock.advance(2.5)
+    assert fired == [("first", 1.0), ("second", 2.0)]
+
+
+async def test_tasks_woken_by_a_timer_run_before_advance_returns() -> None:
+    clock = FakeClock(start_s=0.0)
+    event = asyncio.Event()
+    seen: list[float] = []
+
+    async def waiter() -> None:
+        await event.wait()
+        seen.append(clock.now())
+
+    task = asyncio.create_task(waiter())
+    clock.call_at(1.0, event.set)
+    await clock.advance(1.0)
+    assert seen == [1.0]
+    assert task.done()
+    await task
+
+
+async def test_settle_lets_a_chain_of_ready_tasks_finish() -> None:
+    steps: list[int] = []
+
+    async def chain() -> None:
+        for i in range(5):
+            steps.append(i)
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(chain())
+    await settle()
+    assert steps == [0, 1, 2, 3, 4]
+    assert task.done()
+    await task
+
+
+def test_monotonic_clock_never_goes_back() -> None:
+    clock = MonotonicClock()
+    readings = [clock.now() for _ in range(100)]
+    assert readings == sorted(readings)
+
+
+async def test_monotonic_clock_timer_can_be_cancelled_before_it_fires() -> None:
+    clock = MonotonicClock()
+    fired: list[bool] = []
+    handle = clock.call_at(clock.now() + 3600.0, lambda: fired.append(True))
+    handle.cancel()
+    await asyncio.sleep(0)
+    assert fired == []
+
+
+async def test_monotonic_clock_timer_in_the_past_fires_on_the_next_loop_turn() -> None:
+    clock = MonotonicClock()
+    done = asyncio.get_running_loop().create_future()
+    clock.call_at(clock.now() - 1.0, lambda: done.set_result(True))
+    assert await asyncio.wait_for(done, timeout=60) is True
+
+
+@pytest.mark.parametrize("delta_s", [0.0, 1e-9, 123.0])
+async def test_advance_with_no_timers_only_moves_time(delta_s: float) -> None:
+    clock = FakeClock(start_s=1.0)
+    await clock.advance(delta_s)
+    assert clock.now() == 1.0 + delta_s

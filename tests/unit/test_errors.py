@@ -1,0 +1,142 @@
+"""Every error carpool raises: one root, facts as attributes, a message that says what to do."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import carpool
+from carpool import errors
+from carpool.errors import (
+    CapacityError,
+    CarpoolError,
+    Closed,
+    ConfigError,
+    DeadlineExceeded,
+    InvalidInput,
+    ModelError,
+    QueueFull,
+)
+
+ALL_ERRORS = [
+    ConfigError("max_batch_size", 0, "an integer >= 1"),
+    InvalidInput("payload cannot be batched", request_id=3),
+    QueueFull("normal", 100),
+    DeadlineExceeded(7, 0.05, 0.0625),
+    ModelError("the model raised ValueError: bad", request_id=9),
+    CapacityError(11, 64),
+    Closed("resnet"),
+]
+
+
+def _defined_exception_classes() -> list[type[BaseException]]:
+    return [
+        obj
+        for _, obj in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(obj, BaseException) and obj.__module__ == errors.__name__
+    ]
+
+
+def test_every_exception_in_errors_module_is_a_carpool_error() -> None:
+    classes = _defined_exception_classes()
+    assert CarpoolError in classes
+    assert len(classes) == 8
+    for cls in classes:
+        assert issubclass(cls, CarpoolError), cls
+
+
+def test_every_exception_is_exported_from_the_package() -> None:
+    for cls in _defined_exception_classes():
+        assert getattr(carpool, cls.__name__) is cls
+
+
+def test_examples_cover_every_subclass() -> None:
+    covered = {type(e) for e in ALL_ERRORS}
+    assert covered == set(_defined_exception_classes()) - {CarpoolError}
+
+
+@pytest.mark.parametrize("error", ALL_ERRORS, ids=lambda e: type(e).__name__)
+def test_every_error_is_caught_by_the_root(error: CarpoolError) -> None:
+    with pytest.raises(CarpoolError):
+        raise error
+
+
+@pytest.mark.parametrize(
+    ("cls", "builtin"),
+    [
+        (ConfigError, ValueError),
+        (InvalidInput, ValueError),
+        (DeadlineExceeded, TimeoutError),
+        (CapacityError, MemoryError),
+    ],
+)
+def test_errors_also_are_the_matching_builtin(
+    cls: type[CarpoolError], builtin: type[Exception]
+) -> None:
+    assert issubclass(cls, builtin)
+
+
+def test_config_error_names_field_value_and_expectation() -> None:
+    error = ConfigError("max_delay_s", -1.0, "a finite number >= 0")
+    assert (error.field, error.value, error.expected) == (
+        "max_delay_s",
+        -1.0,
+        "a finite number >= 0",
+    )
+    assert str(error) == "invalid max_delay_s=-1.0: expected a finite number >= 0"
+
+
+def test_invalid_input_names_request_and_reason() -> None:
+    error = InvalidInput("cost=-1: expected a finite number >= 0", request_id=4)
+    assert (error.reason, error.request_id) == ("cost=-1: expected a finite number >= 0", 4)
+    assert str(error) == "request 4: cost=-1: expected a finite number >= 0"
+
+
+def test_invalid_input_without_request_is_just_the_reason() -> None:
+    error = InvalidInput("unknown priority 'vip'")
+    assert error.request_id is None
+    assert str(error) == "unknown priority 'vip'"
+
+
+def test_queue_full_names_queue_limit_and_remedy() -> None:
+    error = QueueFull("background", 16)
+    assert (error.queue, error.limit) == ("background", 16)
+    message = str(error)
+    assert "'background'" in message
+    assert "16 requests waiting" in message
+    assert "retry later or raise max_queue_size" in message
+
+
+def test_deadline_exceeded_reports_timeout_and_wait_in_milliseconds() -> None:
+    error = DeadlineExceeded(7, 0.05, 0.0625)
+    assert (error.request_id, error.timeout_s, error.waited_s) == (7, 0.05, 0.0625)
+    message = str(error)
+    assert "request 7" in message
+    assert "waited 62.5 ms" in message
+    assert "timeout of 50.0 ms" in message
+    assert "raise timeout_s or add capacity" in message
+
+
+def test_model_error_names_request_and_keeps_cause() -> None:
+    cause = ValueError("bad row")
+    error = ModelError("the model raised ValueError: bad row", request_id=9)
+    error.__cause__ = cause
+    assert error.request_id == 9
+    assert str(error) == "request 9: the model raised ValueError: bad row"
+    assert error.__cause__ is cause
+    assert str(ModelError("boom")) == "boom"
+
+
+def test_capacity_error_names_request_items_and_remedy() -> None:
+    error = CapacityError(11, 64)
+    assert (error.request_id, error.num_items) == (11, 64)
+    message = str(error)
+    assert "request 11 (64 items) ran out of memory even alone" in message
+    assert "send fewer items per request" in message
+
+
+def test_closed_names_the_batcher() -> None:
+    error = Closed("resnet")
+    assert error.name == "resnet"
+    assert str(error) == "batcher 'resnet' is not accepting requests (stopped or draining)"
