@@ -13,21 +13,22 @@ the effective max batch size until ``oom_recovery_s`` passes without another.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
+import inspect
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 from carpool.core.clock import Clock, MonotonicClock
 from carpool.core.collate import Collator, OutputCountMismatch, collator_for
 from carpool.core.policy import BatchPolicy, ClassLimits
 from carpool.core.queues import Queues
-from carpool.core.replicas import BatchFn, FnFactory, Replica, is_out_of_memory
+from carpool.core.replicas import BatchFn, FnFactory, Replica, RunOutput, is_out_of_memory
 from carpool.core.request import Batch, Outcome, Request, RequestState
-from carpool.core.scheduler import Scheduler
+from carpool.core.scheduler import Decision, Scheduler
 from carpool.core.telemetry import NullTelemetry, Telemetry, TelemetrySnapshot, TraceHook
 from carpool.errors import (
     CapacityError,
@@ -171,7 +172,7 @@ class Batcher:
         self._starting = loop.create_future()
         try:
             replicas = [
-                Replica(i, device, self._name, self._fn, self._fn_factory)
+                Replica(i, device, self._name, self._fn, self._fn_factory, self._clock.now)
                 for i, device in enumerate(self._devices)
             ]
             try:
@@ -379,27 +380,40 @@ class Batcher:
 
     async def _replica_loop(self, replica: Replica) -> None:
         clock = self._clock
+        inflight: deque[_InFlight] = deque()
         while True:
             now = clock.now()
-            decision = self._scheduler.decide(
-                now,
-                self._policy,
-                self._queues,
-                num_replicas=len(self._replicas),
-                max_items_cap=self._current_oom_cap(now),
-                is_draining=self._state is _State.DRAINING,
-                expire=self._expire,
-            )
-            if decision.batch is not None:
+            wake_at_s: float | None = None
+            while len(inflight) < replica.pipeline_depth:
+                # With a batch already on the replica, only a full one may queue behind
+                # it: a batch that could still grow waits until the replica is free.
+                decision = self._decide(now, require_full=bool(inflight))
+                if decision.batch is None:
+                    wake_at_s = decision.wake_at_s
+                    break
                 if self._queues.num_live and self._idle:
                     self._wake_one()
-                await self._run_batch(replica, decision.batch)
+                inflight.append(self._launch(replica, decision.batch, now))
+            if inflight:
+                await self._land(replica, inflight.popleft())
                 continue
             if self._state is not _State.RUNNING and self._queues.num_live == 0:
                 return
             if replica.idle_since_s is None:
                 replica.idle_since_s = now
-            await self._idle_wait(decision.wake_at_s)
+            await self._idle_wait(wake_at_s)
+
+    def _decide(self, now: float, *, require_full: bool) -> Decision:
+        return self._scheduler.decide(
+            now,
+            self._policy,
+            self._queues,
+            num_replicas=len(self._replicas),
+            max_items_cap=self._current_oom_cap(now),
+            is_draining=self._state is _State.DRAINING,
+            expire=self._expire,
+            require_full=require_full,
+        )
 
     async def _idle_wait(self, wake_at_s: float | None) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -414,7 +428,7 @@ class Batcher:
                 timer.cancel()
             if not waiter.done():
                 waiter.cancel()
-            with contextlib.suppress(ValueError):  # already popped by whoever woke it
+            if waiter in self._idle:  # woken by its timer, not popped by a submit
                 self._idle.remove(waiter)
 
     def _wake_one(self) -> None:
@@ -429,8 +443,8 @@ class Batcher:
         while self._idle:
             _wake(self._idle.popleft())
 
-    async def _run_batch(self, replica: Replica, batch: Batch) -> None:
-        now = self._clock.now()
+    def _launch(self, replica: Replica, batch: Batch, now: float) -> _InFlight:
+        """Mark the batch's requests running and start the model on each group."""
         idle_since = replica.idle_since_s
         replica.idle_since_s = None
         if idle_since is not None:
@@ -448,12 +462,36 @@ class Batcher:
             request.replica_id = replica.replica_id
             if idle_since is not None:
                 request.fill_wait_s = max(0.0, now - max(idle_since, request.arrival_s))
+        groups = _by_signature(batch.requests)
+        return _InFlight(batch, groups, [self._start(replica, g) for g in groups], now)
+
+    def _start(self, replica: Replica, requests: list[Request]) -> Awaitable[RunOutput]:
+        collator = self._collator
+        assert collator is not None, "a request was admitted, so the collator is known"
+        return replica.start(
+            collator,
+            [r.payload for r in requests],
+            [r.is_many for r in requests],
+            [r.num_items for r in requests],
+        )
+
+    async def _land(self, replica: Replica, inflight: _InFlight) -> None:
+        """Wait for a launched batch and answer each of its requests."""
+        batch = inflight.batch
+        started_s = inflight.launched_s
         try:
-            for group in _by_signature(batch.requests):
-                await self._run_group(replica, group)
+            for i, (group, attempt) in enumerate(
+                zip(inflight.groups, inflight.attempts, strict=True)
+            ):
+                output = await self._settle_group(replica, group, attempt)
+                if i == 0 and output is not None:
+                    started_s = output.started_s
         finally:
+            for attempt in inflight.attempts:
+                if inspect.iscoroutine(attempt):
+                    attempt.close()  # never started if an earlier group was cancelled
             end = self._clock.now()
-            self._telemetry.batch_done(batch, replica.counters, end - now)
+            self._telemetry.batch_done(batch, replica.counters, max(0.0, end - started_s))
             if self._memory_probe is not None:
                 used, total = self._memory_probe()
                 self._telemetry.memory(used, total)
@@ -463,21 +501,16 @@ class Batcher:
             if self._queues.num_live and self._idle:
                 self._wake_one()
 
-    async def _run_group(self, replica: Replica, requests: list[Request]) -> None:
-        """Run ``requests`` as one model call; bisect on error, split on out of memory."""
-        collator = self._collator
-        assert collator is not None, "a request was admitted, so the collator is known"
+    async def _settle_group(
+        self, replica: Replica, requests: list[Request], attempt: Awaitable[RunOutput]
+    ) -> RunOutput | None:
+        """Answer ``requests`` from one model call; bisect on error, split on OOM."""
         try:
-            results = await replica.run(
-                collator,
-                [r.payload for r in requests],
-                [r.is_many for r in requests],
-                [r.num_items for r in requests],
-            )
+            output = await attempt
         except OutputCountMismatch as exc:
             for request in requests:
                 self._fail(request, ModelError(str(exc), request_id=request.request_id), exc)
-            return
+            return None
         except Exception as exc:
             oom = is_out_of_memory(exc)
             if oom:
@@ -493,20 +526,22 @@ class Batcher:
                         request_id=request.request_id,
                     )
                 self._fail(request, error, exc)
-                return
+                return None
             half = len(requests) // 2
-            await self._run_group(replica, requests[:half])
-            await self._run_group(replica, requests[half:])
-            return
+            for part in (requests[:half], requests[half:]):
+                await self._settle_group(replica, part, self._start(replica, part))
+            return None
         now = self._clock.now()
         telemetry = self._telemetry
-        for request, result in zip(requests, results, strict=True):
-            request.compute_end_s = now
+        for request, result in zip(requests, output.results, strict=True):
+            request.compute_start_s = output.started_s
+            request.compute_end_s = output.ended_s
             request.state = RequestState.DONE
             future = request.future
             if not future.done():
                 future.set_result(result)
             telemetry.answered(request, Outcome.OK, now)
+        return output
 
     def _fail(self, request: Request, error: CarpoolError, cause: BaseException) -> None:
         now = self._clock.now()
@@ -592,6 +627,16 @@ class Batcher:
         return self._telemetry.snapshot(
             uptime, self._queues.pending_by_class(), [r.counters for r in self._replicas]
         )
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A batch handed to a replica: its signature groups and their model calls."""
+
+    batch: Batch
+    groups: list[list[Request]]
+    attempts: list[Awaitable[RunOutput]]
+    launched_s: float
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -81,7 +81,7 @@ class NumpyCollator:
     """Stacks items into one ``numpy.ndarray`` along a new (or, for many, the first) axis."""
 
     def signature(self, payload: Any, is_many: bool) -> Hashable:
-        array = np.asarray(payload)
+        array = payload if type(payload) is np.ndarray else np.asarray(payload)
         return (array.dtype.str, array.shape[1:] if is_many else array.shape)
 
     def num_items(self, payload: Any) -> int:

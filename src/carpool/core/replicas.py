@@ -2,15 +2,17 @@
 
 A synchronous model runs on its replica's own thread, so the event loop keeps accepting
 requests while a batch computes (NumPy and torch release the GIL in their kernels);
-collation and splitting run on that thread too. An ``async`` model runs on the loop.
+collation and splitting stay on the loop. An ``async`` model runs on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable
+import sys
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from carpool.core.collate import Collator
@@ -35,8 +37,27 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
+async def _raise(exc: Exception) -> RunOutput:
+    raise exc
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutput:
+    """One model call's results (one per payload) and when it really ran."""
+
+    results: list[Any]
+    started_s: float
+    ended_s: float
+
+
 class Replica:
-    """One copy of the model. ``idle_since_s`` is set while it waits for a batch."""
+    """One copy of the model. ``idle_since_s`` is set while it waits for a batch.
+
+    A synchronous replica takes up to ``pipeline_depth`` = 2 batches: while one computes,
+    the next *full* batch may already wait on its thread, so the thread goes from one to
+    the next without a round trip through the event loop. Batches that could still grow
+    are never queued this way; they close only when the replica is free.
+    """
 
     def __init__(
         self,
@@ -45,6 +66,7 @@ class Replica:
         name: str,
         fn: BatchFn | None,
         factory: FnFactory | None,
+        now: Callable[[], float],
     ) -> None:
         self.replica_id = replica_id
         self.device = device
@@ -52,10 +74,26 @@ class Replica:
         self.idle_since_s: float | None = None
         self._fn = fn
         self._factory = factory
+        self._now = now
+        # OpenMP's thread count is per thread: a new thread would use every core even
+        # after torch.set_num_threads(1) on the main thread. Carry the setting over.
+        torch = sys.modules.get("torch")
+        self._torch_threads: int | None = torch.get_num_threads() if torch else None
         self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"carpool-{name}-r{replica_id}"
+            max_workers=1,
+            thread_name_prefix=f"carpool-{name}-r{replica_id}",
+            initializer=self._init_thread,
         )
         self._is_async = fn is not None and is_async_callable(fn)
+
+    def _init_thread(self) -> None:
+        torch = sys.modules.get("torch")
+        if torch is not None and self._torch_threads is not None:
+            torch.set_num_threads(self._torch_threads)
+
+    @property
+    def pipeline_depth(self) -> int:
+        return 1 if self._is_async else 2
 
     async def load(self) -> None:
         """Build this replica's model with the factory, on the replica's own thread."""
@@ -64,20 +102,42 @@ class Replica:
             self._fn = await loop.run_in_executor(self._executor, self._factory, self.device)
             self._is_async = is_async_callable(self._fn)
 
-    async def run(
+    def start(
         self, collator: Collator, payloads: list[Any], is_many: list[bool], counts: list[int]
-    ) -> list[Any]:
-        """Collate, call the model and split its outputs; one result per payload."""
+    ) -> Awaitable[RunOutput]:
+        """Begin collate → model → split; the future holds one result per payload."""
         fn = self._fn
         assert fn is not None, "a replica runs only after load()"
+        now = self._now
         if self._is_async:
-            outputs = await fn(collator.collate(payloads, is_many))
-            return collator.split(outputs, counts, is_many)
 
-        def job() -> list[Any]:
-            return collator.split(fn(collator.collate(payloads, is_many)), counts, is_many)
+            async def call() -> RunOutput:
+                started = now()
+                outputs = await fn(collator.collate(payloads, is_many))
+                return RunOutput(collator.split(outputs, counts, is_many), started, now())
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, job)
+            return call()  # awaited in place: an async model runs on the loop anyway
+
+        # Collation and splitting run on the loop: the replica thread then holds the GIL
+        # only to call the model (whose kernels release it), instead of contending with
+        # the loop for it over Python-level stacking and slicing.
+        try:
+            batch = collator.collate(payloads, is_many)
+        except Exception as exc:
+            return _raise(exc)
+
+        def job() -> tuple[Any, float, float]:
+            started = now()
+            outputs = fn(batch)
+            return outputs, started, now()
+
+        running = asyncio.get_running_loop().run_in_executor(self._executor, job)
+
+        async def finish() -> RunOutput:
+            outputs, started, ended = await running
+            return RunOutput(collator.split(outputs, counts, is_many), started, ended)
+
+        return finish()
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

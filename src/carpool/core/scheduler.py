@@ -67,8 +67,13 @@ class Scheduler:
         max_items_cap: int | None,
         is_draining: bool,
         expire: Callable[[Request], None],
+        require_full: bool = False,
     ) -> Decision:
-        """The batch a free replica should run now, or when to ask again."""
+        """The batch a free replica should run now, or when to ask again.
+
+        With ``require_full`` only a full batch is returned (for a replica that is
+        still busy and may queue one batch behind the running one).
+        """
         candidates: list[ClassQueue] = []
         heads: dict[str, Request] = {}
         for queue in queues.ordered:
@@ -95,7 +100,10 @@ class Scheduler:
         wake_at_s: float | None = None
         for queue in order:
             is_aged = queue in aged
-            if not is_aged and queue.num_running >= share_cap(queue.limits.share, num_replicas):
+            # A batch queued behind a busy replica's current one (require_full) adds no
+            # concurrency, so the share cap does not apply to it.
+            is_capped = queue.num_running >= share_cap(queue.limits.share, num_replicas)
+            if is_capped and not (is_aged or require_full):
                 continue
             max_items = queue.limits.max_batch_size
             if max_items_cap is not None:
@@ -105,6 +113,8 @@ class Scheduler:
                 expire(request)
             if not plan.requests:
                 continue
+            if require_full and not plan.is_full:
+                continue  # a replica already busy takes only a batch that cannot grow
             due_s = plan.requests[0].arrival_s + queue.limits.max_delay_s
             is_due = is_aged or is_draining or plan.is_full or now >= due_s
             if not is_due and not _trim_to_preferred(plan, policy.preferred_batch_sizes):

@@ -1,4 +1,4 @@
-"""Counters and histograms of one batcher: always on, a few hundred ns per request.
+"""Counters and histograms of one batcher: always on, about 2 µs per request (benchmarked).
 
 Histograms keep cumulative buckets (for Prometheus-style export) and a ring of the most
 recent samples (for exact percentiles). :meth:`Telemetry.snapshot` turns everything into
@@ -59,8 +59,23 @@ class Histogram:
         self._ring[self._pos & (RING_SIZE - 1)] = value
         self._pos += 1
 
-    def stats(self) -> LatencyStats:
-        recent = sorted(self._ring[: min(self._pos, RING_SIZE)])
+    def recent(self) -> list[float]:
+        """The most recent samples (at most ``RING_SIZE``), in no particular order."""
+        return self._ring[: min(self._pos, RING_SIZE)]
+
+    @staticmethod
+    def merged(histograms: list[Histogram]) -> LatencyStats:
+        """Stats over several histograms with the same bounds, as if they were one."""
+        total = Histogram(histograms[0].bounds if histograms else LATENCY_BUCKETS_S)
+        for h in histograms:
+            total.counts = [a + b for a, b in zip(total.counts, h.counts, strict=True)]
+            total.count += h.count
+            total.total += h.total
+        samples = [v for h in histograms for v in h.recent()]
+        return total.stats(samples)
+
+    def stats(self, samples: list[float] | None = None) -> LatencyStats:
+        recent = sorted(self.recent() if samples is None else samples)
         cumulative, running = [], 0
         for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
             running += count
@@ -220,7 +235,6 @@ class Telemetry:
         self._num_items = 0
         self._fill_sum = 0.0
         self._compute = Histogram()
-        self._latency = Histogram()
         self._mem: list[int] = []  # [num, peak, trough, total]
 
     def set_classes(self, slo_by_class: dict[str, float | None]) -> None:
@@ -256,7 +270,6 @@ class Telemetry:
             counters.completed += 1
             counters.latency.observe(total_s)
             counters.queue_wait.observe(request.batch_closed_s - request.arrival_s)
-            self._latency.observe(total_s)
         elif outcome is Outcome.EXPIRED:
             counters.rejections["deadline"] += 1
         elif outcome is Outcome.CANCELLED:
@@ -331,7 +344,7 @@ class Telemetry:
             ),
             replica_balance=_balance(fractions),
             memory=self._memory_stats(),
-            latency=self._latency.stats(),
+            latency=Histogram.merged([c.latency for c in self._classes.values()]),
         )
 
     def _class_stats(self, name: str, c: _ClassCounters, pending: int) -> ClassStats:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import sys
 import threading
 from typing import Any
 
@@ -1007,3 +1008,67 @@ async def test_preferred_size_closes_early_only_when_filled_exactly(
     await fake_clock.advance(1.0)
     assert fake_model.sizes == [6]
     assert await finish(first, second) == [[10, 20, 30], [40, 50, 60]]
+
+
+class _PermitModel:
+    """A sync model that needs one permit per call: the test releases calls one by one."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.permits = threading.Semaphore(0)
+        self.entered: asyncio.Queue[list[Any]] = asyncio.Queue()
+
+    def __call__(self, batch: Any) -> Any:
+        items = list(batch)
+        self.loop.call_soon_threadsafe(self.entered.put_nowait, items)
+        if not self.permits.acquire(timeout=5.0):
+            raise RuntimeError("test never released the model")
+        return [x * 10 for x in items]
+
+
+async def test_busy_sync_replica_queues_only_a_full_batch_behind_the_running_one(
+    make_batcher, spawn
+):
+    model = _PermitModel(asyncio.get_running_loop())
+    batcher = make_batcher(fn=model, collate="list", max_batch_size=2, max_delay_s=10.0)
+    first = spawn(batcher.submit(0))
+    await settle()
+    assert batcher.num_pending == 1  # alone, it waits for its delay
+    second = spawn(batcher.submit(1))  # now full: it runs
+    assert await asyncio.wait_for(model.entered.get(), 5.0) == [0, 1]
+    rest = [spawn(batcher.submit(i)) for i in range(2, 7)]
+    await settle()
+    assert batcher.num_pending == 5  # the replica is busy: nothing closes meanwhile
+
+    model.permits.release()  # [0, 1] finishes
+    assert await asyncio.wait_for(model.entered.get(), 5.0) == [2, 3]
+    await settle()
+    # [4, 5] is full, so it already waits on the replica's thread; [6] could still grow
+    # and stays queued until the replica is free.
+    assert batcher.num_pending == 1
+
+    model.permits.release(3)
+    assert await asyncio.wait_for(model.entered.get(), 5.0) == [4, 5]
+    assert await finish(first, second, *rest[:4]) == [0, 10, 20, 30, 40, 50]
+    assert not rest[4].done()
+
+
+async def test_replica_thread_inherits_the_torch_thread_count(make_batcher, monkeypatch):
+    calls: list[tuple[str, int]] = []
+
+    class FakeTorch:
+        @staticmethod
+        def get_num_threads() -> int:
+            return 1
+
+        @staticmethod
+        def set_num_threads(n: int) -> None:
+            calls.append((threading.current_thread().name, n))
+
+    # OpenMP's thread count is per thread; the replica thread must be told explicitly.
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch)
+    batcher = make_batcher(fn=lambda batch: list(batch), collate="list", max_delay_s=0.0)
+    assert await asyncio.wait_for(batcher.submit(3), 5.0) == 3
+    assert len(calls) == 1
+    thread_name, count = calls[0]
+    assert thread_name.startswith("carpool-") and count == 1

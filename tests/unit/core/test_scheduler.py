@@ -79,6 +79,7 @@ class Harness:
         max_items_cap: int | None = None,
         is_draining: bool = False,
         num_replicas: int | None = None,
+        require_full: bool = False,
     ) -> Decision:
         decision = self.scheduler.decide(
             now,
@@ -88,6 +89,7 @@ class Harness:
             max_items_cap=max_items_cap,
             is_draining=is_draining,
             expire=self.expire,
+            require_full=require_full,
         )
         if decision.batch is not None:
             for request in decision.batch.requests:
@@ -870,3 +872,29 @@ def test_random_arrivals_with_preferred_sizes_keep_every_scheduler_guarantee(
         _h, ledger = _simulate(scenario, loop)
         for batch in ledger.batches:
             assert batch.num_items <= batch.max_batch_size
+
+
+# -- a busy replica's next batch ----------------------------------------------------------
+
+
+async def test_require_full_returns_only_a_batch_that_cannot_grow() -> None:
+    h = await _harness(num_replicas=1, max_batch_size=2, max_delay_s=0.0)
+    h.add("mid")
+    # Due (zero delay) but not full: a busy replica must not take it.
+    assert h.decide(1.0, require_full=True).batch is None
+    h.add("mid")
+    assert _batch(h.decide(1.0, require_full=True)).num_items == 2
+
+
+async def test_require_full_ignores_the_share_cap_of_the_running_batch() -> None:
+    h = await _harness(num_replicas=1, max_batch_size=2, max_delay_s=0.0)
+    h.add("mid")
+    h.add("mid")
+    running = _batch(h.decide(0.0))
+    h.add("mid")
+    h.add("mid")
+    # The class already leads the one replica's batch; a free replica would be capped...
+    assert h.decide(0.0).batch is None
+    # ...but the same replica may queue a full batch behind it: no added concurrency.
+    queued = _batch(h.decide(0.0, require_full=True))
+    assert queued.num_items == 2 and queued is not running
