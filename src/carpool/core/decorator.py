@@ -96,6 +96,7 @@ def batched(
     on_trace: TraceHook | None = ...,
     slow_request_s: float | None = ...,
     memory_probe: MemoryProbe | None = ...,
+    switch_interval_s: float | None = ...,
 ) -> Callable[[BatchFn], BatchedFunction]: ...
 
 
@@ -122,6 +123,7 @@ def batched(
     on_trace: TraceHook | None = None,
     slow_request_s: float | None = None,
     memory_probe: MemoryProbe | None = None,
+    switch_interval_s: float | None = 0.0005,
 ) -> BatchedFunction | Callable[[BatchFn], BatchedFunction]:
     """Decorate a batched function: ``await f(x)`` then runs ``x`` inside some batch.
 
@@ -155,6 +157,7 @@ def batched(
             on_trace=on_trace,
             slow_request_s=slow_request_s,
             memory_probe=memory_probe,
+            switch_interval_s=switch_interval_s,
         )
         return BatchedFunction(target, batcher)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +27,39 @@ def is_async_callable(fn: object) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
     )
+
+
+class SwitchInterval:
+    """Shares one lowered GIL switch interval among the batchers that asked for it.
+
+    While a replica thread computes, the event loop answers and admits requests in bursts
+    of pure Python. The model thread needs the GIL for a moment between ops; with the
+    interpreter's default 5 ms switch interval it may wait out a whole burst, several times
+    per batch. The first holder lowers the interval; the last one to leave restores it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._saved_s: float | None = None
+
+    def hold(self, interval_s: float) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._saved_s = sys.getswitchinterval()
+            self._holders += 1
+            if interval_s < sys.getswitchinterval():
+                sys.setswitchinterval(interval_s)
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._saved_s is not None:
+                sys.setswitchinterval(self._saved_s)
+                self._saved_s = None
+
+
+switch_interval = SwitchInterval()
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -90,6 +124,11 @@ class Replica:
         torch = sys.modules.get("torch")
         if torch is not None and self._torch_threads is not None:
             torch.set_num_threads(self._torch_threads)
+
+    @property
+    def is_threaded(self) -> bool:
+        """Whether the model runs on this replica's thread (a sync model)."""
+        return not self._is_async
 
     @property
     def pipeline_depth(self) -> int:

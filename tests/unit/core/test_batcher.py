@@ -1072,3 +1072,50 @@ async def test_replica_thread_inherits_the_torch_thread_count(make_batcher, monk
     assert len(calls) == 1
     thread_name, count = calls[0]
     assert thread_name.startswith("carpool-") and count == 1
+
+
+# -- GIL switch interval ------------------------------------------------------------------
+
+
+@pytest.fixture
+def default_switch_interval() -> Any:
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    yield 0.005
+    sys.setswitchinterval(saved)
+
+
+async def test_sync_batcher_lowers_the_switch_interval_until_the_last_one_stops(
+    fake_clock, default_switch_interval
+):
+    first = Batcher(lambda b: list(b), collate="list", clock=fake_clock)
+    second = Batcher(lambda b: list(b), collate="list", clock=fake_clock)
+    await first.start()
+    await second.start()
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
+    await first.stop()
+    assert sys.getswitchinterval() == pytest.approx(0.0005)  # second still runs
+    await second.stop()
+    assert sys.getswitchinterval() == pytest.approx(default_switch_interval)
+
+
+@pytest.mark.parametrize("opt_out", ["async model", "switch_interval_s=None"])
+async def test_switch_interval_is_left_alone_without_a_sync_model_or_when_opted_out(
+    fake_clock, default_switch_interval, opt_out
+):
+    async def async_model(batch: Any) -> Any:
+        return list(batch)
+
+    if opt_out == "async model":
+        batcher = Batcher(async_model, collate="list", clock=fake_clock)
+    else:
+        batcher = Batcher(
+            lambda b: list(b), collate="list", clock=fake_clock, switch_interval_s=None
+        )
+    async with batcher:
+        assert sys.getswitchinterval() == pytest.approx(default_switch_interval)
+
+
+def test_invalid_switch_interval_is_a_config_error():
+    with pytest.raises(ConfigError, match="switch_interval_s"):
+        Batcher(lambda b: b, switch_interval_s=0)
