@@ -16,6 +16,7 @@ import asyncio
 import enum
 import inspect
 import itertools
+import logging
 import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable
@@ -34,7 +35,7 @@ from carpool.core.replicas import (
     is_out_of_memory,
     switch_interval,
 )
-from carpool.core.request import Batch, Outcome, Request, RequestState
+from carpool.core.request import Batch, Outcome, Request, RequestState, RequestTrace
 from carpool.core.scheduler import Decision, Scheduler
 from carpool.core.telemetry import NullTelemetry, Telemetry, TelemetrySnapshot, TraceHook
 from carpool.errors import (
@@ -49,6 +50,8 @@ from carpool.errors import (
 )
 
 MemoryProbe = Callable[[], tuple[int, int]]  # (used_bytes, total_bytes)
+
+log = logging.getLogger("carpool")
 
 _QUEUED = RequestState.QUEUED
 
@@ -108,6 +111,8 @@ class Batcher:
         if (fn is None) == (fn_factory is None):
             raise ConfigError("fn", fn, "exactly one of fn or fn_factory")
         if devices is not None:
+            if not devices:
+                raise ConfigError("devices", devices, "at least one device string")
             if num_replicas is not None and num_replicas != len(devices):
                 raise ConfigError("num_replicas", num_replicas, f"{len(devices)}, one per device")
             num_replicas = len(devices)
@@ -134,7 +139,10 @@ class Batcher:
         slos = {c.name: c.slo_s for c in self._policy.classes}
         telemetry_cls = Telemetry if telemetry else NullTelemetry
         self._telemetry = telemetry_cls(
-            self._name, slos, on_trace=on_trace, slow_request_s=slow_request_s
+            self._name,
+            slos,
+            on_trace=None if on_trace is None else _guarded(on_trace, self._name),
+            slow_request_s=slow_request_s,
         )
         self._queues = Queues(self._policy)
         self._scheduler = Scheduler()
@@ -221,6 +229,9 @@ class Batcher:
         """Stop accepting requests. With ``drain`` every queued request is still run and
         answered (without waiting for batches to fill); without it they fail with
         :class:`Closed`. Returns when every replica loop and thread has ended."""
+        if self._starting is not None:
+            # A start in progress would otherwise bring the batcher up after this returns.
+            await asyncio.wait({self._starting})
         if self._state in (_State.NEW, _State.STOPPED):
             return
         self._state = _State.DRAINING
@@ -411,15 +422,22 @@ class Batcher:
             while len(inflight) < replica.pipeline_depth:
                 # With a batch already on the replica, only a full one may queue behind
                 # it: a batch that could still grow waits until the replica is free.
-                decision = self._decide(now, require_full=bool(inflight))
+                behind = inflight[-1].batch.lead_class if inflight else None
+                decision = self._decide(now, behind_class=behind)
                 if decision.batch is None:
-                    wake_at_s = decision.wake_at_s
+                    times = (decision.wake_at_s, decision.ages_at_s)
+                    wake_at_s = min((t for t in times if t is not None), default=None)
                     break
                 if self._queues.num_live and self._idle:
                     self._wake_one()
                 inflight.append(self._launch(replica, decision.batch, now))
             if inflight:
-                await self._land(replica, inflight.popleft())
+                landing = inflight.popleft()
+                # The class still occupies this replica while its next batch waits here.
+                holds_replica = any(
+                    f.batch.lead_class == landing.batch.lead_class for f in inflight
+                )
+                await self._land(replica, landing, holds_replica)
                 continue
             if self._state is not _State.RUNNING and self._queues.num_live == 0:
                 return
@@ -427,7 +445,7 @@ class Batcher:
                 replica.idle_since_s = now
             await self._idle_wait(wake_at_s)
 
-    def _decide(self, now: float, *, require_full: bool) -> Decision:
+    def _decide(self, now: float, *, behind_class: str | None) -> Decision:
         return self._scheduler.decide(
             now,
             self._policy,
@@ -436,7 +454,8 @@ class Batcher:
             max_items_cap=self._current_oom_cap(now),
             is_draining=self._state is _State.DRAINING,
             expire=self._expire,
-            require_full=require_full,
+            require_full=behind_class is not None,
+            behind_class=behind_class,
         )
 
     async def _idle_wait(self, wake_at_s: float | None) -> None:
@@ -499,7 +518,7 @@ class Batcher:
             [r.num_items for r in requests],
         )
 
-    async def _land(self, replica: Replica, inflight: _InFlight) -> None:
+    async def _land(self, replica: Replica, inflight: _InFlight, holds_replica: bool) -> None:
         """Wait for a launched batch and answer each of its requests."""
         batch = inflight.batch
         started_s = inflight.launched_s
@@ -517,10 +536,14 @@ class Batcher:
             end = self._clock.now()
             self._telemetry.batch_done(batch, replica.counters, max(0.0, end - started_s))
             if self._memory_probe is not None:
-                used, total = self._memory_probe()
-                self._telemetry.memory(used, total)
+                try:
+                    used, total = self._memory_probe()
+                except Exception:
+                    log.exception("memory_probe of %r raised; sample skipped", self._name)
+                else:
+                    self._telemetry.memory(used, total)
             queue = self._queues.by_name.get(batch.lead_class)
-            if queue is not None:
+            if queue is not None and not holds_replica:
                 queue.num_running -= 1
             if self._queues.num_live and self._idle:
                 self._wake_one()
@@ -626,7 +649,8 @@ class Batcher:
             while periods >= 1 and cap < max_size:
                 cap *= 2
                 periods -= 1
-            self._oom_at_s = now
+                # The next period counts from the end of this one, not from when we looked.
+                self._oom_at_s += recovery_s
             self._oom_cap = None if cap >= max_size else cap
         return self._oom_cap
 
@@ -661,6 +685,18 @@ class _InFlight:
     groups: list[list[Request]]
     attempts: list[Awaitable[RunOutput]]
     launched_s: float
+
+
+def _guarded(hook: TraceHook, name: str) -> TraceHook:
+    """``hook`` with its errors logged: a faulty hook must not strand the batch's requests."""
+
+    def call(trace: RequestTrace) -> None:
+        try:
+            hook(trace)
+        except Exception:
+            log.exception("on_trace hook of %r raised", name)
+
+    return call
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

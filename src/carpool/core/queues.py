@@ -28,7 +28,7 @@ class ClassQueue:
         self.num_live = 0
         self.num_live_items = 0
         self.live_cost = 0.0
-        self.num_running = 0  # batches led by this class now running
+        self.num_running = 0  # replicas running (or holding) a batch led by this class
 
     @property
     def name(self) -> str:

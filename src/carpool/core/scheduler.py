@@ -5,8 +5,9 @@ no threads, time passed in. That keeps every rule testable with a fake clock:
 
 1. Classes are tried in priority order, except that a class whose oldest request has
    waited past its ``max_wait_s`` (aging) goes before all others, oldest first.
-2. A class already leading as many running batches as its ``share`` of the replicas
-   allows is skipped (unless aged).
+2. A class already on as many replicas as its ``share`` allows is skipped (unless aged;
+   the time it ages is reported, so a free replica looks again then). A busy replica may
+   queue a full batch of its running batch's class behind it: that takes no new replica.
 3. A batch is planned FIFO from the class, then (``fill_from_lower``) from lower classes,
    stopping at the first request that would break ``max_batch_size`` or ``max_batch_cost``.
 4. It is closed now if it is full, if the oldest request's ``max_delay_s`` has expired,
@@ -29,10 +30,15 @@ from carpool.core.request import Batch, Request
 
 @dataclass(slots=True)
 class Decision:
-    """Either a batch to run now, or the time to decide again (``None``: on next event)."""
+    """Either a batch to run now, or the time to decide again (``None``: on next event).
+
+    ``ages_at_s`` is when the oldest request of a class held back now (by its share cap
+    or its delay) reaches ``max_wait_s``: aging makes it due then, so look again then too.
+    """
 
     batch: Batch | None = None
     wake_at_s: float | None = None
+    ages_at_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -68,11 +74,15 @@ class Scheduler:
         is_draining: bool,
         expire: Callable[[Request], None],
         require_full: bool = False,
+        behind_class: str | None = None,
     ) -> Decision:
         """The batch a free replica should run now, or when to ask again.
 
         With ``require_full`` only a full batch is returned (for a replica that is
-        still busy and may queue one batch behind the running one).
+        still busy and may queue one batch behind the running one). ``behind_class`` is
+        the lead class of that running batch: a batch of the same class queued behind it
+        occupies no further replica, so it neither meets nor counts against the class's
+        share cap; other classes keep their cap (``None``: waive it for every class).
         """
         candidates: list[ClassQueue] = []
         heads: dict[str, Request] = {}
@@ -92,18 +102,25 @@ class Scheduler:
                 q
                 for q in candidates
                 if q.limits.max_wait_s is not None
-                and now - heads[q.name].arrival_s >= q.limits.max_wait_s
+                and now >= heads[q.name].arrival_s + q.limits.max_wait_s
             ),
             key=lambda q: heads[q.name].arrival_s,
         )
         order = aged + [q for q in candidates if q not in aged]
         wake_at_s: float | None = None
+        ages_first_s: float | None = None
         for queue in order:
             is_aged = queue in aged
-            # A batch queued behind a busy replica's current one (require_full) adds no
-            # concurrency, so the share cap does not apply to it.
+            # Not yet aged: aging makes the class due (and lifts its cap) at this time.
+            ages_at_s = None
+            if not is_aged and queue.limits.max_wait_s is not None:
+                ages_at_s = heads[queue.name].arrival_s + queue.limits.max_wait_s
+            # A batch queued behind a busy replica's current one of the same class
+            # (require_full) adds no concurrency, so the share cap does not apply to it.
+            is_same_replica = require_full and behind_class in (None, queue.name)
             is_capped = queue.num_running >= share_cap(queue.limits.share, num_replicas)
-            if is_capped and not (is_aged or require_full):
+            if is_capped and not (is_aged or is_same_replica):
+                ages_first_s = _earliest(ages_first_s, ages_at_s)
                 continue
             max_items = queue.limits.max_batch_size
             if max_items_cap is not None:
@@ -118,10 +135,12 @@ class Scheduler:
             due_s = plan.requests[0].arrival_s + queue.limits.max_delay_s
             is_due = is_aged or is_draining or plan.is_full or now >= due_s
             if not is_due and not _trim_to_preferred(plan, policy.preferred_batch_sizes):
-                wake_at_s = due_s if wake_at_s is None else min(wake_at_s, due_s)
+                wake_at_s = _earliest(wake_at_s, due_s)
+                ages_first_s = _earliest(ages_first_s, ages_at_s)
                 continue
-            return Decision(batch=self._commit(plan, queue, max_items, now))
-        return Decision(wake_at_s=wake_at_s)
+            counts = not (require_full and behind_class == queue.name)
+            return Decision(batch=self._commit(plan, queue, max_items, now, counts))
+        return Decision(wake_at_s=wake_at_s, ages_at_s=ages_first_s)
 
     def _plan(
         self,
@@ -166,12 +185,15 @@ class Scheduler:
                 break
         return plan, expired
 
-    def _commit(self, plan: _Plan, lead: ClassQueue, max_items: int, now: float) -> Batch:
+    def _commit(
+        self, plan: _Plan, lead: ClassQueue, max_items: int, now: float, counts: bool
+    ) -> Batch:
         requests: list[Request] = []
         for queue, count in plan.takes:
             requests += queue.pop_live(count)
         assert requests == plan.requests, "a plan pops exactly the requests it chose"
-        lead.num_running += 1
+        if counts:
+            lead.num_running += 1
         return Batch(
             batch_id=next(self._batch_ids),
             requests=requests,
@@ -181,6 +203,10 @@ class Scheduler:
             max_batch_size=max(max_items, plan.num_items),  # a lone oversized request
             closed_s=now,
         )
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _trim_to_preferred(plan: _Plan, preferred: tuple[int, ...]) -> bool:
