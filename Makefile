@@ -8,11 +8,11 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[torch,dev]'
+	$(PY) -m pip install --quiet -e '.[torch,server,dev]'
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(PY) -m carpool.tools.demo
+	$(PY) -m carpool.cli serve
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -123,6 +123,43 @@ class TorchCollator:
         return split_outputs(outputs, counts, is_many)
 
 
+class DictCollator:
+    """Named NumPy inputs (``{name: array}``), each concatenated along axis 0.
+
+    A request's payload carries k rows in every input (k from the first input); the model
+    receives ``{name: concatenated array}`` and may return a dict, tuple or array.
+    """
+
+    def signature(self, payload: Any, is_many: bool) -> Hashable:
+        return tuple(
+            (name, array.dtype.str, array.shape[1:] if is_many else array.shape)
+            for name, array in sorted(payload.items())
+        )
+
+    def num_items(self, payload: Any) -> int:
+        counts = {int(np.shape(a)[0]) for a in payload.values()}
+        if len(counts) != 1:
+            raise ValueError(f"inputs disagree on the batch dimension: {sorted(counts)}")
+        return counts.pop()
+
+    def collate(self, payloads: list[Any], is_many: list[bool]) -> Any:
+        names = payloads[0].keys()
+        if len(payloads) == 1 and is_many[0]:
+            return dict(payloads[0])
+        return {
+            name: np.concatenate(
+                [
+                    p[name] if m else np.asarray(p[name])[None]
+                    for p, m in zip(payloads, is_many, strict=True)
+                ]
+            )
+            for name in names
+        }
+
+    def split(self, outputs: Any, counts: list[int], is_many: list[bool]) -> list[Any]:
+        return split_outputs(outputs, counts, is_many)
+
+
 def split_outputs(
     outputs: Any, counts: list[int], is_many: list[bool], where: str = ""
 ) -> list[Any]:
@@ -160,7 +197,12 @@ def _length(outputs: Any) -> int:
     return -1
 
 
-_BY_NAME: dict[str, type] = {"list": ListCollator, "numpy": NumpyCollator, "torch": TorchCollator}
+_BY_NAME: dict[str, type] = {
+    "list": ListCollator,
+    "numpy": NumpyCollator,
+    "torch": TorchCollator,
+    "dict": DictCollator,
+}
 
 
 def collator_for(kind: str | Collator, sample: Any) -> Collator:
@@ -170,6 +212,8 @@ def collator_for(kind: str | Collator, sample: Any) -> Collator:
     if kind == "auto":
         if isinstance(sample, np.ndarray):
             return NumpyCollator()
+        if isinstance(sample, dict) and all(isinstance(v, np.ndarray) for v in sample.values()):
+            return DictCollator()
         if type(sample).__module__.startswith("torch") and hasattr(sample, "shape"):
             return TorchCollator()
         return ListCollator()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from bisect import bisect_left
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -133,6 +133,7 @@ class BatchStats:
     num_items: int
     mean_batch_size: float
     size_histogram: dict[int, int]
+    size_compute_s: dict[int, float]  # compute seconds summed per batch size
     fill_ratio: float
     effective_compute_ratio: float
     compute: LatencyStats
@@ -231,6 +232,7 @@ class Telemetry:
         self._slo = dict(slo_by_class)
         self._classes = {name: _ClassCounters() for name in slo_by_class}
         self._sizes: Counter[int] = Counter()
+        self._size_compute: defaultdict[int, float] = defaultdict(float)
         self._num_batches = 0
         self._num_items = 0
         self._fill_sum = 0.0
@@ -256,6 +258,7 @@ class Telemetry:
         self._num_batches += 1
         self._num_items += batch.num_items
         self._sizes[batch.num_items] += 1
+        self._size_compute[batch.num_items] += compute_s
         self._fill_sum += batch.num_items / batch.max_batch_size
         self._compute.observe(compute_s)
         self._classes[batch.lead_class].batches_led += 1
@@ -326,6 +329,7 @@ class Telemetry:
                 num_items=self._num_items,
                 mean_batch_size=self._num_items / self._num_batches if self._num_batches else 0.0,
                 size_histogram=dict(sorted(self._sizes.items())),
+                size_compute_s=dict(sorted(self._size_compute.items())),
                 fill_ratio=self._fill_sum / self._num_batches if self._num_batches else 0.0,
                 effective_compute_ratio=busy / (busy + fill_wait) if busy + fill_wait else 0.0,
                 compute=self._compute.stats(),

@@ -251,3 +251,34 @@ def test_importing_carpool_core_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip() == "False", result.stderr
+
+
+# -- named inputs (DictCollator) ----------------------------------------------------------
+
+
+def test_dict_collator_concatenates_each_input_and_splits_dict_outputs() -> None:
+    from carpool.core.collate import DictCollator
+
+    collator = DictCollator()
+    first = {"a": np.ones((2, 3), np.float32), "b": np.zeros((2,), np.int64)}
+    second = {"a": np.full((1, 3), 2, np.float32), "b": np.ones((1,), np.int64)}
+    assert collator.num_items(first) == 2
+    assert collator.signature(first, True) == collator.signature(second, True)
+    batch = collator.collate([first, second], [True, True])
+    assert batch["a"].shape == (3, 3) and batch["b"].tolist() == [0, 0, 1]
+    outputs = {"y": batch["a"].sum(axis=1)}
+    parts = collator.split(outputs, [2, 1], [True, True])
+    assert [p["y"].tolist() for p in parts] == [[3.0, 3.0], [6.0]]
+
+
+def test_dict_collator_refuses_inputs_that_disagree_on_the_batch_dimension() -> None:
+    from carpool.core.collate import DictCollator
+
+    with pytest.raises(ValueError, match="batch dimension"):
+        DictCollator().num_items({"a": np.ones((2, 3)), "b": np.ones((3,))})
+
+
+def test_auto_picks_the_dict_collator_for_named_arrays() -> None:
+    from carpool.core.collate import DictCollator
+
+    assert isinstance(collator_for("auto", {"x": np.ones(3)}), DictCollator)

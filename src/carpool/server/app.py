@@ -1,0 +1,252 @@
+"""KServe v2 (Open Inference Protocol) over HTTP as a bare ASGI app.
+
+No framework sits on the per-request path: routing is a split of the path, bodies are
+read once, JSON goes through orjson. Endpoints::
+
+    GET  /v2/health/live | /v2/health/ready
+    GET  /v2                                             server metadata
+    GET  /v2/models/{m}[/versions/{v}]                   model metadata
+    GET  /v2/models/{m}[/versions/{v}]/ready | /config | /stats
+    POST /v2/models/{m}[/versions/{v}]/infer             JSON and binary tensors
+    GET  /metrics                                        Prometheus exposition
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
+from typing import Any
+
+import orjson
+
+from carpool import __version__
+from carpool.errors import InvalidInput
+from carpool.server.errors import NotFound, PayloadTooLarge, http_error
+from carpool.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from carpool.server.metrics import Metrics
+from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
+from carpool.server.stats import model_stats
+from carpool.server.tensors import (
+    InferRequest,
+    OutputTensor,
+    decode_infer_request,
+    encode_infer_response,
+)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+_JSON = (b"content-type", b"application/json")
+
+
+class KServeApp:
+    """The ASGI application; starts the models' batchers on lifespan startup and drains
+    them on shutdown, so every accepted request is answered before the process exits."""
+
+    def __init__(
+        self, repository: ModelRepository, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    ) -> None:
+        self.repository = repository
+        self.max_body_bytes = max_body_bytes
+        self.metrics = Metrics(repository)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.repository.start()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.repository.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._route(scope, receive, send)
+        except ClientGone:
+            return  # nobody to answer
+        except Exception as exc:
+            error = http_error(exc)
+            body = orjson.dumps({"error": error.message})
+            await _respond(send, error.status, body, (_JSON, *error.headers))
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method: str = scope["method"]
+        parts = [p for p in scope["path"].split("/") if p]
+        if method == "GET" and parts == ["metrics"]:
+            body = self.metrics.render()
+            return await _respond(send, 200, body, ((b"content-type", METRICS_CONTENT_TYPE),))
+        if not parts or parts[0] != "v2":
+            raise NotFound(f"path {scope['path']!r}", ["/v2/..."])
+        rest = parts[1:]
+        if method == "GET" and rest in (["health", "live"], ["health", "ready"]):
+            ready = rest[1] == "live" or self.repository.is_ready
+            return await _respond(send, 200 if ready else 400, b"", ())
+        if method == "GET" and not rest:
+            return await _json(send, self._server_metadata())
+        if len(rest) < 2 or rest[0] != "models":
+            raise NotFound(f"path {scope['path']!r}", ["/v2/models/{model}/..."])
+        name, version, action = _model_path(rest[1:], scope["path"])
+        model = self.repository.get(name, version)
+        if method == "POST" and action == "infer":
+            return await self._infer(model, scope, receive, send)
+        if method != "GET":
+            raise NotFound(f"{method} {scope['path']!r}", ["GET", "POST .../infer"])
+        if action is None:
+            return await _json(send, model.metadata())
+        if action == "ready":
+            status = 200 if model.batcher.is_running else 400
+            return await _respond(send, status, b"", ())
+        if action == "config":
+            return await _json(send, model.config())
+        if action == "stats":
+            return await _json(send, {"model_stats": [model_stats(model)]})
+        raise NotFound(f"path {scope['path']!r}", ["ready", "config", "stats", "infer"])
+
+    def _server_metadata(self) -> dict[str, Any]:
+        return {"name": "carpool", "version": __version__, "extensions": EXTENSIONS}
+
+    async def _infer(self, model: ServedModel, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._read_body(receive)
+        header = _header(scope, b"inference-header-content-length")
+        header_length = None
+        if header is not None:
+            try:
+                header_length = int(header)
+            except ValueError:
+                raise InvalidInput(
+                    f"header Inference-Header-Content-Length={header!r}: expected a byte count"
+                ) from None
+        request = decode_infer_request(body, header_length)
+        payload = model.payload(request)
+        options = model.submit_options(request)
+        wanted = _wanted_outputs(model, request)
+        result = await _unless_disconnected(model.batcher.submit_many(payload, **options), receive)
+        outputs = [OutputTensor(spec.name, result[spec.name], spec.datatype) for spec in wanted]
+        binary = _binary_outputs(request, wanted)
+        data, json_length = encode_infer_response(
+            model.name, model.version, request.request_id, outputs, binary
+        )
+        if json_length is None:
+            headers: tuple[tuple[bytes, bytes], ...] = (_JSON,)
+        else:
+            headers = (
+                (b"content-type", b"application/octet-stream"),
+                (b"inference-header-content-length", str(json_length).encode()),
+            )
+        await _respond(send, 200, data, headers)
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise PayloadTooLarge(size, self.max_body_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+async def _unless_disconnected(work: Coroutine[Any, Any, Any], receive: Receive) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it (a queued request is
+    then dropped before it reaches the model) and raise :class:`ClientGone`."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _model_path(parts: list[str], path: str) -> tuple[str, str | None, str | None]:
+    name, rest = parts[0], parts[1:]
+    version = None
+    if rest[:1] == ["versions"]:
+        if len(rest) < 2:
+            raise NotFound(f"path {path!r}", ["/v2/models/{model}/versions/{version}"])
+        version, rest = rest[1], rest[2:]
+    if len(rest) > 1:
+        raise NotFound(f"path {path!r}", ["ready", "config", "stats", "infer"])
+    return name, version, (rest[0] if rest else None)
+
+
+def _wanted_outputs(model: ServedModel, request: InferRequest) -> list[TensorSpec]:
+    if request.outputs is None:
+        return list(model.outputs)
+    by_name = {spec.name: spec for spec in model.outputs}
+    wanted = []
+    for output in request.outputs:
+        spec = by_name.get(output.name)
+        if spec is None:
+            raise InvalidInput(
+                f"unknown output {output.name!r} for model {model.name!r}; "
+                f"expected {sorted(by_name)}"
+            )
+        wanted.append(spec)
+    return wanted
+
+
+def _binary_outputs(request: InferRequest, wanted: list[TensorSpec]) -> set[str]:
+    if request.outputs is None:
+        return {s.name for s in wanted} if request.is_binary_output_default else set()
+    return {o.name for o in request.outputs if o.is_binary}
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+async def _json(send: Send, document: dict[str, Any]) -> None:
+    await _respond(send, 200, orjson.dumps(document), (_JSON,))
+
+
+async def _respond(
+    send: Send, status: int, body: bytes, headers: tuple[tuple[bytes, bytes], ...]
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

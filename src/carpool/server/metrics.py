@@ -1,0 +1,156 @@
+"""``GET /metrics``: every model's telemetry in Prometheus exposition format.
+
+A custom collector reads each batcher's :class:`TelemetrySnapshot` at scrape time, so
+the hot path records nothing twice. Names start with ``carpool_``; labels are ``model``
+and ``class`` (plus ``reason`` and ``replica`` where they apply).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from carpool.core.telemetry import LatencyStats, TelemetrySnapshot
+from carpool.server.repository import ModelRepository
+
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+BATCH_SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def _buckets(stats: LatencyStats) -> list[tuple[str, float]]:
+    return [("+Inf" if b == float("inf") else repr(b), float(n)) for b, n in stats.buckets]
+
+
+def _histogram_sum(stats: LatencyStats) -> float:
+    return stats.mean_s * stats.count if stats.count else 0.0
+
+
+class TelemetryCollector(Collector):
+    """Turns snapshots into metric families at scrape time."""
+
+    def __init__(self, repository: ModelRepository) -> None:
+        self._repository = repository
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots = [m.batcher.snapshot() for m in self._repository]
+        yield from _class_metrics(snapshots)
+        yield from _batch_metrics(snapshots)
+        yield from _replica_metrics(snapshots)
+
+
+def _class_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
+    labels = ["model", "class"]
+    requests = CounterMetricFamily("carpool_requests", "Requests accepted.", labels=labels)
+    items = CounterMetricFamily(
+        "carpool_request_items", "Items in accepted requests.", labels=labels
+    )
+    completed = CounterMetricFamily(
+        "carpool_requests_completed", "Requests answered with a result.", labels=labels
+    )
+    failed = CounterMetricFamily(
+        "carpool_requests_failed", "Requests the model failed on.", labels=labels
+    )
+    rejected = CounterMetricFamily(
+        "carpool_rejections", "Requests refused or dropped, by reason.", labels=[*labels, "reason"]
+    )
+    pending = GaugeMetricFamily(
+        "carpool_pending_requests", "Requests waiting in queue.", labels=labels
+    )
+    slo = GaugeMetricFamily(
+        "carpool_slo_attainment", "Share of requests answered within the class SLO.", labels=labels
+    )
+    latency = HistogramMetricFamily(
+        "carpool_request_latency_seconds", "End-to-end latency of answered requests.", labels=labels
+    )
+    queue = HistogramMetricFamily(
+        "carpool_queue_wait_seconds", "Time from arrival to batch close.", labels=labels
+    )
+    for snap in snapshots:
+        for name, c in snap.classes.items():
+            key = [snap.model, name]
+            requests.add_metric(key, c.num_requests)
+            items.add_metric(key, c.num_items)
+            completed.add_metric(key, c.num_completed)
+            failed.add_metric(key, c.num_failed)
+            for reason, count in sorted(c.rejections.items()):
+                rejected.add_metric([*key, reason], count)
+            pending.add_metric(key, c.num_pending)
+            if c.slo_attainment is not None:
+                slo.add_metric(key, c.slo_attainment)
+            latency.add_metric(key, _buckets(c.latency), _histogram_sum(c.latency))
+            queue.add_metric(key, _buckets(c.queue_wait), _histogram_sum(c.queue_wait))
+    yield from (requests, items, completed, failed, rejected, pending, slo, latency, queue)
+
+
+def _batch_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
+    batches = CounterMetricFamily("carpool_batches", "Batches run.", labels=["model"])
+    sizes = HistogramMetricFamily("carpool_batch_size", "Items per batch.", labels=["model"])
+    compute = HistogramMetricFamily(
+        "carpool_batch_compute_seconds", "Model time per batch.", labels=["model"]
+    )
+    fill = GaugeMetricFamily(
+        "carpool_fill_ratio", "Mean batch size over max batch size.", labels=["model"]
+    )
+    effective = GaugeMetricFamily(
+        "carpool_effective_compute_ratio",
+        "Compute time / (compute time + time replicas held a batch open to fill).",
+        labels=["model"],
+    )
+    for snap in snapshots:
+        b = snap.batches
+        batches.add_metric([snap.model], b.num_batches)
+        cumulative = []
+        for bound in BATCH_SIZE_BOUNDS:
+            cumulative.append(
+                (str(bound), float(sum(n for s, n in b.size_histogram.items() if s <= bound)))
+            )
+        cumulative.append(("+Inf", float(b.num_batches)))
+        sizes.add_metric([snap.model], cumulative, float(b.num_items))
+        compute.add_metric([snap.model], _buckets(b.compute), _histogram_sum(b.compute))
+        fill.add_metric([snap.model], b.fill_ratio)
+        effective.add_metric([snap.model], b.effective_compute_ratio)
+    yield from (batches, sizes, compute, fill, effective)
+
+
+def _replica_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
+    busy = GaugeMetricFamily(
+        "carpool_replica_busy_fraction",
+        "Share of uptime a replica computed.",
+        labels=["model", "replica"],
+    )
+    balance = GaugeMetricFamily(
+        "carpool_replica_balance",
+        "Least busy replica over most busy (1 is even).",
+        labels=["model"],
+    )
+    memory = GaugeMetricFamily(
+        "carpool_memory_volatility",
+        "(peak - trough) / total memory reported by the runner.",
+        labels=["model"],
+    )
+    for snap in snapshots:
+        for r in snap.replicas:
+            busy.add_metric([snap.model, str(r.replica_id)], r.busy_fraction)
+        balance.add_metric([snap.model], snap.replica_balance)
+        if snap.memory is not None:
+            memory.add_metric([snap.model], snap.memory.volatility)
+    yield from (busy, balance, memory)
+
+
+class Metrics:
+    """A private registry holding the collector; ``render()`` is the scrape body."""
+
+    def __init__(self, repository: ModelRepository) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(TelemetryCollector(repository))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,191 @@
+"""The models a server serves: their declared tensors, batchers and KServe metadata.
+
+A served model's function takes ``{input name: array}`` with the batch along axis 0 and
+returns ``{output name: array}`` aligned with it. Declared shapes leave out the batch
+dimension (as Triton's ``dims`` do); metadata shows it as ``-1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from carpool.core.batcher import Batcher
+from carpool.errors import ConfigError, InvalidInput
+from carpool.server.errors import NotFound
+from carpool.server.tensors import DATATYPES, InferRequest
+
+TIMEOUT_PARAMETER_UNIT_S = 1e-6  # Triton's "timeout" request parameter is in microseconds
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A declared tensor: ``shape`` without the batch dimension, ``-1`` for any length."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.datatype not in DATATYPES:
+            raise ConfigError(
+                f"tensor {self.name!r}.datatype", self.datatype, f"one of {list(DATATYPES)}"
+            )
+        if any(not isinstance(d, int) or d < -1 for d in self.shape):
+            raise ConfigError(f"tensor {self.name!r}.shape", self.shape, "integers >= -1")
+
+    def metadata(self) -> dict[str, Any]:
+        return {"name": self.name, "datatype": self.datatype, "shape": [-1, *self.shape]}
+
+    def accepts(self, shape: tuple[int, ...]) -> bool:
+        """Whether a request tensor of ``shape`` (batch dimension first) fits this spec."""
+        return len(shape) == len(self.shape) + 1 and all(
+            want in (-1, got) for want, got in zip(self.shape, shape[1:], strict=True)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model behind one batcher."""
+
+    name: str
+    version: str
+    platform: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    batcher: Batcher
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "versions": [self.version],
+            "platform": self.platform,
+            "inputs": [t.metadata() for t in self.inputs],
+            "outputs": [t.metadata() for t in self.outputs],
+        }
+
+    def config(self) -> dict[str, Any]:
+        """Triton-style model configuration (what ``get_model_config`` returns)."""
+        policy = self.batcher.policy
+        return {
+            "name": self.name,
+            "platform": self.platform,
+            "max_batch_size": policy.max_batch_size,
+            "input": [_config_tensor(t) for t in self.inputs],
+            "output": [_config_tensor(t) for t in self.outputs],
+            "dynamic_batching": {
+                "max_queue_delay_microseconds": round(policy.max_delay_s * 1e6),
+                "preferred_batch_size": list(policy.preferred_batch_sizes),
+                "priority_levels": len(policy.classes),
+                "default_priority_level": 1
+                + [c.name for c in policy.classes].index(policy.default_class),
+            },
+            "instance_group": [{"count": self.batcher.num_replicas, "kind": "KIND_CPU"}],
+        }
+
+    def payload(self, request: InferRequest) -> dict[str, np.ndarray]:
+        """The request's inputs as the model's payload, checked against the declared specs.
+
+        Raises:
+            InvalidInput: naming the missing, unknown or mismatched input.
+        """
+        given = {t.name: t for t in request.inputs}
+        declared = {t.name for t in self.inputs}
+        unknown = sorted(set(given) - declared)
+        if unknown:
+            raise InvalidInput(
+                f"unknown input {unknown[0]!r} for model {self.name!r}; expected {sorted(declared)}"
+            )
+        payload: dict[str, np.ndarray] = {}
+        rows: set[int] = set()
+        for spec in self.inputs:
+            tensor = given.get(spec.name)
+            if tensor is None:
+                raise InvalidInput(f"missing input {spec.name!r} for model {self.name!r}")
+            if tensor.datatype != spec.datatype:
+                raise InvalidInput(
+                    f"input {spec.name!r}: datatype {tensor.datatype}, expected {spec.datatype}"
+                )
+            if not spec.accepts(tensor.shape):
+                raise InvalidInput(
+                    f"input {spec.name!r}: shape {list(tensor.shape)}, expected "
+                    f"{[-1, *spec.shape]} (-1: any size; the first dimension is the batch)"
+                )
+            payload[spec.name] = tensor.array
+            rows.add(tensor.shape[0])
+        if len(rows) > 1:
+            raise InvalidInput(f"inputs disagree on the batch dimension: {sorted(rows)}")
+        if rows == {0}:
+            raise InvalidInput("the batch dimension is 0: send at least one row")
+        return payload
+
+    def submit_options(self, request: InferRequest) -> dict[str, Any]:
+        """``priority`` and ``timeout`` request parameters as batcher keywords."""
+        options: dict[str, Any] = {}
+        priority = request.parameters.get("priority")
+        classes = [c.name for c in self.batcher.policy.classes]
+        if isinstance(priority, str):
+            options["priority"] = priority
+        elif isinstance(priority, int) and not isinstance(priority, bool):
+            if priority != 0:  # 0: the default level, as in Triton
+                if not 1 <= priority <= len(classes):
+                    raise InvalidInput(
+                        f"parameter 'priority'={priority}: expected 1..{len(classes)} "
+                        f"(1 highest) or a class name {classes}"
+                    )
+                options["priority"] = classes[priority - 1]
+        elif priority is not None:
+            raise InvalidInput(
+                f"parameter 'priority'={priority!r}: expected an integer or a class name"
+            )
+        timeout = request.parameters.get("timeout")
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+                raise InvalidInput(f"parameter 'timeout'={timeout!r}: expected microseconds > 0")
+            options["timeout_s"] = timeout * TIMEOUT_PARAMETER_UNIT_S
+        return options
+
+
+_CONFIG_TYPES = {"BYTES": "STRING"}  # Triton's config names BYTES as TYPE_STRING
+
+
+def _config_tensor(spec: TensorSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "data_type": f"TYPE_{_CONFIG_TYPES.get(spec.datatype, spec.datatype)}",
+        "dims": list(spec.shape),
+    }
+
+
+class ModelRepository:
+    """Served models by name."""
+
+    def __init__(self, models: list[ServedModel]) -> None:
+        self._models = {m.name: m for m in models}
+        if len(self._models) != len(models):
+            raise ConfigError("models[].name", [m.name for m in models], "unique model names")
+
+    def __iter__(self) -> Any:
+        return iter(self._models.values())
+
+    def get(self, name: str, version: str | None = None) -> ServedModel:
+        model = self._models.get(name)
+        if model is None:
+            raise NotFound(f"model {name!r}", sorted(self._models))
+        if version not in (None, "", model.version):
+            raise NotFound(f"version {version!r} of model {name!r}", [model.version])
+        return model
+
+    async def start(self) -> None:
+        for model in self._models.values():
+            await model.batcher.start()
+
+    async def stop(self) -> None:
+        for model in self._models.values():
+            await model.batcher.stop(drain=True)
+
+    @property
+    def is_ready(self) -> bool:
+        return all(m.batcher.is_running for m in self._models.values())

@@ -1,0 +1,136 @@
+"""Served-model checks: declared tensors, request parameters, metadata and config."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from carpool import Batcher, BatchPolicy, ConfigError, InvalidInput
+from carpool.server.errors import NotFound, http_error
+from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
+from carpool.server.tensors import InferRequest, InputTensor
+
+
+def _model(name: str = "m") -> ServedModel:
+    batcher = Batcher(
+        lambda inputs: {"y": inputs["x"]}, BatchPolicy(max_batch_size=8), collate="dict"
+    )
+    return ServedModel(
+        name=name,
+        version="1",
+        platform="python",
+        inputs=(TensorSpec("x", "FP32", (-1, 4)),),
+        outputs=(TensorSpec("y", "FP32", (-1, 4)),),
+        batcher=batcher,
+    )
+
+
+def _request(*tensors: InputTensor, **parameters: object) -> InferRequest:
+    return InferRequest(
+        request_id=None,
+        inputs=tensors,
+        outputs=None,
+        parameters=dict(parameters),
+        is_binary_output_default=False,
+    )
+
+
+def _tensor(shape: tuple[int, ...], datatype: str = "FP32", name: str = "x") -> InputTensor:
+    dtype = np.float32 if datatype == "FP32" else np.float64
+    return InputTensor(name, datatype, shape, np.zeros(shape, dtype))
+
+
+def test_payload_accepts_declared_shapes_with_wildcards() -> None:
+    payload = _model().payload(_request(_tensor((2, 7, 4))))
+    assert payload["x"].shape == (2, 7, 4)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "fragment"),
+    [
+        (_tensor((2, 7, 5)), "shape [2, 7, 5], expected [-1, -1, 4]"),
+        (_tensor((2, 7, 4), "FP64"), "datatype FP64, expected FP32"),
+        (_tensor((2, 4), name="z"), "unknown input 'z'"),
+        (_tensor((0, 7, 4)), "batch dimension is 0"),
+    ],
+)
+def test_payload_rejects_what_does_not_match_naming_it(tensor: InputTensor, fragment: str) -> None:
+    with pytest.raises(InvalidInput, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        _model().payload(_request(tensor))
+
+
+def test_missing_input_is_named() -> None:
+    with pytest.raises(InvalidInput, match="missing input 'x'"):
+        _model().payload(_request())
+
+
+@pytest.mark.parametrize(
+    ("parameters", "expected"),
+    [
+        ({}, {}),
+        ({"priority": 1}, {"priority": "interactive"}),
+        ({"priority": 3}, {"priority": "background"}),
+        ({"priority": 0}, {}),
+        ({"priority": "normal"}, {"priority": "normal"}),
+        ({"timeout": 250_000}, {"timeout_s": 0.25}),
+    ],
+)
+def test_priority_and_timeout_parameters_map_to_classes_and_deadlines(
+    parameters: dict[str, object], expected: dict[str, object]
+) -> None:
+    assert _model().submit_options(_request(**parameters)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "parameters", [{"priority": 4}, {"priority": 1.5}, {"timeout": -1}, {"timeout": True}]
+)
+def test_bad_priority_or_timeout_is_invalid_input(parameters: dict[str, object]) -> None:
+    with pytest.raises(InvalidInput):
+        _model().submit_options(_request(**parameters))
+
+
+def test_metadata_and_config_show_the_batch_dimension_and_policy() -> None:
+    model = _model()
+    assert model.metadata()["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, -1, 4]}]
+    config = model.config()
+    assert config["max_batch_size"] == 8
+    assert config["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [-1, 4]}]
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 5000
+
+
+def test_repository_finds_models_and_versions_or_says_what_exists() -> None:
+    repo = ModelRepository([_model("a"), _model("b")])
+    assert repo.get("a").name == "a"
+    assert repo.get("a", "1").name == "a"
+    with pytest.raises(NotFound, match="available: a, b"):
+        repo.get("c")
+    with pytest.raises(NotFound, match="version '2'"):
+        repo.get("a", "2")
+    with pytest.raises(ConfigError):
+        ModelRepository([_model("a"), _model("a")])
+
+
+def test_unknown_datatype_in_a_spec_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="datatype"):
+        TensorSpec("x", "FP8", (4,))
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (InvalidInput("bad"), 400),
+        (NotFound("model 'x'", []), 404),
+        (ConfigError("f", 1, "2"), 400),
+        (RuntimeError("boom"), 500),
+    ],
+)
+def test_errors_map_to_http_statuses(error: Exception, status: int) -> None:
+    assert http_error(error).status == status
+
+
+def test_queue_full_says_when_to_retry() -> None:
+    from carpool import QueueFull
+
+    mapped = http_error(QueueFull("normal", 10))
+    assert mapped.status == 429
+    assert (b"retry-after", b"1") in mapped.headers
