@@ -521,7 +521,8 @@ class Batcher:
     async def _land(self, replica: Replica, inflight: _InFlight, holds_replica: bool) -> None:
         """Wait for a launched batch and answer each of its requests."""
         batch = inflight.batch
-        started_s = inflight.launched_s
+        # A batch queued behind another cannot have started before that one ended.
+        started_s = max(inflight.launched_s, replica.last_landed_s)
         try:
             for i, (group, attempt) in enumerate(
                 zip(inflight.groups, inflight.attempts, strict=True)
@@ -534,6 +535,7 @@ class Batcher:
                 if inspect.iscoroutine(attempt):
                     attempt.close()  # never started if an earlier group was cancelled
             end = self._clock.now()
+            replica.last_landed_s = end
             self._telemetry.batch_done(batch, replica.counters, max(0.0, end - started_s))
             if self._memory_probe is not None:
                 try:

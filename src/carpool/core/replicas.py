@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import sys
 import threading
 from collections.abc import Awaitable, Callable
@@ -106,6 +107,7 @@ class Replica:
         self.device = device
         self.counters = ReplicaCounters(replica_id, device)
         self.idle_since_s: float | None = None
+        self.last_landed_s = -math.inf  # when its previous batch was answered
         self._fn = fn
         self._factory = factory
         self._now = now
