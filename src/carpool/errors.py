@@ -24,13 +24,17 @@ class CarpoolError(Exception):
 
 
 class ConfigError(CarpoolError, ValueError):
-    """A configuration value is invalid."""
+    """A configuration value is invalid; ``file`` names the config file it came from, if any."""
 
-    def __init__(self, field: str, value: object, expected: str) -> None:
+    def __init__(
+        self, field: str, value: object, expected: str, *, file: str | None = None
+    ) -> None:
         self.field = field
         self.value = value
         self.expected = expected
-        super().__init__(f"invalid {field}={value!r}: expected {expected}")
+        self.file = file
+        where = f"{file}: " if file is not None else ""
+        super().__init__(f"{where}invalid {field}={value!r}: expected {expected}")
 
 
 class InvalidInput(CarpoolError, ValueError):

@@ -30,7 +30,7 @@ def _free_port() -> int:
 def server() -> Iterator[str]:
     port = _free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--grpc-port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -140,3 +140,9 @@ def test_closed_names_the_batcher() -> None:
     error = Closed("resnet")
     assert error.name == "resnet"
     assert str(error) == "batcher 'resnet' is not accepting requests (stopped or draining)"
+
+
+def test_config_error_names_the_file_when_given() -> None:
+    error = ConfigError("models[0].max_delay_s", -1, "a number >= 0", file="serve.yaml")
+    assert error.file == "serve.yaml"
+    assert str(error) == "serve.yaml: invalid models[0].max_delay_s=-1: expected a number >= 0"

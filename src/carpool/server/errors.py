@@ -1,17 +1,20 @@
-"""Maps carpool's errors to HTTP statuses and KServe v2 error bodies; nowhere else does.
+"""Maps carpool's errors to HTTP statuses, gRPC status codes and KServe v2 error
+messages; nowhere else does.
 
-=====================  ======  =============================================
-error                  status  why
-=====================  ======  =============================================
-InvalidInput           400     the client sent something unusable
-NotFound               404     unknown model or version
-PayloadTooLarge        413     body over the configured limit
-QueueFull              429     admission refused; ``Retry-After`` tells when
-DeadlineExceeded       503     the deadline passed while queued
-Closed                 503     the server is draining
-ModelError             500     the model raised on this request
-CapacityError          500     out of memory even alone
-=====================  ======  =============================================
+=================  ====  ==================  =============================================
+error              HTTP  gRPC                why
+=================  ====  ==================  =============================================
+InvalidInput       400   INVALID_ARGUMENT    the client sent something unusable
+NotFound           404   NOT_FOUND           unknown model or version
+PayloadTooLarge    413   RESOURCE_EXHAUSTED  body over the configured limit
+QueueFull          429   RESOURCE_EXHAUSTED  admission refused; ``Retry-After`` tells when
+DeadlineExceeded   503   UNAVAILABLE         the deadline passed while queued
+Closed             503   UNAVAILABLE         the server is draining
+ModelError         500   INTERNAL            the model raised on this request
+CapacityError      500   INTERNAL            out of memory even alone
+=================  ====  ==================  =============================================
+
+Both wires carry the same message (:func:`error_message`).
 """
 
 from __future__ import annotations
@@ -66,14 +69,41 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
 )
 
 
+# grpc.StatusCode member names, so this module needs no grpc import.
+_GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
+    (InvalidInput, "INVALID_ARGUMENT"),
+    (ConfigError, "INVALID_ARGUMENT"),
+    (NotFound, "NOT_FOUND"),
+    (PayloadTooLarge, "RESOURCE_EXHAUSTED"),
+    (QueueFull, "RESOURCE_EXHAUSTED"),
+    (DeadlineExceeded, "UNAVAILABLE"),
+    (Closed, "UNAVAILABLE"),
+)
+
+
+def error_message(exc: BaseException) -> str:
+    """The message either wire answers ``exc`` with."""
+    if isinstance(exc, CarpoolError | NotFound | PayloadTooLarge):
+        return str(exc)
+    return f"internal error: {type(exc).__name__}: {exc}"
+
+
 def http_error(exc: BaseException) -> HttpError:
     """The status, message and headers to answer ``exc`` with."""
+    message = error_message(exc)
     for kind, status in _STATUS:
         if isinstance(exc, kind):
             headers: tuple[tuple[bytes, bytes], ...] = ()
             if status == 429:
                 headers = ((b"retry-after", b"1"),)
-            return HttpError(status, str(exc), headers)
-    if isinstance(exc, CarpoolError):
-        return HttpError(500, str(exc))
-    return HttpError(500, f"internal error: {type(exc).__name__}: {exc}")
+            return HttpError(status, message, headers)
+    return HttpError(500, message)
+
+
+def grpc_status(exc: BaseException) -> str:
+    """The name of the ``grpc.StatusCode`` to answer ``exc`` with (``"INTERNAL"`` for
+    model errors, out of memory and anything unexpected)."""
+    for kind, code in _GRPC_STATUS:
+        if isinstance(exc, kind):
+            return code
+    return "INTERNAL"

@@ -1,25 +1,46 @@
-"""Runs the KServe v2 HTTP app on uvicorn (uvloop + httptools)."""
+"""Runs the KServe v2 HTTP app (uvicorn, httptools) and the KServe v2 gRPC service
+(grpc.aio) in one process, on one event loop, over one model repository.
+
+Lifecycle, owned here rather than by the ASGI lifespan so both wires follow it::
+
+    start batchers -> bind gRPC -> bind HTTP ... SIGTERM/SIGINT ... stop accepting on both
+    -> finish the accepted HTTP and gRPC requests -> drain batchers -> exit 0
+"""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+import uvloop
 
 from carpool.server.app import KServeApp
+from carpool.server.grpc import start_grpc_server
 from carpool.server.repository import ModelRepository
+
+SHUTDOWN_GRACE_S = 30
 
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would
     die by the signal. Here the shutdown drains every accepted request first, which makes
-    the exit a clean one: status 0."""
+    the exit a clean one: status 0. ``on_exit`` runs on the first signal, so the gRPC
+    server stops accepting at the same moment as HTTP."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], object] | None) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         captured = getattr(self, "_captured_signals", None)
         if isinstance(captured, list):
             captured.clear()
+        if self._on_exit is not None:
+            on_exit, self._on_exit = self._on_exit, None
+            on_exit()
 
 
 def serve(
@@ -27,17 +48,49 @@ def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
+    grpc_port: int | None = 8001,
     log_level: str = "warning",
 ) -> None:
-    """Serve until SIGINT/SIGTERM; then stop accepting, drain every batcher, exit 0."""
+    """Serve HTTP on ``port`` and gRPC on ``grpc_port`` (None or <= 0: no gRPC) until
+    SIGINT/SIGTERM; then stop accepting, drain every batcher, return (exit status 0)."""
     config = uvicorn.Config(
         KServeApp(repository),
         host=host,
         port=port,
-        loop="uvloop",
         http="httptools",
-        lifespan="on",
+        lifespan="off",  # the repository is started and drained by _serve
         log_level=log_level,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    _DrainingServer(config).run()
+    # uvloop, as HTTP ran before gRPC was added: grpc.aio (grpcio 1.85) serves on it; the
+    # gRPC integration tests (tritonclient.grpc, SIGTERM drain, exit 0) run on this loop.
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(_serve(repository, config, host, grpc_port))
+
+
+async def _serve(
+    repository: ModelRepository, config: uvicorn.Config, host: str, grpc_port: int | None
+) -> None:
+    loop = asyncio.get_running_loop()
+    await repository.start()
+    try:
+        grpc_server = None
+        if grpc_port is not None and grpc_port > 0:
+            grpc_server = await start_grpc_server(repository, host, grpc_port)
+        grpc_stopped: asyncio.Future[None] | None = None
+
+        def stop_grpc() -> None:  # stop accepting; let accepted RPCs finish within the grace
+            nonlocal grpc_stopped
+            if grpc_server is not None and grpc_stopped is None:
+                grpc_stopped = asyncio.ensure_future(grpc_server.stop(SHUTDOWN_GRACE_S))
+
+        # The signal handler may run outside a loop callback: hop onto the loop.
+        http = _DrainingServer(config, on_exit=lambda: loop.call_soon_threadsafe(stop_grpc))
+        try:
+            await http.serve()
+        finally:
+            stop_grpc()
+            if grpc_stopped is not None:
+                await grpc_stopped
+    finally:
+        await repository.stop()

@@ -1,0 +1,343 @@
+"""Typed configuration of ``carpool serve CONFIG.yaml``, read from YAML.
+
+::
+
+    models:
+      - name: mlp2
+        kind: python              # python | torch | onnx
+        source: mypkg.mod:attr    # module:attr; torch also takes a .pt/.pt2 file, onnx a .onnx file
+        inputs:  [{name: INPUT0, datatype: FP32, shape: [256]}]   # no batch dim; -1: any size
+        outputs: [{name: OUTPUT0, datatype: FP32, shape: [16]}]
+        max_batch_size: 64        # every BatchPolicy field by its name
+        max_delay_s: 0.002
+
+File paths in ``source`` are relative to the config file's folder. Every error is a
+:class:`~carpool.errors.ConfigError` naming the file, the key path (``models[0].max_delay_s``)
+and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml  # type: ignore[import-untyped]
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
+
+from carpool.core.policy import BatchPolicy, ClassPolicy
+from carpool.errors import ConfigError
+from carpool.models._source import is_import_ref
+
+Kind = Literal["python", "torch", "onnx"]
+# KServe v2 datatypes (carpool.server.tensors.DATATYPES holds their NumPy dtypes; a test
+# keeps the two lists equal without making the config import the server).
+Datatype = Literal[
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BYTES",
+    "BF16",
+]
+TorchDtype = Literal["float32", "float16", "bfloat16", "float64"]
+
+_POLICY_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(BatchPolicy) if f.init
+}
+_CLASS_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(ClassPolicy) if f.init
+}
+POLICY_FIELDS = (
+    "max_batch_size",
+    "max_delay_s",
+    "preferred_batch_sizes",
+    "max_batch_cost",
+    "max_queue_size",
+    "timeout_s",
+    "default_class",
+    "fill_from_lower",
+    "oom_recovery_s",
+)
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING = _Missing()
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class TensorConfig(_Strict):
+    """One declared tensor; ``shape`` leaves out the batch dimension, ``-1`` is any size."""
+
+    name: str = Field(min_length=1)
+    datatype: Datatype
+    shape: list[int]
+
+    @field_validator("shape")
+    @classmethod
+    def _dims(cls, shape: list[int]) -> list[int]:
+        if any(d < -1 for d in shape):
+            raise ValueError("dimensions >= -1 (-1: any size)")
+        return shape
+
+
+class ClassConfig(_Strict):
+    """One priority class; the fields of :class:`~carpool.core.policy.ClassPolicy`."""
+
+    name: str = Field(min_length=1)
+    max_batch_size: int | None = Field(None, ge=1)
+    max_delay_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    max_queue_size: int | None = Field(None, ge=1)
+    timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    share: float = Field(_CLASS_DEFAULTS["share"], gt=0, le=1)
+    max_wait_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    slo_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+    def policy(self) -> ClassPolicy:
+        return ClassPolicy(**self.model_dump())
+
+
+class ModelConfig(_Strict):
+    """One served model: where it comes from, its tensors, how it is batched and placed."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    kind: Kind
+    source: str = Field(min_length=1)
+    version: str = "1"
+    inputs: list[TensorConfig] | None = Field(None, min_length=1)
+    outputs: list[TensorConfig] | None = Field(None, min_length=1)
+    # BatchPolicy, field by field; defaults are BatchPolicy's.
+    max_batch_size: int = Field(_POLICY_DEFAULTS["max_batch_size"], ge=1)
+    max_delay_s: float = Field(_POLICY_DEFAULTS["max_delay_s"], ge=0, allow_inf_nan=False)
+    preferred_batch_sizes: list[int] = Field(default_factory=list)
+    max_batch_cost: float | None = Field(None, gt=0, allow_inf_nan=False)
+    max_queue_size: int | None = Field(None, ge=1)
+    timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    classes: list[ClassConfig] | None = Field(None, min_length=1)
+    default_class: str = _POLICY_DEFAULTS["default_class"]
+    fill_from_lower: bool = _POLICY_DEFAULTS["fill_from_lower"]
+    oom_recovery_s: float = Field(_POLICY_DEFAULTS["oom_recovery_s"], ge=0, allow_inf_nan=False)
+    # Placement.
+    num_replicas: int | None = Field(None, ge=1)
+    devices: list[str] | None = Field(None, min_length=1)
+    device: str | None = None  # every replica's device when devices is not given (cpu)
+    dtype: TorchDtype | None = None
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_from_int(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("preferred_batch_sizes")
+    @classmethod
+    def _sizes(cls, sizes: list[int]) -> list[int]:
+        if any(s < 1 for s in sizes):
+            raise ValueError("batch sizes >= 1")
+        return sizes
+
+    def policy(self) -> BatchPolicy:
+        """The batch policy these fields describe.
+
+        Raises:
+            ConfigError: when the fields contradict each other (named as BatchPolicy names them).
+        """
+        fields: dict[str, Any] = {name: getattr(self, name) for name in POLICY_FIELDS}
+        fields["preferred_batch_sizes"] = tuple(self.preferred_batch_sizes)
+        if self.classes is not None:
+            fields["classes"] = tuple(c.policy() for c in self.classes)
+        return BatchPolicy(**fields)
+
+    def replica_devices(self) -> list[str]:
+        """One device string per replica: ``devices``, else ``device`` ``num_replicas`` times."""
+        if self.devices is not None:
+            return list(self.devices)
+        return [self.device or "cpu"] * (self.num_replicas or 1)
+
+
+class ServeConfig(_Strict):
+    """What ``carpool serve CONFIG.yaml`` serves."""
+
+    models: list[ModelConfig] = Field(min_length=1)
+
+
+_NESTED: dict[tuple[type[BaseModel], str], type[BaseModel]] = {
+    (ServeConfig, "models"): ModelConfig,
+    (ModelConfig, "inputs"): TensorConfig,
+    (ModelConfig, "outputs"): TensorConfig,
+    (ModelConfig, "classes"): ClassConfig,
+}
+
+
+def load_config(path: str | Path) -> ServeConfig:
+    """Read and validate a serve configuration file.
+
+    File paths in ``source`` are resolved against the file's folder (and stored absolute).
+
+    Raises:
+        ConfigError: naming the file, the key path and what was expected.
+    """
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError("file", file, f"a readable file ({error.strerror})", file=file) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise _yaml_error(error, file) from None
+    return parse_config(data, file=file, base_dir=Path(path).resolve().parent)
+
+
+def parse_config(data: Any, *, file: str = "<config>", base_dir: Path | None = None) -> ServeConfig:
+    """Validate already-parsed YAML/JSON ``data`` (see :func:`load_config`)."""
+    try:
+        config = ServeConfig.model_validate(data)
+    except ValidationError as error:
+        errors = error.errors(include_url=False)
+        raise _pydantic_error(errors[0], file, num_more=len(errors) - 1) from None
+    problems = list(_semantic_problems(config, base_dir or Path.cwd()))
+    if problems:
+        key, value, expected = problems[0]
+        if len(problems) > 1:
+            expected += f" (and {len(problems) - 1} more problem(s))"
+        raise ConfigError(key, value, expected, file=file)
+    if base_dir is not None:
+        config = _with_absolute_sources(config, base_dir)
+    return config
+
+
+def key_path(loc: tuple[int | str, ...]) -> str:
+    """``("models", 0, "max_delay_s")`` as ``models[0].max_delay_s``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _pydantic_error(error: ErrorDetails, file: str, *, num_more: int) -> ConfigError:
+    loc = tuple(error["loc"])
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        expected = "a known key" + _did_you_mean(str(loc[-1]), _known_keys(loc[:-1]))
+        value: object = error["input"]
+    elif kind == "missing":
+        expected, value = "a value (the key is required)", MISSING
+    else:
+        message = error["msg"].removeprefix("Value error, ")
+        expected = message.removeprefix("Input should be ").removeprefix("input should be ")
+        value = error["input"]
+    if num_more:
+        expected += f" (and {num_more} more problem(s))"
+    return ConfigError(key_path(loc), value, expected, file=file)
+
+
+def _known_keys(loc: tuple[int | str, ...]) -> list[str]:
+    model: type[BaseModel] = ServeConfig
+    for part in loc:
+        if isinstance(part, str):
+            model = _NESTED[model, part]
+    return list(model.model_fields)
+
+
+def _did_you_mean(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; known keys: {', '.join(known)}" if known else ""
+
+
+def _yaml_error(error: yaml.YAMLError, file: str) -> ConfigError:
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "YAML"
+    snippet = ""
+    if mark is not None and mark.buffer is not None:
+        lines = str(mark.buffer).rstrip("\0").splitlines()
+        snippet = lines[mark.line].strip() if mark.line < len(lines) else ""
+    return ConfigError(where, snippet, f"valid YAML ({problem})", file=file)
+
+
+def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
+    """(key path, value, expected) for what field types alone cannot check."""
+    first_index: dict[str, int] = {}
+    for i, model in enumerate(config.models):
+        at = f"models[{i}]"
+        if model.name in first_index:
+            yield (
+                f"{at}.name",
+                model.name,
+                f"a name no other model has (models[{first_index[model.name]}] has it)",
+            )
+        first_index.setdefault(model.name, i)
+        yield from _source_problems(model, at, base_dir)
+        for key in ("inputs", "outputs"):
+            tensors = getattr(model, key)
+            if tensors is None and model.kind != "onnx":
+                yield (
+                    f"{at}.{key}",
+                    MISSING,
+                    f"a list of {{name, datatype, shape}}: a {model.kind} model cannot tell its "
+                    f"{key} (only onnx reads them from the model file)",
+                )
+            names = [t.name for t in tensors or []]
+            for j, name in enumerate(names):
+                if name in names[:j]:
+                    yield (f"{at}.{key}[{j}].name", name, f"a name unique among the {key}")
+        if model.devices is not None:
+            if model.num_replicas is not None and model.num_replicas != len(model.devices):
+                yield (
+                    f"{at}.num_replicas",
+                    model.num_replicas,
+                    f"{len(model.devices)}, one replica per entry of devices (or leave it out)",
+                )
+            if model.device is not None:
+                yield (f"{at}.device", model.device, "no device when devices is given")
+        if model.dtype is not None and model.kind != "torch":
+            yield (f"{at}.dtype", model.dtype, "no dtype: only torch models take one")
+        try:
+            model.policy()
+        except ConfigError as error:
+            yield (f"{at}.{error.field}", error.value, error.expected)
+
+
+def _source_problems(model: ModelConfig, at: str, base_dir: Path) -> Any:
+    source = model.source
+    if not _is_file_source(model):
+        if not is_import_ref(source):
+            yield (f"{at}.source", source, "module:attr (an importable module and a name in it)")
+        return
+    path = base_dir / source
+    if not path.is_file():
+        what = "a .onnx" if model.kind == "onnx" else "module:factory or a TorchScript/.pt2"
+        yield (f"{at}.source", source, f"{what} file; {path} does not exist")
+
+
+def _is_file_source(model: ModelConfig) -> bool:
+    return model.kind == "onnx" or (model.kind == "torch" and not is_import_ref(model.source))
+
+
+def _with_absolute_sources(config: ServeConfig, base_dir: Path) -> ServeConfig:
+    models = [
+        m.model_copy(update={"source": str((base_dir / m.source).resolve())})
+        if _is_file_source(m)
+        else m
+        for m in config.models
+    ]
+    return config.model_copy(update={"models": models})

@@ -1,0 +1,143 @@
+"""PyTorch models: an ``nn.Module`` factory, a TorchScript file or a ``torch.export`` .pt2.
+
+``source`` is one of:
+
+- ``module:factory``: ``factory()`` returns an ``nn.Module`` (built on CPU, then moved);
+- a ``.pt2`` file written by ``torch.export.save``, loaded with ``torch.export.load``;
+- any other file: TorchScript (``torch.jit.save``), loaded with ``torch.jit.load``.
+
+The model runs in eval mode under ``torch.inference_mode()`` on the replica's device, in
+``dtype`` when given (floating inputs are cast to it). Inputs go in as positional arguments in
+their declared order; the output (a tensor, or a tuple/list of them) maps onto the declared
+output names in order, back on the CPU as NumPy arrays in the declared dtypes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from carpool.errors import ConfigError, ModelError
+from carpool.models._source import import_ref, is_import_ref
+
+
+class TorchRunner:
+    """A batched callable: ``{input: array}`` in, ``{output: array}`` out."""
+
+    def __init__(
+        self,
+        module: Any,
+        *,
+        input_names: Sequence[str],
+        output_names: Sequence[str],
+        device: str = "cpu",
+        dtype: str | None = None,
+        output_dtypes: Sequence[np.dtype[Any] | None] | None = None,
+    ) -> None:
+        import torch
+
+        self._torch = torch
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype) if dtype is not None else None
+        self.input_names = list(input_names)
+        self.output_names = list(output_names)
+        self._output_dtypes = list(output_dtypes or [None] * len(self.output_names))
+        with contextlib.suppress(NotImplementedError):  # torch.export modules refuse eval()
+            module.eval()
+        module = module.to(self.device)
+        if self.dtype is not None:
+            module = module.to(self.dtype)
+        self.module = module
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        torch = self._torch
+        with torch.inference_mode():
+            args = [self._tensor(inputs[name]) for name in self.input_names]
+            result = self.module(*args)
+            tensors = list(result) if isinstance(result, tuple | list) else [result]
+            if len(tensors) != len(self.output_names):
+                raise ModelError(
+                    f"the model returned {len(tensors)} outputs; the config declares "
+                    f"{len(self.output_names)}: {self.output_names}"
+                )
+            return {
+                name: self._array(t, dtype)
+                for name, t, dtype in zip(
+                    self.output_names, tensors, self._output_dtypes, strict=True
+                )
+            }
+
+    def _tensor(self, array: np.ndarray) -> Any:
+        tensor = self._torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        if self.dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(self.dtype)
+        return tensor
+
+    def _array(self, tensor: Any, dtype: np.dtype[Any] | None) -> np.ndarray:
+        tensor = tensor.detach().cpu()
+        if tensor.dtype == self._torch.bfloat16:  # NumPy has no bfloat16
+            tensor = tensor.float()
+        array: np.ndarray = tensor.numpy()
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+
+def load_module(source: str, device: str = "cpu") -> Any:
+    """The ``nn.Module`` that ``source`` names (see the module doc), on ``device``.
+
+    Raises:
+        ConfigError: on field ``source`` when it cannot be imported or loaded.
+    """
+    import torch
+
+    if is_import_ref(source):
+        factory = import_ref(source)
+        if not callable(factory):
+            raise ConfigError("source", source, "module:factory, a function returning nn.Module")
+        module = factory()
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError(
+                "source", source, f"a factory returning nn.Module, not {type(module).__name__}"
+            )
+        return module
+    path = Path(source)
+    try:
+        if path.suffix == ".pt2":
+            return torch.export.load(str(path)).module()
+        return torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
+    except Exception as error:  # a corrupt or foreign file: say which and why
+        what = "a torch.export .pt2" if path.suffix == ".pt2" else "a TorchScript"
+        raise ConfigError(
+            "source", source, f"{what} file ({type(error).__name__}: {error})"
+        ) from error
+
+
+def torch_factory(
+    source: str,
+    *,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    dtype: str | None = None,
+    output_dtypes: Sequence[np.dtype[Any] | None] | None = None,
+) -> Callable[[str], TorchRunner]:
+    """A per-replica factory for ``Batcher(fn_factory=...)``: each replica loads its own copy.
+
+    A ``module:factory`` source is imported now, so a typo fails before serving starts.
+    """
+    if is_import_ref(source):
+        import_ref(source)
+
+    def make(device: str) -> TorchRunner:
+        return TorchRunner(
+            load_module(source, device),
+            input_names=input_names,
+            output_names=output_names,
+            device=device,
+            dtype=dtype,
+            output_dtypes=output_dtypes,
+        )
+
+    return make

@@ -1,0 +1,110 @@
+"""Served models built from a :class:`~carpool.config.ServeConfig`: one batcher per model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from carpool.config import ModelConfig, ServeConfig, TensorConfig
+from carpool.core.batcher import Batcher
+from carpool.errors import ConfigError
+from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
+from carpool.server.tensors import DATATYPES
+
+PLATFORMS = {"python": "python", "torch": "pytorch", "onnx": "onnxruntime"}
+
+
+def build_repository(config: ServeConfig, *, file: str | None = None) -> ModelRepository:
+    """A repository serving every model ``config`` lists (nothing starts until ``start``).
+
+    Python ``module:attr`` sources and torch ``module:factory`` sources are imported here;
+    weights load on each replica's thread when the batchers start.
+
+    Raises:
+        ConfigError: naming ``models[i].<key>`` (and ``file`` when given) when a model
+            cannot be built: a source that does not import, an unreadable ONNX file.
+    """
+    models = []
+    for i, model in enumerate(config.models):
+        try:
+            models.append(build_model(model))
+        except ConfigError as error:
+            if error.file is not None:
+                raise
+            raise ConfigError(
+                f"models[{i}].{error.field}", error.value, error.expected, file=file
+            ) from error
+    return ModelRepository(models)
+
+
+def build_model(model: ModelConfig) -> ServedModel:
+    """One served model. Raises :class:`ConfigError` naming the model's key that failed."""
+    inputs, outputs = _specs(model)
+    batcher = Batcher(
+        fn_factory=_fn_factory(model, inputs, outputs),
+        policy=model.policy(),
+        name=model.name,
+        devices=model.replica_devices(),
+        collate="dict",
+    )
+    return ServedModel(
+        name=model.name,
+        version=model.version,
+        platform=PLATFORMS[model.kind],
+        inputs=inputs,
+        outputs=outputs,
+        batcher=batcher,
+    )
+
+
+def _tensors(tensors: list[TensorConfig]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(t.name, t.datatype, tuple(t.shape)) for t in tensors)
+
+
+def _specs(model: ModelConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    if model.kind != "onnx":
+        if model.inputs is None or model.outputs is None:  # a hand-built config may lack them
+            missing = "inputs" if model.inputs is None else "outputs"
+            raise ConfigError(missing, None, f"the {missing} of a {model.kind} model")
+        return _tensors(model.inputs), _tensors(model.outputs)
+    from carpool.models.onnx import read_specs
+
+    # Read even when both are declared: a bad file then fails here, before serving starts.
+    read_inputs, read_outputs = read_specs(model.source)
+    inputs = (
+        _tensors(model.inputs)
+        if model.inputs is not None
+        else tuple(TensorSpec(t.name, t.datatype, t.shape) for t in read_inputs)
+    )
+    outputs = (
+        _tensors(model.outputs)
+        if model.outputs is not None
+        else tuple(TensorSpec(t.name, t.datatype, t.shape) for t in read_outputs)
+    )
+    return inputs, outputs
+
+
+def _fn_factory(
+    model: ModelConfig, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]
+) -> Callable[[str], Any]:
+    input_names = [t.name for t in inputs]
+    output_names = [t.name for t in outputs]
+    if model.kind == "python":
+        from carpool.models.python import load_python
+
+        return load_python(model.source)
+    if model.kind == "torch":
+        from carpool.models.torch import torch_factory
+
+        return torch_factory(
+            model.source,
+            input_names=input_names,
+            output_names=output_names,
+            dtype=model.dtype,
+            output_dtypes=[
+                None if t.datatype in ("BYTES", "BF16") else DATATYPES[t.datatype] for t in outputs
+            ],
+        )
+    from carpool.models.onnx import onnx_factory
+
+    return onnx_factory(model.source, input_names=input_names, output_names=output_names)

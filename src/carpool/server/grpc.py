@@ -1,0 +1,322 @@
+"""KServe v2 (Open Inference Protocol) over gRPC, served from the same repository as REST.
+
+Only the wire differs from REST: a ``ModelInferRequest`` is decoded into the same
+:class:`~carpool.server.tensors.InferRequest`, checked by the same ``ServedModel.payload``
+and ``submit_options``, and submitted to the same batcher, so gRPC and HTTP requests share
+batches. Input data comes either raw or typed::
+
+    raw_input_contents = [ bytes of input 0 ][ bytes of input 1 ] ...   one entry per input
+    inputs[i].contents = InferTensorContents{ <type>_contents: [v0, v1, ...] }
+
+Raw bytes are little-endian row-major values (BYTES: per element a 4-byte little-endian
+length, then the bytes; BF16: 2 bytes each, decoded to float32). Outputs always go back
+raw, in ``raw_output_contents``, as Triton answers ``tritonclient``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NoReturn
+
+import grpc  # type: ignore[import-untyped]  # grpcio ships no type hints
+import numpy as np
+import numpy.typing as npt
+
+from carpool import __version__
+from carpool.errors import InvalidInput
+from carpool.server.errors import error_message, grpc_status
+from carpool.server.proto import grpc_service_pb2 as pb
+from carpool.server.proto import grpc_service_pb2_grpc as pb_grpc
+from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
+from carpool.server.tensors import (
+    DATATYPES,
+    InferRequest,
+    InputTensor,
+    RequestedOutput,
+    _to_binary,  # the REST codec's raw encoding, so both wires send identical bytes
+    deserialize_bytes_tensor,
+)
+
+__all__ = [
+    "EXTENSIONS",
+    "MAX_MESSAGE_BYTES",
+    "InferenceServicer",
+    "decode_infer_request",
+    "encode_infer_response",
+    "start_grpc_server",
+]
+
+EXTENSIONS = ["model_configuration", "statistics", "parameters"]
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # as the REST body limit
+
+_KNOWN = ", ".join(DATATYPES)
+# The InferTensorContents field of each datatype; FP16 and BF16 have none (raw only).
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Requests
+
+
+def decode_infer_request(request: pb.ModelInferRequest) -> InferRequest:
+    """Decode a gRPC inference request into the server's wire-neutral form.
+
+    Raises:
+        InvalidInput: the request is malformed; the message names the input and field.
+    """
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput(
+            f"raw_input_contents has {len(raw)} entries but the request has "
+            f"{len(request.inputs)} inputs; send one per input, in input order, or none"
+        )
+    tensors: list[InputTensor] = []
+    seen: set[str] = set()
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name in seen:
+            raise InvalidInput(f"input {tensor.name!r}: name appears more than once in 'inputs'")
+        seen.add(tensor.name)
+        tensors.append(_decode_input(tensor, raw[index] if raw else None))
+    return InferRequest(
+        request_id=request.id or None,
+        inputs=tuple(tensors),
+        outputs=_requested_outputs(request) if request.outputs else None,
+        parameters=_parameters(request.parameters),
+        is_binary_output_default=True,
+    )
+
+
+def _decode_input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> InputTensor:
+    where = f"input {tensor.name!r}"
+    if tensor.datatype not in DATATYPES:
+        raise InvalidInput(f"{where}: datatype {tensor.datatype!r} is not one of {_KNOWN}")
+    if "shared_memory_region" in tensor.parameters:
+        raise InvalidInput(f"{where}: shared memory is not supported; send the data inline")
+    shape = tuple(tensor.shape)
+    if any(dim < 0 for dim in shape):
+        raise InvalidInput(f"{where}: shape must be integers >= 0, got {list(shape)}")
+    num_elements = math.prod(shape)
+    if raw is None:
+        flat = _from_contents(where, tensor.datatype, num_elements, tensor.contents)
+    else:
+        if tensor.HasField("contents"):
+            raise InvalidInput(f"{where}: has both typed contents and raw_input_contents")
+        flat = _from_raw(where, tensor.datatype, num_elements, raw)
+    return InputTensor(tensor.name, tensor.datatype, shape, flat.reshape(shape))
+
+
+def _from_raw(where: str, datatype: str, num_elements: int, raw: bytes) -> npt.NDArray[Any]:
+    if datatype == "BYTES":
+        return deserialize_bytes_tensor(raw, num_elements, what=f"{where}: raw BYTES data")
+    wire = np.dtype("<u2") if datatype == "BF16" else DATATYPES[datatype].newbyteorder("<")
+    expected = num_elements * wire.itemsize
+    if len(raw) != expected:
+        raise InvalidInput(
+            f"{where}: raw_input_contents has {len(raw)} bytes but {num_elements} elements "
+            f"of {datatype} need {expected}"
+        )
+    values = np.frombuffer(raw, dtype=wire, count=num_elements)
+    if datatype == "BF16":
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(DATATYPES[datatype], copy=True)  # owned, native, writable
+
+
+def _from_contents(
+    where: str, datatype: str, num_elements: int, contents: pb.InferTensorContents
+) -> npt.NDArray[Any]:
+    field = _CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise InvalidInput(f"{where}: {datatype} data must be sent as raw_input_contents")
+    others = [f.name for f, _ in contents.ListFields() if f.name != field]
+    if others:
+        raise InvalidInput(f"{where}: {datatype} data belongs in {field}, not {others[0]}")
+    values = getattr(contents, field)
+    if len(values) != num_elements:
+        raise InvalidInput(
+            f"{where}: shape has {num_elements} elements but {field} has {len(values)}"
+        )
+    if datatype == "BYTES":
+        array = np.empty(num_elements, dtype=object)
+        array[:] = list(values)
+        return array
+    dtype = DATATYPES[datatype]
+    if dtype.kind in "iu" and dtype.itemsize < 4 and num_elements:
+        wide = np.array(values, dtype=np.int64)
+        limits = np.iinfo(dtype)
+        if wide.min() < limits.min or wide.max() > limits.max:
+            raise InvalidInput(
+                f"{where}: {datatype} data must be integers in [{limits.min}, {limits.max}]"
+            )
+        return wide.astype(dtype)
+    return np.array(values, dtype=dtype)
+
+
+def _parameter(value: pb.InferParameter) -> Any:
+    choice = value.WhichOneof("parameter_choice")
+    return None if choice is None else getattr(value, choice)
+
+
+def _parameters(parameters: Any) -> dict[str, Any]:
+    return {key: _parameter(value) for key, value in parameters.items()}
+
+
+def _requested_outputs(request: pb.ModelInferRequest) -> tuple[RequestedOutput, ...]:
+    requested: list[RequestedOutput] = []
+    seen: set[str] = set()
+    for output in request.outputs:
+        where = f"output {output.name!r}"
+        if output.name in seen:
+            raise InvalidInput(f"{where}: name appears more than once in 'outputs'")
+        seen.add(output.name)
+        for unsupported in ("classification", "shared_memory_region"):
+            if unsupported in output.parameters and _parameter(output.parameters[unsupported]):
+                raise InvalidInput(f"{where}: parameters.{unsupported} is not supported")
+        requested.append(RequestedOutput(output.name, is_binary=True))
+    return tuple(requested)
+
+
+# ---------------------------------------------------------------------------------------
+# Responses
+
+
+def encode_infer_response(
+    model: ServedModel,
+    request_id: str | None,
+    wanted: list[TensorSpec],
+    result: dict[str, npt.NDArray[Any]],
+) -> pb.ModelInferResponse:
+    """The response carrying ``wanted`` outputs of ``result`` as raw contents."""
+    response = pb.ModelInferResponse(
+        model_name=model.name, model_version=model.version, id=request_id or ""
+    )
+    for spec in wanted:
+        array = np.asarray(result[spec.name])
+        response.outputs.add(name=spec.name, datatype=spec.datatype, shape=array.shape)
+        response.raw_output_contents.append(_to_binary(spec.datatype, array))
+    return response
+
+
+def wanted_outputs(model: ServedModel, request: InferRequest) -> list[TensorSpec]:
+    """The declared outputs the request asked for, all of them when it named none.
+
+    Raises:
+        InvalidInput: an output the model does not declare.
+    """
+    if request.outputs is None:
+        return list(model.outputs)
+    by_name = {spec.name: spec for spec in model.outputs}
+    unknown = [o.name for o in request.outputs if o.name not in by_name]
+    if unknown:
+        raise InvalidInput(
+            f"unknown output {unknown[0]!r} for model {model.name!r}; expected {sorted(by_name)}"
+        )
+    return [by_name[o.name] for o in request.outputs]
+
+
+# ---------------------------------------------------------------------------------------
+# The service
+
+
+class InferenceServicer:
+    """``inference.GRPCInferenceService`` over a :class:`ModelRepository`.
+
+    Errors become gRPC statuses with the REST messages (:func:`grpc_status`). When the
+    client goes away, grpc.aio cancels the handler, which takes a still-queued request out
+    of its batcher before it reaches the model.
+    """
+
+    def __init__(self, repository: ModelRepository) -> None:
+        self.repository = repository
+
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.repository.is_ready)
+
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ModelReadyResponse:
+        try:
+            model = self.repository.get(request.name, request.version or None)
+        except Exception as exc:
+            await _abort(context, exc)
+        return pb.ModelReadyResponse(ready=model.batcher.is_running)
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="carpool", version=__version__, extensions=EXTENSIONS)
+
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ModelMetadataResponse:
+        try:
+            model = self.repository.get(request.name, request.version or None)
+        except Exception as exc:
+            await _abort(context, exc)
+        meta = model.metadata()
+        return pb.ModelMetadataResponse(
+            name=meta["name"],
+            versions=meta["versions"],
+            platform=meta["platform"],
+            inputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in meta["inputs"]],
+            outputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in meta["outputs"]],
+        )
+
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ModelInferResponse:
+        try:
+            model = self.repository.get(request.model_name, request.model_version or None)
+            infer = decode_infer_request(request)
+            payload = model.payload(infer)
+            options = model.submit_options(infer)
+            wanted = wanted_outputs(model, infer)
+            result = await model.batcher.submit_many(payload, **options)
+            return encode_infer_response(model, infer.request_id, wanted, result)
+        except Exception as exc:
+            await _abort(context, exc)
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> NoReturn:
+    """End the RPC with ``exc``'s status and message."""
+    await context.abort(grpc.StatusCode[grpc_status(exc)], error_message(exc))
+    raise AssertionError("grpc.aio's context.abort() returned instead of raising")
+
+
+async def start_grpc_server(repository: ModelRepository, host: str, port: int) -> grpc.aio.Server:
+    """Bind ``host:port`` and start serving ``repository``; the caller stops the server.
+
+    Raises:
+        RuntimeError: the address cannot be bound.
+    """
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    servicer = InferenceServicer(repository)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    if server.add_insecure_port(f"{host}:{port}") == 0:  # older grpcio: 0 instead of raising
+        raise RuntimeError(f"gRPC server could not bind {host}:{port}")
+    await server.start()
+    return server

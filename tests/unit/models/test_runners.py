@@ -1,0 +1,284 @@
+"""The Python, torch and ONNX runners, each against a reference computed another way."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import sys
+import textwrap
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from carpool.errors import ConfigError
+from carpool.models.onnx import OnnxRunner, TensorInfo, onnx_factory, read_specs
+from carpool.models.python import is_factory, load_python
+from carpool.models.torch import TorchRunner, load_module, torch_factory
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def make_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], str]]:
+    """Writes a module to tmp_path and returns its (unique) importable name."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    written: list[str] = []
+
+    def make(source: str) -> str:
+        name = f"carpool_runner_test_{next(_names)}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source), encoding="utf-8")
+        written.append(name)
+        return name
+
+    yield make
+    for name in written:
+        sys.modules.pop(name, None)
+
+
+X = np.arange(12, dtype=np.float32).reshape(3, 4)
+
+# -- python -------------------------------------------------------------------------------
+
+
+def test_python_callable_is_shared_by_every_replica(make_module: Callable[[str], str]) -> None:
+    name = make_module(
+        """
+        def double(inputs):
+            return {"OUTPUT0": inputs["INPUT0"] * 2}
+        """
+    )
+    factory = load_python(f"{name}:double")
+    fn = factory("cpu")
+    assert fn is factory("cuda:1")
+    np.testing.assert_array_equal(fn({"INPUT0": X})["OUTPUT0"], X * 2)
+
+
+def test_python_factory_taking_device_is_called_per_replica(
+    make_module: Callable[[str], str],
+) -> None:
+    name = make_module(
+        """
+        class Scaler:
+            def __init__(self, device):
+                self.device = device
+
+            def __call__(self, inputs):
+                return {"OUTPUT0": inputs["INPUT0"] + 1}
+        """
+    )
+    factory = load_python(f"{name}:Scaler")
+    first, second = factory("cpu"), factory("cuda:0")
+    assert (first.device, second.device) == ("cpu", "cuda:0")  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(first({"INPUT0": X})["OUTPUT0"], X + 1)
+
+
+def test_factory_rule_is_one_parameter_named_device() -> None:
+    def factory(device: str) -> None: ...
+    def fn(inputs: object) -> None: ...
+    def two(device: str, other: int) -> None: ...
+
+    assert is_factory(factory)
+    assert not is_factory(fn)
+    assert not is_factory(two)
+    assert not is_factory(len)
+
+
+@pytest.mark.parametrize(
+    ("source", "reason"),
+    [
+        ("carpool_no_such_module:f", "ModuleNotFoundError"),
+        ("numpy:no_such_name", "'no_such_name' defined in module 'numpy'"),
+        ("numpy:pi", "a callable"),
+    ],
+)
+def test_python_source_errors_name_the_reason(source: str, reason: str) -> None:
+    with pytest.raises(ConfigError, match="source") as caught:
+        load_python(source)
+    assert reason in str(caught.value)
+
+
+# -- torch --------------------------------------------------------------------------------
+
+TORCH_MODULE = """
+    import torch
+    from torch import nn
+
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.linear = nn.Linear(4, 3)
+            self.dropout = nn.Dropout(0.5)  # a no-op only in eval mode
+
+        def forward(self, x, y):
+            h = self.dropout(self.linear(x))
+            return h + y, h.sum(dim=1)
+
+
+    def build():
+        return TwoHeads()
+    """
+
+
+# carpool loads a TorchScript file when a config names one; torch warns that it is deprecated.
+JIT_LOAD_IS_DEPRECATED = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.load` is deprecated:DeprecationWarning"
+)
+
+
+def _reference(name: str, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    import torch
+
+    module = importlib.import_module(name).build().eval()
+    with torch.inference_mode():
+        first, second = module(torch.from_numpy(X), torch.from_numpy(y))
+    return first.numpy(), second.numpy()
+
+
+def _check_two_heads(runner: TorchRunner, name: str) -> None:
+    y = np.ones((3, 3), dtype=np.float32)
+    out = runner({"x": X, "y": y})
+    first, second = _reference(name, y)
+    assert set(out) == {"sum", "total"}
+    np.testing.assert_allclose(out["sum"], first, rtol=1e-6)
+    np.testing.assert_allclose(out["total"], second, rtol=1e-6)
+
+
+def test_torch_runner_from_module_factory(make_module: Callable[[str], str]) -> None:
+    name = make_module(TORCH_MODULE)
+    factory = torch_factory(f"{name}:build", input_names=["x", "y"], output_names=["sum", "total"])
+    _check_two_heads(factory("cpu"), name)
+
+
+@JIT_LOAD_IS_DEPRECATED
+def test_torch_runner_from_torchscript_file(
+    make_module: Callable[[str], str], tmp_path: Path
+) -> None:
+    import torch
+
+    name = make_module(TORCH_MODULE)
+    path = tmp_path / "two_heads.pt"
+    with warnings.catch_warnings():  # TorchScript is deprecated; writing one is test setup
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(torch.jit.script(importlib.import_module(name).build().eval()), str(path))
+    factory = torch_factory(str(path), input_names=["x", "y"], output_names=["sum", "total"])
+    _check_two_heads(factory("cpu"), name)
+
+
+def test_torch_runner_from_torch_export_file(
+    make_module: Callable[[str], str], tmp_path: Path
+) -> None:
+    import torch
+
+    name = make_module(TORCH_MODULE)
+    batch = torch.export.Dim("batch")
+    exported = torch.export.export(
+        importlib.import_module(name).build().eval(),
+        (torch.from_numpy(X), torch.ones(3, 3)),
+        dynamic_shapes=({0: batch}, {0: batch}),
+    )
+    path = tmp_path / "two_heads.pt2"
+    torch.export.save(exported, str(path))
+    factory = torch_factory(str(path), input_names=["x", "y"], output_names=["sum", "total"])
+    _check_two_heads(factory("cpu"), name)
+
+
+def test_torch_runner_casts_to_dtype_and_back_to_declared_outputs(
+    make_module: Callable[[str], str],
+) -> None:
+    name = make_module(TORCH_MODULE)
+    runner = TorchRunner(
+        load_module(f"{name}:build"),
+        input_names=["x", "y"],
+        output_names=["sum", "total"],
+        dtype="float64",
+        output_dtypes=[np.dtype(np.float32), None],
+    )
+    out = runner({"x": X, "y": np.ones((3, 3), dtype=np.float32)})
+    assert (out["sum"].dtype, out["total"].dtype) == (np.float32, np.float64)
+
+
+def test_torch_runner_rejects_a_wrong_number_of_outputs(
+    make_module: Callable[[str], str],
+) -> None:
+    from carpool.errors import ModelError
+
+    name = make_module(TORCH_MODULE)
+    runner = torch_factory(f"{name}:build", input_names=["x", "y"], output_names=["only"])("cpu")
+    with pytest.raises(ModelError, match="returned 2 outputs"):
+        runner({"x": X, "y": np.ones((3, 3), dtype=np.float32)})
+
+
+@JIT_LOAD_IS_DEPRECATED
+def test_torch_source_errors_name_the_reason(
+    make_module: Callable[[str], str], tmp_path: Path
+) -> None:
+    name = make_module("def build():\n    return 42\n")
+    with pytest.raises(ConfigError, match=r"returning nn\.Module, not int"):
+        load_module(f"{name}:build")
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(b"not a model")
+    with pytest.raises(ConfigError, match="TorchScript"):
+        load_module(str(broken))
+
+
+# -- onnx ---------------------------------------------------------------------------------
+
+W = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+B = np.array([0.5, -1.0, 2.0], dtype=np.float32)
+
+
+def write_affine_onnx(path: Path, *, batch_dim: str | int = "batch") -> Path:
+    """``Y = X @ W + B`` with X ``[batch, 4]`` float32 and Y ``[batch, 3]``."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["X", "W"], ["XW"]),
+            helper.make_node("Add", ["XW", "B"], ["Y"]),
+        ],
+        "affine",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [batch_dim, 4])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [batch_dim, 3])],
+        initializer=[numpy_helper.from_array(W, "W"), numpy_helper.from_array(B, "B")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def test_onnx_runner_matches_numpy(tmp_path: Path) -> None:
+    path = write_affine_onnx(tmp_path / "affine.onnx")
+    runner = onnx_factory(str(path), input_names=["X"], output_names=["Y"])("cpu")
+    np.testing.assert_allclose(runner({"X": X})["Y"], X @ W + B, rtol=1e-6)
+
+
+def test_onnx_runner_reads_names_from_the_file(tmp_path: Path) -> None:
+    runner = OnnxRunner(str(write_affine_onnx(tmp_path / "affine.onnx")))
+    assert (runner.input_names, runner.output_names) == (["X"], ["Y"])
+
+
+def test_onnx_specs_are_read_from_the_file_without_the_batch_dim(tmp_path: Path) -> None:
+    inputs, outputs = read_specs(str(write_affine_onnx(tmp_path / "affine.onnx")))
+    assert inputs == [TensorInfo("X", "FP32", (4,))]
+    assert outputs == [TensorInfo("Y", "FP32", (3,))]
+
+
+def test_onnx_fixed_batch_dim_is_refused(tmp_path: Path) -> None:
+    path = write_affine_onnx(tmp_path / "fixed.onnx", batch_dim=1)
+    with pytest.raises(ConfigError, match="dynamic first"):
+        read_specs(str(path))
+
+
+def test_onnx_unreadable_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "broken.onnx"
+    path.write_bytes(b"not a model")
+    with pytest.raises(ConfigError, match="an ONNX model file"):
+        read_specs(str(path))

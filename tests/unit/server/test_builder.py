@@ -1,0 +1,41 @@
+"""Served models built from a config: tensors, policy, placement, and errors naming the key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from carpool.config import parse_config
+from carpool.errors import ConfigError
+from carpool.server.builder import build_repository
+
+
+def _config(**model: Any) -> Any:
+    base = {
+        "name": "m",
+        "kind": "python",
+        "source": "numpy:copy",
+        "inputs": [{"name": "X", "datatype": "FP32", "shape": [-1]}],
+        "outputs": [{"name": "Y", "datatype": "FP32", "shape": [-1]}],
+    }
+    return parse_config({"models": [{**base, **model}]})
+
+
+def test_builds_a_served_model_per_config_entry() -> None:
+    repository = build_repository(
+        _config(max_batch_size=8, max_delay_s=0.01, devices=["cpu", "cpu"], version=3)
+    )
+    model = repository.get("m", "3")
+    assert model.platform == "python"
+    assert model.metadata()["inputs"] == [{"name": "X", "datatype": "FP32", "shape": [-1, -1]}]
+    assert model.batcher.policy.max_batch_size == 8
+    assert model.batcher.policy.max_delay_s == 0.01
+    assert model.batcher.num_replicas == 2
+
+
+def test_source_that_does_not_import_names_the_model_key() -> None:
+    with pytest.raises(ConfigError) as caught:
+        build_repository(_config(source="carpool_no_such_module:f"), file="serve.yaml")
+    assert str(caught.value).startswith("serve.yaml: invalid models[0].source=")
+    assert "ModuleNotFoundError" in str(caught.value)

@@ -1,0 +1,228 @@
+"""``carpool serve CONFIG.yaml``: reading and validating the file."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import yaml
+
+from carpool.config import Datatype, ServeConfig, load_config, parse_config
+from carpool.core.policy import BatchPolicy, ClassPolicy
+from carpool.errors import ConfigError
+from carpool.server.tensors import DATATYPES
+
+VALID = """\
+models:
+  - name: doubler
+    kind: python
+    source: mypkg.mod:double
+    version: "2"
+    inputs: [{name: INPUT0, datatype: FP32, shape: [-1]}]
+    outputs: [{name: OUTPUT0, datatype: FP32, shape: [-1]}]
+    max_batch_size: 64
+    max_delay_s: 0.002
+    preferred_batch_sizes: [16, 32]
+    max_queue_size: 1000
+    timeout_s: 1.5
+    fill_from_lower: false
+    classes:
+      - {name: high, max_delay_s: 0.001, slo_s: 0.05}
+      - {name: low, share: 0.5, max_wait_s: 2}
+    default_class: low
+    devices: [cpu, cpu]
+  - name: classifier
+    kind: onnx
+    source: model.onnx
+    device: cpu
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "serve.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def config_dir(tmp_path: Path) -> Path:
+    (tmp_path / "model.onnx").write_bytes(b"")  # only its existence is checked here
+    return tmp_path
+
+
+def _error(path: Path) -> ConfigError:
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    return caught.value
+
+
+def _with_model_line(line: str) -> str:
+    """The valid file with one more key for the first model."""
+    return VALID.replace('    version: "2"\n', f'    version: "2"\n    {line}\n')
+
+
+def test_reads_every_field_into_typed_values(config_dir: Path) -> None:
+    config = load_config(_write(config_dir, VALID))
+    doubler, classifier = config.models
+    assert (doubler.name, doubler.kind, doubler.source, doubler.version) == (
+        "doubler",
+        "python",
+        "mypkg.mod:double",
+        "2",
+    )
+    assert doubler.inputs is not None and doubler.inputs[0].shape == [-1]
+    assert doubler.replica_devices() == ["cpu", "cpu"]
+    assert doubler.policy() == BatchPolicy(
+        max_batch_size=64,
+        max_delay_s=0.002,
+        preferred_batch_sizes=(16, 32),
+        max_queue_size=1000,
+        timeout_s=1.5,
+        fill_from_lower=False,
+        classes=(
+            ClassPolicy("high", max_delay_s=0.001, slo_s=0.05),
+            ClassPolicy("low", share=0.5, max_wait_s=2.0),
+        ),
+        default_class="low",
+    )
+    assert classifier.inputs is None and classifier.outputs is None
+    assert classifier.source == str((config_dir / "model.onnx").resolve())
+
+
+def test_left_out_policy_fields_are_batch_policy_defaults(config_dir: Path) -> None:
+    config = load_config(_write(config_dir, VALID))
+    assert config.models[1].policy() == BatchPolicy()
+    assert config.models[1].replica_devices() == ["cpu"]
+
+
+def test_round_trips_through_yaml(config_dir: Path) -> None:
+    config = load_config(_write(config_dir, VALID))
+    dumped = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    again = load_config(_write(config_dir, dumped, "again.yaml"))
+    assert again == config
+
+
+def test_integer_version_reads_as_a_string(config_dir: Path) -> None:
+    config = load_config(_write(config_dir, VALID.replace('version: "2"', "version: 3")))
+    assert config.models[0].version == "3"
+
+
+def test_config_datatypes_are_the_server_datatypes() -> None:
+    assert set(get_args(Datatype)) == set(DATATYPES)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "reason"),
+    [
+        (_with_model_line("max_dealy_s: 0.002"), "models[0].max_dealy_s", "'max_delay_s'"),
+        (
+            VALID.replace("max_batch_size: 64", "max_batch_size: many"),
+            "models[0].max_batch_size",
+            "integer",
+        ),
+        (
+            VALID.replace("max_batch_size: 64", "max_batch_size: true"),
+            "models[0].max_batch_size",
+            "integer",
+        ),
+        (
+            VALID.replace("max_delay_s: 0.002", "max_delay_s: -0.5"),
+            "models[0].max_delay_s",
+            "greater than or equal to 0",
+        ),
+        (
+            VALID.replace("name: classifier", "name: doubler"),
+            "models[1].name",
+            "models[0] has it",
+        ),
+        (VALID.replace("kind: onnx", "kind: tensorflow"), "models[1].kind", "'python'"),
+        (
+            VALID.replace("    inputs: [{name: INPUT0, datatype: FP32, shape: [-1]}]\n", ""),
+            "models[0].inputs",
+            "cannot tell its inputs",
+        ),
+        (
+            VALID.replace(
+                "datatype: FP32, shape: [-1]}]\n    outputs",
+                "datatype: F32, shape: [-1]}]\n    outputs",
+            ),
+            "models[0].inputs[0].datatype",
+            "'FP32'",
+        ),
+        (
+            VALID.replace("shape: [-1]}]\n    outputs", "shape: [-2]}]\n    outputs"),
+            "models[0].inputs[0].shape",
+            ">= -1",
+        ),
+        (
+            VALID.replace("preferred_batch_sizes: [16, 32]", "preferred_batch_sizes: [128]"),
+            "models[0].preferred_batch_sizes",
+            "no larger than max_batch_size=64",
+        ),
+        (
+            VALID.replace("default_class: low", "default_class: normal"),
+            "models[0].default_class",
+            "one of ['high', 'low']",
+        ),
+        (
+            VALID.replace("share: 0.5", "share: 2"),
+            "models[0].classes[1].share",
+            "less than or equal to 1",
+        ),
+        (_with_model_line("num_replicas: 3"), "models[0].num_replicas", "one replica per"),
+        (_with_model_line("dtype: float16"), "models[0].dtype", "only torch"),
+        (VALID.replace("source: model.onnx", "source: gone.onnx"), "models[1].source", "gone"),
+        (
+            VALID.replace("source: mypkg.mod:double", "source: double.py"),
+            "models[0].source",
+            "module:attr",
+        ),
+        (VALID.replace("    source: model.onnx\n", ""), "models[1].source", "required"),
+        ("models: []\n", "models", "at least 1 item"),
+        ("", "(top level)", "dictionary"),
+        ("models:\n  - name: [\n", "line 3", "valid YAML"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and len(v) < 40 and "\n" not in v else "",
+)
+def test_errors_name_file_key_and_reason(
+    config_dir: Path, text: str, key: str, reason: str
+) -> None:
+    path = _write(config_dir, text)
+    error = _error(path)
+    message = str(error)
+    assert message.startswith(f"{path}: invalid {key}")
+    assert reason in message
+    assert error.file == str(path)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    error = _error(tmp_path / "nope.yaml")
+    assert error.field == "file" and "nope.yaml" in str(error)
+
+
+def test_reports_how_many_more_problems_there_are(config_dir: Path) -> None:
+    text = VALID.replace("max_delay_s: 0.002", "max_delay_s: -1").replace(
+        "max_batch_size: 64", "max_batch_size: 0"
+    )
+    assert "1 more problem" in str(_error(_write(config_dir, text)))
+
+
+def test_parse_config_checks_a_dict() -> None:
+    with pytest.raises(ConfigError, match=r"<config>: invalid models\[0\].source"):
+        parse_config({"models": [{"name": "m", "kind": "python"}]})
+    config = parse_config(
+        {
+            "models": [
+                {
+                    "name": "m",
+                    "kind": "python",
+                    "source": "a:b",
+                    "inputs": [{"name": "X", "datatype": "INT64", "shape": []}],
+                    "outputs": [{"name": "Y", "datatype": "INT64", "shape": []}],
+                }
+            ]
+        }
+    )
+    assert isinstance(config, ServeConfig)
