@@ -1,7 +1,9 @@
-"""Python models that tests/integration/test_serve_config.py serves from a config file."""
+"""Python models that the integration tests serve from a config file."""
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -10,3 +12,30 @@ import numpy as np
 def double(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
     """A batched callable: ``OUTPUT0 = 2 * INPUT0``."""
     return {"OUTPUT0": inputs["INPUT0"] * 2}
+
+
+def identity(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Every ``IN_<x>`` comes back as ``OUT_<x>``, unchanged."""
+    return {"OUT_" + name.removeprefix("IN_"): value for name, value in inputs.items()}
+
+
+def slow_double(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+    """``OUTPUT0 = 2 * INPUT0``, sleeping 20 ms per batch so requests pile up in flight."""
+    time.sleep(0.02)
+    return {"OUTPUT0": inputs["INPUT0"] * 2}
+
+
+GATE_WAIT_LIMIT_S = 30.0
+
+
+def gated(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+    """``Y = X``. Appends every value it sees to the file ``$CARPOOL_TEST_SEEN``, then
+    blocks while the file ``$CARPOOL_TEST_GATE`` exists (at most 30 s)."""
+    x = inputs["X"]
+    with open(os.environ["CARPOOL_TEST_SEEN"], "a", encoding="utf-8") as seen:
+        seen.writelines(f"{int(v)}\n" for v in x.ravel())
+    gate = os.environ["CARPOOL_TEST_GATE"]
+    limit = time.monotonic() + GATE_WAIT_LIMIT_S
+    while os.path.exists(gate) and time.monotonic() < limit:
+        time.sleep(0.005)
+    return {"Y": x}

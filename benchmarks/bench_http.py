@@ -1,0 +1,234 @@
+"""W1 over HTTP: `carpool serve` on one core, Debian's `wrk` on the other.
+
+Closed-loop concurrency 1, 16, 64 and 256 against POST /v2/models/mlp/infer with a
+pre-encoded binary KServe v2 body (one request = 1 x 256 float32, what tritonclient sends
+by default). Reports req/s, p50/p99 from wrk, and the mean batch size from the server's
+own statistics; the offline W1 ceiling at batch 64 is measured in the same run for a ratio.
+
+    .venv/bin/python benchmarks/bench_http.py [--duration-s 8] [--json PATH]
+
+Needs `wrk` (apt-get install wrk) and `taskset` (util-linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_JSON = ROOT / "benchmarks" / "results" / "http.json"
+CONCURRENCY = (1, 16, 64, 256)
+SERVER_CPU, LOAD_CPU = "0", "1"
+
+LUA = """
+local f = io.open("{body}", "rb")
+wrk.method = "POST"
+wrk.body = f:read("*all")
+f:close()
+wrk.headers["Content-Type"] = "application/octet-stream"
+wrk.headers["Inference-Header-Content-Length"] = "{header_length}"
+"""
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "server_cpu": SERVER_CPU,
+        "load_cpu": LOAD_CPU,
+        "wrk": subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split(
+            "\n"
+        )[0],
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _body(path: Path) -> int:
+    import tritonclient.http as httpclient
+
+    x = np.random.default_rng(0).standard_normal((1, 256), dtype=np.float32)
+    tensor = httpclient.InferInput("INPUT0", [1, 256], "FP32")
+    tensor.set_data_from_numpy(x, binary_data=True)
+    output = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
+    body, json_size = httpclient.InferenceServerClient.generate_request_body([tensor], [output])
+    path.write_bytes(body)
+    return int(json_size)
+
+
+def _offline_ceiling(seconds: float = 3.0) -> float:
+    import torch
+
+    from carpool.models.mlp import W1Runner
+
+    torch.set_num_threads(1)
+    os.sched_setaffinity(0, {int(SERVER_CPU)})
+    runner = W1Runner()
+    x = np.random.default_rng(1).standard_normal((64, 256), dtype=np.float32)
+    for _ in range(5):
+        runner(x)
+    start, done = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        runner(x)
+        done += 64
+    rate = done / (time.perf_counter() - start)
+    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    return rate
+
+
+def _stats(url: str) -> tuple[int, int]:
+    stats = httpx.get(f"{url}/v2/models/mlp/stats").json()["model_stats"][0]
+    return int(stats["inference_count"]), int(stats["execution_count"])
+
+
+def _ms(text: str) -> float:
+    number, unit = re.fullmatch(r"([0-9.]+)(us|ms|s)", text.strip()).groups()  # type: ignore[union-attr]
+    return float(number) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
+
+
+def _wrk(url: str, script: Path, connections: int, duration_s: float) -> dict[str, float]:
+    out = subprocess.run(
+        [
+            "taskset",
+            "-c",
+            LOAD_CPU,
+            "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{duration_s:g}s",
+            "--latency",
+            "-s",
+            str(script),
+            f"{url}/v2/models/mlp/infer",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rate = float(re.search(r"Requests/sec:\s+([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    p50 = _ms(re.search(r"50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    p99 = _ms(re.search(r"99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    return {
+        "rate_rps": rate,
+        "p50_ms": p50,
+        "p99_ms": p99,
+        "non_2xx": int(errors.group(1)) if errors else 0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--duration-s", type=float, default=8.0)
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = parser.parse_args()
+    if shutil.which("wrk") is None or shutil.which("taskset") is None:
+        sys.exit("bench_http needs wrk and taskset: apt-get install wrk util-linux")
+    machine = _machine()
+    print(f"machine: {machine}")
+    ceiling = _offline_ceiling()
+    print(f"offline W1 ceiling at batch 64 on cpu {SERVER_CPU}: {ceiling:.0f} items/s")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen(
+        [
+            "taskset",
+            "-c",
+            SERVER_CPU,
+            sys.executable,
+            "-m",
+            "carpool.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--grpc-port",
+            "0",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    rows = []
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        with tempfile.TemporaryDirectory() as tmp:
+            body = Path(tmp) / "body.bin"
+            header_length = _body(body)
+            script = Path(tmp) / "post.lua"
+            script.write_text(LUA.format(body=body, header_length=header_length))
+            _wrk(url, script, 16, 2.0)  # warm-up
+            for connections in CONCURRENCY:
+                before = _stats(url)
+                result = _wrk(url, script, connections, args.duration_s)
+                after = _stats(url)
+                items, batches = after[0] - before[0], after[1] - before[1]
+                result["mean_batch_size"] = items / batches if batches else 0.0
+                result["concurrency"] = connections
+                result["ratio_to_ceiling"] = result["rate_rps"] / ceiling
+                rows.append(result)
+                print(
+                    f"concurrency {connections:>3}: {result['rate_rps']:8.0f} req/s  "
+                    f"p50 {result['p50_ms']:7.2f} ms  p99 {result['p99_ms']:7.2f} ms  "
+                    f"mean batch {result['mean_batch_size']:5.1f}  "
+                    f"{result['ratio_to_ceiling']:.2f} of ceiling  non-2xx {result['non_2xx']}"
+                )
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "ceiling_items_per_s": ceiling,
+                "rows": rows,
+                "duration_s": args.duration_s,
+                "command": " ".join(sys.argv),
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

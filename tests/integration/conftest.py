@@ -1,0 +1,137 @@
+"""Shared helper: `carpool serve CONFIG.yaml` as a subprocess on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+HERE = Path(__file__).resolve().parent
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServedProcess:
+    """A running `carpool serve`; its stdout and stderr go to ``log``."""
+
+    process: subprocess.Popen[bytes]
+    http_url: str
+    grpc_url: str | None
+    log: Path
+    stopped: bool = field(default=False)
+
+    def output(self) -> str:
+        return self.log.read_text(encoding="utf-8", errors="replace")
+
+    def stop(self) -> int:
+        """SIGTERM, then the exit status (killed after STOP_TIMEOUT_S: a failure)."""
+        if self.stopped:
+            return self.process.returncode
+        self.stopped = True
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            pytest.fail(f"carpool serve did not exit after SIGTERM:\n{self.output()}")
+
+
+StartServer = Callable[..., ServedProcess]
+
+
+def start_served_process(
+    config_text: str, folder: Path, *, grpc: bool = False, env: dict[str, str] | None = None
+) -> ServedProcess:
+    """Write ``config_text`` to ``folder/serve.yaml`` and serve it on 127.0.0.1 (HTTP, and
+    gRPC when ``grpc``); python model sources import from this folder (configmodels)."""
+    config = folder / "serve.yaml"
+    config.write_text(config_text, encoding="utf-8")
+    port = free_port()
+    grpc_port = free_port() if grpc else 0
+    paths = [str(HERE), os.environ.get("PYTHONPATH", "")]
+    full_env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+        **(env or {}),
+    }
+    log = folder / f"serve-{port}.log"
+    command = [sys.executable, "-m", "carpool.cli", "serve", str(config)]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port)]
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, env=full_env, cwd=str(folder)
+        )
+    served = ServedProcess(
+        process,
+        f"127.0.0.1:{port}",
+        f"127.0.0.1:{grpc_port}" if grpc else None,
+        log,
+    )
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _is_ready(served):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            pytest.fail(f"carpool serve did not become ready:\n{served.output()}")
+        time.sleep(0.1)  # polling a subprocess's readiness, not a timing assertion
+    return served
+
+
+def _is_ready(served: ServedProcess) -> bool:
+    try:
+        response = httpx.get(f"http://{served.http_url}/v2/health/ready", timeout=1.0)
+    except httpx.TransportError:
+        return False
+    if response.status_code != 200:
+        return False
+    if served.grpc_url is None:
+        return True
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(served.grpc_url)
+    try:
+        return bool(client.is_server_ready(client_timeout=1.0))
+    except InferenceServerException:
+        return False
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[StartServer]:
+    """``start_server(config_text, grpc=..., env=...)`` starts a server for this test; the
+    ones the test did not stop itself are stopped afterwards and must exit 0."""
+    started: list[ServedProcess] = []
+
+    def start(
+        config_text: str, *, grpc: bool = False, env: dict[str, str] | None = None
+    ) -> ServedProcess:
+        folder = tmp_path / f"server{len(started)}"
+        folder.mkdir()
+        served = start_served_process(config_text, folder, grpc=grpc, env=env)
+        started.append(served)
+        return served
+
+    yield start
+    for served in started:
+        if not served.stopped:
+            assert served.stop() == 0, served.output()
