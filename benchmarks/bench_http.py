@@ -112,8 +112,11 @@ def _stats(url: str) -> tuple[int, int]:
 
 
 def _ms(text: str) -> float:
-    number, unit = re.fullmatch(r"([0-9.]+)(us|ms|s)", text.strip()).groups()  # type: ignore[union-attr]
-    return float(number) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
+    match = re.fullmatch(r"([0-9.]+)(us|ms|s|m)", text.strip())
+    if match is None:
+        raise ValueError(f"unexpected wrk latency {text!r}")
+    number, unit = match.groups()
+    return float(number) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
 
 
 def _wrk(url: str, script: Path, connections: int, duration_s: float) -> dict[str, float]:
@@ -136,8 +139,8 @@ def _wrk(url: str, script: Path, connections: int, duration_s: float) -> dict[st
         check=True,
     ).stdout
     rate = float(re.search(r"Requests/sec:\s+([0-9.]+)", out).group(1))  # type: ignore[union-attr]
-    p50 = _ms(re.search(r"50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
-    p99 = _ms(re.search(r"99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    p50 = _ms(re.search(r"^\s*50%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
+    p99 = _ms(re.search(r"^\s*99%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     return {
         "rate_rps": rate,
