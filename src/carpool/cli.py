@@ -1,58 +1,71 @@
-"""The ``carpool`` command.
+"""The ``carpool`` command (typer).
 
 ``carpool serve [CONFIG.yaml]`` serves the models a config lists (the built-in ones without
-one) over KServe v2; ``carpool demo`` shows what batching buys on the reference MLP.
+one) over KServe v2 HTTP and gRPC; ``carpool demo`` shows what batching buys on the
+reference MLP.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
+
+import typer
 
 from carpool import __version__
 
 if TYPE_CHECKING:
     from carpool.server.repository import ModelRepository
 
+app = typer.Typer(
+    name="carpool",
+    help="carpool: requests that share the ride.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="carpool", description="requests that share the ride")
-    parser.add_argument("--version", action="version", version=f"carpool {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser(
-        "demo", help="run the reference MLP unbatched, then batched", add_help=False
-    )
-    serve = commands.add_parser(
-        "serve",
-        help="serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC",
-    )
-    serve.add_argument(
-        "config", nargs="?", metavar="CONFIG", help="YAML file listing the models to serve"
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    serve.add_argument(
-        "--grpc-port", type=int, default=8001, help="gRPC port (default 8001; 0 or less: no gRPC)"
-    )
-    serve.add_argument("--log-level", default="warning", help="uvicorn log level")
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        from carpool.tools.demo import main as demo_main
 
-        demo_main(rest)
-    elif args.command == "serve":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        from carpool.server.run import serve as run_server
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"carpool {__version__}")
+        raise typer.Exit()
 
-        run_server(
-            _repository(args.config),
-            host=args.host,
-            port=args.port,
-            grpc_port=args.grpc_port,
-            log_level=args.log_level,
-        )
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    """carpool: requests that share the ride."""
+
+
+@app.command()
+def serve(
+    config: Annotated[
+        str | None, typer.Argument(metavar="CONFIG", help="YAML file listing the models to serve.")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="gRPC port; 0 or less: no gRPC.")] = 8001,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
+) -> None:
+    """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
+    from carpool.server.run import serve as run_server
+
+    run_server(_repository(config), host=host, port=port, grpc_port=grpc_port, log_level=log_level)
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def demo(ctx: typer.Context) -> None:
+    """Run the reference MLP one request at a time, then batched (--help for options)."""
+    from carpool.tools.demo import main as demo_main
+
+    demo_main(list(ctx.args))
 
 
 def _repository(config_path: str | None) -> ModelRepository:
@@ -72,6 +85,10 @@ def _repository(config_path: str | None) -> ModelRepository:
     except ConfigError as error:
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    app(args=argv, prog_name="carpool")
 
 
 if __name__ == "__main__":
