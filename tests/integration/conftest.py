@@ -57,12 +57,20 @@ StartServer = Callable[..., ServedProcess]
 
 
 def start_served_process(
-    config_text: str, folder: Path, *, grpc: bool = False, env: dict[str, str] | None = None
+    config_text: str | None,
+    folder: Path,
+    *,
+    grpc: bool = False,
+    env: dict[str, str] | None = None,
 ) -> ServedProcess:
     """Write ``config_text`` to ``folder/serve.yaml`` and serve it on 127.0.0.1 (HTTP, and
-    gRPC when ``grpc``); python model sources import from this folder (configmodels)."""
-    config = folder / "serve.yaml"
-    config.write_text(config_text, encoding="utf-8")
+    gRPC when ``grpc``); python model sources import from this folder (configmodels).
+    With ``config_text=None`` the built-in models are served."""
+    config_args: list[str] = []
+    if config_text is not None:
+        config = folder / "serve.yaml"
+        config.write_text(config_text, encoding="utf-8")
+        config_args = [str(config)]
     port = free_port()
     grpc_port = free_port() if grpc else 0
     paths = [str(HERE), os.environ.get("PYTHONPATH", "")]
@@ -73,7 +81,7 @@ def start_served_process(
         **(env or {}),
     }
     log = folder / f"serve-{port}.log"
-    command = [sys.executable, "-m", "carpool.cli", "serve", str(config)]
+    command = [sys.executable, "-m", "carpool.cli", "serve", *config_args]
     command += ["--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port)]
     with log.open("wb") as sink:
         process = subprocess.Popen(

@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from queue import Queue
 
 import httpx
@@ -18,69 +11,21 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-START_TIMEOUT_S = 60.0
+from .conftest import ServedProcess, start_served_process
 
-
-@dataclass(frozen=True)
-class Server:
-    http_url: str
-    grpc_url: str
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _is_grpc_ready(url: str) -> bool:
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        return bool(client.is_server_ready(client_timeout=1.0))
-    except InferenceServerException:
-        return False
-    finally:
-        client.close()
+Server = ServedProcess
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    port, grpc_port = _free_port(), _free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "carpool.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--grpc-port",
-            str(grpc_port),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    urls = Server(f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}")
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not _is_grpc_ready(urls.grpc_url):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            process.wait()
-            out = process.stdout.read().decode() if process.stdout else ""
-            if process.stdout is not None:
-                process.stdout.close()
-            pytest.fail(f"carpool serve did not become ready over gRPC:\n{out}")
-        time.sleep(0.1)  # polling a subprocess's readiness, not a timing assertion
-    yield urls
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0
-    if process.stdout is not None:
-        process.stdout.close()
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
+    served = start_served_process(None, tmp_path_factory.mktemp("serve-grpc"), grpc=True)
+    yield served
+    assert served.stop() == 0, served.output()
 
 
 @pytest.fixture
 def client(server: Server) -> Iterator[grpcclient.InferenceServerClient]:
+    assert server.grpc_url is not None
     client = grpcclient.InferenceServerClient(server.grpc_url)
     yield client
     client.close()

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -17,45 +13,14 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-START_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from .conftest import start_served_process
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port), "--grpc-port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            if httpx.get(f"http://{url}/v2/health/ready", timeout=1.0).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            process.wait()
-            out = process.stdout.read().decode() if process.stdout else ""
-            if process.stdout is not None:
-                process.stdout.close()
-            pytest.fail(f"carpool serve did not become ready:\n{out}")
-        time.sleep(0.1)  # polling a subprocess's readiness, not a timing assertion
-    yield url
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0
-    if process.stdout is not None:
-        process.stdout.close()
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    served = start_served_process(None, tmp_path_factory.mktemp("serve-http"))
+    yield served.http_url
+    assert served.stop() == 0, served.output()
 
 
 @pytest.fixture
@@ -206,7 +171,6 @@ def test_metrics_parse_and_count_what_was_served(
 
 def test_readme_client_example_runs_against_the_server(server: str) -> None:
     import re
-    import subprocess
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
