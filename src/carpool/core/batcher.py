@@ -23,9 +23,10 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
+from carpool.core.admission import deadline, inspect_payload, request_cost
 from carpool.core.clock import Clock, MonotonicClock
 from carpool.core.collate import Collator, OutputCountMismatch, collator_for
-from carpool.core.policy import BatchPolicy, ClassLimits
+from carpool.core.policy import BatchPolicy
 from carpool.core.queues import Queues
 from carpool.core.replicas import (
     BatchFn,
@@ -327,10 +328,14 @@ class Batcher:
             raise InvalidInput(
                 f"unknown priority {priority!r}: expected one of {list(policy.limits)}"
             )
+        collator = self._collator
+        if collator is None:
+            collator = self._collator = collator_for(self._collate, payload)
+        now = self._clock.now()
         try:
-            num_items, signature = self._inspect(payload, is_many)
-            cost = self._cost(payload, num_items, cost, limits)
-            deadline_s, now = self._deadline(timeout_s, limits)
+            num_items, signature = inspect_payload(collator, payload, is_many)
+            cost = request_cost(policy, limits, payload, num_items, cost)
+            deadline_s = deadline(now, timeout_s, limits)
         except InvalidInput:
             self._telemetry.rejected(limits.name, "invalid")
             raise
@@ -358,58 +363,6 @@ class Batcher:
         if self._idle:
             self._wake_one()
         return request
-
-    def _inspect(self, payload: Any, is_many: bool) -> tuple[int, Hashable]:
-        collator = self._collator
-        if collator is None:
-            collator = self._collator = collator_for(self._collate, payload)
-        try:
-            num_items = collator.num_items(payload) if is_many else 1
-            signature = collator.signature(payload, is_many)
-        except (TypeError, ValueError, IndexError, AttributeError) as exc:
-            raise InvalidInput(f"payload cannot be batched ({type(exc).__name__}: {exc})") from exc
-        if num_items < 1:
-            raise InvalidInput("submit_many got 0 items; expected at least one along axis 0")
-        return num_items, signature
-
-    def _cost(self, payload: Any, num_items: int, cost: float | None, limits: ClassLimits) -> float:
-        if num_items > limits.max_batch_size:
-            raise InvalidInput(
-                f"the request carries {num_items} items, more than max_batch_size="
-                f"{limits.max_batch_size} of class {limits.name!r}; split it into smaller requests"
-            )
-        policy = self._policy
-        if cost is None and policy.cost_fn is not None:
-            try:
-                cost = float(policy.cost_fn(payload))
-            except (TypeError, ValueError, AttributeError, IndexError, KeyError) as exc:
-                raise InvalidInput(
-                    f"cost_fn could not price this payload ({type(exc).__name__}: {exc})"
-                ) from exc
-        elif cost is None:
-            cost = num_items
-        if isinstance(cost, bool) or not (
-            isinstance(cost, int | float) and math.isfinite(cost) and cost >= 0
-        ):
-            raise InvalidInput(f"cost={cost!r}: expected a finite number >= 0")
-        if policy.max_batch_cost is not None and cost > policy.max_batch_cost:
-            raise InvalidInput(
-                f"the request costs {cost:g}, more than max_batch_cost={policy.max_batch_cost:g}; "
-                "it could never fit in a batch"
-            )
-        return float(cost)
-
-    def _deadline(self, timeout_s: float | None, limits: ClassLimits) -> tuple[float | None, float]:
-        now = self._clock.now()
-        if timeout_s is None:
-            timeout_s = limits.timeout_s
-            if timeout_s is None:
-                return None, now
-        elif isinstance(timeout_s, bool) or not (
-            isinstance(timeout_s, int | float) and timeout_s > 0 and math.isfinite(timeout_s)
-        ):
-            raise InvalidInput(f"timeout_s={timeout_s!r}: expected a finite number of seconds > 0")
-        return now + timeout_s, now
 
     # -- replica loop -----------------------------------------------------------------
 

@@ -1,0 +1,57 @@
+"""Admission checks, called directly: each names what was wrong and what was expected."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from carpool import BatchPolicy, ClassPolicy, InvalidInput
+from carpool.core.admission import deadline, inspect_payload, request_cost
+from carpool.core.collate import ListCollator, NumpyCollator
+
+
+def test_inspect_counts_items_along_axis_0_and_signs_by_trailing_shape() -> None:
+    items, signature = inspect_payload(NumpyCollator(), np.ones((3, 4), np.float32), True)
+    assert items == 3
+    assert signature == inspect_payload(NumpyCollator(), np.zeros((5, 4), np.float32), True)[1]
+
+
+def test_inspect_refuses_zero_items_and_unbatchable_payloads() -> None:
+    with pytest.raises(InvalidInput, match="0 items"):
+        inspect_payload(ListCollator(), [], True)
+    with pytest.raises(InvalidInput, match="cannot be batched"):
+        inspect_payload(ListCollator(), 5, True)  # len(5)
+
+
+def test_cost_defaults_to_items_then_cost_fn_then_the_keyword() -> None:
+    policy = BatchPolicy(max_batch_size=8, max_batch_cost=100.0)
+    limits = policy.class_limits(None)
+    assert request_cost(policy, limits, "abc", 2, None) == 2.0
+    priced = policy.replace(cost_fn=len)
+    assert request_cost(priced, priced.class_limits(None), "abc", 1, None) == 3.0
+    assert request_cost(priced, priced.class_limits(None), "abc", 1, 7) == 7.0
+
+
+@pytest.mark.parametrize(
+    ("num_items", "cost", "fragment"),
+    [(9, None, "more than max_batch_size=8"), (1, 101.0, "max_batch_cost=100"), (1, -1, "cost=")],
+)
+def test_cost_refuses_what_could_never_fit(
+    num_items: int, cost: float | None, fragment: str
+) -> None:
+    policy = BatchPolicy(max_batch_size=8, max_batch_cost=100.0)
+    with pytest.raises(InvalidInput, match=fragment):
+        request_cost(policy, policy.class_limits(None), None, num_items, cost)
+
+
+def test_deadline_uses_the_class_default_and_validates_the_keyword() -> None:
+    policy = BatchPolicy(classes=(ClassPolicy("only", timeout_s=2.0),), default_class="only")
+    limits = policy.class_limits(None)
+    assert deadline(10.0, None, limits) == 12.0
+    assert deadline(10.0, 0.5, limits) == 10.5
+    assert deadline(10.0, None, BatchPolicy().class_limits(None)) is None
+    for bad in (0, -1.0, math.inf, True):
+        with pytest.raises(InvalidInput, match="timeout_s"):
+            deadline(10.0, bad, limits)
