@@ -114,6 +114,11 @@ class RequestTrace:
         return max(0.0, self.wait_s - self.fill_wait_s)
 
     @property
+    def replica_wait_s(self) -> float:
+        """Closed but not yet computing: queued on its replica behind the batch before."""
+        return max(0.0, self.compute_started_s - self.batch_closed_s)
+
+    @property
     def compute_s(self) -> float:
         return self.compute_ended_s - self.compute_started_s
 
@@ -128,6 +133,7 @@ class RequestTrace:
             f"request {self.request_id} [{self.class_name}] {self.outcome.value} in "
             f"{self.total_s * 1e3:.2f} ms: queue {self.queue_s * 1e3:.2f} ms, "
             f"waiting for the batch to fill {self.fill_wait_s * 1e3:.2f} ms, "
+            f"behind the replica's previous batch {self.replica_wait_s * 1e3:.2f} ms, "
             f"compute {self.compute_s * 1e3:.2f} ms (batch of {self.batch_size} on "
             f"replica {self.replica_id})"
         )
