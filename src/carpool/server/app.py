@@ -14,7 +14,6 @@ read once, JSON goes through orjson. Endpoints::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from typing import Any
 
@@ -173,25 +172,27 @@ class ClientGone(Exception):
 
 
 async def _unless_disconnected(work: Coroutine[Any, Any, Any], receive: Receive) -> Any:
-    """Await ``work``; if the client disconnects first, cancel it (a queued request is
-    then dropped before it reaches the model) and raise :class:`ClientGone`."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(receive))
+    """Await ``work`` in this task; if the client disconnects first, cancel this task (a
+    queued request is then dropped before it reaches the model) and raise
+    :class:`ClientGone`. One watcher task per request, nothing else on the hot path."""
+    current = asyncio.current_task()
+    assert current is not None, "called from a task"
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(receive, current))
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            current.uncancel()  # our own cancellation: it ends here, as ClientGone
+            raise ClientGone() from None
+        raise
     finally:
         watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise ClientGone()
-    return task.result()
 
 
-async def _disconnected(receive: Receive) -> None:
+async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+    task.cancel()
 
 
 def _model_path(parts: list[str], path: str) -> tuple[str, str | None, str | None]:
