@@ -16,10 +16,8 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +27,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+
+from wrkrun import free_port, run_wrk
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "http.json"
@@ -68,12 +68,6 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _body(path: Path) -> int:
     import tritonclient.http as httpclient
 
@@ -111,45 +105,6 @@ def _stats(url: str) -> tuple[int, int]:
     return int(stats["inference_count"]), int(stats["execution_count"])
 
 
-def _ms(text: str) -> float:
-    match = re.fullmatch(r"([0-9.]+)(us|ms|s|m)", text.strip())
-    if match is None:
-        raise ValueError(f"unexpected wrk latency {text!r}")
-    number, unit = match.groups()
-    return float(number) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
-
-
-def _wrk(url: str, script: Path, connections: int, duration_s: float) -> dict[str, float]:
-    out = subprocess.run(
-        [
-            "taskset",
-            "-c",
-            LOAD_CPU,
-            "wrk",
-            "-t1",
-            f"-c{connections}",
-            f"-d{duration_s:g}s",
-            "--latency",
-            "-s",
-            str(script),
-            f"{url}/v2/models/mlp/infer",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    rate = float(re.search(r"Requests/sec:\s+([0-9.]+)", out).group(1))  # type: ignore[union-attr]
-    p50 = _ms(re.search(r"^\s*50%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
-    p99 = _ms(re.search(r"^\s*99%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return {
-        "rate_rps": rate,
-        "p50_ms": p50,
-        "p99_ms": p99,
-        "non_2xx": int(errors.group(1)) if errors else 0,
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -163,8 +118,9 @@ def main() -> None:
     print(f"machine: {machine}")
     ceiling = _offline_ceiling()
     print(f"offline W1 ceiling at batch 64 on cpu {SERVER_CPU}: {ceiling:.0f} items/s")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
+    infer_url = f"{url}/v2/models/mlp/infer"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(
         [
@@ -198,10 +154,10 @@ def main() -> None:
             header_length = _body(body)
             script = Path(tmp) / "post.lua"
             script.write_text(LUA.format(body=body, header_length=header_length))
-            _wrk(url, script, 16, 2.0)  # warm-up
+            run_wrk(infer_url, script, 16, 2.0, LOAD_CPU)  # warm-up
             for connections in CONCURRENCY:
                 before = _stats(url)
-                result = _wrk(url, script, connections, args.duration_s)
+                result = run_wrk(infer_url, script, connections, args.duration_s, LOAD_CPU)
                 after = _stats(url)
                 items, batches = after[0] - before[0], after[1] - before[1]
                 result["mean_batch_size"] = items / batches if batches else 0.0

@@ -27,10 +27,8 @@ import contextlib
 import json
 import os
 import platform
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -43,6 +41,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+
+from wrkrun import free_port, run_wrk
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benchmarks" / "peers"
@@ -75,12 +75,6 @@ class Server:
 
 def _kserve_body(x: list[float]) -> Any:
     return {"inputs": [{"name": "INPUT0", "shape": [1, 256], "datatype": "FP32", "data": x}]}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _servers() -> list[Server]:
@@ -161,9 +155,9 @@ def _servers() -> list[Server]:
                 "--port",
                 str(port),
                 "--grpc-port",
-                str(_free_port()),
+                str(free_port()),
                 "--metrics-port",
-                str(_free_port()),
+                str(free_port()),
             ],
             "/v2/models/mlp/infer",
             _kserve_body,
@@ -229,49 +223,6 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def _ms(text: str) -> float:
-    match = re.fullmatch(r"([0-9.]+)(us|ms|s|m)", text.strip())
-    if match is None:
-        raise ValueError(f"unexpected wrk latency {text!r}")
-    number, unit = match.groups()
-    return float(number) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
-
-
-def _wrk(url: str, script: Path, connections: int, duration_s: float) -> dict[str, Any]:
-    out = subprocess.run(
-        [
-            "taskset",
-            "-c",
-            LOAD_CPU,
-            "wrk",
-            "-t1",
-            f"-c{connections}",
-            f"-d{duration_s:g}s",
-            "--timeout",
-            "10s",
-            "--latency",
-            "-s",
-            str(script),
-            url,
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    rate = float(re.search(r"Requests/sec:\s+([0-9.]+)", out).group(1))  # type: ignore[union-attr]
-    p50 = _ms(re.search(r"^\s*50%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
-    p99 = _ms(re.search(r"^\s*99%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    sockets = re.search(r"Socket errors: (.*)", out)
-    return {
-        "rate_rps": rate,
-        "p50_ms": p50,
-        "p99_ms": p99,
-        "non_2xx": int(errors.group(1)) if errors else 0,
-        "socket_errors": sockets.group(1).strip() if sockets else "",
-    }
-
-
 def _stop(process: subprocess.Popen[bytes]) -> None:
     """SIGTERM the server's whole process group (it was started as its own session)."""
     if process.poll() is None:
@@ -299,7 +250,7 @@ def _wait_ready(process: subprocess.Popen[bytes], url: str, body: Any) -> tuple[
 
 
 def _run(server: Server, x: list[float], expected: np.ndarray, duration_s: float) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}{server.path}"
     log = Path(tempfile.gettempdir()) / f"bench_peers_{server.name}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", **server.env}
@@ -326,10 +277,13 @@ def _run(server: Server, x: list[float], expected: np.ndarray, duration_s: float
             body.write_text(json.dumps(server.body(x)))
             script = Path(tmp) / "post.lua"
             script.write_text(LUA.format(body=body))
-            _wrk(url, script, 16, 2.0)  # warm-up
+            run_wrk(url, script, 16, 2.0, LOAD_CPU)  # warm-up
             rows = []
             for connections in CONCURRENCY:
-                row = {"concurrency": connections, **_wrk(url, script, connections, duration_s)}
+                row = {
+                    "concurrency": connections,
+                    **run_wrk(url, script, connections, duration_s, LOAD_CPU),
+                }
                 rows.append(row)
                 print(
                     f"  c={connections:>3}: {row['rate_rps']:8.0f} req/s  "
