@@ -1,7 +1,8 @@
-"""Checks a request must pass before it is queued: items, signature, cost, deadline.
+"""Checks a request must pass before it is queued: items, signature, cost, lengths,
+deadline; and the out-of-memory cap that lowers the batch size for a while.
 
-Pure functions of the payload, the policy and the time; each raises
-:class:`~carpool.errors.InvalidInput` naming what was wrong and what was expected.
+Each check raises :class:`~carpool.errors.InvalidInput` naming what was wrong and what
+was expected.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import math
 from collections.abc import Hashable
 from typing import Any
 
-from carpool.core.collate import Collator
+from carpool.core.collate import Collator, collator_for
+from carpool.core.layout import LengthBuckets
 from carpool.core.policy import BatchPolicy, ClassLimits
-from carpool.errors import InvalidInput
+from carpool.core.request import Request
+from carpool.errors import ConfigError, InvalidInput
 
 
 def inspect_payload(collator: Collator, payload: Any, is_many: bool) -> tuple[int, Hashable]:
@@ -68,3 +71,111 @@ def deadline(now: float, timeout_s: float | None, limits: ClassLimits) -> float 
     ):
         raise InvalidInput(f"timeout_s={timeout_s!r}: expected a finite number of seconds > 0")
     return now + timeout_s
+
+
+class Intake:
+    """The batcher's collator and what it knows of item lengths (token budgets, buckets).
+
+    ``collate`` is a name ("auto", "numpy", "packed", ...) or a Collator; "auto" picks one
+    from the first payload (:meth:`choose`). A collator with a ``lengths`` method (packed,
+    padded) measures each request's tokens, longest item and length bucket.
+    """
+
+    __slots__ = ("_buckets", "_buckets_source", "_collate", "collator", "has_lengths", "pads")
+
+    def __init__(self, collate: str | Collator) -> None:
+        self._collate = collate
+        self.collator: Collator | None = None
+        if isinstance(collate, str):
+            collator_for(collate, None)  # validates the name now, not on the first request
+        else:
+            self.collator = collate
+        self.has_lengths = False
+        self.pads = False
+        self._buckets: LengthBuckets | None = None
+        self._buckets_source: tuple[int, ...] | str | None = None
+
+    def choose(self, payload: Any) -> Collator:
+        return collator_for(self._collate, payload)
+
+    def adopt(self, collator: Collator, policy: BatchPolicy) -> None:
+        self.has_lengths = hasattr(collator, "lengths")
+        if policy.max_batch_tokens is not None and not self.has_lengths:
+            raise ConfigError(
+                "max_batch_tokens",
+                policy.max_batch_tokens,
+                'a variable-length collator (collate="packed" or "padded")',
+            )
+        self.pads = bool(getattr(collator, "pads", False))
+        self.collator = collator
+
+    def lengths(self, payload: Any, is_many: bool, policy: BatchPolicy) -> tuple[int, int, int]:
+        """``(num_tokens, longest, bucket)`` of a variable-length payload, checked to fit."""
+        try:
+            lengths: list[int] = self.collator.lengths(payload, is_many)  # type: ignore[union-attr]
+        except (TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise InvalidInput(f"payload has no length ({type(exc).__name__}: {exc})") from exc
+        num_tokens, longest = sum(lengths), max(lengths)
+        max_tokens = policy.max_batch_tokens
+        if max_tokens is not None:
+            need = len(lengths) * longest if self.pads else num_tokens
+            if need > max_tokens:
+                raise InvalidInput(
+                    f"the request needs {need} tokens, more than max_batch_tokens={max_tokens}; "
+                    "it could never fit in a batch"
+                )
+        bucket = 0
+        if policy.length_buckets is not None:
+            buckets = self._buckets
+            if buckets is None or self._buckets_source != policy.length_buckets:
+                buckets = self._buckets = LengthBuckets(policy.length_buckets)
+                self._buckets_source = policy.length_buckets
+            bucket = buckets.bucket_of(longest)
+        return num_tokens, longest, bucket
+
+    def token_slots(self, groups: list[list[Request]]) -> tuple[int, int]:
+        """Real tokens and computed slots of a batch's model calls (padded: n x longest)."""
+        tokens = slots = 0
+        step = getattr(self.collator, "multiple_of", None) or 1
+        for group in groups:
+            num_tokens = sum(r.num_tokens for r in group)
+            tokens += num_tokens
+            if self.pads:
+                longest = max(r.length for r in group)
+                slots += sum(r.num_items for r in group) * (-(-longest // step) * step)
+            else:
+                slots += num_tokens
+        return tokens, slots
+
+
+class OomCap:
+    """After an out-of-memory error the batch size is capped at half the failed batch; the
+    cap doubles back once per ``policy.oom_recovery_s`` that passes without another."""
+
+    __slots__ = ("_at_s", "_cap")
+
+    def __init__(self) -> None:
+        self._cap: int | None = None
+        self._at_s = 0.0
+
+    def note(self, num_items: int, now: float) -> None:
+        cap = max(1, num_items // 2)
+        self._cap = cap if self._cap is None else min(self._cap, cap)
+        self._at_s = now
+
+    def current(self, now: float, policy: BatchPolicy) -> int | None:
+        """The cap now (``None``: no cap)."""
+        cap = self._cap
+        if cap is None:
+            return None
+        recovery_s = policy.oom_recovery_s
+        periods = math.inf if recovery_s <= 0 else (now - self._at_s) // recovery_s
+        if periods >= 1:
+            max_size = policy.max_batch_size
+            while periods >= 1 and cap < max_size:
+                cap *= 2
+                periods -= 1
+                # The next period counts from the end of this one, not from when we looked.
+                self._at_s += recovery_s
+            self._cap = None if cap >= max_size else cap
+        return self._cap

@@ -23,9 +23,9 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from carpool.core.admission import deadline, inspect_payload, request_cost
+from carpool.core.admission import Intake, OomCap, deadline, inspect_payload, request_cost
 from carpool.core.clock import Clock, MonotonicClock
-from carpool.core.collate import Collator, OutputCountMismatch, collator_for
+from carpool.core.collate import Collator, OutputCountMismatch
 from carpool.core.policy import BatchPolicy
 from carpool.core.queues import Queues
 from carpool.core.replicas import (
@@ -125,10 +125,7 @@ class Batcher:
         self._name = name or getattr(fn or fn_factory, "__name__", None) or "model"
         self._devices = list(devices) if devices is not None else ["cpu"] * num_replicas
         self._policy = policy if policy is not None else BatchPolicy()
-        if isinstance(collate, str):
-            collator_for(collate, None)  # validates the name now, not on the first request
-        self._collate = collate
-        self._collator: Collator | None = None if isinstance(collate, str) else collate
+        self._intake = Intake(collate)
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._memory_probe = memory_probe
         if switch_interval_s is not None and not (
@@ -147,6 +144,8 @@ class Batcher:
         )
         self._queues = Queues(self._policy)
         self._scheduler = Scheduler()
+        if self._intake.collator is not None:
+            self._adopt(self._intake.collator)
         self._state = _State.NEW
         self._starting: asyncio.Future[None] | None = None
         self._replicas: list[Replica] = []
@@ -154,8 +153,7 @@ class Batcher:
         self._idle: deque[asyncio.Future[None]] = deque()
         self._request_ids = itertools.count()
         self._started_s = math.nan
-        self._oom_cap: int | None = None
-        self._oom_at_s = 0.0
+        self._oom = OomCap()
 
     # -- properties -------------------------------------------------------------------
 
@@ -182,7 +180,7 @@ class Batcher:
     @property
     def effective_max_batch_size(self) -> int:
         """``max_batch_size``, or less while recovering from out of memory."""
-        cap = self._current_oom_cap(self._clock.now())
+        cap = self._oom.current(self._clock.now(), self._policy)
         return self._policy.max_batch_size if cap is None else cap
 
     # -- lifecycle --------------------------------------------------------------------
@@ -328,13 +326,15 @@ class Batcher:
             raise InvalidInput(
                 f"unknown priority {priority!r}: expected one of {list(policy.limits)}"
             )
-        collator = self._collator
+        intake = self._intake
+        collator = intake.collator
         if collator is None:
-            collator = self._collator = collator_for(self._collate, payload)
+            collator = self._adopt(intake.choose(payload))
         now = self._clock.now()
         try:
             num_items, signature = inspect_payload(collator, payload, is_many)
             cost = request_cost(policy, limits, payload, num_items, cost)
+            lengths = intake.lengths(payload, is_many, policy) if intake.has_lengths else None
             deadline_s = deadline(now, timeout_s, limits)
         except InvalidInput:
             self._telemetry.rejected(limits.name, "invalid")
@@ -352,6 +352,8 @@ class Batcher:
             future=asyncio.get_running_loop().create_future(),
             signature=signature,
         )
+        if lengths is not None:
+            request.num_tokens, request.length, request.bucket = lengths
         try:
             self._queues.admit(request)
         except QueueFull:
@@ -363,6 +365,11 @@ class Batcher:
         if self._idle:
             self._wake_one()
         return request
+
+    def _adopt(self, collator: Collator) -> Collator:
+        self._intake.adopt(collator, self._policy)
+        self._scheduler.padded_cost = self._intake.pads
+        return collator
 
     # -- replica loop -----------------------------------------------------------------
 
@@ -404,7 +411,7 @@ class Batcher:
             self._policy,
             self._queues,
             num_replicas=len(self._replicas),
-            max_items_cap=self._current_oom_cap(now),
+            max_items_cap=self._oom.current(now, self._policy),
             is_draining=self._state is _State.DRAINING,
             expire=self._expire,
             require_full=behind_class is not None,
@@ -462,7 +469,7 @@ class Batcher:
         return _InFlight(batch, groups, [self._start(replica, g) for g in groups], now)
 
     def _start(self, replica: Replica, requests: list[Request]) -> Awaitable[RunOutput]:
-        collator = self._collator
+        collator = self._intake.collator
         assert collator is not None, "a request was admitted, so the collator is known"
         return replica.start(
             collator,
@@ -490,6 +497,8 @@ class Batcher:
             end = self._clock.now()
             replica.last_landed_s = end
             self._telemetry.batch_done(batch, replica.counters, max(0.0, end - started_s))
+            if self._intake.has_lengths:
+                self._telemetry.tokens(*self._intake.token_slots(inflight.groups))
             if self._memory_probe is not None:
                 try:
                     used, total = self._memory_probe()
@@ -516,7 +525,7 @@ class Batcher:
         except Exception as exc:
             oom = is_out_of_memory(exc)
             if oom:
-                self._note_oom(sum(r.num_items for r in requests))
+                self._oom.note(sum(r.num_items for r in requests), self._clock.now())
             if len(requests) == 1:
                 request = requests[0]
                 error: CarpoolError
@@ -586,28 +595,6 @@ class Batcher:
                 error = Closed(self._name)
             future.set_exception(error)
         self._telemetry.answered(request, outcome, now)
-
-    def _note_oom(self, num_items: int) -> None:
-        cap = max(1, num_items // 2)
-        self._oom_cap = cap if self._oom_cap is None else min(self._oom_cap, cap)
-        self._oom_at_s = self._clock.now()
-
-    def _current_oom_cap(self, now: float) -> int | None:
-        """The OOM cap, doubled once per ``oom_recovery_s`` that passed without an OOM."""
-        cap = self._oom_cap
-        if cap is None:
-            return None
-        recovery_s = self._policy.oom_recovery_s
-        periods = math.inf if recovery_s <= 0 else (now - self._oom_at_s) // recovery_s
-        if periods >= 1:
-            max_size = self._policy.max_batch_size
-            while periods >= 1 and cap < max_size:
-                cap *= 2
-                periods -= 1
-                # The next period counts from the end of this one, not from when we looked.
-                self._oom_at_s += recovery_s
-            self._oom_cap = None if cap >= max_size else cap
-        return self._oom_cap
 
     # -- policy and telemetry ---------------------------------------------------------
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from carpool.core.layout import Packed, Padded
 from carpool.errors import ConfigError
 
 
@@ -63,15 +64,7 @@ class ListCollator:
         return len(payload)
 
     def collate(self, payloads: list[Any], is_many: list[bool]) -> Any:
-        if not any(is_many):
-            return list(payloads)
-        batch: list[Any] = []
-        for payload, many in zip(payloads, is_many, strict=True):
-            if many:
-                batch.extend(payload)
-            else:
-                batch.append(payload)
-        return batch
+        return list(_flatten(payloads, is_many))
 
     def split(self, outputs: Any, counts: list[int], is_many: list[bool]) -> list[Any]:
         return split_outputs(outputs, counts, is_many)
@@ -160,6 +153,88 @@ class DictCollator:
         return split_outputs(outputs, counts, is_many)
 
 
+class PackedCollator:
+    """Variable-length items (first axis = length) reach the model as one :class:`Packed`.
+
+    A ``submit_many`` payload is a sequence of such items. The model returns per-item rows
+    (an array with one row per item) or, for per-token outputs, a :class:`Packed` with the
+    batch's lengths; either is cut back per request.
+    """
+
+    pads = False
+    multiple_of: int | None = None
+
+    def signature(self, payload: Any, is_many: bool) -> Hashable:
+        first = _first_item(payload, is_many)
+        return (str(first.dtype), tuple(first.shape[1:]), type(first).__module__)
+
+    def num_items(self, payload: Any) -> int:
+        return len(payload)
+
+    def lengths(self, payload: Any, is_many: bool) -> list[int]:
+        """Each item's length along axis 0."""
+        items = payload if is_many else (payload,)
+        return [int(item.shape[0]) for item in items]
+
+    def collate(self, payloads: list[Any], is_many: list[bool]) -> Any:
+        return Packed.from_items(_flatten(payloads, is_many))
+
+    def split(self, outputs: Any, counts: list[int], is_many: list[bool]) -> list[Any]:
+        return split_outputs(_unpack(outputs), counts, is_many)
+
+
+class PaddedCollator(PackedCollator):
+    """Like :class:`PackedCollator`, but the model gets a :class:`Padded` batch: items padded
+    with ``pad_value`` to the longest (rounded up to ``multiple_of``) plus a mask."""
+
+    pads = True
+
+    def __init__(self, pad_value: Any = 0, multiple_of: int | None = None) -> None:
+        if multiple_of is not None and (
+            isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1
+        ):
+            raise ConfigError("multiple_of", multiple_of, "an integer >= 1 or None")
+        self.pad_value = pad_value
+        self.multiple_of = multiple_of
+
+    def collate(self, payloads: list[Any], is_many: list[bool]) -> Any:
+        packed = Packed.from_items(_flatten(payloads, is_many))
+        data, mask = packed.to_padded(self.pad_value, self.multiple_of)
+        return Padded(data, mask, packed.lengths)
+
+
+def _first_item(payload: Any, is_many: bool) -> Any:
+    first = payload[0] if is_many else payload
+    if not hasattr(first, "shape"):
+        first = np.asarray(first)
+    if len(first.shape) == 0:
+        raise ValueError("a variable-length item needs at least one axis (its length)")
+    return first
+
+
+def _flatten(payloads: list[Any], is_many: list[bool]) -> list[Any]:
+    if not any(is_many):
+        return payloads
+    items: list[Any] = []
+    for payload, many in zip(payloads, is_many, strict=True):
+        if many:
+            items.extend(payload)
+        else:
+            items.append(payload)
+    return items
+
+
+def _unpack(outputs: Any) -> Any:
+    """Per-token outputs (a Packed) become one part per item; the rest is left as is."""
+    if isinstance(outputs, Packed):
+        return outputs.items()
+    if isinstance(outputs, dict):
+        return {k: _unpack(v) for k, v in outputs.items()}
+    if isinstance(outputs, tuple):
+        return tuple(_unpack(v) for v in outputs)
+    return outputs
+
+
 def split_outputs(
     outputs: Any, counts: list[int], is_many: list[bool], where: str = ""
 ) -> list[Any]:
@@ -202,6 +277,8 @@ _BY_NAME: dict[str, type] = {
     "numpy": NumpyCollator,
     "torch": TorchCollator,
     "dict": DictCollator,
+    "packed": PackedCollator,
+    "padded": PaddedCollator,
 }
 
 

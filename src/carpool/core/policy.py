@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from carpool.core.layout import LengthBuckets
 from carpool.errors import ConfigError
 
 CostFn = Callable[[Any], float]
@@ -125,6 +126,12 @@ class BatchPolicy:
         fill_from_lower: fill a batch's leftover room with lower-class requests.
         oom_recovery_s: after an out-of-memory split, how long without another before
             the effective max batch size doubles back towards ``max_batch_size``.
+        max_batch_tokens: budget of one batch in tokens (variable-length items, with a
+            ``packed`` or ``padded`` collator): the sum of the lengths when packed, the
+            number of items times the longest (rounded up as padded) when padded.
+        length_buckets: a batch takes only items whose length falls in the bucket of its
+            oldest request: ascending inclusive upper edges, or "auto" (quantiles of
+            recently seen lengths); ``None`` mixes all lengths.
 
     Raises:
         ConfigError: naming the first invalid field.
@@ -141,6 +148,8 @@ class BatchPolicy:
     default_class: str = DEFAULT_CLASS
     fill_from_lower: bool = True
     oom_recovery_s: float = 30.0
+    max_batch_tokens: int | None = None
+    length_buckets: tuple[int, ...] | str | None = None
     limits: dict[str, ClassLimits] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -150,6 +159,12 @@ class BatchPolicy:
         _check_optional_int("max_queue_size", self.max_queue_size, minimum=1)
         _check_optional_float("timeout_s", self.timeout_s, minimum=0.0, strict=True)
         _check_float("oom_recovery_s", self.oom_recovery_s, minimum=0.0)
+        _check_optional_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
+        buckets = self.length_buckets
+        if buckets is not None:
+            buckets = buckets if isinstance(buckets, str) else tuple(buckets)
+            LengthBuckets(buckets)  # validates the edges
+            object.__setattr__(self, "length_buckets", buckets)
         if self.cost_fn is not None and not callable(self.cost_fn):
             raise ConfigError("cost_fn", self.cost_fn, "a callable taking one payload")
         preferred = tuple(self.preferred_batch_sizes)

@@ -62,6 +62,23 @@ class ClassQueue:
             self._deque.clear()
             self.live_cost = 0.0
 
+    def head_bucket(self) -> int | None:
+        """The length bucket of the oldest live request."""
+        head = self.head()
+        return None if head is None else head.bucket
+
+    def take(self, requests: list[Request]) -> None:
+        """Remove live ``requests`` from anywhere in the queue (they leave QUEUED now;
+        the deque drops them lazily)."""
+        for request in requests:
+            request.state = RequestState.RUNNING
+            self.num_live -= 1
+            self.num_live_items -= request.num_items
+            self.live_cost -= request.cost
+        if self.num_live == 0:
+            self._deque.clear()
+            self.live_cost = 0.0
+
     def pop_live(self, count: int) -> list[Request]:
         """Remove and return the ``count`` oldest live requests."""
         out: list[Request] = []

@@ -45,6 +45,9 @@ class Request:
     deadline_s: float | None
     future: asyncio.Future[Any]
     signature: Hashable = None
+    num_tokens: int = 0  # variable-length items: the sum of their lengths
+    length: int = 0  # variable-length items: the longest
+    bucket: int = 0  # the length bucket (policy.length_buckets)
     state: RequestState = RequestState.QUEUED
     timer: TimerHandle | None = None
     batch_closed_s: float = math.nan

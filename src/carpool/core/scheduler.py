@@ -47,7 +47,10 @@ class _Plan:
     requests: list[Request] = field(default_factory=list)
     num_items: int = 0
     cost: float = 0.0
+    num_tokens: int = 0
+    max_length: int = 0
     is_full: bool = False
+    is_contiguous: bool = True  # False when requests of other length buckets were skipped
 
 
 def share_cap(share: float, num_replicas: int) -> int:
@@ -58,10 +61,12 @@ def share_cap(share: float, num_replicas: int) -> int:
 class Scheduler:
     """Forms batches from queues under a policy; see the module docstring for the rules."""
 
-    __slots__ = ("_batch_ids",)
+    __slots__ = ("_batch_ids", "padded_cost")
 
-    def __init__(self) -> None:
+    def __init__(self, *, padded_cost: bool = False) -> None:
         self._batch_ids = itertools.count()
+        # True when the model pads: a batch's tokens are then items x longest item.
+        self.padded_cost = padded_cost
 
     def decide(
         self,
@@ -156,14 +161,21 @@ class Scheduler:
         if policy.fill_from_lower:
             sources += [q for q in queues.ordered if q.limits.rank > lead.limits.rank]
         max_cost = policy.max_batch_cost
+        max_tokens = policy.max_batch_tokens
+        bucket = lead.head_bucket() if policy.length_buckets is not None else None
         for queue in sources:
             taken = 0
             for request in queue.live():
                 if request.deadline_s is not None and request.deadline_s <= now:
                     expired.append(request)
                     continue
-                fits = plan.num_items + request.num_items <= max_items and (
-                    max_cost is None or plan.cost + request.cost <= max_cost
+                if bucket is not None and request.bucket != bucket:
+                    plan.is_contiguous = False
+                    continue
+                fits = (
+                    plan.num_items + request.num_items <= max_items
+                    and (max_cost is None or plan.cost + request.cost <= max_cost)
+                    and (max_tokens is None or self._tokens_with(plan, request) <= max_tokens)
                 )
                 if not fits and plan.requests:
                     plan.is_full = True
@@ -173,6 +185,8 @@ class Scheduler:
                 plan.requests.append(request)
                 plan.num_items += request.num_items
                 plan.cost += request.cost
+                plan.num_tokens += request.num_tokens
+                plan.max_length = max(plan.max_length, request.length)
                 taken += 1
                 if not fits or plan.num_items == max_items:
                     plan.is_full = True
@@ -185,13 +199,25 @@ class Scheduler:
                 break
         return plan, expired
 
+    def _tokens_with(self, plan: _Plan, request: Request) -> int:
+        """The batch's tokens if ``request`` joined it."""
+        if self.padded_cost:
+            return (plan.num_items + request.num_items) * max(plan.max_length, request.length)
+        return plan.num_tokens + request.num_tokens
+
     def _commit(
         self, plan: _Plan, lead: ClassQueue, max_items: int, now: float, counts: bool
     ) -> Batch:
         requests: list[Request] = []
-        for queue, count in plan.takes:
-            requests += queue.pop_live(count)
-        assert requests == plan.requests, "a plan pops exactly the requests it chose"
+        if plan.is_contiguous:
+            for queue, count in plan.takes:
+                requests += queue.pop_live(count)
+            assert requests == plan.requests, "a plan pops exactly the requests it chose"
+        else:
+            for queue, count in plan.takes:
+                chosen = [r for r in plan.requests if r.class_name == queue.name][:count]
+                queue.take(chosen)
+                requests += chosen
         if counts:
             lead.num_running += 1
         return Batch(
@@ -218,6 +244,7 @@ def _trim_to_preferred(plan: _Plan, preferred: tuple[int, ...]) -> bool:
         request = plan.requests.pop()
         plan.num_items -= request.num_items
         plan.cost -= request.cost
+        plan.num_tokens -= request.num_tokens
         queue, count = plan.takes[-1]
         plan.takes[-1] = (queue, count - 1)
         if count == 1:

@@ -137,6 +137,9 @@ class BatchStats:
     fill_ratio: float
     effective_compute_ratio: float
     compute: LatencyStats
+    num_tokens: int = 0  # variable-length items only: real tokens batched
+    num_padded_slots: int = 0  # slots the model computed on padding
+    padding_waste: float = 0.0  # padded slots / all slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +239,8 @@ class Telemetry:
         self._num_batches = 0
         self._num_items = 0
         self._fill_sum = 0.0
+        self._num_tokens = 0
+        self._num_slots = 0
         self._compute = Histogram()
         self._mem: list[int] = []  # [num, peak, trough, total]
 
@@ -265,6 +270,11 @@ class Telemetry:
         replica.batches += 1
         replica.items += batch.num_items
         replica.busy_s += compute_s
+
+    def tokens(self, num_tokens: int, num_slots: int) -> None:
+        """A batch of variable-length items: its real tokens and the slots computed."""
+        self._num_tokens += num_tokens
+        self._num_slots += num_slots
 
     def answered(self, request: Request, outcome: Outcome, now: float) -> None:
         counters = self._classes[request.class_name]
@@ -333,6 +343,9 @@ class Telemetry:
                 fill_ratio=self._fill_sum / self._num_batches if self._num_batches else 0.0,
                 effective_compute_ratio=busy / (busy + fill_wait) if busy + fill_wait else 0.0,
                 compute=self._compute.stats(),
+                num_tokens=self._num_tokens,
+                num_padded_slots=self._num_slots - self._num_tokens,
+                padding_waste=1 - self._num_tokens / self._num_slots if self._num_slots else 0.0,
             ),
             replicas=tuple(
                 ReplicaStats(
@@ -389,6 +402,9 @@ class NullTelemetry(Telemetry):
 
     def batch_done(self, batch: Batch, replica: ReplicaCounters, compute_s: float) -> None:
         replica.busy_s += compute_s
+
+    def tokens(self, num_tokens: int, num_slots: int) -> None:
+        pass
 
     def answered(self, request: Request, outcome: Outcome, now: float) -> None:
         pass
