@@ -4,8 +4,9 @@
 
     models:
       - name: mlp2
-        kind: python              # python | torch | onnx
-        source: mypkg.mod:attr    # module:attr; torch also takes a .pt/.pt2 file, onnx a .onnx file
+        kind: python              # python | torch | onnx | embeddings
+        source: mypkg.mod:attr    # module:attr; torch also takes a .pt/.pt2 file, onnx a .onnx
+                                  # file, embeddings a Hugging Face model folder
         inputs:  [{name: INPUT0, datatype: FP32, shape: [256]}]   # no batch dim; -1: any size
         outputs: [{name: OUTPUT0, datatype: FP32, shape: [16]}]
         max_batch_size: 64        # every BatchPolicy field by its name
@@ -31,7 +32,7 @@ from carpool.core.policy import BatchPolicy, ClassPolicy
 from carpool.errors import ConfigError
 from carpool.models._source import is_import_ref
 
-Kind = Literal["python", "torch", "onnx"]
+Kind = Literal["python", "torch", "onnx", "embeddings"]
 # KServe v2 datatypes (carpool.server.tensors.DATATYPES holds their NumPy dtypes; a test
 # keeps the two lists equal without making the config import the server).
 Datatype = Literal[
@@ -68,6 +69,8 @@ POLICY_FIELDS = (
     "default_class",
     "fill_from_lower",
     "oom_recovery_s",
+    "max_batch_tokens",
+    "length_buckets",
 )
 
 
@@ -89,6 +92,8 @@ class TensorConfig(_Strict):
     name: str = Field(min_length=1)
     datatype: Datatype
     shape: list[int]
+    # Requests may differ in this input's first dimension; the model gets it packed.
+    ragged: bool = False
 
     @field_validator("shape")
     @classmethod
@@ -134,6 +139,10 @@ class ModelConfig(_Strict):
     default_class: str = _POLICY_DEFAULTS["default_class"]
     fill_from_lower: bool = _POLICY_DEFAULTS["fill_from_lower"]
     oom_recovery_s: float = Field(_POLICY_DEFAULTS["oom_recovery_s"], ge=0, allow_inf_nan=False)
+    max_batch_tokens: int | None = Field(None, ge=1)
+    length_buckets: list[int] | Literal["auto"] | None = None
+    # embeddings: most texts in one request
+    max_inputs: int = Field(2048, ge=1)
     # Placement.
     num_replicas: int | None = Field(None, ge=1)
     devices: list[str] | None = Field(None, min_length=1)
@@ -160,6 +169,8 @@ class ModelConfig(_Strict):
         """
         fields: dict[str, Any] = {name: getattr(self, name) for name in POLICY_FIELDS}
         fields["preferred_batch_sizes"] = tuple(self.preferred_batch_sizes)
+        if isinstance(self.length_buckets, list):
+            fields["length_buckets"] = tuple(self.length_buckets)
         if self.classes is not None:
             fields["classes"] = tuple(c.policy() for c in self.classes)
         return BatchPolicy(**fields)
@@ -289,13 +300,17 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
         yield from _source_problems(model, at, base_dir)
         for key in ("inputs", "outputs"):
             tensors = getattr(model, key)
-            if tensors is None and model.kind != "onnx":
+            if tensors is not None and model.kind == "embeddings":
+                yield (f"{at}.{key}", "[...]", "nothing: an embeddings model declares its own")
+            if tensors is None and model.kind not in ("onnx", "embeddings"):
                 yield (
                     f"{at}.{key}",
                     MISSING,
                     f"a list of {{name, datatype, shape}}: a {model.kind} model cannot tell its "
                     f"{key} (only onnx reads them from the model file)",
                 )
+            if key == "inputs" and model.kind == "onnx" and any(t.ragged for t in tensors or []):
+                yield (f"{at}.inputs", "ragged: true", "no ragged inputs for onnx models")
             names = [t.name for t in tensors or []]
             for j, name in enumerate(names):
                 if name in names[:j]:
@@ -309,8 +324,12 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
                 )
             if model.device is not None:
                 yield (f"{at}.device", model.device, "no device when devices is given")
-        if model.dtype is not None and model.kind != "torch":
-            yield (f"{at}.dtype", model.dtype, "no dtype: only torch models take one")
+        if model.dtype is not None and model.kind not in ("torch", "embeddings"):
+            yield (
+                f"{at}.dtype",
+                model.dtype,
+                "no dtype: only torch and embeddings models take one",
+            )
         try:
             model.policy()
         except ConfigError as error:
@@ -324,13 +343,23 @@ def _source_problems(model: ModelConfig, at: str, base_dir: Path) -> Any:
             yield (f"{at}.source", source, "module:attr (an importable module and a name in it)")
         return
     path = base_dir / source
+    if model.kind == "embeddings":
+        if not (path / "config.json").is_file():
+            yield (
+                f"{at}.source",
+                source,
+                f"a Hugging Face model folder; {path}/config.json is missing",
+            )
+        return
     if not path.is_file():
         what = "a .onnx" if model.kind == "onnx" else "module:factory or a TorchScript/.pt2"
         yield (f"{at}.source", source, f"{what} file; {path} does not exist")
 
 
 def _is_file_source(model: ModelConfig) -> bool:
-    return model.kind == "onnx" or (model.kind == "torch" and not is_import_ref(model.source))
+    return model.kind in ("onnx", "embeddings") or (
+        model.kind == "torch" and not is_import_ref(model.source)
+    )
 
 
 def _with_absolute_sources(config: ServeConfig, base_dir: Path) -> ServeConfig:

@@ -39,3 +39,21 @@ def gated(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
     while os.path.exists(gate) and time.monotonic() < limit:
         time.sleep(0.005)
     return {"Y": x}
+
+
+def ragged_sum(inputs: dict[str, Any]) -> dict[str, Any]:
+    """``TOKENS`` is ragged (arrives packed): ``SUM`` = each row's sum x ``SCALE``, ``DOUBLED``
+    = every token x 2 (per-token, so returned packed). Slow (20 ms) so requests share batches.
+    Refuses a padded batch, so a test fails if padding ever reaches it."""
+    from carpool.core.layout import Packed
+
+    tokens = inputs["TOKENS"]
+    if not isinstance(tokens, Packed):
+        raise TypeError(f"expected TOKENS packed, got {type(tokens).__name__}")
+    time.sleep(0.02)
+    sums = np.add.reduceat(tokens.data, tokens.offsets) if tokens.num_tokens else tokens.data
+    return {
+        "SUM": sums * inputs["SCALE"][:, 0],
+        "DOUBLED": Packed.from_lengths(tokens.data * 2, tokens.lengths),
+        "LONGEST": np.full(tokens.num_items, tokens.max_length, dtype=np.int32),
+    }

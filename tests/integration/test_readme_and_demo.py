@@ -38,3 +38,25 @@ def test_demo_reports_what_batching_bought() -> None:
     batched_line = next(line for line in out.splitlines() if line.startswith("carpool batching"))
     mean_batch = float(re.search(r"mean batch\s+([0-9.]+)", batched_line).group(1))  # type: ignore[union-attr]
     assert mean_batch > 1.0
+
+
+def test_readme_client_examples_work_against_the_built_in_models(tmp_path: Path) -> None:
+    from .conftest import start_served_process
+
+    served = start_served_process(None, tmp_path)
+    try:
+        readme = (ROOT / "README.md").read_text().split("## 30 seconds", 1)[0]
+        blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+        assert len(blocks) == 2, "the tritonclient and the openai examples"
+        for code in blocks:
+            code = code.replace("127.0.0.1:8000", served.http_url)
+            code += "\nprint('ran')\n"
+            if "OpenAI" in code:
+                code += "assert len(vectors) == 2 and len(vectors[0].embedding) == 384\n"
+            result = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+            )
+            assert result.returncode == 0, result.stderr
+            assert result.stdout.splitlines()[-1] == "ran"
+    finally:
+        assert served.stop() == 0, served.output()

@@ -180,6 +180,13 @@ def test_config_datatypes_are_the_server_datatypes() -> None:
             "module:attr",
         ),
         (VALID.replace("    source: model.onnx\n", ""), "models[1].source", "required"),
+        (
+            "models:\n  - {name: e, kind: embeddings, source: nowhere}\n",
+            "models[0].source",
+            "config.json is missing",
+        ),
+        (_with_model_line("length_buckets: [64, 16]"), "models[0].length_buckets", "ascending"),
+        (_with_model_line("max_batch_tokens: 0"), "models[0].max_batch_tokens", "greater than"),
         ("models: []\n", "models", "at least 1 item"),
         ("", "(top level)", "dictionary"),
         ("models:\n  - name: [\n", "line 3", "valid YAML"),
@@ -226,3 +233,23 @@ def test_parse_config_checks_a_dict() -> None:
         }
     )
     assert isinstance(config, ServeConfig)
+
+
+def test_embeddings_entry_reads_a_folder_and_token_policy(config_dir: Path) -> None:
+    (config_dir / "minilm").mkdir()
+    (config_dir / "minilm" / "config.json").write_text("{}")
+    text = (
+        "models:\n  - name: e\n    kind: embeddings\n    source: minilm\n"
+        "    max_batch_tokens: 8192\n    length_buckets: auto\n    max_inputs: 16\n"
+        "    dtype: bfloat16\n"
+    )
+    model = load_config(_write(config_dir, text)).models[0]
+    assert model.source == str((config_dir / "minilm").resolve())
+    assert model.max_inputs == 16
+    policy = model.policy()
+    assert (policy.max_batch_tokens, policy.length_buckets) == (8192, "auto")
+    edges = load_config(_write(config_dir, text.replace("auto", "[32, 128]"))).models[0]
+    assert edges.policy().length_buckets == (32, 128)
+    declared = text + "    inputs: [{name: T, datatype: BYTES, shape: []}]\n"
+    with pytest.raises(ConfigError, match=r"models\[0\]\.inputs.*declares its own"):
+        load_config(_write(config_dir, declared))

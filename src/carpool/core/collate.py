@@ -203,6 +203,53 @@ class PaddedCollator(PackedCollator):
         return Padded(data, mask, packed.lengths)
 
 
+class RaggedDictCollator(DictCollator):
+    """Named NumPy inputs where the ``ragged`` ones vary in length from request to request
+    (Triton's ``allow_ragged_batch``). A request carries k rows of each input; a ragged
+    input's rows all have one length L (shape [k, L, ...]). The model receives the other
+    inputs concatenated and each ragged input as a :class:`Packed` of n items (one per
+    row) with their lengths, so no request is padded to another's length.
+    """
+
+    def __init__(self, ragged: Sequence[str]) -> None:
+        if not ragged:
+            raise ConfigError("ragged", list(ragged), "the name of at least one ragged input")
+        self.ragged = frozenset(ragged)
+        self._first = sorted(self.ragged)[0]
+
+    def signature(self, payload: Any, is_many: bool) -> Hashable:
+        parts = []
+        for name, array in sorted(payload.items()):
+            trailing = array.shape[2:] if name in self.ragged else array.shape[1:]
+            parts.append((name, array.dtype.str, trailing if is_many else array.shape))
+        return tuple(parts)
+
+    def lengths(self, payload: Any, is_many: bool) -> list[int]:
+        """Each row's length in the (alphabetically) first ragged input."""
+        array = payload[self._first]
+        if not is_many:
+            return [int(array.shape[0])]
+        if array.ndim < 2:
+            raise ValueError(f"ragged input {self._first!r} needs shape [rows, length, ...]")
+        return [int(array.shape[1])] * int(array.shape[0])
+
+    def collate(self, payloads: list[Any], is_many: list[bool]) -> Any:
+        batch: dict[str, Any] = {}
+        for name in payloads[0]:
+            parts = [
+                p[name] if m else np.asarray(p[name])[None]
+                for p, m in zip(payloads, is_many, strict=True)
+            ]
+            if name in self.ragged:
+                batch[name] = Packed.from_items([row for part in parts for row in part])
+            else:
+                batch[name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        return batch
+
+    def split(self, outputs: Any, counts: list[int], is_many: list[bool]) -> list[Any]:
+        return split_outputs(_unpack(outputs), counts, is_many)
+
+
 def _first_item(payload: Any, is_many: bool) -> Any:
     first = payload[0] if is_many else payload
     if not hasattr(first, "shape"):

@@ -88,6 +88,8 @@ def batched(
     default_class: str = ...,
     fill_from_lower: bool = ...,
     oom_recovery_s: float = ...,
+    max_batch_tokens: int | None = ...,
+    length_buckets: tuple[int, ...] | str | None = ...,
     num_replicas: int | None = ...,
     devices: list[str] | None = ...,
     collate: str | Collator = ...,
@@ -115,6 +117,8 @@ def batched(
     default_class: str = DEFAULT_CLASS,
     fill_from_lower: bool = True,
     oom_recovery_s: float = 30.0,
+    max_batch_tokens: int | None = None,
+    length_buckets: tuple[int, ...] | str | None = None,
     num_replicas: int | None = None,
     devices: list[str] | None = None,
     collate: str | Collator = "auto",
@@ -143,6 +147,8 @@ def batched(
         default_class=default_class,
         fill_from_lower=fill_from_lower,
         oom_recovery_s=oom_recovery_s,
+        max_batch_tokens=max_batch_tokens,
+        length_buckets=length_buckets,
     )
 
     def wrap(target: BatchFn) -> BatchedFunction:

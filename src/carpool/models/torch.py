@@ -8,8 +8,10 @@
 
 The model runs in eval mode under ``torch.inference_mode()`` on the replica's device, in
 ``dtype`` when given (floating inputs are cast to it). Inputs go in as positional arguments in
-their declared order; the output (a tensor, or a tuple/list of them) maps onto the declared
-output names in order, back on the CPU as NumPy arrays in the declared dtypes.
+their declared order (a ragged input as two: its packed data, then ``cu_seqlens`` int32
+[n + 1], both on the replica's device); the output (a tensor, or a tuple/list of them) maps
+onto the declared output names in order, back on the CPU as NumPy arrays in the declared
+dtypes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from carpool.core.layout import Packed
 from carpool.errors import ConfigError, ModelError
 from carpool.models._source import import_ref, is_import_ref
 
@@ -53,10 +56,17 @@ class TorchRunner:
             module = module.to(self.dtype)
         self.module = module
 
-    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def __call__(self, inputs: dict[str, Any]) -> dict[str, np.ndarray]:
         torch = self._torch
         with torch.inference_mode():
-            args = [self._tensor(inputs[name]) for name in self.input_names]
+            args = []
+            for name in self.input_names:
+                value = inputs[name]
+                if isinstance(value, Packed):  # a ragged input: data, then cu_seqlens
+                    cu_seqlens = self._torch.from_numpy(value.cu_seqlens).to(self.device)
+                    args += [self._tensor(value.data), cu_seqlens]
+                else:
+                    args.append(self._tensor(value))
             result = self.module(*args)
             tensors = list(result) if isinstance(result, tuple | list) else [result]
             if len(tensors) != len(self.output_names):

@@ -8,20 +8,22 @@ read once, JSON goes through orjson. Endpoints::
     GET  /v2/models/{m}[/versions/{v}]                   model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready | /config | /stats
     POST /v2/models/{m}[/versions/{v}]/infer             JSON and binary tensors
+    POST /v1/embeddings | GET /v1/models                 OpenAI-compatible (server/openai.py)
     GET  /metrics                                        Prometheus exposition
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import orjson
 
 from carpool import __version__
 from carpool.errors import InvalidInput
-from carpool.server.errors import NotFound, PayloadTooLarge, http_error
+from carpool.server import openai
+from carpool.server.errors import NotFound, PayloadTooLarge, http_error, openai_error
 from carpool.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from carpool.server.metrics import Metrics
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
@@ -81,8 +83,12 @@ class KServeApp:
         except ClientGone:
             return  # nobody to answer
         except Exception as exc:
-            error = http_error(exc)
-            body = orjson.dumps({"error": error.message})
+            if scope["path"].startswith("/v1/"):
+                error, document = openai_error(exc)
+                body = orjson.dumps(document)
+            else:
+                error = http_error(exc)
+                body = orjson.dumps({"error": error.message})
             await _respond(send, error.status, body, (_JSON, *error.headers))
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -91,8 +97,10 @@ class KServeApp:
         if method == "GET" and parts == ["metrics"]:
             body = self.metrics.render()
             return await _respond(send, 200, body, ((b"content-type", METRICS_CONTENT_TYPE),))
+        if parts[:1] == ["v1"]:
+            return await self._openai(method, parts[1:], scope, receive, send)
         if not parts or parts[0] != "v2":
-            raise NotFound(f"path {scope['path']!r}", ["/v2/..."])
+            raise NotFound(f"path {scope['path']!r}", ["/v2/...", "/v1/..."])
         rest = parts[1:]
         if method == "GET" and rest in (["health", "live"], ["health", "ready"]):
             ready = rest[1] == "live" or self.repository.is_ready
@@ -118,6 +126,17 @@ class KServeApp:
             return await _json(send, {"model_stats": [model_stats(model)]})
         raise NotFound(f"path {scope['path']!r}", ["ready", "config", "stats", "infer"])
 
+    async def _openai(
+        self, method: str, rest: list[str], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        if method == "POST" and rest == ["embeddings"]:
+            body = await self._read_body(receive)
+            work = openai.create_embeddings(self.repository, body)
+            return await _respond(send, 200, await _unless_disconnected(work, receive), (_JSON,))
+        if method == "GET" and rest == ["models"]:
+            return await _respond(send, 200, openai.list_models(self.repository), (_JSON,))
+        raise NotFound(f"{method} {scope['path']!r}", ["POST /v1/embeddings", "GET /v1/models"])
+
     def _server_metadata(self) -> dict[str, Any]:
         return {"name": "carpool", "version": __version__, "extensions": EXTENSIONS}
 
@@ -136,7 +155,7 @@ class KServeApp:
         payload = model.payload(request)
         options = model.submit_options(request)
         wanted = _wanted_outputs(model, request)
-        result = await _unless_disconnected(model.batcher.submit_many(payload, **options), receive)
+        result = await _unless_disconnected(model.run(payload, options), receive)
         outputs = [OutputTensor(spec.name, result[spec.name], spec.datatype) for spec in wanted]
         binary = _binary_outputs(request, wanted)
         data, json_length = encode_infer_response(
@@ -171,7 +190,7 @@ class ClientGone(Exception):
     """The client disconnected before its request was read."""
 
 
-async def _unless_disconnected(work: Coroutine[Any, Any, Any], receive: Receive) -> Any:
+async def _unless_disconnected(work: Awaitable[Any], receive: Receive) -> Any:
     """Await ``work`` in this task; if the client disconnects first, cancel this task (a
     queued request is then dropped before it reaches the model) and raise
     :class:`ClientGone`. One watcher task per request, nothing else on the hot path."""

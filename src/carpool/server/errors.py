@@ -14,12 +14,14 @@ ModelError         500   INTERNAL            the model raised on this request
 CapacityError      500   INTERNAL            out of memory even alone
 =================  ====  ==================  =============================================
 
-Both wires carry the same message (:func:`error_message`).
+Both wires carry the same message (:func:`error_message`). OpenAI-compatible endpoints
+wrap it in OpenAI's error object (:func:`openai_error`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from carpool.errors import (
     CapacityError,
@@ -107,3 +109,22 @@ def grpc_status(exc: BaseException) -> str:
         if isinstance(exc, kind):
             return code
     return "INTERNAL"
+
+
+_OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+                 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+
+
+def openai_error(exc: BaseException) -> tuple[HttpError, dict[str, Any]]:
+    """The status and headers (as :func:`http_error`) and OpenAI's error object."""
+    error = http_error(exc)
+    code = "model_not_found" if isinstance(exc, NotFound) else None
+    body = {
+        "error": {
+            "message": error.message,
+            "type": _OPENAI_TYPES.get(error.status, "server_error"),
+            "param": getattr(exc, "param", None),
+            "code": code,
+        }
+    }
+    return error, body

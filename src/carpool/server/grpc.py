@@ -290,7 +290,7 @@ class InferenceServicer:
             payload = model.payload(infer)
             options = model.submit_options(infer)
             wanted = wanted_outputs(model, infer)
-            result = await model.batcher.submit_many(payload, **options)
+            result = await model.run(payload, options)
             return encode_infer_response(model, infer.request_id, wanted, result)
         except Exception as exc:
             await _abort(context, exc)

@@ -104,8 +104,26 @@ def _batch_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
         "Compute time / (compute time + time replicas held a batch open to fill).",
         labels=["model"],
     )
+    tokens = CounterMetricFamily(
+        "carpool_batch_tokens",
+        "Real tokens batched (variable-length models).",
+        labels=["model"],
+    )
+    padded = CounterMetricFamily(
+        "carpool_batch_padded_slots",
+        "Slots a padded model computed on padding.",
+        labels=["model"],
+    )
+    waste = GaugeMetricFamily(
+        "carpool_padding_waste_ratio",
+        "Padded slots / all slots computed (0 when packed).",
+        labels=["model"],
+    )
     for snap in snapshots:
         b = snap.batches
+        tokens.add_metric([snap.model], b.num_tokens)
+        padded.add_metric([snap.model], b.num_padded_slots)
+        waste.add_metric([snap.model], b.padding_waste)
         batches.add_metric([snap.model], b.num_batches)
         cumulative = []
         for bound in BATCH_SIZE_BOUNDS:
@@ -117,7 +135,7 @@ def _batch_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
         compute.add_metric([snap.model], _buckets(b.compute), _histogram_sum(b.compute))
         fill.add_metric([snap.model], b.fill_ratio)
         effective.add_metric([snap.model], b.effective_compute_ratio)
-    yield from (batches, sizes, compute, fill, effective)
+    yield from (batches, sizes, compute, fill, effective, tokens, padded, waste)
 
 
 def _replica_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:

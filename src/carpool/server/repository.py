@@ -7,8 +7,9 @@ dimension (as Triton's ``dims`` do); metadata shows it as ``-1``.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from carpool.core.batcher import Batcher
 from carpool.errors import ConfigError, InvalidInput
 from carpool.server.errors import NotFound
 from carpool.server.tensors import DATATYPES, InferRequest
+
+if TYPE_CHECKING:
+    from carpool.server.embeddings import EmbeddingService
 
 TIMEOUT_PARAMETER_UNIT_S = 1e-6  # Triton's "timeout" request parameter is in microseconds
 
@@ -27,6 +31,7 @@ class TensorSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]
+    ragged: bool = False  # requests may differ in the first dimension; the model gets a Packed
 
     def __post_init__(self) -> None:
         if self.datatype not in DATATYPES:
@@ -48,7 +53,12 @@ class TensorSpec:
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """One model behind one batcher."""
+    """One model behind one batcher.
+
+    ``infer``, when given, answers KServe requests instead of submitting the payload to
+    the batcher as one request (an embeddings model tokenizes first). ``embeddings`` is
+    set for models that also answer OpenAI's ``/v1/embeddings``.
+    """
 
     name: str
     version: str
@@ -56,6 +66,17 @@ class ServedModel:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     batcher: Batcher
+    infer: Callable[[dict[str, np.ndarray], dict[str, Any]], Awaitable[Any]] | None = None
+    embeddings: EmbeddingService | None = None
+
+    async def run(self, payload: dict[str, np.ndarray], options: dict[str, Any]) -> Any:
+        """The outputs ``{name: array}`` for a checked payload (see :meth:`payload`)."""
+        if self.infer is not None:
+            return await self.infer(payload, options)
+        result = await self.batcher.submit_many(payload, **options)
+        if isinstance(result, dict):  # per-token outputs of ragged rows come back as lists
+            return {k: np.stack(v) if isinstance(v, list) else v for k, v in result.items()}
+        return result
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -152,11 +173,14 @@ _CONFIG_TYPES = {"BYTES": "STRING"}  # Triton's config names BYTES as TYPE_STRIN
 
 
 def _config_tensor(spec: TensorSpec) -> dict[str, Any]:
-    return {
+    config: dict[str, Any] = {
         "name": spec.name,
         "data_type": f"TYPE_{_CONFIG_TYPES.get(spec.datatype, spec.datatype)}",
         "dims": list(spec.shape),
     }
+    if spec.ragged:
+        config["allow_ragged_batch"] = True
+    return config
 
 
 class ModelRepository:

@@ -202,3 +202,31 @@ async def test_snapshot_and_stop_pass_through_to_the_batcher():
     assert echo.snapshot().classes["normal"].num_completed == 1
     await echo.stop()
     assert not echo.batcher.is_running
+
+
+def test_decorator_takes_every_policy_field_by_its_name() -> None:
+    import dataclasses
+    import inspect
+
+    from carpool import BatchPolicy
+
+    keywords = inspect.signature(carpool.batched).parameters
+    missing = [f.name for f in dataclasses.fields(BatchPolicy) if f.init and f.name not in keywords]
+    assert missing == []
+
+
+async def test_packed_collation_and_token_budget_through_the_decorator() -> None:
+    from carpool.core.layout import Packed
+
+    seen: list[list[int]] = []
+
+    @carpool.batched(collate="packed", max_batch_size=8, max_batch_tokens=6, max_delay_s=0)
+    async def total(batch: Packed) -> np.ndarray:
+        seen.append(batch.lengths.tolist())
+        return np.add.reduceat(batch.data, batch.offsets)
+
+    async with total:
+        results = await asyncio.gather(*(total(np.arange(1, n + 1)) for n in (3, 3, 2)))
+    assert results == [6, 6, 3]
+    assert all(sum(lengths) <= 6 for lengths in seen)
+    assert total.snapshot().batches.num_tokens == 8

@@ -1,0 +1,169 @@
+"""OpenAI-compatible endpoints: ``POST /v1/embeddings`` and ``GET /v1/models``.
+
+Pure request → response-bytes functions; :mod:`carpool.server.app` routes to them, reads
+bodies and watches for disconnects, and :func:`carpool.server.errors.openai_error` gives
+failures OpenAI's error shape::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "input", "code": null}}
+
+``POST /v1/embeddings`` takes ``model``, ``input`` (a string, a list of strings, a list of
+token ids or a list of such lists), ``encoding_format`` ("float" or "base64"),
+``dimensions`` (only the model's own size), ``user`` (ignored) and carpool's ``priority``
+(a class name) and ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any
+
+import numpy as np
+import orjson
+
+from carpool.errors import InvalidInput
+from carpool.server.embeddings import EmbeddingService
+from carpool.server.errors import NotFound
+from carpool.server.repository import ModelRepository
+
+_KNOWN_FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "priority", "timeout_s")
+_STARTED = int(time.time())
+
+
+class BadParam(InvalidInput):
+    """Invalid input that OpenAI's error object names by ``param``."""
+
+    def __init__(self, param: str, message: str) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+def embedding_models(repository: ModelRepository) -> dict[str, EmbeddingService]:
+    return {m.name: m.embeddings for m in repository if m.embeddings is not None}
+
+
+def list_models(repository: ModelRepository) -> bytes:
+    """``GET /v1/models``: every model with an OpenAI face."""
+    data = [
+        {"id": name, "object": "model", "created": _STARTED, "owned_by": "carpool"}
+        for name in embedding_models(repository)
+    ]
+    return orjson.dumps({"object": "list", "data": data})
+
+
+async def create_embeddings(repository: ModelRepository, body: bytes) -> bytes:
+    """``POST /v1/embeddings``: the response body, or raises (InvalidInput, NotFound, ...)."""
+    doc = _json_object(body)
+    service = _model(repository, doc)
+    encoding = doc.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise BadParam("encoding_format", f"encoding_format={encoding!r}: expected float or base64")
+    dimensions = doc.get("dimensions")
+    if dimensions is not None and dimensions != service.dimensions:
+        raise BadParam(
+            "dimensions",
+            f"dimensions={dimensions!r} is not supported: model {service.name!r} returns "
+            f"{service.dimensions} dimensions and cannot shorten them; leave dimensions out",
+        )
+    options = _options(doc)
+    texts, tokens = _inputs(doc.get("input"))
+    if texts is not None:
+        embedded = await service.embed_texts(texts, **options)
+    else:
+        assert tokens is not None
+        embedded = await service.embed_tokens(tokens, **options)
+    rows: list[Any]
+    if encoding == "base64":
+        little = embedded.vectors.astype("<f4", copy=False)
+        rows = [base64.b64encode(row.tobytes()).decode("ascii") for row in little]
+    else:
+        rows = list(embedded.vectors)
+    return orjson.dumps(
+        {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)
+            ],
+            "model": service.name,
+            "usage": {"prompt_tokens": embedded.num_tokens, "total_tokens": embedded.num_tokens},
+        },
+        option=orjson.OPT_SERIALIZE_NUMPY,
+    )
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise InvalidInput(
+            f"the request body is not valid JSON in UTF-8 ({error}); expected a JSON object"
+        ) from None
+    if not isinstance(doc, dict):
+        raise InvalidInput(f"the request body is a JSON {type(doc).__name__}; expected an object")
+    unknown = sorted(set(doc) - set(_KNOWN_FIELDS))
+    if unknown:
+        raise BadParam(unknown[0], f"unknown field {unknown[0]!r}; expected {list(_KNOWN_FIELDS)}")
+    return doc
+
+
+def _model(repository: ModelRepository, doc: dict[str, Any]) -> EmbeddingService:
+    name = doc.get("model")
+    if not isinstance(name, str):
+        raise BadParam("model", f"model={name!r}: expected the name of an embeddings model")
+    services = embedding_models(repository)
+    service = services.get(name)
+    if service is None:
+        raise NotFound(f"embeddings model {name!r}", sorted(services))
+    return service
+
+
+def _options(doc: dict[str, Any]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    priority = doc.get("priority")
+    if priority is not None:
+        if not isinstance(priority, str):
+            raise BadParam("priority", f"priority={priority!r}: expected a class name")
+        options["priority"] = priority
+    timeout_s = doc.get("timeout_s")
+    if timeout_s is not None:
+        options["timeout_s"] = timeout_s
+    return options
+
+
+def _inputs(value: Any) -> tuple[list[str] | None, list[Any] | None]:
+    """``(texts, None)`` or ``(None, token arrays)``; raises naming what was wrong."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise BadParam(
+            "input",
+            f"input is a {type(value).__name__}; expected a string, a list of strings, a "
+            "list of token ids or a list of such lists",
+        )
+    if not value:
+        raise BadParam("input", "input is an empty list; expected at least one text")
+    if isinstance(value[0], str):
+        for i, text in enumerate(value):
+            if not isinstance(text, str):
+                raise BadParam(
+                    "input",
+                    f"input[{i}] is a {type(text).__name__}; expected a string like input[0]",
+                )
+            if not text:
+                raise BadParam("input", f"input[{i}] is an empty string; expected some text")
+        return value, None
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return None, [np.asarray(value)]
+    for i, item in enumerate(value):
+        if not (
+            isinstance(item, list)
+            and item
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+        ):
+            what = "an empty list" if item == [] else f"a {type(item).__name__}"
+            raise BadParam(
+                "input",
+                f"input[{i}] is {what}; expected every item to be a string, or every item "
+                "a non-empty list of token ids",
+            )
+    return None, [np.asarray(item) for item in value]
