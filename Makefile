@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[torch,server,onnx,embeddings,dev]'
+	$(PY) -m pip install --quiet -e '.[torch,server,onnx,embeddings,tools,dev]'
 	touch $(STAMP)
 
 serve: $(STAMP)
