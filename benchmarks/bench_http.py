@@ -13,59 +13,30 @@ Needs `wrk` (apt-get install wrk) and `taskset` (util-linux).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
 
-from wrkrun import free_port, run_wrk
+from benchlib import (
+    LOAD_CPU,
+    RESULTS,
+    SERVER_CPU,
+    carpool_serve,
+    machine_info,
+    require_wrk,
+    write_results,
+    wrk_info,
+)
+from wrkrun import free_port, run_wrk, write_post_script
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_JSON = ROOT / "benchmarks" / "results" / "http.json"
+DEFAULT_JSON = RESULTS / "http.json"
 CONCURRENCY = (1, 16, 64, 256)
-SERVER_CPU, LOAD_CPU = "0", "1"
-
-LUA = """
-local f = io.open("{body}", "rb")
-wrk.method = "POST"
-wrk.body = f:read("*all")
-f:close()
-wrk.headers["Content-Type"] = "application/octet-stream"
-wrk.headers["Inference-Header-Content-Length"] = "{header_length}"
-"""
-
-
-def _machine() -> dict[str, Any]:
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import torch
-
-    return {
-        "platform": platform.platform(),
-        "cpu_model": cpu,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "server_cpu": SERVER_CPU,
-        "load_cpu": LOAD_CPU,
-        "wrk": subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split(
-            "\n"
-        )[0],
-    }
 
 
 def _body(path: Path) -> int:
@@ -112,9 +83,8 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=8.0)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
-    if shutil.which("wrk") is None or shutil.which("taskset") is None:
-        sys.exit("bench_http needs wrk and taskset: apt-get install wrk util-linux")
-    machine = _machine()
+    require_wrk("bench_http")
+    machine = machine_info(**wrk_info())
     print(f"machine: {machine}")
     ceiling = _offline_ceiling()
     print(f"offline W1 ceiling at batch 64 on cpu {SERVER_CPU}: {ceiling:.0f} items/s")
@@ -123,19 +93,7 @@ def main() -> None:
     infer_url = f"{url}/v2/models/mlp/infer"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(
-        [
-            "taskset",
-            "-c",
-            SERVER_CPU,
-            sys.executable,
-            "-m",
-            "carpool.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--grpc-port",
-            "0",
-        ],
+        ["taskset", "-c", SERVER_CPU, *carpool_serve(port)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -153,7 +111,14 @@ def main() -> None:
             body = Path(tmp) / "body.bin"
             header_length = _body(body)
             script = Path(tmp) / "post.lua"
-            script.write_text(LUA.format(body=body, header_length=header_length))
+            write_post_script(
+                script,
+                body,
+                {
+                    "Content-Type": "application/octet-stream",
+                    "Inference-Header-Content-Length": str(header_length),
+                },
+            )
             run_wrk(infer_url, script, 16, 2.0, LOAD_CPU)  # warm-up
             for connections in CONCURRENCY:
                 before = _stats(url)
@@ -173,20 +138,15 @@ def main() -> None:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps(
-            {
-                "machine": machine,
-                "ceiling_items_per_s": ceiling,
-                "rows": rows,
-                "duration_s": args.duration_s,
-                "command": " ".join(sys.argv),
-            },
-            indent=2,
-        )
+    write_results(
+        args.json,
+        {
+            "machine": machine,
+            "ceiling_items_per_s": ceiling,
+            "rows": rows,
+            "duration_s": args.duration_s,
+        },
     )
-    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

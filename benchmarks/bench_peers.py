@@ -23,43 +23,27 @@ Then:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import platform
-import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
-from wrkrun import free_port, run_wrk
+import benchlib
+from benchlib import LOAD_CPU, RESULTS, ROOT, SERVER_CPU
+from wrkrun import free_port, run_wrk, write_post_script
 
-ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benchmarks" / "peers"
 PEERS_VENV = ROOT / "benchmarks" / ".peers-venv"
 PEER_PY = PEERS_VENV / "bin" / "python"
-DEFAULT_JSON = ROOT / "benchmarks" / "results" / "peers.json"
+DEFAULT_JSON = RESULTS / "peers.json"
 CONCURRENCY = (1, 16, 64, 256)
-SERVER_CPU, LOAD_CPU = "0", "1"
-READY_TIMEOUT_S = 300.0
-
-LUA = """
-local f = io.open("{body}", "rb")
-wrk.method = "POST"
-wrk.body = f:read("*all")
-f:close()
-wrk.headers["Content-Type"] = "application/json"
-"""
 
 
 @dataclass
@@ -77,74 +61,61 @@ def _kserve_body(x: list[float]) -> Any:
     return {"inputs": [{"name": "INPUT0", "shape": [1, 256], "datatype": "FP32", "data": x}]}
 
 
+def _predict_peer(name: str, label: str, script: str, env: dict[str, str]) -> Server:
+    """A peer run as ``PEER_PY benchmarks/peers/SCRIPT --port N``, POST /predict {"data": x}."""
+    return Server(
+        name,
+        label,
+        lambda port: [str(PEER_PY), str(PEERS / script), "--port", str(port)],
+        "/predict",
+        lambda x: {"data": x},
+        lambda r: r["output"],
+        env,
+    )
+
+
+def _bentoml_peer(name: str, label: str, env: dict[str, str]) -> Server:
+    """BentoML's ``bentoml serve bentoml_w1:W1``, POST /predict {"data": [x]}."""
+
+    def command(port: int) -> list[str]:
+        return [
+            str(PEERS_VENV / "bin" / "bentoml"),
+            "serve",
+            "bentoml_w1:W1",
+            "--working-dir",
+            str(PEERS),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+
+    return Server(
+        name,
+        label,
+        command,
+        "/predict",
+        lambda x: {"data": [x]},
+        lambda r: r[0],
+        {"BENTOML_DO_NOT_TRACK": "true", **env},
+    )
+
+
 def _servers() -> list[Server]:
     peer = str(PEER_PY)
     stub_env = {"LD_LIBRARY_PATH": str(sysconfig.get_config_var("LIBDIR"))}
     return [
-        Server(
-            "fastapi",
-            "FastAPI+uvicorn (no batching)",
-            lambda port: [peer, str(PEERS / "fastapi_w1.py"), "--port", str(port)],
-            "/predict",
-            lambda x: {"data": x},
-            lambda r: r["output"],
-            {},
-        ),
-        Server(
-            "litserve",
-            "LitServe (batch 64, 10 ms)",
-            lambda port: [peer, str(PEERS / "litserve_w1.py"), "--port", str(port)],
-            "/predict",
-            lambda x: {"data": x},
-            lambda r: r["output"],
-            {},
-        ),
-        Server(
+        _predict_peer("fastapi", "FastAPI+uvicorn (no batching)", "fastapi_w1.py", {}),
+        _predict_peer("litserve", "LitServe (batch 64, 10 ms)", "litserve_w1.py", {}),
+        _predict_peer(
             "rayserve",
             "Ray Serve (batch 64, 10 ms)",
-            lambda port: [peer, str(PEERS / "rayserve_w1.py"), "--port", str(port)],
-            "/predict",
-            lambda x: {"data": x},
-            lambda r: r["output"],
+            "rayserve_w1.py",
             {"RAY_USAGE_STATS_ENABLED": "0"},
         ),
-        Server(
-            "bentoml",
-            "BentoML (batch 64, 10 ms)",
-            lambda port: [
-                str(PEERS_VENV / "bin" / "bentoml"),
-                "serve",
-                "bentoml_w1:W1",
-                "--working-dir",
-                str(PEERS),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
-            "/predict",
-            lambda x: {"data": [x]},
-            lambda r: r[0],
-            {"BENTOML_DO_NOT_TRACK": "true"},
-        ),
-        Server(
-            "bentoml-60s",
-            "BentoML (batch 64, 60 s budget)",
-            lambda port: [
-                str(PEERS_VENV / "bin" / "bentoml"),
-                "serve",
-                "bentoml_w1:W1",
-                "--working-dir",
-                str(PEERS),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
-            "/predict",
-            lambda x: {"data": [x]},
-            lambda r: r[0],
-            {"BENTOML_DO_NOT_TRACK": "true", "W1_BENTO_MAX_LATENCY_MS": "60000"},
+        _bentoml_peer("bentoml", "BentoML (batch 64, 10 ms)", {}),
+        _bentoml_peer(
+            "bentoml-60s", "BentoML (batch 64, 60 s budget)", {"W1_BENTO_MAX_LATENCY_MS": "60000"}
         ),
         Server(
             "pytriton",
@@ -167,16 +138,7 @@ def _servers() -> list[Server]:
         Server(
             "carpool",
             "carpool serve (KServe v2 JSON)",
-            lambda port: [
-                sys.executable,
-                "-m",
-                "carpool.cli",
-                "serve",
-                "--port",
-                str(port),
-                "--grpc-port",
-                "0",
-            ],
+            benchlib.carpool_serve,
             "/v2/models/mlp/infer",
             _kserve_body,
             lambda r: r["outputs"][0]["data"],
@@ -185,88 +147,19 @@ def _servers() -> list[Server]:
     ]
 
 
-def _peer_version(package: str) -> str | None:
-    out = subprocess.run(
-        [str(PEER_PY), "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
 def _machine() -> dict[str, Any]:
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import torch
-
     versions = {}
     if PEER_PY.exists():
         for package in ("torch", "fastapi", "uvicorn", "litserve", "ray", "bentoml"):
-            versions[package] = _peer_version(package)
-        versions["nvidia-pytriton"] = _peer_version("nvidia-pytriton")
-    return {
-        "platform": platform.platform(),
-        "cpu_model": cpu,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "peers_venv": versions,
-        "server_cpu": SERVER_CPU,
-        "load_cpu": LOAD_CPU,
-        "wrk": subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split(
-            "\n"
-        )[0],
-    }
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's whole process group (it was started as its own session)."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)  # stragglers left in the group
-    process.wait(timeout=10)
-
-
-def _wait_ready(process: subprocess.Popen[bytes], url: str, body: Any) -> tuple[float, list[float]]:
-    start = time.perf_counter()
-    while time.perf_counter() - start < READY_TIMEOUT_S:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} before it was ready")
-        try:
-            response = httpx.post(url, json=body, timeout=5)
-            if response.status_code == 200:
-                return time.perf_counter() - start, response.json()
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"not ready within {READY_TIMEOUT_S:.0f} s")
+            versions[package] = benchlib.venv_version(PEER_PY, package)
+        versions["nvidia-pytriton"] = benchlib.venv_version(PEER_PY, "nvidia-pytriton")
+    return benchlib.machine_info(peers_venv=versions, **benchlib.wrk_info())
 
 
 def _run(server: Server, x: list[float], expected: np.ndarray, duration_s: float) -> dict[str, Any]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}{server.path}"
-    log = Path(tempfile.gettempdir()) / f"bench_peers_{server.name}.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **server.env}
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            ["taskset", "-c", SERVER_CPU, *server.command(port)],
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-    result: dict[str, Any] = {"server": server.name, "label": server.label, "log": str(log)}
-    try:
-        ready_s, answer = _wait_ready(process, url, server.body(x))
-        got = np.asarray(server.output(answer), dtype=np.float32).reshape(-1)
+    def measure(process: subprocess.Popen[bytes], url: str, result: dict[str, Any]) -> None:
+        ready_s, response = benchlib.wait_ready(process, url, server.body(x))
+        got = np.asarray(server.output(response.json()), dtype=np.float32).reshape(-1)
         result["startup_s"] = ready_s
         result["max_abs_err"] = float(np.max(np.abs(got - expected)))
         if got.shape != expected.shape or result["max_abs_err"] > 1e-3:
@@ -276,7 +169,7 @@ def _run(server: Server, x: list[float], expected: np.ndarray, duration_s: float
             body = Path(tmp) / "body.json"
             body.write_text(json.dumps(server.body(x)))
             script = Path(tmp) / "post.lua"
-            script.write_text(LUA.format(body=body))
+            write_post_script(script, body, {"Content-Type": "application/json"})
             run_wrk(url, script, 16, 2.0, LOAD_CPU)  # warm-up
             rows = []
             for connections in CONCURRENCY:
@@ -292,28 +185,14 @@ def _run(server: Server, x: list[float], expected: np.ndarray, duration_s: float
                     flush=True,
                 )
         result["rows"] = rows
-    except Exception as exc:  # a peer that fails is reported, not fatal
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        print(f"{server.name}: SKIPPED ({result['error']}); log {log}", flush=True)
-    finally:
-        _stop(process)
-    return result
+
+    return benchlib.run_server(
+        server.name, server.label, server.command, server.path, server.env, "bench_peers", measure
+    )
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = [
-        f"{'server':32} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>7}",
-    ]
-    for result in results:
-        if "error" in result:
-            lines.append(f"{result['label']:32} skipped: {result['error']}")
-            continue
-        for row in result["rows"]:
-            lines.append(
-                f"{result['label']:32} {row['concurrency']:>4} {row['rate_rps']:8.0f} "
-                f"{row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['non_2xx']:>7}"
-            )
-    return "\n".join(lines)
+    return benchlib.results_table(results, 32)
 
 
 def main() -> None:
@@ -322,16 +201,9 @@ def main() -> None:
     )
     parser.add_argument("--duration-s", type=float, default=8.0)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    parser.add_argument(
-        "--servers",
-        default="fastapi,litserve,rayserve,bentoml,bentoml-60s,pytriton,carpool",
-        help="comma-separated subset; results for others already in --json are kept",
-    )
+    benchlib.add_servers_option(parser, [s.name for s in _servers()])
     args = parser.parse_args()
-    if shutil.which("wrk") is None or shutil.which("taskset") is None:
-        sys.exit("bench_peers needs wrk and taskset: apt-get install wrk util-linux")
-    wanted = args.servers.split(",")
-    servers = [s for s in _servers() if s.name in wanted]
+    wanted, servers = benchlib.chosen_servers("bench_peers", args.servers, _servers())
     if any(s.name != "carpool" for s in servers) and not PEER_PY.exists():
         sys.exit(f"no peers venv at {PEERS_VENV}; see this script's docstring")
     machine = _machine()
@@ -347,15 +219,7 @@ def main() -> None:
     x_list = [float(v) for v in x[0]]
 
     results = [_run(server, x_list, expected, args.duration_s) for server in servers]
-    kept: list[dict[str, Any]] = []
-    if args.json.exists():
-        kept = [
-            r
-            for r in json.loads(args.json.read_text()).get("results", [])
-            if r["server"] not in wanted
-        ]
-    order = [s.name for s in _servers()]
-    merged = sorted(kept + results, key=lambda r: order.index(r["server"]))
+    merged = benchlib.merge_results(args.json, results, wanted, [s.name for s in _servers()])
     print()
     print(
         f"{machine['cpu_model']}, {machine['cpu_count']} cores, python {machine['python']}, "
@@ -363,19 +227,9 @@ def main() -> None:
         f"{args.duration_s:g} s per point"
     )
     print(_table(merged))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps(
-            {
-                "machine": machine,
-                "duration_s": args.duration_s,
-                "results": merged,
-                "command": " ".join(sys.argv),
-            },
-            indent=2,
-        )
+    benchlib.write_results(
+        args.json, {"machine": machine, "duration_s": args.duration_s, "results": merged}
     )
-    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

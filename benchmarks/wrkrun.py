@@ -1,4 +1,4 @@
-"""Shared by the HTTP benchmarks: a free loopback port and one pinned `wrk` run, parsed."""
+"""Shared by the HTTP benchmarks: a free loopback port, wrk scripts and one pinned run, parsed."""
 
 from __future__ import annotations
 
@@ -13,6 +13,20 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def write_post_script(script: Path, body: Path, headers: dict[str, str]) -> None:
+    """Writes a wrk Lua script that POSTs the bytes of the file ``body`` with ``headers``."""
+    lines = [
+        "",
+        f'local f = io.open("{body}", "rb")',
+        'wrk.method = "POST"',
+        'wrk.body = f:read("*all")',
+        "f:close()",
+        *(f'wrk.headers["{name}"] = "{value}"' for name, value in headers.items()),
+        "",
+    ]
+    script.write_text("\n".join(lines))
 
 
 def latency_ms(text: str) -> float:
