@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from queue import Queue
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2
 from tritonclient.utils import InferenceServerException
 
 from .conftest import ServedProcess, start_served_process
@@ -138,3 +141,104 @@ def test_http_serves_alongside_grpc(server: Server) -> None:
     }
     response = httpx.post(f"http://{server.http_url}/v2/models/mlp/infer", json=body)
     assert response.status_code == 200
+
+
+def _http_json(server: Server, path: str) -> Any:
+    response = httpx.get(f"http://{server.http_url}{path}")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_repository_index_lists_every_model_ready(
+    server: Server, client: grpcclient.InferenceServerClient
+) -> None:
+    index = client.get_model_repository_index(as_json=True)["models"]
+    assert "mlp" in {m["name"] for m in index}
+    for model in index:
+        assert (model["version"], model["state"]) == ("1", "READY")
+        assert httpx.get(f"http://{server.http_url}/v2/models/{model['name']}/ready").is_success
+
+
+def test_model_config_says_what_http_says(
+    server: Server, client: grpcclient.InferenceServerClient
+) -> None:
+    for model in client.get_model_repository_index().models:
+        over_grpc = client.get_model_config(model.name, as_json=True)["config"]
+        over_http = _http_json(server, f"/v2/models/{model.name}/config")
+        # Both JSON forms read into Triton's own ModelConfig (int64s are strings in one).
+        as_triton = [
+            json_format.ParseDict(c, model_config_pb2.ModelConfig()) for c in (over_grpc, over_http)
+        ]
+        assert as_triton[0] == as_triton[1], (over_grpc, over_http)
+    config = client.get_model_config("mlp").config
+    assert (config.name, config.max_batch_size) == ("mlp", 64)
+    assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [
+        ("INPUT0", model_config_pb2.TYPE_FP32, [256])
+    ]
+    assert config.dynamic_batching.max_queue_delay_microseconds == 2000
+    assert config.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
+
+
+def test_inference_statistics_grow_and_match_http(
+    server: Server, client: grpcclient.InferenceServerClient
+) -> None:
+    before = client.get_inference_statistics("mlp").model_stats[0]
+    for _ in range(5):
+        client.infer("mlp", [_input(np.ones((1, 256), dtype=np.float32))])
+    after = client.get_inference_statistics("mlp").model_stats[0]
+    assert after.inference_count == before.inference_count + 5
+    assert after.inference_stats.success.count == before.inference_stats.success.count + 5
+    assert after.inference_stats.success.ns > before.inference_stats.success.ns
+    assert after.execution_count > before.execution_count
+    assert after.batch_stats
+    assert sum(b.compute_infer.count for b in after.batch_stats) == after.execution_count
+    # Nothing runs now, so both wires report the very same numbers.
+    over_http = _http_json(server, "/v2/models/mlp/stats")
+    as_triton = json_format.ParseDict(over_http, service_pb2.ModelStatisticsResponse())
+    assert client.get_inference_statistics("mlp") == as_triton
+    everyone = client.get_inference_statistics().model_stats
+    assert "mlp" in {m.name for m in everyone}
+
+
+StreamAnswer = tuple[grpcclient.InferResult | None, InferenceServerException | None]
+
+
+def _stream(
+    client: grpcclient.InferenceServerClient, requests: list[tuple[str, np.ndarray]]
+) -> list[StreamAnswer]:
+    """Send every request on one stream; the answers in the order they came."""
+    answers: Queue[StreamAnswer] = Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for request_id, x in requests:
+            client.async_stream_infer("mlp", [_input(x)], request_id=request_id)
+        return [answers.get(timeout=60) for _ in requests]
+    finally:
+        client.stop_stream()
+
+
+def test_stream_answers_every_request_matched_by_id(
+    client: grpcclient.InferenceServerClient,
+) -> None:
+    x = np.random.default_rng(2).standard_normal((16, 256), dtype=np.float32)
+    answers = _stream(client, [(f"s-{i}", x[i : i + 1]) for i in range(16)])
+    rows: dict[str, np.ndarray] = {}
+    for result, error in answers:
+        assert error is None, error
+        assert result is not None
+        rows[result.get_response().id] = result.as_numpy("OUTPUT0")[0]
+    assert sorted(rows) == sorted(f"s-{i}" for i in range(16))
+    np.testing.assert_allclose(
+        np.stack([rows[f"s-{i}"] for i in range(16)]), _reference(x), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_a_bad_request_on_a_stream_fails_alone(client: grpcclient.InferenceServerClient) -> None:
+    good = np.ones((1, 256), dtype=np.float32)
+    requests = [("g-0", good), ("bad", np.ones((1, 255), dtype=np.float32)), ("g-1", good)]
+    answers = _stream(client, [*requests, ("g-2", good)])
+    errors = [error for _, error in answers if error is not None]
+    assert len(errors) == 1
+    assert "shape [1, 255]" in errors[0].message()
+    ids = {result.get_response().id for result, _ in answers if result is not None}
+    assert ids == {"g-0", "g-1", "g-2"}

@@ -11,16 +11,28 @@ batches. Input data comes either raw or typed::
 Raw bytes are little-endian row-major values (BYTES: per element a 4-byte little-endian
 length, then the bytes; BF16: 2 bytes each, decoded to float32). Outputs always go back
 raw, in ``raw_output_contents``, as Triton answers ``tritonclient``.
+
+Configuration and statistics are the REST JSON (``ServedModel.config()``,
+:func:`~carpool.server.stats.model_stats`) parsed into the proto messages, so both wires
+say the same thing. On a ``ModelStreamInfer`` stream each request runs as soon as it
+arrives and is answered when it completes, so requests on one stream share batches with
+each other and with everyone else, and answers may come in any order (match them by id)::
+
+    client --> req a, req b, req c, (half-close)
+    server <-- resp b, resp a, error c, (end: every request answered)
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
 import grpc  # type: ignore[import-untyped]  # grpcio ships no type hints
 import numpy as np
 import numpy.typing as npt
+from google.protobuf import json_format  # type: ignore[import-untyped]  # no stubs installed
 
 from carpool import __version__
 from carpool.errors import InvalidInput
@@ -28,6 +40,7 @@ from carpool.server.errors import error_message, grpc_status
 from carpool.server.proto import grpc_service_pb2 as pb
 from carpool.server.proto import grpc_service_pb2_grpc as pb_grpc
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
+from carpool.server.stats import model_stats
 from carpool.server.tensors import (
     DATATYPES,
     InferRequest,
@@ -43,6 +56,8 @@ __all__ = [
     "InferenceServicer",
     "decode_infer_request",
     "encode_infer_response",
+    "model_config",
+    "model_statistics",
     "start_grpc_server",
 ]
 
@@ -285,15 +300,112 @@ class InferenceServicer:
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse:
         try:
-            model = self.repository.get(request.model_name, request.model_version or None)
-            infer = decode_infer_request(request)
-            payload = model.payload(infer)
-            options = model.submit_options(infer)
-            wanted = wanted_outputs(model, infer)
-            result = await model.run(payload, options)
-            return encode_infer_response(model, infer.request_id, wanted, result)
+            return await self._infer(request)
         except Exception as exc:
             await _abort(context, exc)
+
+    async def ModelStreamInfer(
+        self,
+        requests: AsyncIterator[pb.ModelInferRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Answer each request of the stream as it completes; a failed request is an
+        ``error_message`` answer and the stream goes on. The stream ends once the client
+        has half-closed and every request is answered; when the client cancels, requests
+        still queued are taken out of their batchers."""
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            answers.put_nowait(await self._stream_answer(request))
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    task = asyncio.create_task(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                if running:
+                    await asyncio.wait(set(running))
+            finally:
+                answers.put_nowait(None)  # also when reading fails: the writer must stop
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await answers.get()) is not None:
+                yield response
+            await reader  # re-raises a failed read, which ends the RPC with its status
+        finally:
+            for task in (reader, *running):
+                task.cancel()
+
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ModelConfigResponse:
+        try:
+            model = self.repository.get(request.name, request.version or None)
+        except Exception as exc:
+            await _abort(context, exc)
+        return pb.ModelConfigResponse(config=model_config(model))
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ModelStatisticsResponse:
+        try:
+            if request.name:
+                models = [self.repository.get(request.name, request.version or None)]
+            else:  # as Triton: no name, every model
+                models = list(self.repository)
+        except Exception as exc:
+            await _abort(context, exc)
+        return pb.ModelStatisticsResponse(model_stats=[model_statistics(m) for m in models])
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RepositoryIndexResponse:
+        index = pb.RepositoryIndexResponse()
+        for model in self.repository:
+            is_ready = model.batcher.is_running
+            if is_ready or not request.ready:
+                state = "READY" if is_ready else "UNAVAILABLE"
+                index.models.add(name=model.name, version=model.version, state=state)
+        return index
+
+    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        model = self.repository.get(request.model_name, request.model_version or None)
+        infer = decode_infer_request(request)
+        payload = model.payload(infer)
+        options = model.submit_options(infer)
+        wanted = wanted_outputs(model, infer)
+        result = await model.run(payload, options)
+        return encode_infer_response(model, infer.request_id, wanted, result)
+
+    async def _stream_answer(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
+        try:
+            return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+        except Exception as exc:
+            which = pb.ModelInferResponse(
+                model_name=request.model_name, model_version=request.model_version, id=request.id
+            )
+            return pb.ModelStreamInferResponse(
+                error_message=error_message(exc), infer_response=which
+            )
+
+
+def model_config(model: ServedModel) -> pb.ModelConfig:
+    """``model.config()``, the REST ``/config`` JSON, as Triton's ``ModelConfig`` message.
+
+    Keys the proto subset lacks are dropped (a unit test checks that none are)."""
+    config = pb.ModelConfig()
+    json_format.ParseDict(model.config(), config, ignore_unknown_fields=True)
+    return config
+
+
+def model_statistics(model: ServedModel) -> pb.ModelStatistics:
+    """:func:`model_stats`, the REST ``/stats`` JSON, as Triton's ``ModelStatistics``."""
+    stats = pb.ModelStatistics()
+    json_format.ParseDict(model_stats(model), stats, ignore_unknown_fields=True)
+    return stats
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> NoReturn:

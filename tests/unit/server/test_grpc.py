@@ -1,15 +1,30 @@
-"""Decoding gRPC inference requests, built with the generated message classes."""
+"""The gRPC face without sockets: request decoding with the generated message classes, the
+proto against Triton's own descriptors, config and statistics messages, and a stream
+driven directly."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import pytest
+from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, EnumDescriptor
 
+from carpool import Batcher, BatchPolicy, ClassPolicy
 from carpool.errors import InvalidInput
-from carpool.server.grpc import decode_infer_request
+from carpool.server.grpc import (
+    InferenceServicer,
+    decode_infer_request,
+    model_config,
+    model_statistics,
+)
 from carpool.server.proto import grpc_service_pb2 as pb
+from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.tensors import serialize_bytes_tensor
 
 CASES: list[tuple[str, str, np.ndarray]] = [
@@ -129,3 +144,242 @@ def test_rejects_unknown_datatype_and_out_of_range_narrow_ints() -> None:
 def test_fp16_needs_raw_contents() -> None:
     with pytest.raises(InvalidInput, match="raw_input_contents"):
         decode_infer_request(_request("X", "FP16", (1,)))
+
+
+# ---------------------------------------------------------------------------------------
+# The proto against Triton's
+
+
+def _triton_pool() -> Any:
+    from tritonclient.grpc import model_config_pb2, service_pb2
+
+    assert service_pb2.DESCRIPTOR.pool is model_config_pb2.DESCRIPTOR.pool
+    return service_pb2.DESCRIPTOR.pool
+
+
+def _messages(descriptor: Descriptor) -> list[Descriptor]:
+    nested = [m for n in descriptor.nested_types for m in _messages(n)]
+    return [descriptor, *nested]
+
+
+def _enums() -> list[EnumDescriptor]:
+    top = list(pb.DESCRIPTOR.enum_types_by_name.values())
+    messages = [m for d in pb.DESCRIPTOR.message_types_by_name.values() for m in _messages(d)]
+    return top + [e for m in messages for e in m.enum_types]
+
+
+def _field_type(field: Any) -> str:
+    kind = field.message_type or field.enum_type
+    return kind.full_name if kind is not None else str(field.type)
+
+
+def test_every_message_field_has_tritons_number_and_type() -> None:
+    triton = _triton_pool()
+    messages = [m for d in pb.DESCRIPTOR.message_types_by_name.values() for m in _messages(d)]
+    assert len(messages) > 30
+    for message in messages:
+        theirs = triton.FindMessageTypeByName(message.full_name)
+        for field in message.fields:
+            their = theirs.fields_by_name[field.name]
+            where = f"{message.full_name}.{field.name}"
+            assert field.number == their.number, where
+            assert _field_type(field) == _field_type(their), where
+            assert field.is_repeated == their.is_repeated, where
+            oneof = field.containing_oneof
+            their_oneof = their.containing_oneof
+            assert (oneof and oneof.name) == (their_oneof and their_oneof.name), where
+
+
+def test_every_enum_value_is_tritons() -> None:
+    triton = _triton_pool()
+    enums = _enums()
+    assert {e.full_name for e in enums} == {
+        "inference.DataType",
+        "inference.ModelInstanceGroup.Kind",
+    }
+    for enum in enums:
+        theirs = triton.FindEnumTypeByName(enum.full_name)
+        assert {v.name: v.number for v in enum.values} == {v.name: v.number for v in theirs.values}
+
+
+def test_every_rpc_has_tritons_signature() -> None:
+    theirs = _triton_pool().FindServiceByName("inference.GRPCInferenceService")
+    ours = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    assert {"ModelStreamInfer", "ModelConfig", "ModelStatistics", "RepositoryIndex"} <= set(
+        ours.methods_by_name
+    )
+    for method in ours.methods:
+        their = theirs.methods_by_name[method.name]
+        assert method.input_type.full_name == their.input_type.full_name
+        assert method.output_type.full_name == their.output_type.full_name
+        assert method.client_streaming == their.client_streaming, method.name
+        assert method.server_streaming == their.server_streaming, method.name
+
+
+@pytest.mark.parametrize(
+    "modules",
+    [
+        ("tritonclient.grpc", "carpool.server.grpc"),
+        ("carpool.server.grpc", "tritonclient.grpc"),
+    ],
+)
+def test_imports_alongside_tritonclient(modules: tuple[str, str]) -> None:
+    # A fresh interpreter: in this one both may already be imported, in either order.
+    code = "; ".join(f"import {m}" for m in modules) + (
+        "; from carpool.server.proto import grpc_service_pb2 as pb"
+        "; from tritonclient.grpc import service_pb2"
+        "; assert pb.ModelConfigResponse.FromString("
+        "service_pb2.ModelConfigResponse(config={'name': 'm'}).SerializeToString()"
+        ").config.name == 'm'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Configuration and statistics
+
+
+def _served(infer: Any = None, num_replicas: int = 1) -> ServedModel:
+    policy = BatchPolicy(
+        max_batch_size=8,
+        max_delay_s=0.002,
+        preferred_batch_sizes=(4, 8),
+        classes=(ClassPolicy("high"), ClassPolicy("normal"), ClassPolicy("low")),
+        default_class="normal",
+    )
+    batcher = Batcher(
+        lambda inputs: {"y": inputs["x"]}, policy, collate="dict", num_replicas=num_replicas
+    )
+    return ServedModel(
+        "m",
+        "1",
+        "python",
+        (TensorSpec("x", "FP32", (2,)), TensorSpec("ids", "INT64", (-1,), ragged=True)),
+        (TensorSpec("y", "FP32", (2,)), TensorSpec("tag", "BYTES", (1,))),
+        batcher,
+        infer=infer,
+    )
+
+
+def test_model_config_carries_every_key_of_the_rest_config() -> None:
+    model = _served(num_replicas=2)
+    strict = json_format.ParseDict(model.config(), pb.ModelConfig())  # raises on unknown keys
+    config = model_config(model)
+    assert config == strict
+    assert (config.name, config.platform, config.max_batch_size) == ("m", "python", 8)
+    x, ids = config.input
+    assert (x.data_type, list(x.dims), x.allow_ragged_batch) == (pb.TYPE_FP32, [2], False)
+    assert (ids.data_type, list(ids.dims), ids.allow_ragged_batch) == (pb.TYPE_INT64, [-1], True)
+    assert config.output[1].data_type == pb.TYPE_STRING
+    batching = config.dynamic_batching
+    assert list(batching.preferred_batch_size) == [4, 8]
+    assert batching.max_queue_delay_microseconds == 2000
+    assert (batching.priority_levels, batching.default_priority_level) == (3, 2)
+    (group,) = config.instance_group
+    assert (group.count, group.kind) == (2, pb.ModelInstanceGroup.KIND_CPU)
+
+
+async def test_model_statistics_carry_every_key_of_the_rest_stats() -> None:
+    from carpool.server.stats import model_stats
+
+    model = _served()
+    await model.batcher.start()
+    try:
+        await model.run({"x": np.ones((3, 2), np.float32)}, {})
+    finally:
+        await model.batcher.stop()
+    strict = json_format.ParseDict(model_stats(model), pb.ModelStatistics())
+    stats = model_statistics(model)
+    assert stats == strict
+    assert (stats.inference_count, stats.execution_count) == (3, 1)
+    assert stats.inference_stats.success.count == 1
+    assert [(b.batch_size, b.compute_infer.count) for b in stats.batch_stats] == [(3, 1)]
+
+
+# ---------------------------------------------------------------------------------------
+# Streaming
+
+
+class GatedInfer:
+    """Answers ``y = x`` for a request once the gate of its first value opens."""
+
+    def __init__(self) -> None:
+        self.gates: dict[float, asyncio.Event] = {}
+        self.entered: dict[float, asyncio.Event] = {}
+        self.cancelled = asyncio.Event()  # some request was cancelled at its gate
+
+    def gate(self, value: float) -> asyncio.Event:
+        return self.gates.setdefault(value, asyncio.Event())
+
+    def entry(self, value: float) -> asyncio.Event:
+        return self.entered.setdefault(value, asyncio.Event())
+
+    async def __call__(self, payload: dict[str, np.ndarray], options: dict[str, Any]) -> Any:
+        x = payload["x"]
+        value = float(x[0, 0])
+        self.entry(value).set()
+        try:
+            await self.gate(value).wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return {"y": x, "tag": np.array([[b"t"]] * len(x), dtype=object)}
+
+
+def _stream_request(request_id: str, value: float, width: int = 2) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="m", id=request_id)
+    request.inputs.add(name="x", datatype="FP32", shape=[1, width])
+    request.inputs.add(name="ids", datatype="INT64", shape=[1, 1])
+    request.raw_input_contents.extend(
+        [np.full((1, width), value, "<f4").tobytes(), np.zeros((1, 1), "<i8").tobytes()]
+    )
+    request.outputs.add(name="y")
+    return request
+
+
+async def test_stream_answers_each_request_when_it_completes() -> None:
+    infer = GatedInfer()
+    servicer = InferenceServicer(ModelRepository([_served(infer)]))
+    incoming: asyncio.Queue[pb.ModelInferRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+        while (request := await incoming.get()) is not None:
+            yield request
+
+    stream = servicer.ModelStreamInfer(requests(), context=None)
+    incoming.put_nowait(_stream_request("slow", 1.0))
+    incoming.put_nowait(_stream_request("fast", 2.0))
+    incoming.put_nowait(_stream_request("bad", 3.0, width=3))
+    infer.gate(2.0).set()
+    answers = [await anext(stream), await anext(stream)]  # "slow" is still held
+    by_id = {a.infer_response.id: a for a in answers}
+    assert set(by_id) == {"fast", "bad"}
+    assert by_id["fast"].error_message == ""
+    (y,) = by_id["fast"].infer_response.raw_output_contents
+    assert np.frombuffer(y, "<f4").tolist() == [2.0, 2.0]
+    assert "shape [1, 3]" in by_id["bad"].error_message
+    assert by_id["bad"].infer_response.model_name == "m"
+    infer.gate(1.0).set()
+    incoming.put_nowait(None)  # the client half-closes; "slow" is still owed an answer
+    slow = await anext(stream)
+    assert (slow.error_message, slow.infer_response.id) == ("", "slow")
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+
+
+async def test_cancelling_a_stream_cancels_its_running_requests() -> None:
+    infer = GatedInfer()
+    servicer = InferenceServicer(ModelRepository([_served(infer)]))
+
+    async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+        yield _stream_request("held", 1.0)
+        await asyncio.Event().wait()  # the client never half-closes
+
+    stream = servicer.ModelStreamInfer(requests(), context=None)
+    waiting = asyncio.ensure_future(anext(stream))
+    await infer.entry(1.0).wait()
+    waiting.cancel()  # as grpc.aio does when the client cancels the call
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await infer.cancelled.wait()  # set by the handler's cleanup, which cancels the request

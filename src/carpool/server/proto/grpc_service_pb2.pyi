@@ -1,10 +1,44 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TYPE_INVALID: _ClassVar[DataType]
+    TYPE_BOOL: _ClassVar[DataType]
+    TYPE_UINT8: _ClassVar[DataType]
+    TYPE_UINT16: _ClassVar[DataType]
+    TYPE_UINT32: _ClassVar[DataType]
+    TYPE_UINT64: _ClassVar[DataType]
+    TYPE_INT8: _ClassVar[DataType]
+    TYPE_INT16: _ClassVar[DataType]
+    TYPE_INT32: _ClassVar[DataType]
+    TYPE_INT64: _ClassVar[DataType]
+    TYPE_FP16: _ClassVar[DataType]
+    TYPE_FP32: _ClassVar[DataType]
+    TYPE_FP64: _ClassVar[DataType]
+    TYPE_STRING: _ClassVar[DataType]
+    TYPE_BF16: _ClassVar[DataType]
+TYPE_INVALID: DataType
+TYPE_BOOL: DataType
+TYPE_UINT8: DataType
+TYPE_UINT16: DataType
+TYPE_UINT32: DataType
+TYPE_UINT64: DataType
+TYPE_INT8: DataType
+TYPE_INT16: DataType
+TYPE_INT32: DataType
+TYPE_INT64: DataType
+TYPE_FP16: DataType
+TYPE_FP32: DataType
+TYPE_FP64: DataType
+TYPE_STRING: DataType
+TYPE_BF16: DataType
 
 class ServerLiveRequest(_message.Message):
     __slots__ = ()
@@ -220,3 +254,190 @@ class ModelInferResponse(_message.Message):
     outputs: _containers.RepeatedCompositeFieldContainer[ModelInferResponse.InferOutputTensor]
     raw_output_contents: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., id: _Optional[str] = ..., parameters: _Optional[_Mapping[str, InferParameter]] = ..., outputs: _Optional[_Iterable[_Union[ModelInferResponse.InferOutputTensor, _Mapping]]] = ..., raw_output_contents: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ModelStreamInferResponse(_message.Message):
+    __slots__ = ("error_message", "infer_response")
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INFER_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    error_message: str
+    infer_response: ModelInferResponse
+    def __init__(self, error_message: _Optional[str] = ..., infer_response: _Optional[_Union[ModelInferResponse, _Mapping]] = ...) -> None: ...
+
+class ModelConfigRequest(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ModelConfigResponse(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: ModelConfig
+    def __init__(self, config: _Optional[_Union[ModelConfig, _Mapping]] = ...) -> None: ...
+
+class ModelStatisticsRequest(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class StatisticDuration(_message.Message):
+    __slots__ = ("count", "ns")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    NS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    ns: int
+    def __init__(self, count: _Optional[int] = ..., ns: _Optional[int] = ...) -> None: ...
+
+class InferStatistics(_message.Message):
+    __slots__ = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    FAIL_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INPUT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INFER_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    success: StatisticDuration
+    fail: StatisticDuration
+    queue: StatisticDuration
+    compute_input: StatisticDuration
+    compute_infer: StatisticDuration
+    compute_output: StatisticDuration
+    def __init__(self, success: _Optional[_Union[StatisticDuration, _Mapping]] = ..., fail: _Optional[_Union[StatisticDuration, _Mapping]] = ..., queue: _Optional[_Union[StatisticDuration, _Mapping]] = ..., compute_input: _Optional[_Union[StatisticDuration, _Mapping]] = ..., compute_infer: _Optional[_Union[StatisticDuration, _Mapping]] = ..., compute_output: _Optional[_Union[StatisticDuration, _Mapping]] = ...) -> None: ...
+
+class InferBatchStatistics(_message.Message):
+    __slots__ = ("batch_size", "compute_input", "compute_infer", "compute_output")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INPUT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INFER_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    compute_input: StatisticDuration
+    compute_infer: StatisticDuration
+    compute_output: StatisticDuration
+    def __init__(self, batch_size: _Optional[int] = ..., compute_input: _Optional[_Union[StatisticDuration, _Mapping]] = ..., compute_infer: _Optional[_Union[StatisticDuration, _Mapping]] = ..., compute_output: _Optional[_Union[StatisticDuration, _Mapping]] = ...) -> None: ...
+
+class ModelStatistics(_message.Message):
+    __slots__ = ("name", "version", "last_inference", "inference_count", "execution_count", "inference_stats", "batch_stats")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_INFERENCE_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_STATS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_STATS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    last_inference: int
+    inference_count: int
+    execution_count: int
+    inference_stats: InferStatistics
+    batch_stats: _containers.RepeatedCompositeFieldContainer[InferBatchStatistics]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., last_inference: _Optional[int] = ..., inference_count: _Optional[int] = ..., execution_count: _Optional[int] = ..., inference_stats: _Optional[_Union[InferStatistics, _Mapping]] = ..., batch_stats: _Optional[_Iterable[_Union[InferBatchStatistics, _Mapping]]] = ...) -> None: ...
+
+class ModelStatisticsResponse(_message.Message):
+    __slots__ = ("model_stats",)
+    MODEL_STATS_FIELD_NUMBER: _ClassVar[int]
+    model_stats: _containers.RepeatedCompositeFieldContainer[ModelStatistics]
+    def __init__(self, model_stats: _Optional[_Iterable[_Union[ModelStatistics, _Mapping]]] = ...) -> None: ...
+
+class RepositoryIndexRequest(_message.Message):
+    __slots__ = ("repository_name", "ready")
+    REPOSITORY_NAME_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    repository_name: str
+    ready: bool
+    def __init__(self, repository_name: _Optional[str] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class RepositoryIndexResponse(_message.Message):
+    __slots__ = ("models",)
+    class ModelIndex(_message.Message):
+        __slots__ = ("name", "version", "state", "reason")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        VERSION_FIELD_NUMBER: _ClassVar[int]
+        STATE_FIELD_NUMBER: _ClassVar[int]
+        REASON_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        version: str
+        state: str
+        reason: str
+        def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[RepositoryIndexResponse.ModelIndex]
+    def __init__(self, models: _Optional[_Iterable[_Union[RepositoryIndexResponse.ModelIndex, _Mapping]]] = ...) -> None: ...
+
+class ModelInput(_message.Message):
+    __slots__ = ("name", "data_type", "dims", "allow_ragged_batch")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_RAGGED_BATCH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data_type: DataType
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    allow_ragged_batch: bool
+    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ..., allow_ragged_batch: _Optional[bool] = ...) -> None: ...
+
+class ModelOutput(_message.Message):
+    __slots__ = ("name", "data_type", "dims")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data_type: DataType
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ModelDynamicBatching(_message.Message):
+    __slots__ = ("preferred_batch_size", "max_queue_delay_microseconds", "priority_levels", "default_priority_level")
+    PREFERRED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_DELAY_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_LEVELS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PRIORITY_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    preferred_batch_size: _containers.RepeatedScalarFieldContainer[int]
+    max_queue_delay_microseconds: int
+    priority_levels: int
+    default_priority_level: int
+    def __init__(self, preferred_batch_size: _Optional[_Iterable[int]] = ..., max_queue_delay_microseconds: _Optional[int] = ..., priority_levels: _Optional[int] = ..., default_priority_level: _Optional[int] = ...) -> None: ...
+
+class ModelInstanceGroup(_message.Message):
+    __slots__ = ("name", "count", "kind")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_AUTO: _ClassVar[ModelInstanceGroup.Kind]
+        KIND_GPU: _ClassVar[ModelInstanceGroup.Kind]
+        KIND_CPU: _ClassVar[ModelInstanceGroup.Kind]
+        KIND_MODEL: _ClassVar[ModelInstanceGroup.Kind]
+    KIND_AUTO: ModelInstanceGroup.Kind
+    KIND_GPU: ModelInstanceGroup.Kind
+    KIND_CPU: ModelInstanceGroup.Kind
+    KIND_MODEL: ModelInstanceGroup.Kind
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    count: int
+    kind: ModelInstanceGroup.Kind
+    def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., kind: _Optional[_Union[ModelInstanceGroup.Kind, str]] = ...) -> None: ...
+
+class ModelConfig(_message.Message):
+    __slots__ = ("name", "platform", "max_batch_size", "input", "output", "instance_group", "dynamic_batching")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    platform: str
+    max_batch_size: int
+    input: _containers.RepeatedCompositeFieldContainer[ModelInput]
+    output: _containers.RepeatedCompositeFieldContainer[ModelOutput]
+    instance_group: _containers.RepeatedCompositeFieldContainer[ModelInstanceGroup]
+    dynamic_batching: ModelDynamicBatching
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ...) -> None: ...

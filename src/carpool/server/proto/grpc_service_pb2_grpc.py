@@ -64,6 +64,26 @@ class GRPCInferenceServiceStub:
                 request_serializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelStreamInfer = channel.stream_stream(
+                '/inference.GRPCInferenceService/ModelStreamInfer',
+                request_serializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
+                _registered_method=True)
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelConfigResponse.FromString,
+                _registered_method=True)
+        self.ModelStatistics = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelStatistics',
+                request_serializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelStatisticsRequest.SerializeToString,
+                response_deserializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelStatisticsResponse.FromString,
+                _registered_method=True)
+        self.RepositoryIndex = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryIndex',
+                request_serializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
+                response_deserializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -105,6 +125,30 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelStreamInfer(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelConfig(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelStatistics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryIndex(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +181,26 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferRequest.FromString,
                     response_serializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelStreamInfer': grpc.stream_stream_rpc_method_handler(
+                    servicer.ModelStreamInfer,
+                    request_deserializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferRequest.FromString,
+                    response_serializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelStreamInferResponse.SerializeToString,
+            ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelConfigRequest.FromString,
+                    response_serializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'ModelStatistics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStatistics,
+                    request_deserializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelStatisticsRequest.FromString,
+                    response_serializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelStatisticsResponse.SerializeToString,
+            ),
+            'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryIndex,
+                    request_deserializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryIndexRequest.FromString,
+                    response_serializer=carpool_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryIndexResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +365,114 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelInfer',
             carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
             carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStreamInfer(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/inference.GRPCInferenceService/ModelStreamInfer',
+            carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+            carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelConfig',
+            carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+            carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStatistics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelStatistics',
+            carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelStatisticsRequest.SerializeToString,
+            carpool_dot_server_dot_proto_dot_grpc__service__pb2.ModelStatisticsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryIndex',
+            carpool_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
+            carpool_dot_server_dot_proto_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,
