@@ -163,11 +163,15 @@ def _attend_loop(seg: Segments) -> Attend:
 
     def attend(qkv: torch.Tensor) -> torch.Tensor:
         # Head-major [3, heads, T, D]: each text's slice is contiguous per head.
-        q, k, v = qkv.permute(1, 2, 0, 3).contiguous().unbind(0)
+        # 4-D slices [1, heads, L, D]: SDPA takes its fused CPU kernel (3-D ones fall back
+        # to the math path, 1.8x slower here).
+        q, k, v = qkv.permute(1, 2, 0, 3).contiguous()[:, None].unbind(0)
         out = torch.empty_like(q)
         for s, e in pairs:
-            out[:, s:e] = F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e])
-        return out.transpose(0, 1)
+            out[:, :, s:e] = F.scaled_dot_product_attention(
+                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]
+            )
+        return out[0].transpose(0, 1)
 
     return attend
 
@@ -269,12 +273,37 @@ class _Layer(nn.Module):
         self.out_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.act = _ACTIVATIONS[config.hidden_act]
 
+        self.fuses_gelu = config.hidden_act == "gelu"
+        self.packed: dict[str, torch.Tensor] = {}  # oneDNN-prepacked weights (see prepack)
+
+    def prepack(self) -> None:
+        """Reorder the Linear weights for oneDNN once, so every batch skips the reorder."""
+        self.packed = {
+            name: torch.ops.mkldnn._reorder_linear_weight(getattr(self, name).weight, None)
+            for name in ("qkv", "attn_out", "up", "down")
+        }
+
+    def _linear(self, name: str, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        module: nn.Linear = getattr(self, name)
+        packed = self.packed.get(name)
+        if packed is None:
+            y = module(x)
+            return self.act(y) if gelu else y
+        flat = x.reshape(-1, x.shape[-1])
+        attr, algorithm = ("gelu", "none") if gelu else ("none", "")  # "none": exact erf GELU
+        y = torch.ops.mkldnn._linear_pointwise(flat, packed, module.bias, attr, [], algorithm)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         lead = x.shape[:-1]
-        qkv = self.qkv(x).view(*lead, 3, self.num_heads, self.head_dim)
+        qkv = self._linear("qkv", x).view(*lead, 3, self.num_heads, self.head_dim)
         context = attend(qkv).reshape(*lead, -1)
-        x = self.attn_norm(x + self.attn_out(context))
-        out: torch.Tensor = self.out_norm(x + self.down(self.act(self.up(x))))
+        x = self.attn_norm(x + self._linear("attn_out", context))
+        if self.packed and self.fuses_gelu:
+            up = self._linear("up", x, gelu=True)
+        else:
+            up = self.act(self._linear("up", x))
+        out: torch.Tensor = self.out_norm(x + self._linear("down", up))
         return out
 
 
@@ -286,6 +315,26 @@ class BertEncoder(nn.Module):
         self.config = config
         self.embeddings = _Embeddings(config)
         self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
+
+    def prepack(self) -> bool:
+        """Use oneDNN's prepacked Linear kernels (CPU, float32/bfloat16): on the AMD EPYC
+        machine here they ran a [2100, 384] x [384, 1536] Linear 3-6x faster than the
+        default ``addmm``. Returns False (and changes nothing) where they do not apply.
+        Call again after moving the module to another device or dtype."""
+        weight = self.layers[0].qkv.weight if len(self.layers) else None
+        usable = (
+            weight is not None
+            and weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        )
+        for layer in self.layers:
+            if usable:
+                layer.prepack()
+            else:
+                layer.packed = {}
+        return bool(usable)
 
     def forward_packed(
         self,

@@ -66,12 +66,14 @@ class TextEncoder:
         device: str = "cpu",
         dtype: str = "float32",
         attention: str = "auto",
+        prepack: bool = True,
     ) -> None:
         self.name = name
         self.device = _device(device)
         self.dtype = _dtype(dtype)
         self.attention = _attention(attention, self.device, self.dtype)
         self.encoder = encoder.eval().to(device=self.device, dtype=self.dtype)
+        self.uses_onednn = self.encoder.prepack() if prepack else False
         self.vocab_size = encoder.config.vocab_size
         self.max_length = max_length
         self.pooling = pooling
@@ -88,11 +90,14 @@ class TextEncoder:
         device: str = "cpu",
         dtype: str = "float32",
         attention: str = "auto",
+        prepack: bool = True,
     ) -> TextEncoder:
         """Loads a sentence-transformers (or plain Hugging Face BERT) folder.
 
         ``device`` is a torch device ("cpu", "cuda:0"), ``dtype`` one of float32, float16,
-        bfloat16, ``attention`` "auto" or one of ``carpool.models.bert.ATTENTION_VARIANTS``.
+        bfloat16, ``attention`` "auto" or one of ``carpool.models.bert.ATTENTION_VARIANTS``;
+        ``prepack`` uses oneDNN's prepacked Linear kernels where they apply (CPU; see
+        ``BertEncoder.prepack``), ``uses_onednn`` says whether they do.
         Without modules.json the folder is read as a plain BERT: mean pooling, no normalization.
         Raises ``ConfigError`` naming the file and the key when something is missing or not
         supported.
@@ -119,6 +124,7 @@ class TextEncoder:
             device=device,
             dtype=dtype,
             attention=attention,
+            prepack=prepack,
         )
 
     @classmethod

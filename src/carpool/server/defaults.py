@@ -36,7 +36,7 @@ def embeddings_folder() -> Path | None:
 def default_models() -> list[ServedModel]:
     """``mlp``: the reference MLP W1 (256 float32 in, 16 out), batched up to 64 within 2 ms;
     ``all-MiniLM-L6-v2``: text embeddings (384 dimensions), packed batches of up to 64
-    texts or 16384 tokens within 5 ms (when the embeddings extra is installed)."""
+    texts or 4096 tokens within 5 ms (when the embeddings extra is installed)."""
     from carpool.models.mlp import W1_INPUT_DIM, W1_OUTPUT_DIM
 
     mlp = Batcher(
@@ -59,6 +59,6 @@ def default_models() -> list[ServedModel]:
     if folder is not None:
         from carpool.server.embeddings import EmbeddingService
 
-        policy = BatchPolicy(max_batch_size=64, max_delay_s=0.005, max_batch_tokens=16384)
+        policy = BatchPolicy(max_batch_size=64, max_delay_s=0.005, max_batch_tokens=4096)
         models.append(EmbeddingService(EMBEDDINGS_NAME, folder, policy).served_model())
     return models

@@ -141,6 +141,18 @@ def test_every_attention_variant_matches_the_default(
     np.testing.assert_allclose(variant(token_ids), encoder(token_ids), atol=2e-6)
 
 
+def test_onednn_linear_kernels_match_the_plain_path(
+    encoder: TextEncoder, token_ids: list[np.ndarray]
+) -> None:
+    plain = TextEncoder.from_folder(FOLDER, prepack=False)
+    assert not plain.uses_onednn
+    assert encoder.uses_onednn == torch.backends.mkldnn.is_available()
+    np.testing.assert_allclose(plain(token_ids), encoder(token_ids), atol=2e-6)
+    np.testing.assert_allclose(
+        plain.embed_padded(token_ids), encoder.embed_padded(token_ids), atol=2e-6
+    )
+
+
 def test_empty_batch_gives_no_rows(encoder: TextEncoder) -> None:
     assert encoder([]).shape == (0, 384)
     assert encoder.embed_padded([]).shape == (0, 384)
