@@ -8,6 +8,7 @@ read once, JSON goes through orjson. Endpoints::
     GET  /v2/models/{m}[/versions/{v}]                   model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready | /config | /stats
     POST /v2/models/{m}[/versions/{v}]/infer             JSON and binary tensors
+    GET | POST /v2/models/{m}[/versions/{v}]/policy      batch policy; POST changes fields
     POST /v1/embeddings | GET /v1/models                 OpenAI-compatible (server/openai.py)
     GET  /metrics                                        Prometheus exposition
 """
@@ -21,6 +22,8 @@ from typing import Any
 import orjson
 
 from carpool import __version__
+from carpool.config import POLICY_FIELDS
+from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
 from carpool.server import openai
 from carpool.server.errors import NotFound, PayloadTooLarge, http_error, openai_error
@@ -113,6 +116,10 @@ class KServeApp:
         model = self.repository.get(name, version)
         if method == "POST" and action == "infer":
             return await self._infer(model, scope, receive, send)
+        if action == "policy" and method in ("GET", "POST"):
+            if method == "POST":
+                model.batcher.update_policy(**_policy_changes(await self._read_body(receive)))
+            return await _json(send, _policy_document(model.batcher.policy))
         if method != "GET":
             raise NotFound(f"{method} {scope['path']!r}", ["GET", "POST .../infer"])
         if action is None:
@@ -224,6 +231,25 @@ def _model_path(parts: list[str], path: str) -> tuple[str, str | None, str | Non
     if len(rest) > 1:
         raise NotFound(f"path {path!r}", ["ready", "config", "stats", "infer"])
     return name, version, (rest[0] if rest else None)
+
+
+def _policy_changes(body: bytes) -> dict[str, Any]:
+    """A policy POST body: a JSON object of BatchPolicy fields (lists become tuples)."""
+    try:
+        changes = orjson.loads(body or b"{}")
+    except orjson.JSONDecodeError as error:
+        raise InvalidInput(f"policy body: expected a JSON object ({error})") from None
+    if not isinstance(changes, dict):
+        raise InvalidInput(f"policy body: expected a JSON object, got {type(changes).__name__}")
+    unknown = sorted(set(changes) - set(POLICY_FIELDS))
+    if unknown:
+        raise InvalidInput(f"policy body: unknown field(s) {unknown}; expected {POLICY_FIELDS}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
+
+
+def _policy_document(policy: BatchPolicy) -> dict[str, Any]:
+    document = {name: getattr(policy, name) for name in POLICY_FIELDS}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in document.items()}
 
 
 def _wanted_outputs(model: ServedModel, request: InferRequest) -> list[TensorSpec]:

@@ -1,0 +1,302 @@
+"""``carpool tune``: search the batching settings for the most throughput under a latency SLO.
+
+The space is a grid of levels per parameter (``--param max_delay_s=0,0.002,0.01``). A
+search picks which points to measure; each point is one trial (see
+:mod:`carpool.tools.tune_trial`). A trial is *feasible* when its p99 latency is within the
+SLO and its memory (when measured) within the budget; the best trial is the feasible one
+with the most throughput::
+
+    grid      every point
+    taguchi   the rows of the smallest orthogonal array, then a confirmation run at the
+              best level of each factor (main effects on throughput, infeasible runs = 0)
+    hill      taguchi, then climb: from the best point, measure the +-1-level neighbours
+              and move while one is better
+    halving   successive halving: every point with short trials, keep the best 1/eta,
+              measure those eta times longer, until one is left
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from carpool.errors import ConfigError
+from carpool.tools.orthogonal import Design, FactorEffect, design_for, main_effects
+from carpool.tools.tune_trial import Measurement, TrialConfig
+
+Number = int | float
+# Parameters a trial can set, with their types: BatchPolicy fields and the replica count.
+TUNABLE: dict[str, type] = {
+    "max_batch_size": int,
+    "max_delay_s": float,
+    "max_queue_size": int,
+    "max_batch_tokens": int,
+    "max_batch_cost": float,
+    "timeout_s": float,
+    "oom_recovery_s": float,
+    "num_replicas": int,
+}
+STRATEGIES = ("grid", "taguchi", "hill", "halving")
+OBJECTIVES = ("throughput", "items")
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """One searched parameter and its levels, in the order given."""
+
+    name: str
+    values: tuple[Number, ...]
+
+    def __post_init__(self) -> None:
+        if self.name not in TUNABLE:
+            raise ConfigError("param", self.name, f"one of {sorted(TUNABLE)}")
+        if not self.values or len(set(self.values)) != len(self.values):
+            raise ConfigError(f"param {self.name}", self.values, "distinct values, at least one")
+
+    @classmethod
+    def parse(cls, text: str) -> Param:
+        """``name=v1,v2,...``; raises :class:`ConfigError` naming what is wrong."""
+        name, sep, rest = text.partition("=")
+        name = name.strip()
+        if not sep or not rest.strip():
+            raise ConfigError("--param", text, "name=v1,v2,... (e.g. max_delay_s=0,0.002)")
+        kind = TUNABLE.get(name)
+        if kind is None:
+            raise ConfigError("--param", name, f"one of {sorted(TUNABLE)}")
+        try:
+            values = tuple(kind(float(v)) if kind is int else kind(v) for v in rest.split(","))
+        except ValueError:
+            raise ConfigError(
+                f"--param {name}", rest, f"comma-separated {kind.__name__}s"
+            ) from None
+        return cls(name, values)
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSpace:
+    """The grid of every combination of the parameters' levels."""
+
+    params: tuple[Param, ...]
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.params]
+        if not names or len(set(names)) != len(names):
+            raise ConfigError("params", names, "at least one parameter, each named once")
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.params]
+
+    @property
+    def num_levels(self) -> list[int]:
+        return [len(p.values) for p in self.params]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.num_levels)
+
+    def config(self, index: tuple[int, ...]) -> TrialConfig:
+        return TrialConfig(
+            tuple((p.name, p.values[i]) for p, i in zip(self.params, index, strict=True))
+        )
+
+    def grid(self) -> Iterator[tuple[int, ...]]:
+        return itertools.product(*(range(n) for n in self.num_levels))
+
+    def neighbours(self, index: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+        """Points one level away along one axis."""
+        for axis, count in enumerate(self.num_levels):
+            for step in (-1, 1):
+                level = index[axis] + step
+                if 0 <= level < count:
+                    yield (*index[:axis], level, *index[axis + 1 :])
+
+
+@dataclass(frozen=True, slots=True)
+class Constraints:
+    """What a feasible trial keeps within; ``None`` means unconstrained."""
+
+    slo_p99_s: float
+    memory_budget_bytes: int | None = None
+
+    def violations(self, m: Measurement) -> tuple[str, ...]:
+        out = []
+        if m.error is not None:
+            out.append(f"error: {m.error}")
+        if m.num_errors > 0.01 * (m.num_requests + m.num_errors):
+            out.append(f"{m.num_errors} failed requests")
+        if not m.p99_s <= self.slo_p99_s:  # NaN (nothing answered) violates too
+            out.append(f"p99 {m.p99_s * 1e3:.1f} ms > SLO {self.slo_p99_s * 1e3:.1f} ms")
+        budget = self.memory_budget_bytes
+        if budget is not None and m.memory_bytes is not None and m.memory_bytes > budget:
+            out.append(f"memory {m.memory_bytes / 2**20:.0f} MiB > budget {budget / 2**20:.0f} MiB")
+        return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class TrialResult:
+    """One measured point of the space, judged against the constraints."""
+
+    trial_id: int
+    stage: str
+    index: tuple[int, ...]
+    config: TrialConfig
+    measurement: Measurement
+    violations: tuple[str, ...]
+    objective: float  # the objective's value (0 when nothing was measured)
+
+    @property
+    def is_feasible(self) -> bool:
+        return not self.violations
+
+
+def rank_key(result: TrialResult) -> tuple[int, float, float]:
+    """Sorts best first: feasible before infeasible, then more objective, then lower p99."""
+    p99 = result.measurement.p99_s
+    return (0 if result.is_feasible else 1, -result.objective, p99 if p99 == p99 else math.inf)
+
+
+@dataclass(slots=True)
+class TuneOutcome:
+    """Every trial in the order run, the best one, and the main effects when an OA ran."""
+
+    strategy: str
+    space: SearchSpace
+    constraints: Constraints
+    objective: str
+    results: list[TrialResult] = field(default_factory=list)
+    design: Design | None = None
+    effects: list[FactorEffect] | None = None
+
+    @property
+    def best(self) -> TrialResult | None:
+        feasible = [r for r in self.results if r.is_feasible]
+        return min(feasible, key=rank_key) if feasible else None
+
+
+Measure = Callable[[TrialConfig, float], Awaitable[Measurement]]  # (config, duration scale)
+
+
+class Tuner:
+    """Runs one search strategy, measuring each point once per stage through ``measure``.
+
+    Args:
+        space: the parameters and their levels.
+        constraints: the SLO and memory budget.
+        measure: measures one config; its second argument scales the trial's length
+            (successive halving gives its early rounds less than 1).
+        objective: ``throughput`` (requests/s) or ``items`` (items/s).
+        eta: successive halving keeps the best ``1/eta`` each round.
+        max_hill_steps: most moves of the hill climb.
+        on_result: called with each result as it lands (progress output).
+    """
+
+    def __init__(
+        self,
+        space: SearchSpace,
+        constraints: Constraints,
+        measure: Measure,
+        *,
+        objective: str = "throughput",
+        eta: int = 3,
+        max_hill_steps: int = 20,
+        on_result: Callable[[TrialResult], None] | None = None,
+    ) -> None:
+        if objective not in OBJECTIVES:
+            raise ConfigError("objective", objective, f"one of {list(OBJECTIVES)}")
+        if eta < 2:
+            raise ConfigError("eta", eta, "an integer >= 2")
+        self.space = space
+        self.constraints = constraints
+        self._measure = measure
+        self.objective = objective
+        self.eta = eta
+        self.max_hill_steps = max_hill_steps
+        self._on_result = on_result
+        self._seen: dict[tuple[int, ...], TrialResult] = {}
+
+    async def run(self, strategy: str) -> TuneOutcome:
+        """Search with ``strategy`` (one of :data:`STRATEGIES`)."""
+        if strategy not in STRATEGIES:
+            raise ConfigError("search", strategy, f"one of {list(STRATEGIES)}")
+        outcome = TuneOutcome(strategy, self.space, self.constraints, self.objective)
+        self._seen = {}
+        if strategy == "grid":
+            for index in self.space.grid():
+                await self._trial(outcome, index, "grid")
+        elif strategy == "halving":
+            await self._halving(outcome)
+        else:
+            await self._taguchi(outcome)
+            if strategy == "hill":
+                await self._hill(outcome)
+        return outcome
+
+    async def _trial(
+        self, outcome: TuneOutcome, index: tuple[int, ...], stage: str, scale: float = 1.0
+    ) -> TrialResult:
+        config = self.space.config(index)
+        m = await self._measure(config, scale)
+        value = m.throughput_rps if self.objective == "throughput" else m.throughput_items_s
+        result = TrialResult(
+            trial_id=len(outcome.results),
+            stage=stage,
+            index=index,
+            config=config,
+            measurement=m,
+            violations=self.constraints.violations(m),
+            objective=value if value == value else 0.0,
+        )
+        outcome.results.append(result)
+        self._seen[index] = result
+        if self._on_result is not None:
+            self._on_result(result)
+        return result
+
+    async def _taguchi(self, outcome: TuneOutcome) -> None:
+        design = design_for(self.space.num_levels)
+        outcome.design = design
+        rows = [tuple(int(v) for v in row) for row in design.levels]
+        for index in rows:
+            if index not in self._seen:
+                await self._trial(outcome, index, "oa")
+        # Infeasible runs count as no throughput: the effects then point at levels that
+        # are both fast and within the SLO.
+        responses = [self._seen[i].objective if self._seen[i].is_feasible else 0.0 for i in rows]
+        outcome.effects = main_effects(
+            self.space.names, design.levels, np.array(responses), with_sn=True
+        )
+        predicted = tuple(e.best_level for e in outcome.effects)
+        if predicted not in self._seen:
+            await self._trial(outcome, predicted, "confirm")
+
+    async def _hill(self, outcome: TuneOutcome) -> None:
+        current = min(outcome.results, key=rank_key)
+        for _ in range(self.max_hill_steps):
+            step_best = current
+            for index in self.space.neighbours(current.index):
+                result = self._seen.get(index) or await self._trial(outcome, index, "hill")
+                if rank_key(result) < rank_key(step_best):
+                    step_best = result
+            if step_best is current:
+                return
+            current = step_best
+
+    async def _halving(self, outcome: TuneOutcome) -> None:
+        alive = list(self.space.grid())
+        sizes = [len(alive)]
+        while sizes[-1] > 1:
+            sizes.append(max(1, sizes[-1] // self.eta))
+        last = len(sizes) - 1
+        for round_no, size in enumerate(sizes):
+            # The last round (one config left) runs full length; each earlier one 1/eta less.
+            scale = float(self.eta) ** (round_no - last)
+            stage = f"halving r{round_no}"
+            results = [await self._trial(outcome, i, stage, scale) for i in alive[:size]]
+            results.sort(key=rank_key)
+            if round_no < last:
+                alive = [r.index for r in results[: sizes[round_no + 1]]]

@@ -1,0 +1,242 @@
+"""``carpool tune TARGET --slo-p99-ms MS --out CONFIG.yaml [options]``.
+
+TARGET is ``module:attr`` (a batched model tuned in this process; ``--shape`` gives one
+request's item) or ``http://HOST:PORT/v2/models/NAME`` (a model on a running carpool server,
+tuned through its ``/policy`` endpoint). The best feasible config is written to ``--out`` as a
+config ``carpool serve`` loads; ``--report DIR`` adds the markdown/HTML report and plots.
+Exit status: 0 with a recommendation, 1 when no trial met the constraints, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from carpool.errors import ConfigError
+from carpool.tools.tune import (
+    OBJECTIVES,
+    STRATEGIES,
+    Constraints,
+    Param,
+    SearchSpace,
+    TrialResult,
+    Tuner,
+)
+from carpool.tools.tune_report import (
+    base_entry,
+    datatype_of,
+    recommended_config,
+    write_config,
+    write_report,
+)
+from carpool.tools.tune_runners import InProcessRunner, LoadSpec, ServerRunner
+from carpool.tools.tune_trial import MeasureSettings, TrialConfig, measure_trial
+
+DEFAULT_PARAMS = ("max_delay_s=0,0.002,0.01,0.05", "max_batch_size=1,8,32,128")
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m)?\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """``5s``, ``500ms``, ``2m`` or plain seconds, as seconds."""
+    match = _DURATION.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a duration such as 5s or 500ms")
+    scale = {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}[match.group(2)]
+    return float(match.group(1)) * scale
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="carpool tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("target", metavar="TARGET", help="module:attr, or http://HOST:PORT/v2/models/M")
+    p.add_argument("--slo-p99-ms", type=float, required=True, help="p99 latency limit (ms)")
+    p.add_argument("--out", type=Path, required=True, help="recommended serve config (YAML)")
+    p.add_argument("--search", choices=STRATEGIES, default="hill")
+    p.add_argument(
+        "--param",
+        action="append",
+        metavar="NAME=V1,V2,...",
+        help=f"a searched parameter (repeatable); default {' '.join(DEFAULT_PARAMS)}",
+    )
+    p.add_argument("--objective", choices=OBJECTIVES, default="throughput")
+    p.add_argument("--memory-budget-mb", type=float, help="most resident memory (MiB)")
+    p.add_argument(
+        "--trial-duration",
+        type=parse_duration,
+        default=5.0,
+        help="longest measurement of a trial (e.g. 5s)",
+    )
+    p.add_argument("--warmup", type=parse_duration, default=1.0, help="discarded warm-up")
+    p.add_argument("--window", type=parse_duration, default=1.0, help="one measured window")
+    p.add_argument(
+        "--stable-spread",
+        type=float,
+        default=0.05,
+        help="stop a trial when its last windows' throughput spreads less",
+    )
+    p.add_argument("--stable-windows", type=int, default=3, help="windows the spread spans")
+    p.add_argument("--max-windows", type=int, help="default: trial duration / window")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=64, help="closed-loop callers")
+    load.add_argument("--rate", type=float, help="open-loop Poisson arrivals (req/s)")
+    p.add_argument("--eta", type=int, default=3, help="successive halving keeps 1/eta")
+    p.add_argument("--report", type=Path, metavar="DIR", help="write tune.md/.html and plots")
+    p.add_argument("--model-config", type=Path, help="serve config whose entry is the base")
+    p.add_argument("--model-name", help="the model's name (entry of --model-config, served name)")
+    p.add_argument("--shape", help="module:attr: one item's shape, comma-separated (e.g. 256)")
+    p.add_argument("--dtype", default="float32", help="module:attr: the item's NumPy dtype")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str]) -> None:
+    """Entry point of ``carpool tune``; exits with the status the module doc lists."""
+    args = build_parser().parse_args(argv)
+    try:
+        code = asyncio.run(run(args))
+    except ConfigError as error:
+        print(f"carpool tune: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise SystemExit(code)
+
+
+def _server_target(target: str, model_name: str | None) -> tuple[str, str]:
+    parts = urlsplit(target)
+    segments = [s for s in parts.path.split("/") if s]
+    if segments[:2] == ["v2", "models"] and len(segments) >= 3:
+        model_name = segments[2]
+    elif len(segments) == 1:
+        model_name = segments[0]
+    if not model_name:
+        raise ConfigError("TARGET", target, "http://HOST:PORT/v2/models/NAME (or --model-name)")
+    return f"{parts.scheme}://{parts.netloc}", model_name
+
+
+def _item(args: argparse.Namespace) -> Any:
+    if not args.shape:
+        raise ConfigError("--shape", None, "one item's shape for a module:attr target (e.g. 256)")
+    try:
+        shape = tuple(int(d) for d in str(args.shape).split(",") if d.strip())
+        dtype = np.dtype(args.dtype)
+    except (ValueError, TypeError):
+        raise ConfigError("--shape/--dtype", (args.shape, args.dtype), "ints and a dtype") from None
+    return np.random.default_rng(args.seed).standard_normal(shape).astype(dtype)
+
+
+async def run(args: argparse.Namespace) -> int:
+    """Tune as ``args`` say; returns the exit status."""
+    space = SearchSpace(tuple(Param.parse(t) for t in args.param or DEFAULT_PARAMS))
+    max_windows = args.max_windows or max(1, round(args.trial_duration / args.window))
+    settings = MeasureSettings(
+        args.warmup, args.window, args.stable_spread, args.stable_windows, max_windows
+    )
+    budget = None if args.memory_budget_mb is None else int(args.memory_budget_mb * 2**20)
+    constraints = Constraints(args.slo_p99_ms * 1e-3, budget)
+    load = LoadSpec(concurrency=args.concurrency, rate_rps=args.rate, seed=args.seed)
+    runner: InProcessRunner | ServerRunner
+    is_server = args.target.startswith(("http://", "https://"))
+    if is_server:
+        url, model = _server_target(args.target, args.model_name)
+        runner = ServerRunner(url, model, load)
+        await runner.connect()
+    else:
+        runner = InProcessRunner(args.target, _item(args), load)
+    print(
+        f"carpool tune: {args.search} over {space.size} configs of {', '.join(space.names)}; "
+        f"SLO p99 <= {args.slo_p99_ms:g} ms",
+        flush=True,
+    )
+
+    async def measure(config: TrialConfig, scale: float) -> Any:
+        return await measure_trial(runner, config, settings, scale)
+
+    tuner = Tuner(
+        space, constraints, measure, objective=args.objective, eta=args.eta, on_result=_progress
+    )
+    try:
+        outcome = await tuner.run(args.search)
+        entry = await _entry(args, runner)
+    finally:
+        await runner.close()
+    if args.report is not None:
+        path = write_report(outcome, args.report, args.target)
+        print(f"report: {path}")
+    best = outcome.best
+    if best is None:
+        print("no trial met the constraints; no config written", file=sys.stderr)
+        return 1
+    document = recommended_config(entry, best.config.as_dict())
+    m = best.measurement
+    notes = [
+        f"carpool tune {args.target}: {args.search}, SLO p99 <= {args.slo_p99_ms:g} ms",
+        f"best: {best.config.label()}: {best.objective:.1f} "
+        f"{'req/s' if args.objective == 'throughput' else 'items/s'}, "
+        f"p99 {m.p99_s * 1e3:.2f} ms (trial {best.trial_id} of {len(outcome.results)})",
+    ]
+    if args.model_config is None:
+        notes += _entry_notes(is_server)
+    write_config(document, args.out, notes)
+    print(f"recommended: {best.config.label()} -> {args.out}")
+    return 0
+
+
+def _progress(r: TrialResult) -> None:
+    m = r.measurement
+    status = "ok" if r.is_feasible else "; ".join(r.violations)
+    print(
+        f"  #{r.trial_id:<3} {r.stage:<11} {r.config.label():<40} {r.objective:9.1f}/s "
+        f"p99 {m.p99_s * 1e3:8.2f} ms  windows {m.num_windows}  {status}",
+        flush=True,
+    )
+
+
+async def _entry(args: argparse.Namespace, runner: InProcessRunner | ServerRunner) -> Any:
+    """The base model entry of the recommended config."""
+    if args.model_config is not None:
+        return base_entry(args.model_config, args.model_name)
+    if isinstance(runner, ServerRunner):
+        meta = runner.metadata
+
+        def tensors(key: str) -> list[dict[str, Any]]:
+            return [
+                {"name": t["name"], "datatype": t["datatype"], "shape": t["shape"][1:]}
+                for t in meta[key]
+            ]
+
+        return {
+            "name": runner.model,
+            "kind": "python",
+            "source": "your_module:your_model",
+            "inputs": tensors("inputs"),
+            "outputs": tensors("outputs"),
+        }
+    item = _item(args)
+    output = np.asarray(await runner.sample_output())
+    name = args.model_name or re.sub(r"[^A-Za-z0-9_.-]", "_", args.target.rsplit(":", 1)[-1])
+    return {
+        "name": name,
+        "kind": "python",
+        "source": args.target,
+        "inputs": [{"name": "INPUT0", "datatype": datatype_of(item), "shape": list(item.shape)}],
+        "outputs": [
+            {"name": "OUTPUT0", "datatype": datatype_of(output), "shape": list(output.shape)}
+        ],
+    }
+
+
+def _entry_notes(is_server: bool) -> list[str]:
+    if is_server:
+        return [
+            "source is a placeholder: set it to the served model's module:attr",
+            "(or pass --model-config with the config the server was started from)",
+        ]
+    return [
+        "carpool serve calls a python model with {input name: array}; a model that",
+        "takes a bare array (as tuned here) needs a wrapper, or pass --model-config",
+    ]

@@ -1,0 +1,334 @@
+"""Trial runners: a batched function in this process, or a model on a running server.
+
+Both drive the same small load (:class:`LoadDriver`): closed loop (``concurrency``
+callers, each sending its next request when the last is answered) or open loop (Poisson
+arrivals at ``rate_rps``). It is deliberately minimal, just enough to compare configs;
+``carpool bench`` is the full load generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from carpool.core.batcher import Batcher
+from carpool.core.decorator import BatchedFunction
+from carpool.core.policy import BatchPolicy
+from carpool.errors import ConfigError
+from carpool.models._source import import_ref
+from carpool.models.python import is_factory
+from carpool.tools.tune_trial import TrialConfig, WindowSample
+
+ERROR_PAUSE_S = 0.001  # a closed-loop caller's pause after a failed request
+Submit = Callable[[], Awaitable[int]]  # sends one request; returns its number of items
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Closed loop with ``concurrency`` callers, or open loop at ``rate_rps`` when set."""
+
+    concurrency: int = 64
+    rate_rps: float | None = None
+    max_in_flight: int = 10_000  # open loop: arrivals beyond this count as errors
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ConfigError("concurrency", self.concurrency, "an integer >= 1")
+        if self.rate_rps is not None and not (self.rate_rps > 0 and math.isfinite(self.rate_rps)):
+            raise ConfigError("rate_rps", self.rate_rps, "requests per second > 0")
+
+
+class LoadDriver:
+    """Runs ``submit`` as the spec says, recording each answer's latency."""
+
+    def __init__(self, submit: Submit, spec: LoadSpec) -> None:
+        self._submit = submit
+        self._spec = spec
+        self._tasks: list[asyncio.Task[None]] = []
+        self._in_flight: set[asyncio.Task[bool]] = set()
+        self._latencies: list[float] = []
+        self._num_items = 0
+        self._num_errors = 0
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._spec.rate_rps is None:
+            self._tasks = [loop.create_task(self._caller()) for _ in range(self._spec.concurrency)]
+        else:
+            self._tasks = [loop.create_task(self._arrivals(self._spec.rate_rps))]
+
+    async def stop(self) -> None:
+        tasks: list[asyncio.Task[Any]] = [*self._tasks, *self._in_flight]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks = []
+        self._in_flight.clear()
+
+    def take(self) -> tuple[list[float], int, int]:
+        """(latencies, items, errors) since the last take."""
+        out = (self._latencies, self._num_items, self._num_errors)
+        self._latencies, self._num_items, self._num_errors = [], 0, 0
+        return out
+
+    async def _one(self) -> bool:
+        start = time.perf_counter()
+        try:
+            num_items = await self._submit()
+        except Exception:  # any failed request counts, whatever the transport raised
+            self._num_errors += 1
+            return False
+        self._latencies.append(time.perf_counter() - start)
+        self._num_items += num_items
+        return True
+
+    async def _caller(self) -> None:
+        while True:
+            if not await self._one():
+                # A target that fails at once would otherwise spin without yielding the loop.
+                await asyncio.sleep(ERROR_PAUSE_S)
+
+    async def _arrivals(self, rate_rps: float) -> None:
+        rng = np.random.default_rng(self._spec.seed)
+        loop = asyncio.get_running_loop()
+        next_s = time.perf_counter()
+        while True:
+            next_s += float(rng.exponential(1.0 / rate_rps))
+            delay = next_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if len(self._in_flight) >= self._spec.max_in_flight:
+                self._num_errors += 1
+                continue
+            task = loop.create_task(self._one())
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+
+
+async def _window(
+    driver: LoadDriver, duration_s: float, probe: Callable[[], Awaitable[tuple[int, int]]]
+) -> tuple[list[float], int, int, float, float | None]:
+    """Let the load run; (latencies, items, errors, elapsed, mean batch size)."""
+    driver.take()
+    before = await probe()
+    start = time.perf_counter()
+    await asyncio.sleep(duration_s)
+    latencies, items, errors = driver.take()
+    elapsed = time.perf_counter() - start
+    after = await probe()
+    num_batches, num_batched = after[0] - before[0], after[1] - before[1]
+    return latencies, items, errors, elapsed, (num_batched / num_batches if num_batches else None)
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory (Linux), or ``None`` where it cannot be read."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class InProcessRunner:
+    """Tunes a batched model in this process: ``module:attr`` naming a
+    :class:`BatchedFunction` (its policy is the base), a factory taking ``device``, a class
+    (built once per replica) or a batched function. Policy changes go through
+    ``update_policy``; a new replica count rebuilds the batcher.
+
+    Args:
+        source: ``module:attr``.
+        payload: one request's item (the batch stacks items along a new axis 0).
+        load: the load to drive.
+        base_policy: the policy trials change (the BatchedFunction's, else the default).
+    """
+
+    def __init__(
+        self,
+        source: str,
+        payload: Any,
+        load: LoadSpec,
+        *,
+        base_policy: BatchPolicy | None = None,
+        num_replicas: int = 1,
+    ) -> None:
+        obj = import_ref(source)
+        self.source = source
+        self._fn: Callable[[Any], Any] | None = None
+        self._factory: Callable[[str], Any] | None = None
+        if isinstance(obj, BatchedFunction):
+            self._fn = obj.__wrapped__  # type: ignore[attr-defined]
+            base_policy = base_policy or obj.batcher.policy
+            num_replicas = obj.batcher.num_replicas
+        elif inspect.isclass(obj):
+            cls = obj
+            self._factory = lambda device: cls()
+        elif callable(obj) and is_factory(obj):
+            self._factory = obj
+        elif callable(obj):
+            self._fn = obj
+        else:
+            raise ConfigError("target", source, "a callable, a factory or a BatchedFunction")
+        self.base_policy = base_policy or BatchPolicy()
+        self.num_replicas = num_replicas
+        self._payload = payload
+        self._load = load
+        self._batcher: Batcher | None = None
+        self._driver: LoadDriver | None = None
+
+    async def start_trial(self, config: TrialConfig) -> None:
+        changes = config.as_dict()
+        num_replicas = int(changes.pop("num_replicas", self.num_replicas))
+        policy = self.base_policy.replace(**changes)  # ConfigError when invalid
+        batcher = self._batcher
+        if batcher is not None and batcher.num_replicas == num_replicas:
+            batcher.set_policy(policy)
+        else:
+            if batcher is not None:
+                await batcher.stop()
+            batcher = self._batcher = Batcher(
+                self._fn,
+                policy,
+                fn_factory=self._factory,
+                num_replicas=num_replicas,
+                name="tune",
+            )
+            await batcher.start()
+        payload = self._payload
+        driver = self._driver = LoadDriver(lambda: _submit_one(batcher, payload), self._load)
+        driver.start()
+
+    async def measure_window(self, duration_s: float) -> WindowSample:
+        assert self._driver is not None and self._batcher is not None, "start_trial first"
+        batcher = self._batcher
+
+        async def probe() -> tuple[int, int]:
+            batches = batcher.snapshot().batches
+            return batches.num_batches, batches.num_items
+
+        latencies, items, errors, elapsed, mean_batch = await _window(
+            self._driver, duration_s, probe
+        )
+        return WindowSample(
+            elapsed, items, errors, np.array(latencies), mean_batch, memory_bytes=rss_bytes()
+        )
+
+    async def end_trial(self) -> None:
+        if self._driver is not None:
+            await self._driver.stop()
+            self._driver = None
+
+    async def close(self) -> None:
+        await self.end_trial()
+        if self._batcher is not None:
+            await self._batcher.stop()
+            self._batcher = None
+
+    async def sample_output(self) -> Any:
+        """One item's output (to declare the model's outputs in the recommended config)."""
+        batcher = Batcher(self._fn, fn_factory=self._factory, name="tune-probe")
+        async with batcher:
+            return await batcher.submit(self._payload)
+
+
+async def _submit_one(batcher: Batcher, payload: Any) -> int:
+    await batcher.submit(payload)
+    return 1
+
+
+class ServerRunner:
+    """Tunes a model on a running carpool server through ``POST /v2/models/{m}/policy``,
+    driving load with KServe v2 JSON infer requests (one row each) over httpx."""
+
+    def __init__(self, base_url: str, model: str, load: LoadSpec) -> None:
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self._load = load
+        limits = httpx.Limits(max_connections=load.concurrency, max_keepalive_connections=None)
+        self._client = httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=60.0)
+        self._driver: LoadDriver | None = None
+        self._body: bytes | None = None
+        self.metadata: dict[str, Any] = {}
+
+    def _path(self, action: str = "") -> str:
+        return f"/v2/models/{self.model}" + (f"/{action}" if action else "")
+
+    async def connect(self) -> dict[str, Any]:
+        """The model's metadata; builds the infer body from its declared inputs."""
+        response = await self._client.get(self._path())
+        if response.status_code != 200:
+            raise ConfigError("target", self.base_url, f"a server with model {self.model!r}")
+        self.metadata = response.json()
+        inputs = []
+        for spec in self.metadata["inputs"]:
+            shape = [1, *(d if d > 0 else 1 for d in spec["shape"][1:])]
+            data = [0.5] * math.prod(shape) if spec["datatype"] != "BYTES" else ["x"]
+            inputs.append(
+                {"name": spec["name"], "shape": shape, "datatype": spec["datatype"], "data": data}
+            )
+        self._body = orjson.dumps({"inputs": inputs})
+        return self.metadata
+
+    async def policy(self) -> dict[str, Any]:
+        response = await self._client.get(self._path("policy"))
+        response.raise_for_status()
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def start_trial(self, config: TrialConfig) -> None:
+        changes = config.as_dict()
+        if "num_replicas" in changes:
+            raise ConfigError(
+                "num_replicas",
+                changes["num_replicas"],
+                "no replica changes on a running server (tune it in-process, or restart per value)",
+            )
+        response = await self._client.post(self._path("policy"), content=orjson.dumps(changes))
+        if response.status_code == 400:
+            raise ConfigError("policy", changes, response.json().get("error", "a valid policy"))
+        response.raise_for_status()
+        if self._body is None:
+            await self.connect()
+        body = self._body
+        client, path = self._client, self._path("infer")
+        headers = {"content-type": "application/json"}
+
+        async def submit() -> int:
+            reply = await client.post(path, content=body, headers=headers)
+            if reply.status_code != 200:
+                raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:200]}")
+            return 1
+
+        self._driver = LoadDriver(submit, self._load)
+        self._driver.start()
+
+    async def measure_window(self, duration_s: float) -> WindowSample:
+        assert self._driver is not None, "start_trial first"
+        latencies, items, errors, elapsed, mean_batch = await _window(
+            self._driver, duration_s, self._stats
+        )
+        return WindowSample(elapsed, items, errors, np.array(latencies), mean_batch)
+
+    async def _stats(self) -> tuple[int, int]:
+        stats = (await self._client.get(self._path("stats"))).json()["model_stats"][0]
+        return int(stats["execution_count"]), int(stats["inference_count"])
+
+    async def end_trial(self) -> None:
+        if self._driver is not None:
+            await self._driver.stop()
+            self._driver = None
+
+    async def close(self) -> None:
+        await self.end_trial()
+        await self._client.aclose()

@@ -1,0 +1,95 @@
+"""``carpool tune`` end to end on a tiny in-process model with very short trials."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from carpool.cli import main as carpool_main
+from carpool.config import load_config
+from carpool.errors import ConfigError
+from carpool.tools.tune_cli import _server_target, parse_duration
+
+FAST = ["--warmup", "0", "--window", "10ms", "--max-windows", "1", "--stable-windows", "1",
+        "--concurrency", "2"]  # fmt: skip
+
+
+def halve(batch: np.ndarray) -> np.ndarray:
+    return batch / 2
+
+
+@pytest.fixture
+def target(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    module = types.ModuleType("tune_cli_models")
+    module.halve = halve  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tune_cli_models", module)
+    yield "tune_cli_models:halve"
+
+
+def test_tune_writes_a_config_carpool_serve_loads(target: str, tmp_path: Path) -> None:
+    out = tmp_path / "best.yaml"
+    argv = ["tune", target, "--shape", "3", "--slo-p99-ms", "10000", "--out", str(out),
+            "--search", "grid", "--param", "max_batch_size=1,4", "--report",
+            str(tmp_path / "report"), *FAST]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        carpool_main(argv)
+    assert exit_info.value.code == 0
+    model = load_config(out).models[0]
+    assert model.name == "halve" and model.source == target
+    assert model.max_batch_size in (1, 4)
+    assert model.inputs is not None and model.inputs[0].shape == [3]
+    assert model.outputs is not None and model.outputs[0].datatype == "FP32"
+    assert (tmp_path / "report" / "tune.md").exists()
+
+
+def test_no_feasible_config_exits_1_without_writing(target: str, tmp_path: Path) -> None:
+    out = tmp_path / "best.yaml"
+    argv = ["tune", target, "--shape", "3", "--slo-p99-ms", "0.0000001", "--out", str(out),
+            "--search", "grid", "--param", "max_delay_s=0", *FAST]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        carpool_main(argv)
+    assert exit_info.value.code == 1 and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--param", "warp=1"], [], ["--shape", "3", "--param", "max_batch_size=0"]],
+    ids=["unknown-param", "no-shape", "invalid-value"],
+)
+def test_bad_usage_exits_2(
+    target: str, tmp_path: Path, extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["tune", target, "--slo-p99-ms", "5", "--out", str(tmp_path / "x.yaml"), *extra, *FAST]
+    with pytest.raises(SystemExit) as exit_info:
+        carpool_main(argv)
+    if extra[-1:] == ["max_batch_size=0"]:
+        assert exit_info.value.code == 1  # a refused value is an infeasible trial, not misuse
+    else:
+        assert exit_info.value.code == 2
+        assert "carpool tune:" in capsys.readouterr().err
+
+
+def test_durations_parse_with_units() -> None:
+    assert parse_duration("5s") == 5.0
+    assert parse_duration("250ms") == pytest.approx(0.25)
+    assert parse_duration("2m") == 120.0
+    assert parse_duration("1.5") == 1.5
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_duration("soon")
+
+
+def test_server_targets_name_the_model() -> None:
+    assert _server_target("http://127.0.0.1:8000/v2/models/mlp", None) == (
+        "http://127.0.0.1:8000",
+        "mlp",
+    )
+    assert _server_target("http://h:1/mlp", None) == ("http://h:1", "mlp")
+    assert _server_target("http://h:1", "m") == ("http://h:1", "m")
+    with pytest.raises(ConfigError):
+        _server_target("http://h:1", None)

@@ -1,0 +1,129 @@
+"""The in-process runner on a tiny NumPy model with very short trials, and the load driver.
+
+These run real (short) load: they assert what happened, never how fast.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from carpool import batched
+from carpool.errors import ConfigError
+from carpool.tools.tune_runners import InProcessRunner, LoadDriver, LoadSpec, rss_bytes
+from carpool.tools.tune_trial import MeasureSettings, TrialConfig, measure_trial
+
+SHORT = MeasureSettings(warmup_s=0.0, window_s=0.02, max_windows=2, num_stable_windows=1)
+ITEM = np.ones(4, dtype=np.float32)
+
+
+def double(batch: np.ndarray) -> np.ndarray:
+    return batch * 2
+
+
+class Doubler:
+    def __call__(self, batch: np.ndarray) -> np.ndarray:
+        return batch * 2
+
+
+def make_doubler(device: str) -> Any:
+    return double
+
+
+@pytest.fixture
+def models(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    module = types.ModuleType("tune_test_models")
+    module.double = double  # type: ignore[attr-defined]
+    module.Doubler = Doubler  # type: ignore[attr-defined]
+    module.make_doubler = make_doubler  # type: ignore[attr-defined]
+    module.batched_double = batched(double, max_batch_size=8, max_delay_s=0.0)  # type: ignore[attr-defined]
+    module.number = 3  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tune_test_models", module)
+    yield "tune_test_models"
+
+
+@pytest.mark.parametrize("attr", ["double", "Doubler", "make_doubler", "batched_double"])
+async def test_in_process_runner_applies_the_config_and_measures(models: str, attr: str) -> None:
+    runner = InProcessRunner(f"{models}:{attr}", ITEM, LoadSpec(concurrency=4))
+    try:
+        config = TrialConfig((("max_batch_size", 2), ("max_delay_s", 0.0)))
+        m = await measure_trial(runner, config, SHORT)
+        assert m.error is None
+        assert m.num_requests > 0 and m.num_errors == 0
+        assert m.mean_batch_size is not None and 1 <= m.mean_batch_size <= 2
+        assert runner._batcher is not None and runner._batcher.policy.max_batch_size == 2
+        assert np.array_equal(await runner.sample_output(), ITEM * 2)
+    finally:
+        await runner.close()
+
+
+async def test_a_batched_function_brings_its_policy_as_the_base(models: str) -> None:
+    runner = InProcessRunner(f"{models}:batched_double", ITEM, LoadSpec(concurrency=2))
+    assert runner.base_policy.max_batch_size == 8
+    await runner.close()
+
+
+async def test_a_new_replica_count_rebuilds_the_batcher(models: str) -> None:
+    runner = InProcessRunner(f"{models}:double", ITEM, LoadSpec(concurrency=4))
+    try:
+        await measure_trial(runner, TrialConfig((("num_replicas", 1),)), SHORT)
+        first = runner._batcher
+        await measure_trial(
+            runner, TrialConfig((("num_replicas", 1), ("max_delay_s", 0.001))), SHORT
+        )
+        assert runner._batcher is first  # same replicas: the policy changed in place
+        m = await measure_trial(runner, TrialConfig((("num_replicas", 2),)), SHORT)
+        assert runner._batcher is not first and runner._batcher is not None
+        assert runner._batcher.num_replicas == 2 and m.num_requests > 0
+    finally:
+        await runner.close()
+
+
+async def test_an_invalid_policy_is_a_failed_trial(models: str) -> None:
+    runner = InProcessRunner(f"{models}:double", ITEM, LoadSpec(concurrency=1))
+    m = await measure_trial(runner, TrialConfig((("max_batch_size", 0),)), SHORT)
+    assert m.error is not None and "max_batch_size" in m.error
+    await runner.close()
+
+
+async def test_open_loop_load_sends_poisson_arrivals(models: str) -> None:
+    runner = InProcessRunner(f"{models}:double", ITEM, LoadSpec(rate_rps=2000.0))
+    m = await measure_trial(runner, TrialConfig((("max_delay_s", 0.0),)), SHORT)
+    await runner.close()
+    assert m.error is None and m.num_errors == 0
+
+
+async def test_load_driver_counts_failures_as_errors() -> None:
+    async def failing() -> int:
+        raise RuntimeError("boom")
+
+    driver = LoadDriver(failing, LoadSpec(concurrency=1, rate_rps=None))
+    driver.start()
+    import asyncio
+
+    for _ in range(3):
+        await asyncio.sleep(0)
+    await driver.stop()
+    latencies, items, errors = driver.take()
+    assert latencies == [] and items == 0 and errors >= 1
+
+
+def test_targets_and_load_specs_are_validated(models: str) -> None:
+    with pytest.raises(ConfigError):
+        InProcessRunner(f"{models}:number", ITEM, LoadSpec())
+    with pytest.raises(ConfigError):
+        InProcessRunner(f"{models}:missing", ITEM, LoadSpec())
+    with pytest.raises(ConfigError):
+        LoadSpec(concurrency=0)
+    with pytest.raises(ConfigError):
+        LoadSpec(rate_rps=-1.0)
+
+
+def test_rss_is_measured_on_linux() -> None:
+    rss = rss_bytes()
+    assert rss is None or rss > 0
