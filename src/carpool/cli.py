@@ -68,6 +68,39 @@ def demo(ctx: typer.Context) -> None:
     demo_main(list(ctx.args))
 
 
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def bench(ctx: typer.Context) -> None:
+    """Load a server (or a module:attr batched function) and report (--help for options)."""
+    from carpool.tools.bench import main as bench_main
+
+    bench_main(list(ctx.args))
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def tune(ctx: typer.Context) -> None:
+    """Search batching settings for the most throughput under a p99 SLO (--help for options)."""
+    from carpool.tools.tune_cli import main as tune_main
+
+    tune_main(list(ctx.args))
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def doctor(ctx: typer.Context) -> None:
+    """Measure a model offline: throughput knee, memory, batch invariance (--help for options)."""
+    from carpool.tools.doctor import main as doctor_main
+
+    doctor_main(list(ctx.args))
+
+
 def _repository(config_path: str | None) -> ModelRepository:
     """The models of ``config_path``, or the built-in ones; a bad config exits with status 2."""
     from carpool.server.repository import ModelRepository

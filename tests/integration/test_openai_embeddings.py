@@ -128,9 +128,7 @@ def test_invalid_utf8_is_refused_while_concurrent_good_requests_succeed(served, 
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as http:
-            good = [
-                http.post(url, json={"model": MODEL, "input": TEXTS[i % 4]}) for i in range(12)
-            ]
+            good = [http.post(url, json={"model": MODEL, "input": TEXTS[i % 4]}) for i in range(12)]
             bad = http.post(url, content=b'{"model": "' + MODEL.encode() + b'", "input": "\xff"}')
             return await asyncio.gather(bad, *good)
 
@@ -156,7 +154,9 @@ def test_concurrent_callers_share_packed_batches(served):
     assert stats["inference_count"] > stats["execution_count"]  # texts shared batches
     metrics = {
         s.name + str(s.labels.get("model", "")): s.value
-        for family in text_string_to_metric_families(httpx.get(f"http://{served.http_url}/metrics").text)
+        for family in text_string_to_metric_families(
+            httpx.get(f"http://{served.http_url}/metrics").text
+        )
         for s in family.samples
     }
     assert metrics[f"carpool_batch_tokens_total{MODEL}"] > 0

@@ -1,0 +1,335 @@
+"""What ``carpool bench`` loads: a served model over HTTP, or a batched function in-process.
+
+Every target builds its payloads once, in :meth:`open`, from a seeded RNG, and rotates
+through them by request index; an HTTP target keeps them as whole encoded requests::
+
+    POST /v2/models/mlp/infer HTTP/1.1 CRLF Host: .. CRLF Content-Length: 1090 CRLF CRLF {json}..
+    ^ built once per payload; sending it is one transport.write
+
+Protocols: ``kserve-json`` / ``kserve-binary`` (KServe v2 with Triton's binary tensor
+extension; input names, datatypes and shapes come from the model's metadata),
+``openai-embeddings`` (``/v1/embeddings``, texts rotated), ``openai-completions``
+(``/v1/completions``; with streaming, time to first token and inter-token gaps from the
+Server-Sent Events), and ``module:attr`` (a carpool BatchedFunction or Batcher, or a plain
+batched callable wrapped in :func:`carpool.batched`).
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from carpool.core.batcher import Batcher
+from carpool.core.decorator import BatchedFunction, batched
+from carpool.core.telemetry import TelemetrySnapshot
+from carpool.errors import ConfigError
+from carpool.tools.httpclient import ChunkSink, HttpClient, SseParser, encode_request, split_url
+from carpool.tools.loadgen import RequestRecord, Target
+
+DEFAULT_TEXT = "A container truck carrying one strawberry wastes the road; share the ride."
+_DTYPES = {
+    "BOOL": "?", "UINT8": "<u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8",
+    "INT8": "<i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8",
+    "FP16": "<f2", "FP32": "<f4", "FP64": "<f8",
+}  # fmt: skip
+
+
+class Wire(enum.Enum):
+    KSERVE_JSON = "kserve-json"
+    KSERVE_BINARY = "kserve-binary"
+    OPENAI_EMBEDDINGS = "openai-embeddings"
+    OPENAI_COMPLETIONS = "openai-completions"
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    """How to build a target; ``input_shape`` includes the batch (items) dimension first."""
+
+    target: str  # http://host:port[/prefix] or module:attr
+    wire: Wire = Wire.KSERVE_BINARY
+    model: str | None = None
+    input_shape: tuple[int, ...] | None = None
+    datatype: str | None = None  # a KServe datatype (FP32, INT64, ...)
+    texts: tuple[str, ...] = (DEFAULT_TEXT,)
+    max_tokens: int = 16
+    is_streaming: bool = True
+    seed: int = 0
+    num_payloads: int = 16  # distinct payloads rotated through
+    max_connections: int = 1024
+
+    @property
+    def is_http(self) -> bool:
+        return self.target.startswith(("http://", "https://"))
+
+
+def make_target(spec: TargetSpec) -> Target:
+    """The target ``spec`` describes (not yet opened).
+
+    Raises:
+        ConfigError: a missing model name, an unknown module or attribute, a bad shape.
+    """
+    if not spec.is_http:
+        return InProcessTarget(spec)
+    if spec.model is None:
+        raise ConfigError("model", None, f"a model name (--model) for {spec.wire.value}")
+    if spec.wire in (Wire.KSERVE_JSON, Wire.KSERVE_BINARY):
+        return KServeTarget(spec)
+    if spec.wire is Wire.OPENAI_EMBEDDINGS:
+        return EmbeddingsTarget(spec)
+    return CompletionsTarget(spec)
+
+
+def random_tensor(
+    shape: tuple[int, ...], datatype: str, rng: np.random.Generator
+) -> npt.NDArray[Any]:
+    """Seeded data of a KServe ``datatype``: normal floats, small integers, short words."""
+    if datatype == "BYTES":
+        words = np.empty(shape, dtype=object)
+        words.ravel()[:] = [f"word{w}".encode() for w in rng.integers(0, 1000, words.size)]
+        return words
+    if datatype not in _DTYPES:
+        raise ConfigError("dtype", datatype, f"one of {[*_DTYPES, 'BYTES']}")
+    dtype = np.dtype(_DTYPES[datatype])
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, size=shape).astype(dtype)
+    return rng.integers(0, 100, size=shape).astype(dtype)
+
+
+class _HttpTarget:
+    """Shared by the HTTP targets: the client and the rotation of pre-encoded requests."""
+
+    def __init__(self, spec: TargetSpec) -> None:
+        host, port, self._prefix = split_url(spec.target)
+        self._spec = spec
+        self._host_header = f"{host}:{port}"
+        self.client = HttpClient(host, port, max_connections=spec.max_connections)
+        self.requests: list[bytes] = []
+        self.num_items = 1
+        self.description = f"{spec.wire.value} {spec.model} at {spec.target}"
+
+    def _post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+        return encode_request("POST", self._host_header, self._prefix + path, body, headers)
+
+    async def _fetch_json(self, path: str) -> Any:
+        response = await self.client.get(self._prefix + path)
+        if response.status != 200:
+            raise ConfigError(
+                "target", self._spec.target + path, f"a 200 answer, got HTTP {response.status}"
+            )
+        return orjson.loads(response.body)
+
+    async def call(self, record: RequestRecord) -> None:
+        await self._send(record)
+
+    async def _send(self, record: RequestRecord, sink: ChunkSink | None = None) -> bytes:
+        request = self.requests[record.index % len(self.requests)]
+        response = await self.client.request(request, sink)
+        record.sent_s = response.sent_s
+        record.status = response.status
+        record.num_items = self.num_items
+        if response.status != 200:
+            record.error = f"HTTP {response.status}"
+        return response.body
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class KServeTarget(_HttpTarget):
+    """``POST /v2/models/{model}/infer`` with JSON or binary tensors."""
+
+    async def open(self) -> None:
+        spec = self._spec
+        metadata = await self._fetch_json(f"/v2/models/{spec.model}")
+        inputs = metadata.get("inputs") or []
+        if not inputs:
+            raise ConfigError("model", spec.model, "a model whose metadata lists its inputs")
+        rng = np.random.default_rng(spec.seed)
+        shapes = [self._shape(entry["shape"]) for entry in inputs]
+        self.num_items = shapes[0][0] if shapes[0] else 1
+        for _ in range(spec.num_payloads):
+            tensors = [
+                (entry["name"], spec.datatype or entry["datatype"], shape)
+                for entry, shape in zip(inputs, shapes, strict=True)
+            ]
+            body, headers = self._encode(tensors, rng)
+            self.requests.append(self._post(f"/v2/models/{spec.model}/infer", body, headers))
+
+    def _shape(self, declared: list[int]) -> tuple[int, ...]:
+        if self._spec.input_shape is not None:
+            return self._spec.input_shape
+        # One item per request; a variable dimension past the batch one gets 16.
+        return (1, *(16 if d < 0 else d for d in declared[1:]))
+
+    def _encode(
+        self, tensors: list[tuple[str, str, tuple[int, ...]]], rng: np.random.Generator
+    ) -> tuple[bytes, dict[str, str]]:
+        is_binary = self._spec.wire is Wire.KSERVE_BINARY
+        entries: list[dict[str, Any]] = []
+        chunks: list[bytes] = []
+        for name, datatype, shape in tensors:
+            array = random_tensor(shape, datatype, rng)
+            entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(shape)}
+            if is_binary:
+                chunk = _binary(array, datatype)
+                entry["parameters"] = {"binary_data_size": len(chunk)}
+                chunks.append(chunk)
+            elif datatype == "BYTES":
+                entry["data"] = [v.decode() for v in array.ravel().tolist()]
+            else:
+                entry["data"] = array.ravel().tolist()
+            entries.append(entry)
+        header = orjson.dumps({"inputs": entries, "parameters": {"binary_data_output": is_binary}})
+        if not is_binary:
+            return header, {"Content-Type": "application/json"}
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "Inference-Header-Content-Length": str(len(header)),
+        }
+        return header + b"".join(chunks), headers
+
+
+def _binary(array: npt.NDArray[Any], datatype: str) -> bytes:
+    if datatype != "BYTES":
+        return array.astype(_DTYPES[datatype], copy=False).tobytes()
+    parts: list[bytes] = []
+    for element in array.ravel().tolist():
+        parts += [len(element).to_bytes(4, "little"), element]
+    return b"".join(parts)
+
+
+class EmbeddingsTarget(_HttpTarget):
+    """``POST /v1/embeddings``, one text per request, rotating through ``texts``."""
+
+    async def open(self) -> None:
+        spec = self._spec
+        headers = {"Content-Type": "application/json"}
+        for text in spec.texts:
+            body = orjson.dumps({"model": spec.model, "input": text})
+            self.requests.append(self._post("/v1/embeddings", body, headers))
+
+
+class CompletionsTarget(_HttpTarget):
+    """``POST /v1/completions``; streamed answers give TTFT and inter-token latencies."""
+
+    async def open(self) -> None:
+        spec = self._spec
+        headers = {"Content-Type": "application/json"}
+        for text in spec.texts:
+            document: dict[str, Any] = {
+                "model": spec.model,
+                "prompt": text,
+                "max_tokens": spec.max_tokens,
+                "stream": spec.is_streaming,
+            }
+            self.requests.append(self._post("/v1/completions", orjson.dumps(document), headers))
+
+    async def call(self, record: RequestRecord) -> None:
+        if not self._spec.is_streaming:
+            body = await self._send(record)
+            if record.error is None:
+                record.num_tokens = _completion_tokens(body)
+            return
+        stream = TokenStream()
+        await self._send(record, stream.feed)
+        if record.error is None:
+            stream.fill(record)
+
+
+class TokenStream:
+    """Token arrival times from a completions SSE stream (one event, one token)."""
+
+    __slots__ = ("_parser", "times_s")
+
+    def __init__(self) -> None:
+        self._parser = SseParser()
+        self.times_s: list[float] = []
+
+    def feed(self, chunk: bytes) -> None:
+        now = time.monotonic()
+        for data in self._parser.feed(chunk):
+            # [DONE] ends the stream; a usage-only chunk (choices == []) carries no token.
+            if data != b"[DONE]" and b'"choices":[]' not in data:
+                self.times_s.append(now)
+
+    def fill(self, record: RequestRecord) -> None:
+        times = self.times_s
+        record.num_tokens = len(times)
+        if times:
+            record.first_token_s = times[0]
+            record.itl_s = [b - a for a, b in itertools.pairwise(times)]
+
+
+def _completion_tokens(body: bytes) -> int:
+    try:
+        doc = orjson.loads(body)
+        return int(doc["usage"]["completion_tokens"])
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return 0
+
+
+class InProcessTarget:
+    """A carpool BatchedFunction or Batcher, or a plain batched callable, called
+    in-process with ``input_shape[0]`` items per request (``submit_many``)."""
+
+    def __init__(self, spec: TargetSpec) -> None:
+        self._spec = spec
+        self._batcher = _resolve_batcher(spec.target)
+        self.description = f"in-process {spec.target}"
+        self._payloads: list[npt.NDArray[Any]] = []
+        self._num_items = 1
+
+    async def open(self) -> None:
+        spec = self._spec
+        if spec.input_shape is None or not spec.input_shape:
+            raise ConfigError("input_shape", None, "--input-shape for a module:attr target")
+        rng = np.random.default_rng(spec.seed)
+        datatype = spec.datatype or "FP32"
+        self._payloads = [
+            random_tensor(spec.input_shape, datatype, rng) for _ in range(spec.num_payloads)
+        ]
+        self._num_items = spec.input_shape[0]
+        await self._batcher.start()
+
+    async def call(self, record: RequestRecord) -> None:
+        record.sent_s = time.monotonic()
+        await self._batcher.submit_many(self._payloads[record.index % len(self._payloads)])
+        record.num_items = self._num_items
+
+    async def close(self) -> None:
+        await self._batcher.stop(drain=True)
+
+    def snapshot(self) -> TelemetrySnapshot:
+        return self._batcher.snapshot()
+
+
+def _resolve_batcher(target: str) -> Batcher:
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError("target", target, "http://host:port or module:attr")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError("target", target, f"an importable module ({error})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError("target", target, f"a module with an attribute {attr!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, BatchedFunction):
+        return obj.batcher
+    if isinstance(obj, Batcher):
+        return obj
+    if callable(obj):
+        wrapped: BatchedFunction = batched(obj)
+        return wrapped.batcher
+    raise ConfigError("target", target, "a BatchedFunction, a Batcher or a batched callable")
