@@ -166,6 +166,7 @@ def _carpool(port: int, tmp: Path) -> list[str]:
         f"    source: {model_folder()}\n"
         "    max_batch_size: 64\n"
         "    max_delay_s: 0.005\n"
+        "    max_batch_tokens: 4096\n"
     )
     return benchlib.carpool_serve(port, grpc_port=free_port(), config=config)
 
@@ -174,7 +175,9 @@ def _servers() -> list[Server]:
     return [
         Server("infinity32", "Infinity, batch 32", _infinity(32), "/embeddings", QUIET_ENV),
         Server("infinity1", "Infinity, batch 1", _infinity(1), "/embeddings", QUIET_ENV),
-        Server("carpool", "carpool serve (64, 5 ms)", _carpool, "/v1/embeddings", QUIET_ENV),
+        Server(
+            "carpool", "carpool serve (64, 4096 tok, 5 ms)", _carpool, "/v1/embeddings", QUIET_ENV
+        ),
     ]
 
 
@@ -331,6 +334,37 @@ def _ratios(results: list[dict[str, Any]]) -> dict[str, float]:
     return ratios
 
 
+def _offline_packed(texts: list[str], seconds: float = 20.0) -> dict[str, float]:
+    """carpool's own offline packed figure, on the server's CPU, in this run: the corpus in
+    arrival order, packed batches of at most 4096 tokens (the served config's budget)."""
+    import torch
+
+    from carpool.models.embeddings import TextEncoder
+
+    torch.set_num_threads(1)
+    os.sched_setaffinity(0, {int(SERVER_CPU)})
+    try:
+        encoder = TextEncoder.from_folder(model_folder())
+        ids = encoder.tokenize(texts)
+        batches: list[list[np.ndarray]] = [[]]
+        for one in ids:
+            if batches[-1] and sum(len(a) for a in batches[-1]) + len(one) > 4096:
+                batches.append([])
+            batches[-1].append(one)
+        encoder(batches[0])  # warm-up
+        start, tokens, done = time.perf_counter(), 0, 0
+        while time.perf_counter() - start < seconds:
+            batch = batches[done % len(batches)]
+            encoder(batch)
+            tokens += sum(len(a) for a in batch)
+            done += 1
+        elapsed = time.perf_counter() - start
+    finally:
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    print(f"carpool offline packed on cpu {SERVER_CPU}: {tokens / elapsed:.0f} tokens/s")
+    return {"tokens_per_s": tokens / elapsed, "seconds": elapsed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -365,6 +399,7 @@ def main() -> None:
     expected = reference.encode(texts[:NUM_CHECKED], normalize_embeddings=True)
     del reference
 
+    offline = _offline_packed(texts) if "carpool" in wanted else None
     results = [
         _run(server, texts, expected, mean_tokens, concurrency, args.duration_s)
         for server in servers
@@ -381,6 +416,12 @@ def main() -> None:
     ratios = _ratios(merged)
     for key, value in ratios.items():
         print(f"  {key:28} {value:6.2f}x req/s")
+    served = {r["server"]: r for r in merged}.get("carpool", {})
+    if offline is not None and "rows" in served:
+        for row in served["rows"]:
+            share = row["tokens_per_s"] / offline["tokens_per_s"]
+            ratios[f"carpool-served/offline@c{row['concurrency']}"] = share
+            print(f"  carpool served/offline packed @c{row['concurrency']:<4} {share:6.2f}")
     benchlib.write_results(
         args.json,
         {
@@ -390,6 +431,7 @@ def main() -> None:
             "duration_s": args.duration_s,
             "results": merged,
             "ratios": ratios,
+            "carpool_offline_packed": offline,
         },
     )
 

@@ -29,7 +29,10 @@ from wrkrun import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-SERVER_CPU, LOAD_CPU = "0", "1"  # the server is pinned to one core, the load generator to the other
+# The server is pinned to one core, the load generator to the other; swap them with
+# CARPOOL_BENCH_SERVER_CPU=1 CARPOOL_BENCH_LOAD_CPU=0 when core 0 is busy with other work.
+SERVER_CPU = os.environ.get("CARPOOL_BENCH_SERVER_CPU", "0")
+LOAD_CPU = os.environ.get("CARPOOL_BENCH_LOAD_CPU", "1")
 READY_TIMEOUT_S = 300.0
 
 

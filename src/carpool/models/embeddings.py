@@ -178,7 +178,10 @@ class TextEncoder:
                 raise InvalidInput(f"text {i} is a {type(text).__name__}, expected a str")
             text = text.strip()
             cleaned.append(text.lower() if self._do_lower_case else text)
-        encodings = self._tokenizer.encode_batch(cleaned)
+        if len(cleaned) == 1:  # encode_batch wakes the tokenizers thread pool: skip it
+            encodings = [self._tokenizer.encode(cleaned[0])]
+        else:
+            encodings = self._tokenizer.encode_batch(cleaned)
         return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
 
     def check_token_ids(self, ids: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ KServe face: input ``TEXT`` (BYTES, one UTF-8 text per row), output ``EMBEDDING`
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,11 @@ from carpool.errors import InvalidInput
 from carpool.server.repository import ServedModel, TensorSpec
 
 DEFAULT_MAX_INPUTS = 2048  # texts per call, as OpenAI's API allows
+
+# The tokenizers library's own thread pool spins on the cores the model computes on; in a
+# server, tokenization is one short text per request, off the loop on a plain thread
+# (measured: served/offline tokens/s 0.80 with it, 0.86 without, one core).
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @dataclass(frozen=True, slots=True)
