@@ -4,13 +4,18 @@
 
     models:
       - name: mlp2
-        kind: python              # python | torch | onnx | embeddings
+        kind: python              # python | torch | onnx | embeddings | generation
         source: mypkg.mod:attr    # module:attr; torch also takes a .pt/.pt2 file, onnx a .onnx
-                                  # file, embeddings a Hugging Face model folder
+                                  # file, embeddings and generation a Hugging Face model folder
         inputs:  [{name: INPUT0, datatype: FP32, shape: [256]}]   # no batch dim; -1: any size
         outputs: [{name: OUTPUT0, datatype: FP32, shape: [16]}]
         max_batch_size: 64        # every BatchPolicy field by its name
         max_delay_s: 0.002
+      - name: llama
+        kind: generation          # continuous batching over a paged KV cache (docs/generation.md)
+        source: ./tinyllama       # config.json (llama | gpt2), model.safetensors, tokenizer.json
+        max_num_seqs: 64          # GENERATION_FIELDS: block_size, num_blocks or
+        max_model_len: 2048       # kv_cache_memory_mb, max_num_batched_tokens, ...
 
 File paths in ``source`` are relative to the config file's folder. Every error is a
 :class:`~carpool.errors.ConfigError` naming the file, the key path (``models[0].max_delay_s``)
@@ -32,7 +37,7 @@ from carpool.core.policy import BatchPolicy, ClassPolicy
 from carpool.errors import ConfigError
 from carpool.models._source import is_import_ref
 
-Kind = Literal["python", "torch", "onnx", "embeddings"]
+Kind = Literal["python", "torch", "onnx", "embeddings", "generation"]
 # KServe v2 datatypes (carpool.server.tensors.DATATYPES holds their NumPy dtypes; a test
 # keeps the two lists equal without making the config import the server).
 Datatype = Literal[
@@ -71,6 +76,15 @@ POLICY_FIELDS = (
     "oom_recovery_s",
     "max_batch_tokens",
     "length_buckets",
+)
+# Keys only a generation model takes (carpool.server.generation.GenerationSettings).
+GENERATION_FIELDS = (
+    "block_size",
+    "num_blocks",
+    "kv_cache_memory_mb",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
 )
 
 
@@ -143,6 +157,13 @@ class ModelConfig(_Strict):
     length_buckets: list[int] | Literal["auto"] | None = None
     # embeddings: most texts in one request
     max_inputs: int = Field(2048, ge=1)
+    # generation: KV-cache layout and step limits (GENERATION_FIELDS)
+    block_size: int | None = Field(None, ge=1, le=1024)
+    num_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_mb: float | None = Field(None, gt=0, allow_inf_nan=False)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
     # Placement.
     num_replicas: int | None = Field(None, ge=1)
     devices: list[str] | None = Field(None, min_length=1)
@@ -300,9 +321,9 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
         yield from _source_problems(model, at, base_dir)
         for key in ("inputs", "outputs"):
             tensors = getattr(model, key)
-            if tensors is not None and model.kind == "embeddings":
-                yield (f"{at}.{key}", "[...]", "nothing: an embeddings model declares its own")
-            if tensors is None and model.kind not in ("onnx", "embeddings"):
+            if tensors is not None and model.kind in ("embeddings", "generation"):
+                yield (f"{at}.{key}", "[...]", f"nothing: a {model.kind} model declares its own")
+            if tensors is None and model.kind not in ("onnx", "embeddings", "generation"):
                 yield (
                     f"{at}.{key}",
                     MISSING,
@@ -324,12 +345,17 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
                 )
             if model.device is not None:
                 yield (f"{at}.device", model.device, "no device when devices is given")
-        if model.dtype is not None and model.kind not in ("torch", "embeddings"):
+        if model.dtype is not None and model.kind not in ("torch", "embeddings", "generation"):
             yield (
                 f"{at}.dtype",
                 model.dtype,
-                "no dtype: only torch and embeddings models take one",
+                "no dtype: only torch, embeddings and generation models take one",
             )
+        if model.kind == "generation" and len(model.replica_devices()) > 1:
+            yield (f"{at}.devices", model.replica_devices(), "one device: one engine per model")
+        for key in GENERATION_FIELDS:
+            if model.kind != "generation" and getattr(model, key) is not None:
+                yield (f"{at}.{key}", getattr(model, key), "nothing: a generation model's key")
         try:
             model.policy()
         except ConfigError as error:
@@ -343,7 +369,7 @@ def _source_problems(model: ModelConfig, at: str, base_dir: Path) -> Any:
             yield (f"{at}.source", source, "module:attr (an importable module and a name in it)")
         return
     path = base_dir / source
-    if model.kind == "embeddings":
+    if model.kind in ("embeddings", "generation"):
         if not (path / "config.json").is_file():
             yield (
                 f"{at}.source",
@@ -357,7 +383,7 @@ def _source_problems(model: ModelConfig, at: str, base_dir: Path) -> Any:
 
 
 def _is_file_source(model: ModelConfig) -> bool:
-    return model.kind in ("onnx", "embeddings") or (
+    return model.kind in ("onnx", "embeddings", "generation") or (
         model.kind == "torch" and not is_import_ref(model.source)
     )
 

@@ -10,13 +10,16 @@ read once, JSON goes through orjson. Endpoints::
     POST /v2/models/{m}[/versions/{v}]/infer             JSON and binary tensors
     GET | POST /v2/models/{m}[/versions/{v}]/policy      batch policy; POST changes fields
     POST /v1/embeddings | GET /v1/models                 OpenAI-compatible (server/openai.py)
+    POST /v1/completions | /v1/chat/completions          generation, streamed as server-sent
+                                                         events (server/completions.py)
     GET  /metrics                                        Prometheus exposition
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
+from contextlib import aclosing
 from typing import Any
 
 import orjson
@@ -25,7 +28,7 @@ from carpool import __version__
 from carpool.config import POLICY_FIELDS
 from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
-from carpool.server import openai
+from carpool.server import completions, openai
 from carpool.server.errors import NotFound, PayloadTooLarge, http_error, openai_error
 from carpool.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from carpool.server.metrics import Metrics
@@ -142,7 +145,18 @@ class KServeApp:
             return await _respond(send, 200, await _unless_disconnected(work, receive), (_JSON,))
         if method == "GET" and rest == ["models"]:
             return await _respond(send, 200, openai.list_models(self.repository), (_JSON,))
-        raise NotFound(f"{method} {scope['path']!r}", ["POST /v1/embeddings", "GET /v1/models"])
+        if method == "POST" and rest in (["completions"], ["chat", "completions"]):
+            body = await self._read_body(receive)
+            call = await completions.prepare(self.repository, body, is_chat=rest[0] == "chat")
+            if call.is_stream:
+                return await _stream(send, receive, completions.stream(call))
+            answer = await _unless_disconnected(completions.respond(call), receive)
+            return await _respond(send, 200, answer, (_JSON,))
+        raise NotFound(
+            f"{method} {scope['path']!r}",
+            ["POST /v1/embeddings", "POST /v1/completions", "POST /v1/chat/completions",
+             "GET /v1/models"],
+        )  # fmt: skip
 
     def _server_metadata(self) -> dict[str, Any]:
         return {"name": "carpool", "version": __version__, "extensions": EXTENSIONS}
@@ -219,6 +233,26 @@ async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> No
     while (await receive())["type"] != "http.disconnect":
         pass
     task.cancel()
+
+
+async def _stream(send: Send, receive: Receive, chunks: AsyncGenerator[bytes, None]) -> None:
+    """Server-sent events: each chunk is sent as it comes. A client that disconnects
+    cancels the pump, which closes ``chunks`` (and so aborts the generation)."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+        }
+    )
+
+    async def pump() -> None:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    await _unless_disconnected(pump(), receive)
 
 
 def _model_path(parts: list[str], path: str) -> tuple[str, str | None, str | None]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from carpool.config import ModelConfig, ServeConfig, TensorConfig
+from carpool.config import GENERATION_FIELDS, ModelConfig, ServeConfig, TensorConfig
 from carpool.core.batcher import Batcher
 from carpool.core.collate import RaggedDictCollator
 from carpool.errors import ConfigError
+from carpool.server.generation import GenerationSettings
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.tensors import DATATYPES
 
@@ -52,6 +53,12 @@ def build_model(model: ModelConfig) -> ServedModel:
             max_inputs=model.max_inputs,
         )
         return service.served_model()
+    if model.kind == "generation":
+        from carpool.server.generation import GenerationService
+
+        return GenerationService.from_folder(
+            model.name, model.source, generation_settings(model)
+        ).served_model()
     inputs, outputs = _specs(model)
     batcher = Batcher(
         fn_factory=_fn_factory(model, inputs, outputs),
@@ -67,6 +74,15 @@ def build_model(model: ModelConfig) -> ServedModel:
         inputs=inputs,
         outputs=outputs,
         batcher=batcher,
+    )
+
+
+def generation_settings(model: ModelConfig) -> GenerationSettings:
+    """A generation model's settings: the keys given, GenerationSettings' defaults else."""
+    given = {key: getattr(model, key) for key in GENERATION_FIELDS}
+    given = {key: value for key, value in given.items() if value is not None}
+    return GenerationSettings(
+        **given, dtype=model.dtype or "float32", device=model.replica_devices()[0]
     )
 
 

@@ -22,6 +22,7 @@ def _w1_factory(device: str) -> Any:
 
 
 EMBEDDINGS_NAME = "all-MiniLM-L6-v2"
+GENERATION_NAME = "tiny-random-llama"
 
 
 def embeddings_folder() -> Path | None:
@@ -36,7 +37,10 @@ def embeddings_folder() -> Path | None:
 def default_models() -> list[ServedModel]:
     """``mlp``: the reference MLP W1 (256 float32 in, 16 out), batched up to 64 within 2 ms;
     ``all-MiniLM-L6-v2``: text embeddings (384 dimensions), packed batches of up to 64
-    texts or 4096 tokens within 5 ms (when the embeddings extra is installed)."""
+    texts or 4096 tokens within 5 ms (when the embeddings extra is installed);
+    ``tiny-random-llama``: a 2-layer Llama with *random weights* and a byte tokenizer for
+    ``/v1/completions`` and ``/v1/chat/completions``: the whole generation path runs, the
+    text it writes is noise (``/v1/models`` says so in ``owned_by``)."""
     from carpool.models.mlp import W1_INPUT_DIM, W1_OUTPUT_DIM
 
     mlp = Batcher(
@@ -61,4 +65,7 @@ def default_models() -> list[ServedModel]:
 
         policy = BatchPolicy(max_batch_size=64, max_delay_s=0.005, max_batch_tokens=4096)
         models.append(EmbeddingService(EMBEDDINGS_NAME, folder, policy).served_model())
+    from carpool.server.generation import GenerationService
+
+    models.append(GenerationService.tiny_random(GENERATION_NAME).served_model())
     return models

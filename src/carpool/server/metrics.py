@@ -19,6 +19,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from carpool.core.telemetry import LatencyStats, TelemetrySnapshot
+from carpool.generation.engine import GenerationSnapshot
+from carpool.server.generation import generation_models
 from carpool.server.repository import ModelRepository
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
@@ -44,6 +46,8 @@ class TelemetryCollector(Collector):
         yield from _class_metrics(snapshots)
         yield from _batch_metrics(snapshots)
         yield from _replica_metrics(snapshots)
+        services = generation_models(self._repository).values()
+        yield from _generation_metrics([g.engine.snapshot() for g in services])
 
 
 def _class_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
@@ -161,6 +165,66 @@ def _replica_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
         if snap.memory is not None:
             memory.add_metric([snap.model], snap.memory.volatility)
     yield from (busy, balance, memory)
+
+
+def _generation_metrics(snapshots: list[GenerationSnapshot]) -> Iterator[Metric]:
+    """Generation models, in vLLM's vocabulary (``vllm:num_requests_running`` is
+    ``carpool_generation_requests_running`` here)."""
+    model = ["model"]
+    running = GaugeMetricFamily(
+        "carpool_generation_requests_running", "Requests in the running batch.", labels=model
+    )
+    waiting = GaugeMetricFamily(
+        "carpool_generation_requests_waiting", "Requests waiting to run.", labels=model
+    )
+    kv = GaugeMetricFamily(
+        "carpool_generation_kv_cache_usage_ratio", "KV-cache blocks in use / all.", labels=model
+    )
+    queries = CounterMetricFamily(
+        "carpool_generation_prefix_cache_queries", "Prompt tokens looked up.", labels=model
+    )
+    hits = CounterMetricFamily(
+        "carpool_generation_prefix_cache_hits", "Prompt tokens found cached.", labels=model
+    )
+    preemptions = CounterMetricFamily(
+        "carpool_generation_preemptions", "Requests preempted (recomputed).", labels=model
+    )
+    prompt = CounterMetricFamily(
+        "carpool_generation_prompt_tokens", "Prompt tokens prefilled.", labels=model
+    )
+    generated = CounterMetricFamily("carpool_generation_tokens", "Tokens generated.", labels=model)
+    finished = CounterMetricFamily(
+        "carpool_generation_requests_finished",
+        "Requests ended, by finish reason (stop, length, abort, error).",
+        labels=[*model, "finished_reason"],
+    )
+    histograms = {
+        "time_to_first_token": ("Arrival to first token.", "time_to_first_token"),
+        "inter_token_latency": ("Between tokens of one request.", "inter_token_latency"),
+        "e2e_request_latency": ("Arrival to last token.", "e2e_latency"),
+        "request_queue_time": ("Arrival to first scheduled.", "queue_time"),
+    }
+    families = {
+        name: HistogramMetricFamily(f"carpool_generation_{name}_seconds", text, labels=model)
+        for name, (text, _) in histograms.items()
+    }
+    for snap in snapshots:
+        key = [snap.model]
+        running.add_metric(key, snap.scheduler.num_running)
+        waiting.add_metric(key, snap.scheduler.num_waiting)
+        kv.add_metric(key, snap.scheduler.kv_cache_usage)
+        queries.add_metric(key, snap.scheduler.num_prefix_cache_queries)
+        hits.add_metric(key, snap.scheduler.num_prefix_cache_hits)
+        preemptions.add_metric(key, snap.scheduler.num_preemptions)
+        prompt.add_metric(key, snap.num_prompt_tokens)
+        generated.add_metric(key, snap.num_generation_tokens)
+        for reason in ("stop", "length", "abort", "error"):
+            finished.add_metric([*key, reason], snap.finished.get(reason, 0))
+        for name, (_, field) in histograms.items():
+            stats: LatencyStats = getattr(snap, field)
+            families[name].add_metric(key, _buckets(stats), _histogram_sum(stats))
+    yield from (running, waiting, kv, queries, hits, preemptions, prompt, generated, finished)
+    yield from families.values()
 
 
 class Metrics:

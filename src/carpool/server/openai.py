@@ -24,6 +24,7 @@ import orjson
 from carpool.errors import InvalidInput
 from carpool.server.embeddings import EmbeddingService
 from carpool.server.errors import NotFound
+from carpool.server.generation import generation_models
 from carpool.server.repository import ModelRepository
 
 _KNOWN_FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "priority", "timeout_s")
@@ -43,17 +44,20 @@ def embedding_models(repository: ModelRepository) -> dict[str, EmbeddingService]
 
 
 def list_models(repository: ModelRepository) -> bytes:
-    """``GET /v1/models``: every model with an OpenAI face."""
+    """``GET /v1/models``: every model with an OpenAI face (generation models name their
+    owner, which tells random weights apart)."""
+    owners = {name: "carpool" for name in embedding_models(repository)}
+    owners |= {name: g.owned_by for name, g in generation_models(repository).items()}
     data = [
-        {"id": name, "object": "model", "created": _STARTED, "owned_by": "carpool"}
-        for name in embedding_models(repository)
+        {"id": name, "object": "model", "created": _STARTED, "owned_by": owner}
+        for name, owner in owners.items()
     ]
     return orjson.dumps({"object": "list", "data": data})
 
 
 async def create_embeddings(repository: ModelRepository, body: bytes) -> bytes:
     """``POST /v1/embeddings``: the response body, or raises (InvalidInput, NotFound, ...)."""
-    doc = _json_object(body)
+    doc = json_object(body, _KNOWN_FIELDS)
     service = _model(repository, doc)
     encoding = doc.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
@@ -91,7 +95,8 @@ async def create_embeddings(repository: ModelRepository, body: bytes) -> bytes:
     )
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
+def json_object(body: bytes, known_fields: tuple[str, ...]) -> dict[str, Any]:
+    """The request body as a JSON object of ``known_fields``; raises naming what is wrong."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as error:
@@ -100,9 +105,9 @@ def _json_object(body: bytes) -> dict[str, Any]:
         ) from None
     if not isinstance(doc, dict):
         raise InvalidInput(f"the request body is a JSON {type(doc).__name__}; expected an object")
-    unknown = sorted(set(doc) - set(_KNOWN_FIELDS))
+    unknown = sorted(set(doc) - set(known_fields))
     if unknown:
-        raise BadParam(unknown[0], f"unknown field {unknown[0]!r}; expected {list(_KNOWN_FIELDS)}")
+        raise BadParam(unknown[0], f"unknown field {unknown[0]!r}; expected {list(known_fields)}")
     return doc
 
 

@@ -1,0 +1,419 @@
+"""The generation scheduler: which requests run each step, and how many tokens each.
+
+One step is a sequence of named phases under ``max_num_batched_tokens`` tokens and
+``max_num_seqs`` sequences::
+
+    schedule():  running ──▶ (preempt when blocks run out) ──▶ waiting ──▶ StepInput
+    update():    append sampled tokens ──▶ cache full blocks ──▶ stop checks ──▶ events
+
+*Running* goes first, by class rank then admission: a decode token each, or the next
+chunk of a prefill in progress; a prefill chunk never takes the tokens of the decodes
+after it. Out of blocks, the tail of that order (lowest class, most recently admitted) is
+*preempted by recompute*: blocks freed, ``num_computed_tokens = 0``, back to the front of
+its class's waiting queue. *Waiting* requests (class, then arrival) are admitted only in
+a step that preempted nothing, sharing their longest cached prefix; a prompt longer than
+the budget left is split over steps (chunked prefill); one that does not fit stops
+admission, so shorter ones behind it cannot starve it.
+
+Call ``schedule`` and ``update`` alternately, from one thread; ``add_request`` and
+``abort`` may come in between. Blocks freed by ``abort`` are reused only by a later
+``schedule``, so a step in flight keeps its K/V.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from carpool.core.policy import DEFAULT_CLASS, DEFAULT_CLASSES
+from carpool.errors import ConfigError, InvalidInput, ModelError
+from carpool.generation.kv_cache import KVCacheManager
+from carpool.generation.request import (
+    Detokenize,
+    FinishReason,
+    GenRequest,
+    RequestEvent,
+    RequestStatus,
+    check_stop,
+)
+from carpool.generation.types import SamplingParams, SeqChunk, StepInput, StepOutput
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one step, and how requests stop.
+
+    Args:
+        max_num_batched_tokens: tokens in one step, prefill and decode together.
+        max_num_seqs: sequences running at once (each decodes one token a step).
+        long_prefill_token_threshold: most tokens of one prefill chunk; 0: no cap beyond
+            the budget.
+        eos_token_id: the tokenizer's end-of-sequence token; None: stop on it never.
+        classes: priority class names, highest first (those of ``core.policy``).
+        default_class: the class of a request that names none.
+
+    Raises:
+        ConfigError: naming the first invalid field.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    long_prefill_token_threshold: int = 0
+    eos_token_id: int | None = None
+    classes: tuple[str, ...] = tuple(c.name for c in DEFAULT_CLASSES)
+    default_class: str = DEFAULT_CLASS
+
+    def __post_init__(self) -> None:
+        for name, minimum in (
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", self.max_num_seqs),
+            ("long_prefill_token_threshold", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(name, value, f"an integer >= {minimum}")
+        if not self.classes or len(set(self.classes)) != len(self.classes):
+            raise ConfigError("classes", self.classes, "one or more unique class names")
+        if self.default_class not in self.classes:
+            raise ConfigError("default_class", self.default_class, f"one of {self.classes}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleResult:
+    """One scheduled step: the runner's input, and what the scheduler did to form it."""
+
+    step_input: StepInput
+    preempted_request_ids: tuple[int, ...] = ()
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.step_input.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """Counters for metrics; ``num_*_tokens`` and ``num_preemptions`` only grow."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_prefix_queried_tokens: int
+    num_prefix_hit_tokens: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_finished: int
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    num_tokens_left: int
+    num_pending_decodes: int = 0  # running decodes not scheduled yet: their tokens are held
+    chunks: list[SeqChunk] = field(default_factory=list)
+    preempted_request_ids: list[int] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+def _running_order(request: GenRequest) -> tuple[int, int]:
+    return (request.rank, request.admit_seq)
+
+
+class Scheduler:
+    """Continuous batching over a paged KV cache (see the module docstring).
+
+    Args:
+        config: the step limits and stop settings.
+        kv_cache: where the requests' K/V lives.
+        detokenize: token ids to text, for stop strings; without it ``stop`` is ignored.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        *,
+        detokenize: Detokenize | None = None,
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.detokenize = detokenize
+        self._ranks = {name: rank for rank, name in enumerate(config.classes)}
+        self._waiting: list[deque[GenRequest]] = [deque() for _ in config.classes]
+        self._running: list[GenRequest] = []  # sorted by _running_order
+        self._requests: dict[int, GenRequest] = {}  # every unfinished request
+        self._finished_seq_ids: list[int] = []
+        self._admit_counter = itertools.count()
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # of admitted requests, counted once each
+        self.num_generation_tokens = 0
+        self.num_finished = 0
+
+    # -- requests in and out --------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: int,
+        prompt_token_ids: tuple[int, ...] | list[int],
+        sampling: SamplingParams | None = None,
+        *,
+        class_name: str | None = None,
+        arrival_s: float = 0.0,
+    ) -> GenRequest:
+        """Queue a request at the back of its class (call in arrival order).
+
+        Raises:
+            InvalidInput: a duplicate id, an empty prompt, ``max_tokens < 1``, an unknown
+                class, or a sequence longer than the whole KV cache.
+        """
+        sampling = sampling if sampling is not None else SamplingParams()
+        class_name = class_name if class_name is not None else self.config.default_class
+        if request_id in self._requests:
+            raise InvalidInput("request id already in use", request_id=request_id)
+        if not prompt_token_ids:
+            raise InvalidInput("the prompt has no tokens", request_id=request_id)
+        if sampling.max_tokens < 1:
+            raise InvalidInput(
+                f"max_tokens={sampling.max_tokens}, expected >= 1", request_id=request_id
+            )
+        if class_name not in self._ranks:
+            raise InvalidInput(
+                f"unknown priority class {class_name!r}; expected one of {self.config.classes}",
+                request_id=request_id,
+            )
+        max_positions = len(prompt_token_ids) + sampling.max_tokens - 1  # last token: no K/V
+        pool = self.kv_cache.pool
+        if self.kv_cache.num_blocks_for(max_positions) > pool.num_blocks:
+            raise InvalidInput(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                f"exceeds the KV cache ({pool.num_blocks * pool.block_size} tokens); "
+                "shorten the prompt or lower max_tokens",
+                request_id=request_id,
+            )
+        request = GenRequest(
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt_token_ids),
+            sampling=sampling,
+            class_name=class_name,
+            rank=self._ranks[class_name],
+            arrival_s=arrival_s,
+        )
+        self._requests[request_id] = request
+        self._waiting[request.rank].append(request)
+        return request
+
+    def abort(self, request_id: int) -> RequestEvent | None:
+        """Finish a waiting or running request now and free its blocks (client went away).
+
+        Returns:
+            Its final event, or None when the request is unknown or already finished.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting[request.rank].remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._release(request)
+        return RequestEvent(request_id, (), FinishReason.ABORT)
+
+    def get_request(self, request_id: int) -> GenRequest | None:
+        """An unfinished request, or None."""
+        return self._requests.get(request_id)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduleResult:
+        """Form the next step: running requests first, then waiting ones if nothing was
+        preempted. Empty only when no request is unfinished (``has_unfinished()``)."""
+        plan = _StepPlan(num_tokens_left=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted_request_ids:
+            self._schedule_waiting(plan)
+        finished: tuple[int, ...] = ()
+        if plan.chunks:  # otherwise keep them for a step the runner will see
+            finished = tuple(self._finished_seq_ids)
+            self._finished_seq_ids.clear()
+        return ScheduleResult(
+            StepInput(tuple(plan.chunks), finished),
+            tuple(plan.preempted_request_ids),
+            plan.num_prefill_tokens,
+            plan.num_decode_tokens,
+        )
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        plan.num_pending_decodes = sum(
+            r.num_tokens - r.num_computed_tokens == 1 for r in self._running
+        )
+        i = 0
+        while i < len(self._running):
+            request = self._running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new == 1:
+                plan.num_pending_decodes -= 1
+            num_new = self._cap_chunk(num_new, plan.num_tokens_left - plan.num_pending_decodes)
+            if num_new <= 0:
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new, plan):
+                return  # the request itself was the victim: it was the tail
+            self._add_chunk(request, num_new, plan)
+            i += 1
+
+    def _allocate_or_preempt(self, request: GenRequest, num_new: int, plan: _StepPlan) -> bool:
+        num_total = request.num_computed_tokens + num_new
+        while not self.kv_cache.allocate(request.request_id, num_total):
+            victim = self._running[-1]  # lowest class, most recently admitted
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, victim: GenRequest, plan: _StepPlan) -> None:
+        self._running.pop()
+        if victim.num_tokens - victim.num_computed_tokens == 1:
+            plan.num_pending_decodes -= 1
+        self.kv_cache.free(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self._waiting[victim.rank].appendleft(victim)
+        self.num_preemptions += 1
+        plan.preempted_request_ids.append(victim.request_id)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while plan.num_tokens_left > 0 and len(self._running) < self.config.max_num_seqs:
+            queue = next((q for q in self._waiting if q), None)
+            if queue is None:
+                return
+            request = queue[0]
+            prefix = self.kv_cache.find_cached_prefix(request.all_token_ids)
+            num_new = self._cap_chunk(request.num_tokens - prefix.num_tokens, plan.num_tokens_left)
+            if not self.kv_cache.allocate(request.request_id, prefix.num_tokens + num_new, prefix):
+                return  # head of line waits for blocks; nothing behind it jumps ahead
+            queue.popleft()
+            self._admit(request, prefix.num_tokens)
+            self._add_chunk(request, num_new, plan)
+
+    def _admit(self, request: GenRequest, num_cached_tokens: int) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached_tokens
+        if request.num_cached_tokens < 0:  # first admission
+            request.num_cached_tokens = num_cached_tokens
+            self.num_prompt_tokens += request.num_prompt_tokens
+        request.admit_seq = next(self._admit_counter)
+        bisect.insort(self._running, request, key=_running_order)
+
+    def _cap_chunk(self, num_new: int, num_room: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold:
+            num_new = min(num_new, threshold)
+        return min(num_new, num_room)
+
+    def _add_chunk(self, request: GenRequest, num_new: int, plan: _StepPlan) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        needs_logits = end == request.num_tokens
+        plan.chunks.append(
+            SeqChunk(
+                seq_id=request.request_id,
+                token_ids=tuple(request.all_token_ids[start:end]),
+                start_pos=start,
+                block_table=self.kv_cache.block_table(request.request_id),
+                needs_logits=needs_logits,
+                sampling=request.sampling,
+            )
+        )
+        plan.num_tokens_left -= num_new
+        if num_new == 1 and start >= request.num_prompt_tokens:
+            plan.num_decode_tokens += 1
+        else:
+            plan.num_prefill_tokens += num_new
+
+    # -- after the step ran ---------------------------------------------------------------
+
+    def update(self, step: StepInput, output: StepOutput) -> list[RequestEvent]:
+        """Apply the runner's output for ``step``: one event per request that sampled.
+
+        Chunks of requests aborted since ``schedule`` are skipped.
+
+        Raises:
+            ModelError: when ``output`` does not match ``step`` (no state has changed).
+        """
+        if len(output.sampled) != len(step.chunks):
+            raise ModelError(
+                f"runner returned {len(output.sampled)} samples for {len(step.chunks)} chunks"
+            )
+        for chunk, token_id in zip(step.chunks, output.sampled, strict=True):
+            if chunk.needs_logits and token_id is None:
+                raise ModelError(
+                    "runner sampled no token for a chunk that needs one", request_id=chunk.seq_id
+                )
+        events: list[RequestEvent] = []
+        for chunk, token_id in zip(step.chunks, output.sampled, strict=True):
+            request = self._requests.get(chunk.seq_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
+            self.kv_cache.cache_full_blocks(
+                request.request_id, request.all_token_ids, request.num_computed_tokens
+            )
+            if chunk.needs_logits and token_id is not None:
+                events.append(self._append_token(request, token_id))
+        return events
+
+    def _append_token(self, request: GenRequest, token_id: int) -> RequestEvent:
+        request.append_output_token(token_id)
+        self.num_generation_tokens += 1
+        if check_stop(request, eos_token_id=self.config.eos_token_id, detokenize=self.detokenize):
+            self._running.remove(request)
+            self._release(request)
+        return RequestEvent(
+            request.request_id,
+            (token_id,),
+            request.finish_reason,
+            request.stop_reason,
+            request.text_end,
+        )
+
+    def _release(self, request: GenRequest) -> None:
+        self.kv_cache.free(request.request_id)
+        del self._requests[request.request_id]
+        self._finished_seq_ids.append(request.request_id)
+        self.num_finished += 1
+
+    # -- metrics --------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self._waiting)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_usage=self.kv_cache.usage,
+            num_prefix_queried_tokens=self.kv_cache.num_queried_tokens,
+            num_prefix_hit_tokens=self.kv_cache.num_hit_tokens,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_finished=self.num_finished,
+        )

@@ -1,0 +1,267 @@
+"""Text ↔ token ids for generation, and detokenization that streams.
+
+Two tokenizers share one small interface (:class:`Tokenizer`):
+
+- :class:`HFTokenizer`: a Hugging Face folder's ``tokenizer.json`` (the ``tokenizers``
+  library), with BOS/EOS and the Jinja ``chat_template`` from ``tokenizer_config.json``;
+- :class:`ByteTokenizer`: one id per byte (0-255) plus BOS (256) and EOS (257), for the
+  built-in random-weight model; it needs no files.
+
+Streaming text token by token is not decoding each token alone: a character may span
+tokens (``"é"`` is the bytes ``C3 A9``, two byte-level tokens) and a word-piece's leading
+space depends on its left neighbour. :class:`IncrementalDetokenizer` decodes a short
+window of recent ids and holds back text that ends in a broken UTF-8 sequence (decoded as
+U+FFFD) until the next token completes it::
+
+    ids      ... 72  105 | 195 | 169  33
+    window        "Hi"   | "Hi\\ufffd" (held) | "Hié!" → emits "é!"
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from carpool.errors import ConfigError, InvalidInput
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer(Protocol):
+    """What generation needs from a tokenizer."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def bos_token(self) -> str: ...
+
+    @property
+    def eos_token(self) -> str: ...
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``, special tokens left out, broken UTF-8 as U+FFFD."""
+        ...
+
+
+class ByteTokenizer:
+    """Bytes as tokens: ids 0-255 are the bytes of UTF-8 text, 256 is BOS, 257 is EOS."""
+
+    BOS_ID = 256
+    EOS_ID = 257
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.BOS_ID
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (self.EOS_ID,)
+
+    @property
+    def bos_token(self) -> str:
+        return ""
+
+    @property
+    def eos_token(self) -> str:
+        return ""
+
+    @property
+    def chat_template(self) -> str | None:
+        return None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS_ID, *ids] if add_special_tokens else ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True, slots=True)
+class _SpecialTokens:
+    bos_token: str
+    eos_token: str
+    chat_template: str | None
+    eos_names: tuple[str, ...]
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` with ``tokenizer_config.json``'s extras."""
+
+    def __init__(
+        self, tokenizer: Any, special: _SpecialTokens, extra_eos_ids: Sequence[int]
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._special = special
+        self._bos_id = tokenizer.token_to_id(special.bos_token) if special.bos_token else None
+        eos = [tokenizer.token_to_id(name) for name in special.eos_names]
+        eos += list(extra_eos_ids)
+        self._eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> HFTokenizer:
+        """Load ``folder/tokenizer.json`` (required) and, when present,
+        ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ``chat_template``) and
+        ``generation_config.json`` / ``config.json`` (more ``eos_token_id`` values).
+
+        Raises:
+            ConfigError: when ``tokenizer.json`` is missing or unreadable.
+        """
+        from tokenizers import Tokenizer as RustTokenizer
+
+        path = Path(folder)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise ConfigError("source", str(path), f"a folder with tokenizer.json ({file} missing)")
+        try:
+            tokenizer = RustTokenizer.from_file(str(file))
+        except Exception as error:
+            raise ConfigError("source", str(file), f"a readable tokenizer.json ({error})") from None
+        config = _read_json(path / "tokenizer_config.json")
+        special = _SpecialTokens(
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            chat_template=_chat_template(config.get("chat_template")),
+            eos_names=tuple(n for n in [_token_text(config.get("eos_token"))] if n),
+        )
+        extra: list[int] = []
+        for name in ("generation_config.json", "config.json"):
+            value = _read_json(path / name).get("eos_token_id")
+            extra += [value] if isinstance(value, int) else list(value or [])
+        return cls(tokenizer, special, extra)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_ids
+
+    @property
+    def bos_token(self) -> str:
+        return self._special.bos_token
+
+    @property
+    def eos_token(self) -> str:
+        return self._special.eos_token
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._special.chat_template
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return [int(i) for i in ids]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ConfigError("source", str(path), f"a readable JSON file ({error})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: Any) -> str:
+    """``"</s>"`` or ``{"content": "</s>", ...}`` (an AddedToken) as its text."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _chat_template(value: Any) -> str | None:
+    """A template string, or the ``default`` of a list of ``{name, template}``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        template = named.get("default")
+        return template if isinstance(template, str) else None
+    return None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a character.
+
+    ``prefix`` ids are context only (a prompt's tail): their text is never emitted, but
+    the first generated token decodes next to them, as it would in the full text.
+    """
+
+    __slots__ = ("_ids", "_prefix_offset", "_read_offset", "_tokenizer")
+
+    CONTEXT_TOKENS = 6  # ids decoded left of the new ones, for merges and leading spaces
+
+    def __init__(self, tokenizer: Tokenizer, prefix: Sequence[int] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(prefix[-self.CONTEXT_TOKENS :])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add ``token_ids``; return the text they complete (maybe ``""``)."""
+        self._ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The text still held back (a broken UTF-8 tail, as U+FFFD) at the end."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        if self._read_offset == len(self._ids):
+            return ""
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix_offset : self._read_offset])
+        after = decode(self._ids[self._prefix_offset :])
+        if not final and after.endswith(REPLACEMENT_CHAR):
+            return ""  # a character is still incomplete: wait for its next byte(s)
+        if len(after) <= len(before) and not final:
+            return ""  # the decoder merged or hid the new ids (special tokens): nothing new
+        delta = after[len(before) :]
+        self._prefix_offset = max(self._prefix_offset, self._read_offset - self.CONTEXT_TOKENS)
+        self._read_offset = len(self._ids)
+        if self._prefix_offset > 4 * self.CONTEXT_TOKENS:  # keep the window list short
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        return delta
+
+
+def check_token_ids(token_ids: Sequence[Any], vocab_size: int, what: str = "prompt") -> list[int]:
+    """``token_ids`` as a list of ints within the vocabulary.
+
+    Raises:
+        InvalidInput: naming the first id that is not an int in ``[0, vocab_size)``.
+    """
+    for i, token in enumerate(token_ids):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise InvalidInput(f"{what}[{i}]={token!r}: expected a token id in [0, {vocab_size})")
+    return [int(t) for t in token_ids]

@@ -1,0 +1,289 @@
+"""`carpool serve` (built-in models) answering the official `openai` client on
+/v1/completions and /v1/chat/completions with the random-weight tiny Llama: whole and
+streamed answers, determinism, concurrency, a client that leaves mid-stream, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .conftest import ServedProcess, start_served_process
+
+MODEL = "tiny-random-llama"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
+    server = start_served_process(None, tmp_path_factory.mktemp("completions"))
+    yield server
+    assert server.stop() == 0, server.output()
+
+
+@pytest.fixture
+def client(served: ServedProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"http://{served.http_url}/v1", api_key="-", max_retries=0) as c:
+        yield c
+
+
+def _metrics(served: ServedProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"http://{served.http_url}/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.labels.get("model") == MODEL
+    }
+
+
+def _finished(served: ServedProcess, reason: str) -> float:
+    key = (
+        "carpool_generation_requests_finished_total",
+        (("finished_reason", reason), ("model", MODEL)),
+    )
+    return _metrics(served).get(key, 0.0)
+
+
+def test_models_lists_the_generator_labelled_as_random_weights(client):
+    models = {m.id: m for m in client.models.list().data}
+    assert "random weights" in models[MODEL].owned_by
+
+
+def test_completion_answers_with_text_finish_reason_and_usage(client):
+    response = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0)
+    choice = response.choices[0]
+    assert response.object == "text_completion" and response.model == MODEL
+    assert choice.finish_reason in ("stop", "length")
+    assert response.usage is not None
+    assert response.usage.prompt_tokens == 6  # BOS and five bytes
+    assert 1 <= response.usage.completion_tokens <= 8
+    assert response.usage.total_tokens == 6 + response.usage.completion_tokens
+
+
+def test_streamed_completion_matches_the_whole_one_and_reports_usage(client):
+    kwargs = {"model": MODEL, "prompt": "Stream me", "max_tokens": 24, "temperature": 0}
+    whole = client.completions.create(**kwargs)
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert len(chunks) >= 2
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == whole.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and set(finishes[:-1]) <= {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_stream_ends_with_done_on_the_wire(served):
+    body = {"model": MODEL, "prompt": "wire", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"http://{served.http_url}/v1/completions", json=body) as response:
+        assert response.headers["content-type"] == "text/event-stream"
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-1])
+    assert orjson.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_chat_completion_streams_role_then_content_then_finish(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10)
+    assert whole.choices[0].message.role == "assistant"
+    prompt = "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"  # the fallback template
+    assert whole.usage is not None and whole.usage.prompt_tokens == 1 + len(prompt.encode())
+
+
+def test_greedy_is_deterministic(client):
+    texts = {
+        client.completions.create(model=MODEL, prompt="same", max_tokens=16, temperature=0)
+        .choices[0]
+        .text
+        for _ in range(2)
+    }
+    assert len(texts) == 1
+
+
+def test_seed_makes_sampling_repeatable(client):
+    def sample(seed: int) -> str:
+        response = client.completions.create(
+            model=MODEL,
+            prompt="dice",
+            max_tokens=16,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"ignore_eos": True},
+        )
+        return response.choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in range(4)}) > 1
+
+
+async def test_concurrent_requests_all_complete(served):
+    async with openai.AsyncOpenAI(
+        base_url=f"http://{served.http_url}/v1", api_key="-", max_retries=0
+    ) as client:
+
+        async def one(i: int) -> int:
+            response = await client.completions.create(
+                model=MODEL, prompt=f"request {i}", max_tokens=20, extra_body={"ignore_eos": True}
+            )
+            assert response.choices[0].finish_reason == "length"
+            assert response.usage is not None
+            return response.usage.completion_tokens
+
+        async def streamed(i: int) -> int:
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": str(i)}],
+                max_tokens=20,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            return sum([1 async for chunk in stream if chunk.choices[0].finish_reason])
+
+        counts = await asyncio.gather(
+            *(one(i) for i in range(12)), *(streamed(i) for i in range(12))
+        )
+    assert counts == [20] * 12 + [1] * 12
+
+
+def test_client_leaving_mid_stream_aborts_and_the_server_goes_on(served, client):
+    aborted_before = _finished(served, "abort")
+    body = {
+        "model": MODEL,
+        "prompt": "long",
+        "max_tokens": 1000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"http://{served.http_url}/v1/completions", json=body) as response:
+        first = next(line for line in response.iter_lines() if line)
+        assert first.startswith("data: {")
+    deadline = time.monotonic() + 30  # polling the server's view, not asserting a duration
+    while _finished(served, "abort") == aborted_before:
+        assert time.monotonic() < deadline, "the server never aborted the request"
+        time.sleep(0.05)
+    response = client.completions.create(model=MODEL, prompt="still there?", max_tokens=4)
+    assert response.choices[0].finish_reason in ("stop", "length")
+    metrics = _metrics(served)
+    assert metrics[("carpool_generation_requests_running", (("model", MODEL),))] == 0
+    assert metrics[("carpool_generation_kv_cache_usage_ratio", (("model", MODEL),))] == 0
+
+
+def test_metrics_show_generation_in_vllm_vocabulary(served, client):
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=3)
+    names = {name for name, _ in _metrics(served)}
+    for expected in (
+        "carpool_generation_requests_running",
+        "carpool_generation_requests_waiting",
+        "carpool_generation_kv_cache_usage_ratio",
+        "carpool_generation_prefix_cache_queries_total",
+        "carpool_generation_prefix_cache_hits_total",
+        "carpool_generation_preemptions_total",
+        "carpool_generation_prompt_tokens_total",
+        "carpool_generation_tokens_total",
+        "carpool_generation_time_to_first_token_seconds_count",
+        "carpool_generation_inter_token_latency_seconds_bucket",
+        "carpool_generation_e2e_request_latency_seconds_sum",
+        "carpool_generation_request_queue_time_seconds_count",
+    ):
+        assert expected in names
+    metrics = _metrics(served)
+    assert metrics[("carpool_generation_prompt_tokens_total", (("model", MODEL),))] >= 9
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "match"),
+    [
+        ({"n": 2}, "n", "one choice per request"),
+        ({"echo": True}, "echo", "echo=True is not supported"),
+        ({"max_tokens": 5000}, "max_tokens", "lower max_tokens to 1022"),
+        ({"temperature": -1}, "temperature", r"expected a number in \[0.0, 2.0\]"),
+        ({"prompt": [1, 999]}, "prompt", r"prompt\[1\]=999"),
+    ],
+)
+def test_unsupported_or_bad_fields_are_400s_naming_them(client, extra, param, match):
+    kwargs = {"model": MODEL, "prompt": "x", **extra}
+    with pytest.raises(openai.BadRequestError, match=match) as caught:
+        client.completions.create(**kwargs)
+    assert caught.value.param == param
+
+
+def test_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError, match="generation model 'nope' not found"):
+        client.completions.create(model="nope", prompt="x")
+
+
+def _hf_folder(folder: Path) -> Path:
+    """A random-weight Llama saved as a Hugging Face folder, with a byte-level BPE
+    tokenizer trained here and a Jinja chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from carpool.generation.weights import random_llama, save_hf_folder
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(["carpool shares the ride, señor"] * 10, trainer)
+    config = {
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "vocab_size": tokenizer.get_vocab_size(),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 256,
+    }
+    save_hf_folder(random_llama(config, seed=1), folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    special = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(orjson.dumps(special).decode())
+    return folder
+
+
+def test_a_configured_hugging_face_folder_serves_chat(start_server, tmp_path):
+    folder = _hf_folder(tmp_path / "llama")
+    served = start_server(
+        f"""
+models:
+  - name: folder-llama
+    kind: generation
+    source: {folder}
+    block_size: 8
+    num_blocks: 64
+    max_num_seqs: 4
+    max_model_len: 128
+"""
+    )
+    url = f"http://{served.http_url}/v1"
+    with openai.OpenAI(base_url=url, api_key="-", max_retries=0) as client:
+        (model,) = client.models.list().data
+        assert (model.id, model.owned_by) == ("folder-llama", "carpool")
+        messages = [{"role": "user", "content": "the ride"}]
+        response = client.chat.completions.create(
+            model="folder-llama", messages=messages, max_tokens=5, temperature=0
+        )
+        assert response.usage is not None and response.usage.prompt_tokens > 3
+        with pytest.raises(openai.BadRequestError, match="at most 128 tokens"):
+            client.completions.create(model="folder-llama", prompt="zqj " * 100)

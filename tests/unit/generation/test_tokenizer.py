@@ -1,0 +1,132 @@
+"""The byte tokenizer, a Hugging Face folder (a byte-level BPE trained here, checked
+against transformers on the same files) and streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from carpool.errors import ConfigError, InvalidInput
+from carpool.generation.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    IncrementalDetokenizer,
+    Tokenizer,
+    check_token_ids,
+)
+
+TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}"
+CORPUS = ["the café serves crème brûlée", "naïve señor 🚗 drives", "the the the cat sat"] * 20
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = RustTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
+    )
+    folder = tmp_path_factory.mktemp("hf")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "bos_token": "<s>",
+        "eos_token": {"content": "</s>", "special": True},
+        "chat_template": TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": [1, 0]}))
+    return folder
+
+
+def _stream(tokenizer: Tokenizer, ids: list[int], prefix: list[int] | None = None) -> list[str]:
+    detokenizer = IncrementalDetokenizer(tokenizer, prefix or [])
+    deltas = [detokenizer.push([token]) for token in ids]
+    deltas.append(detokenizer.flush())
+    return deltas
+
+
+def test_byte_tokenizer_round_trips_utf8_with_bos():
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("né🚗")
+    assert ids == [256, 0x6E, 0xC3, 0xA9, 0xF0, 0x9F, 0x9A, 0x97]
+    assert tokenizer.decode([*ids, ByteTokenizer.EOS_ID]) == "né🚗"
+    assert tokenizer.encode("a", add_special_tokens=False) == [97]
+    assert tokenizer.vocab_size == 258 and tokenizer.eos_token_ids == (257,)
+
+
+def test_byte_stream_never_emits_half_a_character():
+    ids = list("né 🚗!".encode())
+    deltas = _stream(ByteTokenizer(), ids)
+    assert "".join(deltas) == "né 🚗!"
+    assert all("\ufffd" not in d for d in deltas)
+    assert deltas == ["n", "", "é", " ", "", "", "", "🚗", "!", ""]
+
+
+@given(st.text(max_size=40))
+def test_byte_stream_concatenates_to_the_text(text):
+    deltas = _stream(ByteTokenizer(), list(text.encode()), prefix=[256, *b"ctx"])
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_a_broken_tail_is_flushed_as_a_replacement_character():
+    deltas = _stream(ByteTokenizer(), [*b"ok", 0xC3])
+    assert deltas == ["o", "k", "", "\ufffd"]
+
+
+def test_hf_folder_reads_specials_and_template(hf_folder):
+    tokenizer = HFTokenizer.from_folder(hf_folder)
+    assert tokenizer.bos_token_id == 0
+    assert tokenizer.eos_token_ids == (1, 0)  # tokenizer_config's first, then config.json's
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<s>", "</s>")
+    assert tokenizer.chat_template == TEMPLATE
+
+
+def test_hf_folder_encodes_and_decodes_as_transformers_does(hf_folder):
+    from transformers import PreTrainedTokenizerFast
+
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(hf_folder / "tokenizer.json"))
+    tokenizer = HFTokenizer.from_folder(hf_folder)
+    for text in ["the café", "señor 🚗 drives brûlée"]:
+        ids = tokenizer.encode(text)
+        assert ids == reference(text)["input_ids"]
+        assert ids[0] == 0
+        assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True) == text
+
+
+def test_hf_stream_of_multibyte_text_matches_the_full_decode(hf_folder):
+    tokenizer = HFTokenizer.from_folder(hf_folder)
+    text = "señor 🚗 drives the crème brûlée café"
+    prompt = tokenizer.encode("the naïve")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    deltas = _stream(tokenizer, ids, prefix=prompt)
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_hf_folder_without_tokenizer_json_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"tokenizer\.json"):
+        HFTokenizer.from_folder(tmp_path)
+
+
+def test_check_token_ids_names_the_bad_id():
+    assert check_token_ids([1, 2], 10) == [1, 2]
+    with pytest.raises(InvalidInput, match=r"prompt\[1\]=10: expected a token id in \[0, 10\)"):
+        check_token_ids([1, 10], 10)
+    with pytest.raises(InvalidInput, match=r"prompt\[0\]=True"):
+        check_token_ids([True], 10)

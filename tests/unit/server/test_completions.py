@@ -1,0 +1,249 @@
+"""/v1/completions and /v1/chat/completions through the ASGI app, no sockets: the
+built-in random-weight tiny Llama (small settings), request checks, response and chunk
+shapes, and a client that disconnects mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+
+from carpool.server.app import KServeApp
+from carpool.server.completions import prepare
+from carpool.server.generation import GenerationService, GenerationSettings
+from carpool.server.openai import BadParam
+from carpool.server.repository import ModelRepository
+
+MODEL = "tiny"
+
+
+@pytest.fixture
+async def app() -> AsyncIterator[KServeApp]:
+    settings = GenerationSettings(num_blocks=64, max_model_len=128, max_num_seqs=8)
+    service = GenerationService.tiny_random(MODEL, settings)
+    app = KServeApp(ModelRepository([service.served_model()]))
+    await app.repository.start()
+    yield app
+    await app.repository.stop()
+
+
+class Exchange:
+    """One HTTP request; ``leave_after`` body chunks the client disconnects."""
+
+    def __init__(self, path: str, body: dict[str, Any], leave_after: int | None = None) -> None:
+        self.scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+        self._body = orjson.dumps(body)
+        self._sent_body = False
+        self._gone = asyncio.Event()
+        self._leave_after = leave_after
+        self.status: int | None = None
+        self.headers: dict[bytes, bytes] = {}
+        self.chunks: list[bytes] = []
+
+    async def receive(self) -> dict[str, Any]:
+        if not self._sent_body:
+            self._sent_body = True
+            return {"type": "http.request", "body": self._body, "more_body": False}
+        await self._gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.headers = dict(message["headers"])
+        elif message.get("body"):
+            self.chunks.append(message["body"])
+            if self._leave_after is not None and len(self.chunks) >= self._leave_after:
+                self._gone.set()
+
+    def json(self) -> Any:
+        return orjson.loads(b"".join(self.chunks))
+
+    def events(self) -> list[Any]:
+        lines = b"".join(self.chunks).decode().split("\n\n")
+        assert lines[-1] == ""
+        return [line.removeprefix("data: ") for line in lines[:-1]]
+
+
+async def _post(app: KServeApp, path: str, leave_after: int | None = None, **body: Any) -> Exchange:
+    exchange = Exchange(path, {"model": MODEL, **body}, leave_after)
+    await app(exchange.scope, exchange.receive, exchange.send)
+    return exchange
+
+
+async def test_completion_has_openai_shape(app):
+    got = await _post(app, "/v1/completions", prompt="hi", max_tokens=5, ignore_eos=True)
+    assert got.status == 200
+    document = got.json()
+    assert document["object"] == "text_completion" and document["id"].startswith("cmpl-")
+    assert document["choices"][0]["finish_reason"] == "length"
+    assert document["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+
+
+async def test_token_prompt_and_text_prompt_give_the_same_greedy_text(app):
+    by_text = await _post(app, "/v1/completions", prompt="abc", max_tokens=6, temperature=0)
+    by_ids = await _post(
+        app, "/v1/completions", prompt=[256, 97, 98, 99], max_tokens=6, temperature=0
+    )
+    assert by_text.json()["choices"][0]["text"] == by_ids.json()["choices"][0]["text"]
+
+
+async def test_chat_completion_has_a_message(app):
+    got = await _post(
+        app,
+        "/v1/chat/completions",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        ignore_eos=True,
+    )
+    document = got.json()
+    assert document["object"] == "chat.completion"
+    assert document["choices"][0]["message"]["role"] == "assistant"
+    assert document["usage"]["completion_tokens"] == 3
+
+
+async def test_stream_sends_chunks_usage_and_done(app):
+    got = await _post(
+        app,
+        "/v1/completions",
+        prompt="hi",
+        max_tokens=4,
+        stream=True,
+        ignore_eos=True,
+        stream_options={"include_usage": True},
+    )
+    assert got.status == 200 and got.headers[b"content-type"] == b"text/event-stream"
+    events = got.events()
+    assert events[-1] == "[DONE]"
+    documents = [orjson.loads(e) for e in events[:-1]]
+    assert documents[-1]["choices"] == [] and documents[-1]["usage"]["completion_tokens"] == 4
+    assert all(d["usage"] is None for d in documents[:-1])
+    assert documents[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_chat_stream_opens_with_the_assistant_role(app):
+    got = await _post(
+        app,
+        "/v1/chat/completions",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=2,
+        stream=True,
+    )
+    first = orjson.loads(got.events()[0])
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+async def test_a_client_leaving_mid_stream_aborts_its_request(app):
+    got = await _post(
+        app,
+        "/v1/completions",
+        leave_after=2,
+        prompt="hi",
+        max_tokens=100,
+        stream=True,
+        ignore_eos=True,
+    )
+    assert b"[DONE]" not in b"".join(got.chunks)
+    service = app.repository.get(MODEL).batcher.service  # type: ignore[attr-defined]
+    for _ in range(500):  # polls: the scheduler forgets it before the engine's next step
+        snapshot = service.engine.snapshot()
+        if snapshot.scheduler.num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert snapshot.finished == {"abort": 1}
+    assert snapshot.scheduler.num_running == 0 and snapshot.scheduler.kv_cache_usage == 0
+
+
+async def test_errors_have_openai_shape(app):
+    got = await _post(app, "/v1/completions", prompt="x", n=3)
+    assert got.status == 400
+    error = got.json()["error"]
+    assert error["param"] == "n" and error["type"] == "invalid_request_error"
+    missing = await _post(app, "/v1/completions", prompt="x", model="other")
+    assert missing.status == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+async def test_models_lists_the_generation_model(app):
+    exchange = Exchange("/v1/models", {})
+    exchange.scope["method"] = "GET"
+    await app(exchange.scope, exchange.receive, exchange.send)
+    (model,) = exchange.json()["data"]
+    assert model["id"] == MODEL and "random weights" in model["owned_by"]
+
+
+async def _prepare(app: KServeApp, is_chat: bool = False, **body: Any):
+    return await prepare(app.repository, orjson.dumps({"model": MODEL, **body}), is_chat=is_chat)
+
+
+async def test_defaults_are_openai_s(app):
+    call = await _prepare(app, prompt="abc")
+    assert call.sampling.max_tokens == 16 and call.sampling.temperature == 1.0
+    assert not call.is_stream and call.priority is None
+    chat = await _prepare(app, is_chat=True, messages=[{"role": "user", "content": "a"}])
+    assert chat.sampling.max_tokens == 128 - len(chat.prompt_ids)  # the rest of the context
+
+
+async def test_extensions_and_stop_forms_are_read(app):
+    call = await _prepare(
+        app,
+        prompt=["abc"],
+        top_k=5,
+        seed=3,
+        stop="\n",
+        priority="interactive",
+        stop_token_ids=[10],
+        max_tokens=2,
+    )
+    s = call.sampling
+    assert (s.top_k, s.seed, s.stop, s.stop_token_ids, s.max_tokens) == (5, 3, ("\n",), (10,), 2)
+    assert call.priority == "interactive"
+    chat = await _prepare(
+        app, is_chat=True, messages=[{"role": "user", "content": "a"}], max_completion_tokens=7
+    )
+    assert chat.sampling.max_tokens == 7
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "match"),
+    [
+        ({"prompt": "x", "echo": True}, "echo", "not supported"),
+        ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
+        ({"prompt": "x", "best_of": 2}, "best_of", "not supported"),
+        ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+        ({"prompt": ["a", "b"]}, "prompt", "holds 2 prompts"),
+        ({"prompt": ""}, "prompt", "empty string"),
+        ({"prompt": {"a": 1}}, "prompt", "expected a string or a list of token ids"),
+        ({"prompt": "x", "stop": ["a", 1]}, "stop", "non-empty strings"),
+        ({"prompt": "x", "stop": list("abcde")}, "stop", "at most 4"),
+        ({"prompt": "x", "top_p": 0}, "top_p", r"\(0.0, 1.0\]"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        ({"prompt": "x", "priority": 1}, "priority", "class name"),
+        ({"prompt": "x", "priority": "vip"}, "priority", "one of"),
+        ({"prompt": "x", "max_tokens": 200}, "max_tokens", "lower max_tokens to 126"),
+        ({"prompt": "x", "stream": "yes"}, "stream", "true or false"),
+        ({"prompt": "x", "bogus": 1}, "bogus", "unknown field"),
+        ({"prompt": "x" * 200}, "prompt", "at most 128 tokens"),
+    ],
+)
+async def test_bad_completion_requests_name_the_field(app, body, param, match):
+    with pytest.raises(BadParam, match=match) as caught:
+        await _prepare(app, **body)
+    assert caught.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role='robot'"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools="),
+    ],
+)
+async def test_bad_chat_requests_name_the_field(app, body, match):
+    with pytest.raises(BadParam, match=match):
+        await _prepare(app, is_chat=True, **body)

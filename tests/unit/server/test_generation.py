@@ -1,0 +1,131 @@
+"""The generation service: KV-pool sizing from settings, the batcher slot that starts and
+drains the engine, the KServe face, and the scheduler adapter on the real scheduler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from carpool.config import ModelConfig, parse_config
+from carpool.errors import ConfigError, InvalidInput
+from carpool.generation.block_pool import BlockPool
+from carpool.generation.kv_cache import KVCacheManager
+from carpool.generation.request import FinishReason
+from carpool.generation.scheduler import Scheduler, SchedulerConfig
+from carpool.generation.types import SamplingParams, StepOutput
+from carpool.server.builder import generation_settings
+from carpool.server.generation import (
+    RANDOM_WEIGHTS_LABEL,
+    GenerationService,
+    GenerationSettings,
+    SchedulerAdapter,
+    generation_models,
+)
+from carpool.server.repository import ModelRepository
+
+
+def _tiny(**settings) -> GenerationService:
+    return GenerationService.tiny_random("tiny", GenerationSettings(**settings))
+
+
+def test_pool_holds_max_num_seqs_full_sequences_by_default():
+    service = _tiny(block_size=16, max_num_seqs=4, max_model_len=100)
+    assert service.max_model_len == 100
+    assert service.engine._runner.num_blocks == 4 * 7  # type: ignore[attr-defined]
+
+
+def test_pool_sized_from_a_memory_budget():
+    service = _tiny(block_size=8, kv_cache_memory_mb=1, max_model_len=64)
+    # 2 layers x (K, V) x 2 KV heads x 16 dims x 4 bytes = 512 bytes a token
+    assert service.engine._runner.num_blocks == 2**20 // (512 * 8)  # type: ignore[attr-defined]
+
+
+def test_pool_too_small_for_one_sequence_is_a_config_error():
+    with pytest.raises(ConfigError, match="at least 8 blocks"):
+        _tiny(block_size=16, num_blocks=4, max_model_len=128)
+
+
+def test_max_model_len_is_capped_by_the_model():
+    assert _tiny(num_blocks=128, max_model_len=100_000).max_model_len == 1024
+
+
+async def test_batcher_slot_starts_and_drains_the_engine():
+    service = _tiny(num_blocks=64, max_model_len=256)
+    served = service.served_model()
+    assert generation_models(ModelRepository([served])) == {"tiny": service}
+    assert service.owned_by == RANDOM_WEIGHTS_LABEL
+    await served.batcher.start()
+    assert served.batcher.is_running and service.engine.is_running
+    await served.batcher.stop()
+    assert not served.batcher.is_running and not service.engine.is_running
+
+
+async def test_kserve_face_continues_each_row_greedily():
+    service = _tiny(num_blocks=64, max_model_len=256)
+    served = service.served_model()
+    await served.batcher.start()
+    try:
+        payload = {"TEXT": np.array([b"ab", b"ab", b"zz"], dtype=object)}
+        out = await served.run(payload, {})
+        texts = list(out["TEXT"])
+        assert len(texts) == 3 and texts[0] == texts[1]
+        with pytest.raises(InvalidInput, match="row 0 is not valid UTF-8"):
+            await served.run({"TEXT": np.array([b"\xff"], dtype=object)}, {})
+    finally:
+        await served.batcher.stop()
+
+
+def test_adapter_speaks_the_engine_s_protocol_over_the_real_scheduler():
+    pool = BlockPool(16, 4)
+    adapter = SchedulerAdapter(Scheduler(SchedulerConfig(eos_token_id=9), KVCacheManager(pool)))
+    adapter.add(0, (1, 2, 3), SamplingParams(max_tokens=2), "interactive")
+    with pytest.raises(InvalidInput, match="unknown priority class 'vip'"):
+        adapter.add(1, (1,), SamplingParams(), "vip")
+    assert adapter.has_work() and adapter.stats().num_waiting == 1
+    step = adapter.schedule()
+    (update,) = adapter.update(step, StepOutput((5,)))
+    assert (update.seq_id, update.new_token_ids, update.finish_reason) == (0, (5,), None)
+    step = adapter.schedule()
+    (update,) = adapter.update(step, StepOutput((6,)))
+    assert update.finish_reason is FinishReason.LENGTH
+    adapter.abort(0)  # finished already: a no-op
+    assert not adapter.has_work() and adapter.stats().kv_cache_usage == 0
+
+
+def test_config_keys_become_settings():
+    model = ModelConfig.model_validate(
+        {
+            "name": "g",
+            "kind": "generation",
+            "source": "/x",
+            "block_size": 8,
+            "max_num_seqs": 2,
+            "dtype": "bfloat16",
+            "device": "cpu",
+        }
+    )
+    settings = generation_settings(model)
+    assert (settings.block_size, settings.max_num_seqs, settings.dtype) == (8, 2, "bfloat16")
+    assert settings.max_num_batched_tokens == GenerationSettings().max_num_batched_tokens
+
+
+def test_generation_keys_on_other_kinds_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    python = {
+        "name": "p",
+        "kind": "python",
+        "source": "m:f",
+        "num_blocks": 4,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
+    }
+    with pytest.raises(ConfigError, match=r"models\[0\]\.num_blocks=4"):
+        parse_config({"models": [python]})
+    generation = {
+        "name": "g",
+        "kind": "generation",
+        "source": str(tmp_path),
+        "devices": ["cpu", "cpu"],
+    }
+    with pytest.raises(ConfigError, match="one device"):
+        parse_config({"models": [generation]})
