@@ -1,8 +1,9 @@
 """The ``carpool`` command (typer).
 
 ``carpool serve [CONFIG.yaml]`` serves the models a config lists (the built-in ones without
-one) over KServe v2 HTTP and gRPC; ``carpool demo`` shows what batching buys on the
-reference MLP.
+one) over KServe v2 HTTP and gRPC and OpenAI's API; ``carpool demo`` shows what batching
+buys on the reference MLP; ``carpool bench``, ``tune`` and ``doctor`` measure, tune and
+diagnose (see docs/tuning.md and docs/doctor.md).
 """
 
 from __future__ import annotations
