@@ -68,3 +68,18 @@ def test_bench_openai_embeddings_open_loop(served: ServedProcess, tmp_path: Path
     )  # fmt: skip
     _check(document, "all-MiniLM-L6-v2", 1)
     assert document["points"][0]["summary"]["mode"] == "open"
+
+
+def test_bench_streaming_completions_reports_ttft_and_itl(
+    served: ServedProcess, tmp_path: Path
+) -> None:
+    document = _bench(
+        served, tmp_path / "gen.json", "--model", "tiny-random-llama",
+        "--protocol", "openai-completions", "--concurrency", "4", "--max-tokens", "8",
+    )  # fmt: skip
+    (point,) = document["points"]
+    summary = point["summary"]
+    assert summary["rate_rps"] > 0
+    assert summary["num_errors"] == 0, summary["errors"]
+    assert summary["ttft"]["p50_s"] > 0
+    assert summary["itl"]["p50_s"] > 0
