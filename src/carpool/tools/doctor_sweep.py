@@ -91,6 +91,10 @@ class RssProbe:
         elif self._thread is not None:
             self._stop.set()
             self._thread.join()
+        # What is resident now counts too: a sampling thread that was not scheduled during
+        # a short window (a busy machine) would otherwise report no growth at all.
+        now = _proc_status_bytes("VmRSS") or _max_rss_bytes()
+        self._peak_bytes = max(self._peak_bytes, now)
         return max(0, self._peak_bytes - self.baseline_bytes)
 
 
