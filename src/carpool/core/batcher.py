@@ -19,13 +19,13 @@ import itertools
 import logging
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from carpool.core.admission import Intake, OomCap, deadline, inspect_payload, request_cost
 from carpool.core.clock import Clock, MonotonicClock
-from carpool.core.collate import Collator, OutputCountMismatch
+from carpool.core.collate import Collator
 from carpool.core.policy import BatchPolicy
 from carpool.core.queues import Queues
 from carpool.core.replicas import (
@@ -33,20 +33,18 @@ from carpool.core.replicas import (
     FnFactory,
     Replica,
     RunOutput,
-    is_out_of_memory,
     switch_interval,
 )
 from carpool.core.request import Batch, Outcome, Request, RequestState, RequestTrace
 from carpool.core.scheduler import Decision, Scheduler
+from carpool.core.settle import Settler, by_signature
 from carpool.core.telemetry import NullTelemetry, Telemetry, TelemetrySnapshot, TraceHook
 from carpool.errors import (
-    CapacityError,
     CarpoolError,
     Closed,
     ConfigError,
     DeadlineExceeded,
     InvalidInput,
-    ModelError,
     QueueFull,
 )
 
@@ -154,6 +152,7 @@ class Batcher:
         self._request_ids = itertools.count()
         self._started_s = math.nan
         self._oom = OomCap()
+        self._settler = Settler(self._telemetry, self._clock, self._oom)
 
     # -- properties -------------------------------------------------------------------
 
@@ -465,8 +464,11 @@ class Batcher:
             request.replica_id = replica.replica_id
             if idle_since is not None:
                 request.fill_wait_s = max(0.0, now - max(idle_since, request.arrival_s))
-        groups = _by_signature(batch.requests)
+        groups = by_signature(batch.requests)
         return _InFlight(batch, groups, [self._start(replica, g) for g in groups], now)
+
+    def _starter(self, replica: Replica) -> Callable[[list[Request]], Awaitable[RunOutput]]:
+        return lambda requests: self._start(replica, requests)
 
     def _start(self, replica: Replica, requests: list[Request]) -> Awaitable[RunOutput]:
         collator = self._intake.collator
@@ -487,7 +489,7 @@ class Batcher:
             for i, (group, attempt) in enumerate(
                 zip(inflight.groups, inflight.attempts, strict=True)
             ):
-                output = await self._settle_group(replica, group, attempt)
+                output = await self._settler.settle(group, attempt, self._starter(replica))
                 if i == 0 and output is not None:
                     started_s = output.started_s
         finally:
@@ -511,58 +513,6 @@ class Batcher:
                 queue.num_running -= 1
             if self._queues.num_live and self._idle:
                 self._wake_one()
-
-    async def _settle_group(
-        self, replica: Replica, requests: list[Request], attempt: Awaitable[RunOutput]
-    ) -> RunOutput | None:
-        """Answer ``requests`` from one model call; bisect on error, split on OOM."""
-        try:
-            output = await attempt
-        except OutputCountMismatch as exc:
-            for request in requests:
-                self._fail(request, ModelError(str(exc), request_id=request.request_id), exc)
-            return None
-        except Exception as exc:
-            oom = is_out_of_memory(exc)
-            if oom:
-                self._oom.note(sum(r.num_items for r in requests), self._clock.now())
-            if len(requests) == 1:
-                request = requests[0]
-                error: CarpoolError
-                if oom:
-                    error = CapacityError(request.request_id, request.num_items)
-                else:
-                    error = ModelError(
-                        f"the model raised {type(exc).__name__}: {exc}",
-                        request_id=request.request_id,
-                    )
-                self._fail(request, error, exc)
-                return None
-            half = len(requests) // 2
-            for part in (requests[:half], requests[half:]):
-                await self._settle_group(replica, part, self._start(replica, part))
-            return None
-        now = self._clock.now()
-        telemetry = self._telemetry
-        for request, result in zip(requests, output.results, strict=True):
-            request.compute_start_s = output.started_s
-            request.compute_end_s = output.ended_s
-            request.state = RequestState.DONE
-            future = request.future
-            if not future.done():
-                future.set_result(result)
-            telemetry.answered(request, Outcome.OK, now)
-        return output
-
-    def _fail(self, request: Request, error: CarpoolError, cause: BaseException) -> None:
-        now = self._clock.now()
-        request.compute_end_s = now
-        request.state = RequestState.DONE
-        error.__cause__ = cause
-        if not request.future.done():
-            request.future.set_exception(error)
-        outcome = Outcome.OUT_OF_MEMORY if isinstance(error, CapacityError) else Outcome.MODEL_ERROR
-        self._telemetry.answered(request, outcome, now)
 
     # -- deadlines, cancellation, out of memory -----------------------------------------
 
@@ -644,14 +594,3 @@ def _guarded(hook: TraceHook, name: str) -> TraceHook:
 def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
-
-
-def _by_signature(requests: list[Request]) -> list[list[Request]]:
-    """Split a batch into groups that can be collated together, keeping order."""
-    first = requests[0].signature
-    if all(r.signature == first for r in requests):
-        return [requests]
-    groups: dict[Hashable, list[Request]] = {}
-    for request in requests:
-        groups.setdefault(request.signature, []).append(request)
-    return list(groups.values())

@@ -1,0 +1,99 @@
+"""Answering a batch's requests from one model call, and surviving a call that fails.
+
+A call that raises is bisected: each half runs again, down to single requests, so only the
+requests that make the model fail get a :class:`ModelError` and the rest get results. Out
+of memory is bisected the same way and also noted on the :class:`OomCap`, which lowers the
+batch size for a while; a request that runs out of memory alone gets a
+:class:`CapacityError`. A model that returns the wrong number of outputs fails the whole
+call (every request gets a :class:`ModelError` saying both numbers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Hashable
+
+from carpool.core.admission import OomCap
+from carpool.core.clock import Clock
+from carpool.core.collate import OutputCountMismatch
+from carpool.core.replicas import RunOutput, is_out_of_memory
+from carpool.core.request import Outcome, Request, RequestState
+from carpool.core.telemetry import Telemetry
+from carpool.errors import CapacityError, CarpoolError, ModelError
+
+Start = Callable[[list[Request]], Awaitable[RunOutput]]
+
+
+class Settler:
+    """Resolves each request's future from a model call (see the module docstring)."""
+
+    __slots__ = ("_clock", "_oom", "_telemetry")
+
+    def __init__(self, telemetry: Telemetry, clock: Clock, oom: OomCap) -> None:
+        self._telemetry = telemetry
+        self._clock = clock
+        self._oom = oom
+
+    async def settle(
+        self, requests: list[Request], attempt: Awaitable[RunOutput], start: Start
+    ) -> RunOutput | None:
+        """Answer ``requests`` from ``attempt``; on failure run halves again with ``start``.
+
+        Returns the call's output when it succeeded as a whole, else None."""
+        try:
+            output = await attempt
+        except OutputCountMismatch as exc:
+            for request in requests:
+                self.fail(request, ModelError(str(exc), request_id=request.request_id), exc)
+            return None
+        except Exception as exc:
+            oom = is_out_of_memory(exc)
+            if oom:
+                self._oom.note(sum(r.num_items for r in requests), self._clock.now())
+            if len(requests) == 1:
+                request = requests[0]
+                error: CarpoolError
+                if oom:
+                    error = CapacityError(request.request_id, request.num_items)
+                else:
+                    error = ModelError(
+                        f"the model raised {type(exc).__name__}: {exc}",
+                        request_id=request.request_id,
+                    )
+                self.fail(request, error, exc)
+                return None
+            half = len(requests) // 2
+            for part in (requests[:half], requests[half:]):
+                await self.settle(part, start(part), start)
+            return None
+        now = self._clock.now()
+        telemetry = self._telemetry
+        for request, result in zip(requests, output.results, strict=True):
+            request.compute_start_s = output.started_s
+            request.compute_end_s = output.ended_s
+            request.state = RequestState.DONE
+            future = request.future
+            if not future.done():
+                future.set_result(result)
+            telemetry.answered(request, Outcome.OK, now)
+        return output
+
+    def fail(self, request: Request, error: CarpoolError, cause: BaseException) -> None:
+        now = self._clock.now()
+        request.compute_end_s = now
+        request.state = RequestState.DONE
+        error.__cause__ = cause
+        if not request.future.done():
+            request.future.set_exception(error)
+        outcome = Outcome.OUT_OF_MEMORY if isinstance(error, CapacityError) else Outcome.MODEL_ERROR
+        self._telemetry.answered(request, outcome, now)
+
+
+def by_signature(requests: list[Request]) -> list[list[Request]]:
+    """Split a batch into groups that can be collated together, keeping order."""
+    first = requests[0].signature
+    if all(r.signature == first for r in requests):
+        return [requests]
+    groups: dict[Hashable, list[Request]] = {}
+    for request in requests:
+        groups.setdefault(request.signature, []).append(request)
+    return list(groups.values())
