@@ -7,6 +7,7 @@ numbers, so they are tested on synthetic timings.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import threading
@@ -65,6 +66,9 @@ class RssProbe:
     """Peak RSS growth over the RSS at construction: VmHWM reset per window, else sampled."""
 
     def __init__(self, interval_s: float = 0.001) -> None:
+        # Garbage from before must not be freed inside a window: a collection there can
+        # hand back more than the window allocates and hide its growth.
+        gc.collect()
         self.baseline_bytes = _proc_status_bytes("VmRSS") or _max_rss_bytes()
         self._interval_s = interval_s
         self._peak_bytes = 0
@@ -73,6 +77,7 @@ class RssProbe:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        gc.collect()
         self._is_reset = _reset_peak_rss() and _proc_status_bytes("VmHWM") is not None
         self._peak_bytes = _proc_status_bytes("VmRSS") or _max_rss_bytes()
         if not self._is_reset:
