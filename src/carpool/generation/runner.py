@@ -22,6 +22,7 @@ causal on their own tokens. Logits are computed only at the last token of each c
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass
 
@@ -52,23 +53,24 @@ class FastLinear(nn.Linear):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
-class PagedDecoder(nn.Module):
-    """A decoder-only model that reads and writes K/V through ``PagedAttention``."""
+class PagedDecoder(nn.Module, abc.ABC):
+    """A decoder-only model that reads and writes K/V through ``PagedAttention``; Llama and
+    GPT-2 implement the two abstract methods."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
 
+    @abc.abstractmethod
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttention
     ) -> torch.Tensor:
         """``input_ids`` and ``positions`` [T] -> last hidden states [T, hidden]."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on some rows of the last hidden states: [n, hidden] -> [n, V]."""
-        raise NotImplementedError
 
     def prepack(self) -> bool:
         """Switches every ``FastLinear`` to oneDNN's prepacked kernel where it applies (CPU,
