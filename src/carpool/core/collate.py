@@ -124,12 +124,18 @@ class DictCollator:
     """
 
     def signature(self, payload: Any, is_many: bool) -> Hashable:
+        if len(payload) == 1:  # the common case, without a sort or a generator
+            ((name, array),) = payload.items()
+            return ((name, array.dtype.str, array.shape[1:] if is_many else array.shape),)
         return tuple(
             (name, array.dtype.str, array.shape[1:] if is_many else array.shape)
             for name, array in sorted(payload.items())
         )
 
     def num_items(self, payload: Any) -> int:
+        if len(payload) == 1:
+            (array,) = payload.values()
+            return int(np.shape(array)[0])
         counts = {int(np.shape(a)[0]) for a in payload.values()}
         if len(counts) != 1:
             raise ValueError(f"inputs disagree on the batch dimension: {sorted(counts)}")

@@ -46,8 +46,11 @@ class TensorSpec:
 
     def accepts(self, shape: tuple[int, ...]) -> bool:
         """Whether a request tensor of ``shape`` (batch dimension first) fits this spec."""
-        return len(shape) == len(self.shape) + 1 and all(
-            want in (-1, got) for want, got in zip(self.shape, shape[1:], strict=True)
+        rest = shape[1:]
+        if rest == self.shape:  # the common case, checked without a loop
+            return len(shape) > 0
+        return len(rest) == len(self.shape) and all(
+            want in (-1, got) for want, got in zip(self.shape, rest, strict=True)
         )
 
 
@@ -73,7 +76,11 @@ class ServedModel:
         """The outputs ``{name: array}`` for a checked payload (see :meth:`payload`)."""
         if self.infer is not None:
             return await self.infer(payload, options)
-        result = await self.batcher.submit_many(payload, **options)
+        return self.outputs_of(await self.batcher.submit_many(payload, **options))
+
+    @staticmethod
+    def outputs_of(result: Any) -> Any:
+        """The batcher's result for one request as ``{output name: array}``."""
         if isinstance(result, dict):  # per-token outputs of ragged rows come back as lists
             return {k: np.stack(v) if isinstance(v, list) else v for k, v in result.items()}
         return result

@@ -215,7 +215,69 @@ def decode_infer_request(body: bytes, header_length: int | None) -> InferRequest
     Raises:
         InvalidInput: the body is malformed; the message names the input and field.
     """
-    header, binary = _split_body(body, header_length)
+    header_bytes, binary = _split_body(body, header_length)
+    header = _HEADERS.get(header_bytes) if header_length is not None else None
+    if header is None:
+        header = _parse_header(header_bytes)
+        if header_length is not None and header.is_cacheable:
+            _HEADERS.put(header_bytes, header)
+    _check_binary_total(header.specs, len(binary))
+    return InferRequest(
+        request_id=header.request_id,
+        inputs=_decode_inputs(header.specs, binary),
+        outputs=header.outputs,
+        parameters=dict(header.parameters) if header.parameters else {},
+        is_binary_output_default=header.is_binary_output_default,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Header:
+    """A request's JSON header, parsed and checked; the tensor data is decoded per body."""
+
+    request_id: str | None
+    specs: tuple[_InputSpec, ...]
+    outputs: tuple[RequestedOutput, ...] | None
+    parameters: dict[str, Any]
+    is_binary_output_default: bool
+
+    @property
+    def is_cacheable(self) -> bool:
+        """Whether the header holds no tensor data (every input binary), so the same bytes
+        always mean the same request but for the data after them."""
+        return all(spec.data is None for spec in self.specs)
+
+
+class _HeaderCache:
+    """The last few parsed binary-request headers by their bytes.
+
+    A client sends the same JSON header with every request of the same shape, so a hit
+    skips the JSON parse and every check of this module. Bounded: the oldest entry goes
+    first; headers larger than ``MAX_KEY_BYTES`` are never kept.
+    """
+
+    SIZE = 256
+    MAX_KEY_BYTES = 4096
+
+    def __init__(self) -> None:
+        self._entries: dict[bytes, _Header] = {}
+
+    def get(self, key: bytes) -> _Header | None:
+        return self._entries.get(key)
+
+    def put(self, key: bytes, header: _Header) -> None:
+        if len(key) > self.MAX_KEY_BYTES:
+            return
+        entries = self._entries
+        if len(entries) >= self.SIZE:
+            del entries[next(iter(entries))]
+        entries[key] = header
+
+
+_HEADERS = _HeaderCache()
+
+
+def _parse_header(header: bytes) -> _Header:
     try:
         request = orjson.loads(header)
     except orjson.JSONDecodeError as error:
@@ -232,11 +294,9 @@ def decode_infer_request(body: bytes, header_length: int | None) -> InferRequest
             f"request parameters.binary_data_output must be true or false, "
             f"got {is_binary_default!r}"
         )
-    specs = _input_specs(request.get("inputs"))
-    _check_binary_total(specs, len(binary))
-    return InferRequest(
+    return _Header(
         request_id=request_id,
-        inputs=_decode_inputs(specs, binary),
+        specs=tuple(_input_specs(request.get("inputs"))),
         outputs=_requested_outputs(request.get("outputs"), is_binary_default),
         parameters=parameters,
         is_binary_output_default=is_binary_default,
@@ -336,7 +396,7 @@ def _shape(where: str, shape: object) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _check_binary_total(specs: list[_InputSpec], num_binary_bytes: int) -> None:
+def _check_binary_total(specs: tuple[_InputSpec, ...], num_binary_bytes: int) -> None:
     total = sum(spec.binary_size_bytes for spec in specs)
     if total != num_binary_bytes:
         raise InvalidInput(
@@ -345,7 +405,7 @@ def _check_binary_total(specs: list[_InputSpec], num_binary_bytes: int) -> None:
         )
 
 
-def _decode_inputs(specs: list[_InputSpec], binary: memoryview) -> tuple[InputTensor, ...]:
+def _decode_inputs(specs: tuple[_InputSpec, ...], binary: memoryview) -> tuple[InputTensor, ...]:
     tensors: list[InputTensor] = []
     offset = 0
     for spec in specs:

@@ -701,3 +701,57 @@ def test_accepts_the_full_uint64_range_in_json() -> None:
     array = decode_infer_request(body, None).inputs[0].array
     assert array.dtype == np.uint64
     assert array.tolist() == [0, 2**64 - 1, 1]
+
+
+# ---------------------------------------------------------------------------------------
+# The parsed-header cache of binary requests
+
+
+def _binary_body(request_id: str | None, values: list[float]) -> tuple[bytes, int]:
+    data = np.asarray(values, dtype=np.float32).tobytes()
+    document: dict[str, Any] = {
+        "inputs": [
+            {
+                "name": "x",
+                "shape": [1, len(values)],
+                "datatype": "FP32",
+                "parameters": {"binary_data_size": len(data)},
+            }
+        ],
+        "parameters": {"priority": 1},
+    }
+    if request_id is not None:
+        document["id"] = request_id
+    header = orjson.dumps(document)
+    return header + data, len(header)
+
+
+def test_a_repeated_binary_header_decodes_each_body_afresh() -> None:
+    first = decode_infer_request(*_binary_body(None, [1.0, 2.0]))
+    second = decode_infer_request(*_binary_body(None, [3.0, 4.0]))
+    np.testing.assert_array_equal(first.inputs[0].array, [[1.0, 2.0]])
+    np.testing.assert_array_equal(second.inputs[0].array, [[3.0, 4.0]])
+    assert first.inputs[0].array is not second.inputs[0].array
+    second.parameters["priority"] = 3  # each request owns its parameters
+    assert decode_infer_request(*_binary_body(None, [5.0, 6.0])).parameters == {"priority": 1}
+
+
+def test_the_header_cache_keeps_request_ids_apart() -> None:
+    assert decode_infer_request(*_binary_body("a", [1.0])).request_id == "a"
+    assert decode_infer_request(*_binary_body("b", [1.0])).request_id == "b"
+    assert decode_infer_request(*_binary_body("a", [1.0])).request_id == "a"
+
+
+def test_a_cached_header_still_checks_the_binary_size() -> None:
+    body, header_length = _binary_body(None, [1.0, 2.0])
+    decode_infer_request(body, header_length)
+    with pytest.raises(InvalidInput, match=r"declare 8 bytes .* but the body has 4 bytes"):
+        decode_infer_request(body[:-4], header_length)
+
+
+def test_the_header_cache_is_bounded() -> None:
+    from carpool.server import tensors
+
+    for i in range(tensors._HeaderCache.SIZE + 50):
+        decode_infer_request(*_binary_body(f"id-{i}", [1.0]))
+    assert len(tensors._HEADERS._entries) <= tensors._HeaderCache.SIZE
