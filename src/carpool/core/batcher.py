@@ -146,6 +146,7 @@ class Batcher:
             self._adopt(self._intake.collator)
         self._state = _State.NEW
         self._starting: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # start() sets it
         self._replicas: list[Replica] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._idle: deque[asyncio.Future[None]] = deque()
@@ -192,7 +193,7 @@ class Batcher:
             return await asyncio.shield(self._starting)
         if self._state is _State.DRAINING:
             raise Closed(self._name)
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._starting = loop.create_future()
         try:
             replicas = [
@@ -290,6 +291,35 @@ class Batcher:
         """Run k items (along axis 0 of ``payloads``) in one batch; returns k outputs."""
         return await self._submit(payloads, True, priority, timeout_s, cost)
 
+    def enqueue_many(
+        self,
+        payloads: Any,
+        *,
+        priority: str | None = None,
+        timeout_s: float | None = None,
+        cost: float | None = None,
+    ) -> Request:
+        """Queue k items (along axis 0 of ``payloads``) without awaiting them.
+
+        For callers on the loop that cannot afford a task per request (the server's HTTP
+        fast path): the returned request's ``future`` resolves to the k outputs, or to the
+        error :meth:`submit_many` would raise; :meth:`cancel` withdraws it.
+
+        Raises:
+            Closed: the batcher is not running. And what :meth:`submit_many` raises
+            before queueing: InvalidInput, QueueFull.
+        """
+        if self._state is not _State.RUNNING:
+            raise Closed(self._name)
+        return self._make_request(payloads, True, priority, timeout_s, cost)
+
+    def cancel(self, request: Request) -> None:
+        """Withdraw a request from :meth:`enqueue_many`: dropped unanswered if still
+        queued (the model never sees it), its result ignored if already running."""
+        request.future.cancel()
+        if request.state is _QUEUED:
+            self._drop(request, Outcome.CANCELLED)
+
     async def _submit(
         self,
         payload: Any,
@@ -325,6 +355,8 @@ class Batcher:
             raise InvalidInput(
                 f"unknown priority {priority!r}: expected one of {list(policy.limits)}"
             )
+        loop = self._loop  # not asyncio.get_running_loop(): that makes a getpid() syscall
+        assert loop is not None, "requests are made only after start()"
         intake = self._intake
         collator = intake.collator
         if collator is None:
@@ -348,7 +380,7 @@ class Batcher:
             rank=limits.rank,
             arrival_s=now,
             deadline_s=deadline_s,
-            future=asyncio.get_running_loop().create_future(),
+            future=loop.create_future(),
             signature=signature,
         )
         if lengths is not None:

@@ -1119,3 +1119,59 @@ async def test_switch_interval_is_left_alone_without_a_sync_model_or_when_opted_
 def test_invalid_switch_interval_is_a_config_error():
     with pytest.raises(ConfigError, match="switch_interval_s"):
         Batcher(lambda b: b, switch_interval_s=0)
+
+
+# -- enqueue_many and cancel: the task-free path the HTTP server uses -------------------------
+
+
+async def test_enqueue_many_resolves_its_future_like_submit_many(
+    make_batcher, fake_model, fake_clock
+):
+    batcher = make_batcher(max_delay_s=0.0)
+    await batcher.start()
+    request = batcher.enqueue_many([1, 2])
+    await settle()
+    assert request.future.result() == [10, 20]
+    assert fake_model.batches == [[1, 2]]
+
+
+async def test_cancel_withdraws_a_queued_request_before_the_model_sees_it(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_delay_s=0.0)
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    kept, withdrawn = batcher.enqueue_many([1]), batcher.enqueue_many([2])
+    batcher.cancel(withdrawn)
+    assert batcher.num_pending == 1
+    fake_model.release()
+    await settle()
+    assert fake_model.batches == [[-1], [1]]
+    assert kept.future.result() == [10]
+    assert withdrawn.future.cancelled()
+    assert batcher.snapshot().classes["normal"].rejections == {"cancelled": 1}
+
+
+async def test_cancel_of_a_running_request_lets_its_batch_finish(
+    make_batcher, fake_model, fake_clock, loop_errors
+):
+    batcher = make_batcher(max_delay_s=0.0)
+    await batcher.start()
+    fake_model.hold()
+    first, second = batcher.enqueue_many([1]), batcher.enqueue_many([2])
+    await settle()
+    batcher.cancel(first)
+    fake_model.release()
+    await settle()
+    assert first.future.cancelled()
+    assert second.future.result() == [20]
+    assert loop_errors == []
+
+
+async def test_enqueue_many_refuses_before_start_and_after_stop(make_batcher):
+    batcher = make_batcher()
+    with pytest.raises(Closed):
+        batcher.enqueue_many([1])
+    await batcher.start()
+    await batcher.stop()
+    with pytest.raises(Closed):
+        batcher.enqueue_many([1])
