@@ -20,8 +20,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import orjson
 
 from carpool import __version__
@@ -89,13 +91,7 @@ class KServeApp:
         except ClientGone:
             return  # nobody to answer
         except Exception as exc:
-            if scope["path"].startswith("/v1/"):
-                error, document = openai_error(exc)
-                body = orjson.dumps(document)
-            else:
-                error = http_error(exc)
-                body = orjson.dumps({"error": error.message})
-            await _respond(send, error.status, body, (_JSON, *error.headers))
+            await _respond(send, *error_response(exc, is_openai=scope["path"].startswith("/v1/")))
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method: str = scope["method"]
@@ -163,33 +159,9 @@ class KServeApp:
 
     async def _infer(self, model: ServedModel, scope: Scope, receive: Receive, send: Send) -> None:
         body = await self._read_body(receive)
-        header = _header(scope, b"inference-header-content-length")
-        header_length = None
-        if header is not None:
-            try:
-                header_length = int(header)
-            except ValueError:
-                raise InvalidInput(
-                    f"header Inference-Header-Content-Length={header!r}: expected a byte count"
-                ) from None
-        request = decode_infer_request(body, header_length)
-        payload = model.payload(request)
-        options = model.submit_options(request)
-        wanted = _wanted_outputs(model, request)
-        result = await _unless_disconnected(model.run(payload, options), receive)
-        outputs = [OutputTensor(spec.name, result[spec.name], spec.datatype) for spec in wanted]
-        binary = _binary_outputs(request, wanted)
-        data, json_length = encode_infer_response(
-            model.name, model.version, request.request_id, outputs, binary
-        )
-        if json_length is None:
-            headers: tuple[tuple[bytes, bytes], ...] = (_JSON,)
-        else:
-            headers = (
-                (b"content-type", b"application/octet-stream"),
-                (b"inference-header-content-length", str(json_length).encode()),
-            )
-        await _respond(send, 200, data, headers)
+        call = prepare_infer(model, body, _header(scope, b"inference-header-content-length"))
+        result = await _unless_disconnected(model.run(call.payload, call.options), receive)
+        await _respond(send, *infer_response(model, call, result))
 
     async def _read_body(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []
@@ -284,6 +256,68 @@ def _policy_changes(body: bytes) -> dict[str, Any]:
 def _policy_document(policy: BatchPolicy) -> dict[str, Any]:
     document = {name: getattr(policy, name) for name in POLICY_FIELDS}
     return {k: list(v) if isinstance(v, tuple) else v for k, v in document.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class InferCall:
+    """A decoded, checked KServe inference request, ready for its model."""
+
+    request: InferRequest
+    payload: dict[str, np.ndarray]
+    options: dict[str, Any]
+    wanted: list[TensorSpec]
+
+
+def prepare_infer(model: ServedModel, body: bytes, header: bytes | None) -> InferCall:
+    """Decode and check an infer body; ``header`` is Inference-Header-Content-Length.
+
+    Raises:
+        InvalidInput: naming what was wrong and what was expected.
+    """
+    header_length = None
+    if header is not None:
+        try:
+            header_length = int(header)
+        except ValueError:
+            raise InvalidInput(
+                f"header Inference-Header-Content-Length={header!r}: expected a byte count"
+            ) from None
+    request = decode_infer_request(body, header_length)
+    payload, options = model.payload(request), model.submit_options(request)
+    return InferCall(request, payload, options, _wanted_outputs(model, request))
+
+
+def infer_response(
+    model: ServedModel, call: InferCall, result: dict[str, Any]
+) -> tuple[int, bytes, tuple[tuple[bytes, bytes], ...]]:
+    """(status, body, headers) answering ``call`` with the model's ``result``."""
+    outputs = [OutputTensor(spec.name, result[spec.name], spec.datatype) for spec in call.wanted]
+    binary = _binary_outputs(call.request, call.wanted)
+    data, json_length = encode_infer_response(
+        model.name, model.version, call.request.request_id, outputs, binary
+    )
+    if json_length is None:
+        return 200, data, (_JSON,)
+    return (
+        200,
+        data,
+        (
+            (b"content-type", b"application/octet-stream"),
+            (b"inference-header-content-length", str(json_length).encode()),
+        ),
+    )
+
+
+def error_response(
+    exc: Exception, *, is_openai: bool = False
+) -> tuple[int, bytes, tuple[tuple[bytes, bytes], ...]]:
+    """(status, body, headers) for a failed request: ``{"error": message}``, or OpenAI's
+    error document on ``/v1/`` paths."""
+    if is_openai:
+        error, document = openai_error(exc)
+        return error.status, orjson.dumps(document), (_JSON, *error.headers)
+    error = http_error(exc)
+    return error.status, orjson.dumps({"error": error.message}), (_JSON, *error.headers)
 
 
 def _wanted_outputs(model: ServedModel, request: InferRequest) -> list[TensorSpec]:

@@ -10,7 +10,10 @@ from carpool.core.policy import BatchPolicy
 from carpool.server.repository import ServedModel, TensorSpec
 
 
-def _w1_factory(device: str) -> Any:
+def w1_factory(device: str) -> Any:
+    """The built-in ``mlp`` model: W1 on ``device`` as a KServe python model
+    (``INPUT0`` FP32 [256] in, ``OUTPUT0`` FP32 [16] out). A config may name it as
+    ``source: carpool.server.defaults:w1_factory`` to serve W1 with another policy."""
     from carpool.models.mlp import make_w1
 
     runner = make_w1(device)
@@ -44,7 +47,7 @@ def default_models() -> list[ServedModel]:
     from carpool.models.mlp import W1_INPUT_DIM, W1_OUTPUT_DIM
 
     mlp = Batcher(
-        fn_factory=_w1_factory,
+        fn_factory=w1_factory,
         policy=BatchPolicy(max_batch_size=64, max_delay_s=0.002),
         name="mlp",
         collate="dict",

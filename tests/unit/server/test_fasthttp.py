@@ -1,0 +1,317 @@
+"""The HTTP infer fast path: uvicorn's protocol fed raw HTTP/1.1 bytes by a fake transport.
+
+Every test checks the wire bytes a client would read, and where a request went (the fast
+path answers without an ASGI task; everything else must still reach the app).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httptools
+import numpy as np
+import orjson
+import pytest
+import uvicorn
+from uvicorn.server import ServerState
+
+from carpool import Batcher, BatchPolicy
+from carpool.server.app import KServeApp
+from carpool.server.fasthttp import InferProtocol, protocol_for
+from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class Responses:
+    """Parses what the server wrote into (status, headers, body) responses."""
+
+    def __init__(self, data: bytes) -> None:
+        self.items: list[tuple[int, dict[bytes, bytes], bytes]] = []
+        self._headers: dict[bytes, bytes] = {}
+        self._body = bytearray()
+        self._parser = httptools.HttpResponseParser(self)
+        self._parser.feed_data(data)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.lower()] = value
+
+    def on_body(self, body: bytes) -> None:
+        self._body += body
+
+    def on_message_complete(self) -> None:
+        self.items.append((self._parser.get_status_code(), self._headers, bytes(self._body)))
+        self._headers, self._body = {}, bytearray()
+
+
+class Recorder:
+    """A doubling model that records the rows it saw."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+        self.batches: list[int] = []
+
+    async def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.seen += inputs["x"][:, 0].tolist()
+        self.batches.append(len(inputs["x"]))
+        return {"y": inputs["x"] * 2}
+
+
+Server = tuple[KServeApp, Callable[[], tuple[InferProtocol, FakeTransport]], Recorder]
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Server]:
+    model = Recorder()
+    batcher = Batcher(model, BatchPolicy(max_batch_size=10_000, max_delay_s=0.001), collate="dict")
+    spec_in, spec_out = TensorSpec("x", "FP32", (2,)), TensorSpec("y", "FP32", (2,))
+    served = ServedModel("m", "1", "python", (spec_in,), (spec_out,), batcher)
+
+    async def embed(payload: dict[str, np.ndarray], options: dict[str, Any]) -> Any:
+        return {"y": payload["x"] * 3}
+
+    custom = ServedModel("custom", "1", "python", (spec_in,), (spec_out,), Batcher(model), embed)
+    repository = ModelRepository([served, custom])
+    await repository.start()
+    app = KServeApp(repository, max_body_bytes=100_000)
+    config = uvicorn.Config(app, http=protocol_for(app), lifespan="off", log_level="warning")
+    config.load()
+    state = ServerState()
+
+    def connect() -> tuple[InferProtocol, FakeTransport]:
+        protocol = config.http_protocol_class(config=config, server_state=state, app_state={})
+        transport = FakeTransport()
+        protocol.connection_made(transport)  # type: ignore[attr-defined]
+        assert isinstance(protocol, InferProtocol)
+        return protocol, transport
+
+    try:
+        yield app, connect, model
+    finally:
+        await repository.stop()
+
+
+def _binary_request(
+    value: float, *, rows: int = 1, path: bytes = b"/v2/models/m/infer", extra: bytes = b""
+) -> bytes:
+    data = np.full((rows, 2), value, dtype=np.float32).tobytes()
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "shape": [rows, 2],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": len(data)},
+                }
+            ],
+            "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+        }
+    )
+    body = header + data
+    return (
+        b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n"
+        b"Inference-Header-Content-Length: %d\r\n%s\r\n" % (path, len(body), len(header), extra)
+    ) + body
+
+
+def _json_request(document: Any, path: bytes = b"/v2/models/m/infer") -> bytes:
+    body = orjson.dumps(document)
+    return b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % (path, len(body)) + body
+
+
+def _binary_output(response: tuple[int, dict[bytes, bytes], bytes]) -> np.ndarray:
+    status, headers, body = response
+    assert status == 200, body
+    length = int(headers[b"inference-header-content-length"])
+    header = orjson.loads(body[:length])
+    assert header["outputs"][0]["name"] == "y"
+    return np.frombuffer(body[length:], dtype=np.float32).reshape(header["outputs"][0]["shape"])
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Polls: the fast path answers from a future's callback, not from anything awaitable."""
+    async with asyncio.timeout(timeout_s):
+        while not predicate():  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+
+
+async def test_binary_infer_is_answered_in_one_write_without_a_task(server: Server) -> None:
+    _, connect, model = server
+    protocol, transport = connect()
+    writes: list[bytes] = []
+    transport.write = writes.append  # type: ignore[method-assign]
+    protocol.data_received(_binary_request(1.5))
+    assert not protocol.server_state.tasks  # no ASGI task was started for it
+    await _until(lambda: bool(writes))
+    assert len(writes) == 1
+    (response,) = Responses(writes[0]).items
+    np.testing.assert_array_equal(_binary_output(response), [[3.0, 3.0]])
+    assert int(response[1][b"content-length"]) == len(response[2])
+    assert model.seen == [1.5]
+
+
+async def test_concurrent_connections_share_a_batch(server: Server) -> None:
+    _, connect, model = server
+    connections = [connect() for _ in range(6)]
+    for i, (protocol, _) in enumerate(connections):
+        protocol.data_received(_binary_request(float(i)))
+    await _until(lambda: all(t.data for _, t in connections))
+    for i, (_, transport) in enumerate(connections):
+        (response,) = Responses(bytes(transport.data)).items
+        np.testing.assert_array_equal(_binary_output(response), [[2.0 * i, 2.0 * i]])
+    assert max(model.batches) > 1
+
+
+async def test_bad_request_gets_400_and_its_batch_neighbours_succeed(server: Server) -> None:
+    _, connect, _ = server
+    good, bad = connect(), connect()
+    good[0].data_received(_binary_request(2.0))
+    wrong_shape = {
+        "inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]
+    }
+    bad[0].data_received(_json_request(wrong_shape))
+    await _until(lambda: bool(good[1].data and bad[1].data))
+    ((status, _, body),) = Responses(bytes(bad[1].data)).items
+    assert status == 400
+    assert "input 'x': shape [1, 3], expected [-1, 2]" in orjson.loads(body)["error"]
+    np.testing.assert_array_equal(_binary_output(Responses(bytes(good[1].data)).items[0]), [[4, 4]])
+    assert not bad[1].closed  # a 400 keeps the connection
+
+
+async def test_json_request_gets_a_json_answer(server: Server) -> None:
+    _, connect, _ = server
+    protocol, transport = connect()
+    document = {
+        "inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3, 4]}]
+    }
+    protocol.data_received(_json_request(document))
+    await _until(lambda: bool(transport.data))
+    ((status, headers, body),) = Responses(bytes(transport.data)).items
+    assert status == 200 and headers[b"content-type"] == b"application/json"
+    output = orjson.loads(body)["outputs"][0]
+    assert output == {"name": "y", "datatype": "FP32", "shape": [2, 2], "data": [2, 4, 6, 8]}
+
+
+async def test_other_routes_and_models_go_through_the_asgi_app(server: Server) -> None:
+    _, connect, _ = server
+    requests = {
+        "metadata": b"GET /v2/models/m HTTP/1.1\r\nHost: t\r\n\r\n",
+        "unknown model": _binary_request(1.0, path=b"/v2/models/nope/infer"),
+        "custom infer": _binary_request(1.0, path=b"/v2/models/custom/infer"),
+        "version": _binary_request(1.0, path=b"/v2/models/m/versions/1/infer"),
+        "wrong version": _binary_request(1.0, path=b"/v2/models/m/versions/9/infer"),
+    }
+    transports = {}
+    for name, raw in requests.items():
+        protocol, transports[name] = connect()
+        protocol.data_received(raw)
+    await _until(lambda: all(t.data for t in transports.values()))
+    answers = {name: Responses(bytes(t.data)).items[0] for name, t in transports.items()}
+    assert orjson.loads(answers["metadata"][2])["name"] == "m"
+    assert answers["unknown model"][0] == 404
+    assert "model 'nope'" in orjson.loads(answers["unknown model"][2])["error"]
+    np.testing.assert_array_equal(_binary_output(answers["custom infer"]), [[3, 3]])
+    np.testing.assert_array_equal(_binary_output(answers["version"]), [[2, 2]])
+    assert answers["wrong version"][0] == 404
+
+
+async def test_pipelined_requests_are_answered_in_order(server: Server) -> None:
+    _, connect, _ = server
+    protocol, transport = connect()
+    protocol.data_received(
+        _binary_request(1.0) + b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n"
+        + _binary_request(5.0)
+    )  # fmt: skip
+    await _until(lambda: len(Responses(bytes(transport.data)).items) == 3)
+    first, live, last = Responses(bytes(transport.data)).items
+    np.testing.assert_array_equal(_binary_output(first), [[2, 2]])
+    assert live[0] == 200
+    np.testing.assert_array_equal(_binary_output(last), [[10, 10]])
+
+
+async def test_body_in_many_chunks_and_larger_than_uvicorns_high_water_mark(
+    server: Server,
+) -> None:
+    _, connect, _ = server
+    protocol, transport = connect()
+    raw = _binary_request(0.5, rows=8000)  # 64 KB of tensor data, past 64 KiB in all
+    for start in range(0, len(raw), 1000):
+        protocol.data_received(raw[start : start + 1000])
+    await _until(lambda: bool(transport.data))
+    output = _binary_output(Responses(bytes(transport.data)).items[0])
+    assert output.shape == (8000, 2) and np.all(output == 1.0)
+
+
+async def test_body_over_the_limit_gets_413_and_the_connection_closes(server: Server) -> None:
+    _, connect, model = server
+    protocol, transport = connect()
+    protocol.data_received(_binary_request(1.0, rows=20_000))  # 160 KB > 100 KB
+    ((status, headers, body),) = Responses(bytes(transport.data)).items
+    assert status == 413 and headers[b"connection"] == b"close"
+    assert "100000" in orjson.loads(body)["error"]
+    assert transport.closed
+    assert model.seen == []
+
+
+async def test_connection_close_is_honoured(server: Server) -> None:
+    _, connect, _ = server
+    protocol, transport = connect()
+    protocol.data_received(_binary_request(1.0, extra=b"Connection: close\r\n"))
+    await _until(lambda: transport.closed)
+    (response,) = Responses(bytes(transport.data)).items
+    assert response[1][b"connection"] == b"close"
+    np.testing.assert_array_equal(_binary_output(response), [[2, 2]])
+
+
+async def test_expect_100_continue_is_answered_before_the_body(server: Server) -> None:
+    _, connect, _ = server
+    protocol, transport = connect()
+    raw = _binary_request(1.0, extra=b"Expect: 100-continue\r\n")
+    head, body = raw.split(b"\r\n\r\n", 1)
+    protocol.data_received(head + b"\r\n\r\n")
+    assert bytes(transport.data) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    protocol.data_received(body)
+    await _until(lambda: len(transport.data) > 25)
+    (response,) = Responses(bytes(transport.data)[25:]).items
+    np.testing.assert_array_equal(_binary_output(response), [[2, 2]])
+
+
+async def test_a_client_that_leaves_withdraws_its_queued_request(server: Server) -> None:
+    app, connect, model = server
+    batcher = app.repository.get("m").batcher
+    batcher.update_policy(max_delay_s=0.2)  # the request stays queued for a while
+    protocol, transport = connect()
+    protocol.data_received(_binary_request(7.0))
+    await _until(lambda: batcher.num_pending == 1)
+    protocol.connection_lost(None)
+    await asyncio.sleep(0.3)
+    assert batcher.num_pending == 0
+    assert 7.0 not in model.seen
+    assert transport.data == b""
+    rejections = batcher.snapshot().classes["normal"].rejections
+    assert rejections["cancelled"] == 1
