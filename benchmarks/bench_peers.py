@@ -5,7 +5,8 @@ to CPU 0 with OMP_NUM_THREADS=1; Debian's `wrk` (pinned to CPU 1) drives it clos
 concurrency 1, 16, 64 and 256 after a 2 s warm-up. Peers run from a separate virtual
 environment (benchmarks/.peers-venv, never a carpool dependency), scripts in
 benchmarks/peers/. carpool runs from this venv with the KServe v2 JSON body for the same
-JSON-style workload. Each server's first answer is checked against W1 computed here.
+JSON-style workload and the peers' policy (benchmarks/peers/carpool_w1.yaml). Each
+server's first answer is checked against W1 computed here.
 
 Set up the peers venv once:
 
@@ -137,8 +138,8 @@ def _servers() -> list[Server]:
         ),
         Server(
             "carpool",
-            "carpool serve (KServe v2 JSON)",
-            benchlib.carpool_serve,
+            "carpool serve (KServe v2 JSON, batch 64, 10 ms)",
+            lambda port: benchlib.carpool_serve(port, config=PEERS / "carpool_w1.yaml"),
             "/v2/models/mlp/infer",
             _kserve_body,
             lambda r: r["outputs"][0]["data"],
