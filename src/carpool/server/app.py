@@ -20,10 +20,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import orjson
 
 from carpool import __version__
@@ -31,17 +29,12 @@ from carpool.config import POLICY_FIELDS
 from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
 from carpool.server import completions, openai
-from carpool.server.errors import NotFound, PayloadTooLarge, http_error, openai_error
+from carpool.server.errors import NotFound, PayloadTooLarge
+from carpool.server.infer import InferPlans, error_response, infer_response, prepare_infer
 from carpool.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from carpool.server.metrics import Metrics
-from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
+from carpool.server.repository import ModelRepository, ServedModel
 from carpool.server.stats import model_stats
-from carpool.server.tensors import (
-    InferRequest,
-    OutputTensor,
-    decode_infer_request,
-    encode_infer_response,
-)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -63,6 +56,7 @@ class KServeApp:
         self.repository = repository
         self.max_body_bytes = max_body_bytes
         self.metrics = Metrics(repository)
+        self.plans = InferPlans()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -159,7 +153,8 @@ class KServeApp:
 
     async def _infer(self, model: ServedModel, scope: Scope, receive: Receive, send: Send) -> None:
         body = await self._read_body(receive)
-        call = prepare_infer(model, body, _header(scope, b"inference-header-content-length"))
+        header_length = _header(scope, b"inference-header-content-length")
+        call = prepare_infer(model, body, header_length, self.plans)
         result = await _unless_disconnected(model.run(call.payload, call.options), receive)
         await _respond(send, *infer_response(model, call, result))
 
@@ -256,90 +251,6 @@ def _policy_changes(body: bytes) -> dict[str, Any]:
 def _policy_document(policy: BatchPolicy) -> dict[str, Any]:
     document = {name: getattr(policy, name) for name in POLICY_FIELDS}
     return {k: list(v) if isinstance(v, tuple) else v for k, v in document.items()}
-
-
-@dataclass(frozen=True, slots=True)
-class InferCall:
-    """A decoded, checked KServe inference request, ready for its model."""
-
-    request: InferRequest
-    payload: dict[str, np.ndarray]
-    options: dict[str, Any]
-    wanted: list[TensorSpec]
-
-
-def prepare_infer(model: ServedModel, body: bytes, header: bytes | None) -> InferCall:
-    """Decode and check an infer body; ``header`` is Inference-Header-Content-Length.
-
-    Raises:
-        InvalidInput: naming what was wrong and what was expected.
-    """
-    header_length = None
-    if header is not None:
-        try:
-            header_length = int(header)
-        except ValueError:
-            raise InvalidInput(
-                f"header Inference-Header-Content-Length={header!r}: expected a byte count"
-            ) from None
-    request = decode_infer_request(body, header_length)
-    payload, options = model.payload(request), model.submit_options(request)
-    return InferCall(request, payload, options, _wanted_outputs(model, request))
-
-
-def infer_response(
-    model: ServedModel, call: InferCall, result: dict[str, Any]
-) -> tuple[int, bytes, tuple[tuple[bytes, bytes], ...]]:
-    """(status, body, headers) answering ``call`` with the model's ``result``."""
-    outputs = [OutputTensor(spec.name, result[spec.name], spec.datatype) for spec in call.wanted]
-    binary = _binary_outputs(call.request, call.wanted)
-    data, json_length = encode_infer_response(
-        model.name, model.version, call.request.request_id, outputs, binary
-    )
-    if json_length is None:
-        return 200, data, (_JSON,)
-    return (
-        200,
-        data,
-        (
-            (b"content-type", b"application/octet-stream"),
-            (b"inference-header-content-length", str(json_length).encode()),
-        ),
-    )
-
-
-def error_response(
-    exc: Exception, *, is_openai: bool = False
-) -> tuple[int, bytes, tuple[tuple[bytes, bytes], ...]]:
-    """(status, body, headers) for a failed request: ``{"error": message}``, or OpenAI's
-    error document on ``/v1/`` paths."""
-    if is_openai:
-        error, document = openai_error(exc)
-        return error.status, orjson.dumps(document), (_JSON, *error.headers)
-    error = http_error(exc)
-    return error.status, orjson.dumps({"error": error.message}), (_JSON, *error.headers)
-
-
-def _wanted_outputs(model: ServedModel, request: InferRequest) -> list[TensorSpec]:
-    if request.outputs is None:
-        return list(model.outputs)
-    by_name = {spec.name: spec for spec in model.outputs}
-    wanted = []
-    for output in request.outputs:
-        spec = by_name.get(output.name)
-        if spec is None:
-            raise InvalidInput(
-                f"unknown output {output.name!r} for model {model.name!r}; "
-                f"expected {sorted(by_name)}"
-            )
-        wanted.append(spec)
-    return wanted
-
-
-def _binary_outputs(request: InferRequest, wanted: list[TensorSpec]) -> set[str]:
-    if request.outputs is None:
-        return {s.name for s in wanted} if request.is_binary_output_default else set()
-    return {o.name for o in request.outputs if o.is_binary}
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

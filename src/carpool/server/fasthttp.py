@@ -1,49 +1,41 @@
 """KServe inference over HTTP/1.1 without a task per request.
 
-uvicorn's httptools protocol runs every request as an ASGI task: a scope, an event, a
-task, the app's awaits, a watcher for disconnects and two writes. On one core shared with
-the model that path cost about 145 µs of CPU per W1 request (`docs/benchmarks.md`).
-:class:`InferProtocol` is that protocol with one route taken out of ASGI::
+uvicorn's httptools protocol runs every request as an ASGI task: a scope, a cycle with
+its event, a task, the app's awaits, a watcher for disconnects and two writes. On one core
+shared with the model that path cost about 145 µs of CPU per W1 request
+(`docs/benchmarks.md`). :class:`InferProtocol` is that protocol with one route taken out
+of ASGI::
 
     POST /v2/models/{m}[/versions/{v}]/infer   (models answered by their batcher)
 
-Its body is collected by the parser callbacks, decoded and checked on the spot, queued on
-the model's batcher with :meth:`Batcher.enqueue_many`, and the response is written in one
-``transport.write`` from the future's done-callback. A connection lost while the request
-is queued withdraws it (the model never sees it). Everything else — other routes, other
-models, errors in routing, pipelined requests waiting their turn — is uvicorn's own path
-into :class:`KServeApp`, so both answer with the same decoder, encoder and error mapping.
+The parser's callbacks collect its body; it is decoded and checked on the spot
+(:mod:`carpool.server.infer`), queued with :meth:`Batcher.enqueue_many`, and the answer is
+written in one ``transport.write`` from the future's done-callback. A connection lost while
+the request is queued withdraws it: the model never sees it. Everything else — other
+routes, other models, paths with a query or escapes, upgrades — is uvicorn's own path into
+:class:`KServeApp`, which answers with the same decoder, encoder and error mapping.
+
+A fast request stands in uvicorn's ``self.cycle`` as a :class:`_FastCycle`, which has the
+attributes uvicorn's protocol reads there, so keep-alive, pipelining, flow control and
+graceful shutdown stay uvicorn's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import (
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from carpool.core.request import Request
-from carpool.server.app import (
-    InferCall,
-    KServeApp,
-    error_response,
-    infer_response,
-    prepare_infer,
-)
+from carpool.server.app import KServeApp
 from carpool.server.errors import NotFound, PayloadTooLarge
+from carpool.server.infer import Headers, InferCall, error_response, infer_response, prepare_infer
 from carpool.server.repository import ServedModel
-
-log = logging.getLogger(__name__)
 
 _HEADER_LENGTH = b"inference-header-content-length"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-Headers = tuple[tuple[bytes, bytes], ...]
 
 
 def protocol_for(app: KServeApp) -> type[HttpToolsProtocol]:
@@ -51,17 +43,57 @@ def protocol_for(app: KServeApp) -> type[HttpToolsProtocol]:
     return type("InferProtocol", (InferProtocol,), {"kserve": app})
 
 
-class _Exchange:
-    """One fast-path request: its model, body so far, and its queued batcher request."""
+class _NoEvent:
+    """uvicorn sets the cycle's message event on disconnect; nothing waits on it here."""
 
-    __slots__ = ("chunks", "cycle", "model", "queued", "size")
+    def set(self) -> None:
+        pass
 
-    def __init__(self, cycle: RequestResponseCycle, model: ServedModel) -> None:
-        self.cycle = cycle
+
+class _FastCycle:
+    """One fast-path request where uvicorn keeps its RequestResponseCycle."""
+
+    __slots__ = (
+        "call",
+        "chunks",
+        "disconnected",
+        "header_length",
+        "keep_alive",
+        "model",
+        "more_body",
+        "on_response",
+        "path",
+        "queued",
+        "response_complete",
+        "size",
+        "started",
+        "waiting_for_100_continue",
+    )
+    message_event = _NoEvent()
+
+    def __init__(
+        self,
+        model: ServedModel,
+        path: str,
+        header_length: bytes | None,
+        keep_alive: bool,
+        expect_continue: bool,
+        on_response: Any,
+    ) -> None:
         self.model = model
-        self.chunks: list[bytes] = [bytes(cycle.body)] if cycle.body else []
-        self.size = len(cycle.body)
+        self.path = path
+        self.header_length = header_length
+        self.keep_alive = keep_alive
+        self.waiting_for_100_continue = expect_continue
+        self.on_response = on_response
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.more_body = True
+        self.started = False
+        self.response_complete = False
+        self.disconnected = False
         self.queued: Request | None = None
+        self.call: InferCall | None = None
 
 
 class InferProtocol(HttpToolsProtocol):
@@ -71,62 +103,93 @@ class InferProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._exchange: _Exchange | None = None
+        self._inflight: _FastCycle | None = None
 
-    # -- where the fast path forks off uvicorn's --------------------------------------
+    # -- parser callbacks: the fork between the fast path and uvicorn's -----------------
 
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        model = self._fast_model(cycle) if app is self.app else None
+    def on_message_begin(self) -> None:
+        # The ASGI scope is built only for requests that take the ASGI path.
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+
+    def on_headers_complete(self) -> None:
+        model = self._fast_model()
         if model is None:
-            super()._start_asgi_task(cycle, app)
+            url, headers, expect = self.url, self.headers, self.expect_100_continue
+            super().on_message_begin()  # uvicorn's scope, with what the parser gave so far
+            self.url, self.expect_100_continue = url, expect
+            self.headers.extend(headers)
+            super().on_headers_complete()
             return
-        exchange = self._exchange = _Exchange(cycle, model)
-        if cycle.more_body:
-            if cycle.waiting_for_100_continue:
-                cycle.waiting_for_100_continue = False
-                self.transport.write(_CONTINUE)
-            self.flow.resume_reading()  # uvicorn pauses a pipelined or large body
-        else:  # a pipelined request, read in full while the one before it ran
-            self._dispatch(exchange)
+        header_length = None
+        for name, value in self.headers:
+            if name == _HEADER_LENGTH:
+                header_length = value
+        parser = self.parser
+        keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
+        cycle = _FastCycle(
+            model,
+            self.url.decode("ascii"),
+            header_length,
+            keep_alive,
+            self.expect_100_continue,
+            self.on_response_complete,
+        )
+        existing, self.cycle = self.cycle, cycle  # type: ignore[assignment]
+        if existing is None or existing.response_complete:
+            self._begin(cycle)
+        else:  # pipelined behind a request still being answered
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
 
     def on_body(self, body: bytes) -> None:
-        exchange = self._exchange
-        if exchange is None or exchange.cycle is not self.cycle:
+        cycle = self.cycle
+        if not isinstance(cycle, _FastCycle):
             super().on_body(body)
             return
-        if exchange.cycle.response_complete:
+        if cycle.response_complete:
             return  # answered early (413); the rest of the body is ignored
-        exchange.chunks.append(body)
-        exchange.size += len(body)
+        cycle.chunks.append(body)
+        cycle.size += len(body)
         limit = self.kserve.max_body_bytes
-        if exchange.size > limit:
-            exchange.cycle.keep_alive = False  # the unread rest makes the connection unusable
-            self._answer(exchange, *error_response(PayloadTooLarge(exchange.size, limit)))
+        if cycle.size > limit:
+            cycle.keep_alive = False  # the unread rest makes the connection unusable
+            self._answer(cycle, *error_response(PayloadTooLarge(cycle.size, limit)))
 
     def on_message_complete(self) -> None:
-        exchange = self._exchange
-        if exchange is None or exchange.cycle is not self.cycle:
+        cycle = self.cycle
+        if not isinstance(cycle, _FastCycle):
             super().on_message_complete()
             return
-        exchange.cycle.more_body = False
-        if not exchange.cycle.response_complete:
-            self._dispatch(exchange)
+        cycle.more_body = False
+        if cycle.started and not cycle.response_complete:
+            self._dispatch(cycle)
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        # uvicorn starts the next pipelined request through here.
+        if isinstance(cycle, _FastCycle):
+            self._begin(cycle)
+        else:
+            super()._start_asgi_task(cycle, app)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        exchange = self._exchange
-        if exchange is not None and exchange.queued is not None:
-            exchange.model.batcher.cancel(exchange.queued)
-            exchange.queued = None
+        cycle = self._inflight
+        if cycle is not None and cycle.queued is not None:
+            cycle.model.batcher.cancel(cycle.queued)
+            cycle.queued = None
         super().connection_lost(exc)
 
     # -- the fast path ----------------------------------------------------------------
 
-    def _fast_model(self, cycle: RequestResponseCycle) -> ServedModel | None:
-        """The model when ``cycle`` is an infer call its batcher answers, else None."""
-        scope = cycle.scope
-        if scope["method"] != "POST":
+    def _fast_model(self) -> ServedModel | None:
+        """The model when this request is an infer call its batcher answers, else None."""
+        url = self.url
+        if self.parser.get_method() != b"POST" or b"?" in url or b"%" in url:
             return None
-        parts = scope["path"].split("/")
+        if self.parser.should_upgrade():
+            return None
+        parts = url.decode("latin-1").split("/")
         # ["", "v2", "models", name, "infer"] or [..., name, "versions", v, "infer"]
         if len(parts) == 5:
             version = None
@@ -142,24 +205,34 @@ class InferProtocol(HttpToolsProtocol):
             return None  # the ASGI path answers 404 with its message
         return model if model.infer is None and model.batcher.is_running else None
 
-    def _dispatch(self, exchange: _Exchange) -> None:
-        body = b"".join(exchange.chunks)
-        exchange.chunks = []
-        model = exchange.model
+    def _begin(self, cycle: _FastCycle) -> None:
+        cycle.started = True
+        if not cycle.more_body:  # pipelined: read in full while the one before it ran
+            self._dispatch(cycle)
+        elif cycle.waiting_for_100_continue:
+            cycle.waiting_for_100_continue = False
+            self.transport.write(_CONTINUE)
+
+    def _dispatch(self, cycle: _FastCycle) -> None:
+        body = b"".join(cycle.chunks)
+        cycle.chunks = []
+        model = cycle.model
         try:
-            call = prepare_infer(model, body, _header(exchange.cycle, _HEADER_LENGTH))
+            call = prepare_infer(model, body, cycle.header_length, self.kserve.plans)
             queued = model.batcher.enqueue_many(call.payload, **call.options)
         except Exception as exc:
-            self._answer(exchange, *error_response(exc))
+            self._answer(cycle, *error_response(exc))
             return
-        exchange.queued = queued
-        queued.future.add_done_callback(functools.partial(self._landed, exchange, call))
+        cycle.call, cycle.queued = call, queued
+        self._inflight = cycle
+        queued.future.add_done_callback(functools.partial(self._landed, cycle))
 
-    def _landed(self, exchange: _Exchange, call: InferCall, future: asyncio.Future[Any]) -> None:
-        exchange.queued = None
-        if future.cancelled() or exchange.cycle.disconnected:
+    def _landed(self, cycle: _FastCycle, future: asyncio.Future[Any]) -> None:
+        cycle.queued = None
+        if future.cancelled() or cycle.disconnected:
             return
-        model = exchange.model
+        model, call = cycle.model, cycle.call
+        assert call is not None
         try:
             error = future.exception()
             if error is not None:
@@ -167,43 +240,25 @@ class InferProtocol(HttpToolsProtocol):
             answer = infer_response(model, call, model.outputs_of(future.result()))
         except Exception as exc:
             answer = error_response(exc)
-        self._answer(exchange, *answer)
+        self._answer(cycle, *answer)
 
-    def _answer(self, exchange: _Exchange, status: int, body: bytes, headers: Headers) -> None:
-        """Write status line, headers and body at once; then what uvicorn does after a
-        response: close or keep alive, start the next pipelined request."""
-        cycle = exchange.cycle
-        if self._exchange is exchange:
-            self._exchange = None
+    def _answer(self, cycle: _FastCycle, status: int, body: bytes, headers: Headers) -> None:
+        """Status line, headers and body in one write; then what uvicorn does after a
+        response: close, or keep alive and start the next pipelined request."""
+        if self._inflight is cycle:
+            self._inflight = None
         parts = [STATUS_LINE[status]]
-        for name, value in (*cycle.default_headers, *headers):
+        for name, value in (*self.server_state.default_headers, *headers):
             parts += (name, b": ", value, b"\r\n")
-        parts += (b"content-length: ", str(len(body)).encode(), b"\r\n")
+        parts += (b"content-length: ", b"%d" % len(body), b"\r\n")
         if not cycle.keep_alive:
             parts.append(b"connection: close\r\n")
         parts += (b"\r\n", body)
         self.transport.write(b"".join(parts))
-        cycle.response_started = cycle.response_complete = True
-        if cycle.access_log:
-            self._log_access(cycle, status)
+        cycle.response_complete = True
+        if self.access_log:
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
+            self.access_logger.info('%s - "POST %s HTTP/1.1" %d', client, cycle.path, status)
         if not cycle.keep_alive:
             self.transport.close()
         cycle.on_response()
-
-    def _log_access(self, cycle: RequestResponseCycle, status: int) -> None:
-        client = self.client
-        self.access_logger.info(
-            '%s - "%s %s HTTP/%s" %d',
-            f"{client[0]}:{client[1]}" if client else "-",
-            cycle.scope["method"],
-            cycle.scope["path"],
-            cycle.scope["http_version"],
-            status,
-        )
-
-
-def _header(cycle: RequestResponseCycle, name: bytes) -> bytes | None:
-    for key, value in cycle.scope["headers"]:
-        if key == name:
-            return bytes(value)
-    return None

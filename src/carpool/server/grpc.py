@@ -46,8 +46,8 @@ from carpool.server.tensors import (
     InferRequest,
     InputTensor,
     RequestedOutput,
-    _to_binary,  # the REST codec's raw encoding, so both wires send identical bytes
     deserialize_bytes_tensor,
+    tensor_bytes,  # the REST codec's raw encoding, so both wires send identical bytes
 )
 
 __all__ = [
@@ -220,7 +220,7 @@ def encode_infer_response(
     for spec in wanted:
         array = np.asarray(result[spec.name])
         response.outputs.add(name=spec.name, datatype=spec.datatype, shape=array.shape)
-        response.raw_output_contents.append(_to_binary(spec.datatype, array))
+        response.raw_output_contents.append(tensor_bytes(spec.datatype, array))
     return response
 
 

@@ -23,6 +23,7 @@ from carpool.server.grpc import start_grpc_server
 from carpool.server.repository import ModelRepository
 
 SHUTDOWN_GRACE_S = 30
+YOUNG_GC_THRESHOLD = 100_000  # see _freeze_startup_heap
 
 
 class _DrainingServer(uvicorn.Server):
@@ -74,12 +75,20 @@ def serve(
 
 
 def _freeze_startup_heap() -> None:
-    """Move everything allocated at startup (torch, the models, their weights' Python
-    objects) out of the cyclic collector's reach. Without it the collector re-walks that
-    heap every few thousand requests: 17% of the event loop's CPU under load, measured
-    with ``perf`` on W1 at concurrency 256 (``docs/benchmarks.md``)."""
+    """Keep the cyclic garbage collector off the request path.
+
+    Everything allocated at startup (torch, the models, their weights' Python objects)
+    moves out of the collector's reach: without it the collector re-walked that heap
+    every few thousand requests, 17% of the event loop's CPU under load (``perf`` on W1 at
+    concurrency 256, ``docs/benchmarks.md``). And a young generation far larger than the
+    container objects in-flight requests keep alive (about ten each): at the default of
+    700 the collector ran every few requests at concurrency 256, walking the live ones.
+    Requests free their objects by reference counting; cycles are still collected.
+    """
     gc.collect()
     gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, older, oldest)
 
 
 async def _serve(

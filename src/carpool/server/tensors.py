@@ -27,15 +27,20 @@ from carpool.errors import InvalidInput
 
 __all__ = [
     "DATATYPES",
+    "InferHeader",
     "InferRequest",
     "InputTensor",
     "OutputTensor",
     "RequestedOutput",
     "datatype_of",
     "decode_infer_request",
+    "decode_with_header",
     "deserialize_bytes_tensor",
     "encode_infer_response",
+    "infer_header",
     "serialize_bytes_tensor",
+    "split_infer_body",
+    "tensor_bytes",
 ]
 
 DATATYPES: dict[str, np.dtype[Any]] = {
@@ -215,12 +220,24 @@ def decode_infer_request(body: bytes, header_length: int | None) -> InferRequest
     Raises:
         InvalidInput: the body is malformed; the message names the input and field.
     """
-    header_bytes, binary = _split_body(body, header_length)
-    header = _HEADERS.get(header_bytes) if header_length is not None else None
+    header_bytes, binary = split_infer_body(body, header_length)
+    return decode_with_header(infer_header(header_bytes, header_length is not None), binary)
+
+
+def infer_header(header_bytes: bytes, is_cacheable: bool = True) -> InferHeader:
+    """The request's JSON header parsed and checked; a header that carries no tensor data
+    is kept by its bytes, so the next request sending the same header skips the work."""
+    header = _HEADERS.get(header_bytes) if is_cacheable else None
     if header is None:
         header = _parse_header(header_bytes)
-        if header_length is not None and header.is_cacheable:
+        if is_cacheable and header.is_cacheable:
             _HEADERS.put(header_bytes, header)
+    return header
+
+
+def decode_with_header(header: InferHeader, binary: memoryview) -> InferRequest:
+    """The request of ``header`` with its inputs decoded from ``binary`` (the body after
+    the JSON header) or from the header's JSON data."""
     _check_binary_total(header.specs, len(binary))
     return InferRequest(
         request_id=header.request_id,
@@ -232,8 +249,9 @@ def decode_infer_request(body: bytes, header_length: int | None) -> InferRequest
 
 
 @dataclass(frozen=True, slots=True)
-class _Header:
-    """A request's JSON header, parsed and checked; the tensor data is decoded per body."""
+class InferHeader:
+    """A request's JSON header, parsed and checked; the tensor data is decoded per body.
+    Shared by every request that sends the same header bytes: never mutated."""
 
     request_id: str | None
     specs: tuple[_InputSpec, ...]
@@ -260,12 +278,12 @@ class _HeaderCache:
     MAX_KEY_BYTES = 4096
 
     def __init__(self) -> None:
-        self._entries: dict[bytes, _Header] = {}
+        self._entries: dict[bytes, InferHeader] = {}
 
-    def get(self, key: bytes) -> _Header | None:
+    def get(self, key: bytes) -> InferHeader | None:
         return self._entries.get(key)
 
-    def put(self, key: bytes, header: _Header) -> None:
+    def put(self, key: bytes, header: InferHeader) -> None:
         if len(key) > self.MAX_KEY_BYTES:
             return
         entries = self._entries
@@ -277,7 +295,7 @@ class _HeaderCache:
 _HEADERS = _HeaderCache()
 
 
-def _parse_header(header: bytes) -> _Header:
+def _parse_header(header: bytes) -> InferHeader:
     try:
         request = orjson.loads(header)
     except orjson.JSONDecodeError as error:
@@ -294,7 +312,7 @@ def _parse_header(header: bytes) -> _Header:
             f"request parameters.binary_data_output must be true or false, "
             f"got {is_binary_default!r}"
         )
-    return _Header(
+    return InferHeader(
         request_id=request_id,
         specs=tuple(_input_specs(request.get("inputs"))),
         outputs=_requested_outputs(request.get("outputs"), is_binary_default),
@@ -303,7 +321,8 @@ def _parse_header(header: bytes) -> _Header:
     )
 
 
-def _split_body(body: bytes, header_length: int | None) -> tuple[bytes, memoryview]:
+def split_infer_body(body: bytes, header_length: int | None) -> tuple[bytes, memoryview]:
+    """(JSON header bytes, the binary data after it) of a body."""
     view = memoryview(body)
     if header_length is None:
         return body, view[len(view) :]
@@ -573,7 +592,7 @@ def encode_infer_response(
             "shape": list(output.array.shape),
         }
         if output.name in binary_names:
-            chunk = _to_binary(datatype, output.array)
+            chunk = tensor_bytes(datatype, output.array)
             entry["parameters"] = {"binary_data_size": len(chunk)}
             chunks.append(chunk)
         else:
@@ -586,7 +605,8 @@ def encode_infer_response(
     return b"".join([json_header, *chunks]), len(json_header)
 
 
-def _to_binary(datatype: str, array: npt.NDArray[Any]) -> bytes:
+def tensor_bytes(datatype: str, array: npt.NDArray[Any]) -> bytes:
+    """``array`` as KServe binary data of ``datatype``."""
     if datatype == "BYTES":
         return serialize_bytes_tensor(array)
     if datatype == "BF16":

@@ -1,0 +1,184 @@
+"""A KServe inference request from body to answer, shared by the HTTP paths.
+
+``prepare_infer`` decodes and checks a body against its model; ``infer_response`` encodes
+the model's outputs; ``error_response`` maps a failure to its status and document.
+
+Binary requests (what ``tritonclient`` sends by default) carry their tensors after a JSON
+header that a client repeats byte for byte for every request of one shape. So everything
+that depends only on that header is worked out once per model and header and kept in an
+:class:`InferPlan`: the header's parse and checks, the model's input checks, the batcher
+options, the outputs asked for, and the JSON header of the answer for each output shape.
+A request then costs the decoding of its tensor bytes, its place in a batch and the copy
+of its outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from carpool.errors import InvalidInput
+from carpool.server.errors import http_error, openai_error
+from carpool.server.repository import ServedModel, TensorSpec
+from carpool.server.tensors import (
+    InferHeader,
+    InferRequest,
+    OutputTensor,
+    decode_with_header,
+    encode_infer_response,
+    infer_header,
+    split_infer_body,
+    tensor_bytes,
+)
+
+Headers = tuple[tuple[bytes, bytes], ...]
+Answer = tuple[int, bytes, Headers]
+
+JSON_HEADERS: Headers = ((b"content-type", b"application/json"),)
+_BINARY_TYPE = (b"content-type", b"application/octet-stream")
+_HEADER_LENGTH = b"inference-header-content-length"
+PLANS_PER_MODEL = 64
+ANSWER_HEADERS_PER_PLAN = 16
+
+
+@dataclass(slots=True)
+class InferPlan:
+    """What every request sending one JSON header asks of one model, checked once.
+
+    ``answers`` keeps the answer's JSON header by the output shapes (only when every
+    output goes back as fixed-size binary data, whose header then depends on nothing else).
+    """
+
+    header: InferHeader
+    options: dict[str, Any]
+    wanted: list[TensorSpec]
+    binary: set[str]
+    answers: dict[tuple[tuple[int, ...], ...], bytes] | None = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class InferCall:
+    """A decoded, checked KServe inference request, ready for its model."""
+
+    request: InferRequest
+    payload: dict[str, np.ndarray]
+    plan: InferPlan
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Batcher keywords (priority, timeout) from the request parameters."""
+        return self.plan.options
+
+
+class InferPlans:
+    """Plans by (model, header bytes); bounded per model, the oldest plan goes first."""
+
+    def __init__(self) -> None:
+        self._by_model: dict[str, dict[bytes, InferPlan]] = {}
+
+    def get(self, model: ServedModel, header_bytes: bytes) -> InferPlan | None:
+        plans = self._by_model.get(model.name)
+        return None if plans is None else plans.get(header_bytes)
+
+    def put(self, model: ServedModel, header_bytes: bytes, plan: InferPlan) -> None:
+        plans = self._by_model.setdefault(model.name, {})
+        if len(plans) >= PLANS_PER_MODEL:
+            del plans[next(iter(plans))]
+        plans[header_bytes] = plan
+
+
+def prepare_infer(
+    model: ServedModel, body: bytes, header_length: bytes | None, plans: InferPlans
+) -> InferCall:
+    """Decode and check an infer body; ``header_length`` is the value of the
+    Inference-Header-Content-Length HTTP header (None: the whole body is JSON).
+
+    Raises:
+        InvalidInput: naming what was wrong and what was expected.
+    """
+    length = None
+    if header_length is not None:
+        try:
+            length = int(header_length)
+        except ValueError:
+            raise InvalidInput(
+                f"header Inference-Header-Content-Length={header_length!r}: expected a byte count"
+            ) from None
+    header_bytes, binary = split_infer_body(body, length)
+    plan = plans.get(model, header_bytes) if length is not None else None
+    if plan is not None:  # the same header as an earlier request: checked then
+        request = decode_with_header(plan.header, binary)
+        return InferCall(request, {t.name: t.array for t in request.inputs}, plan)
+    header = infer_header(header_bytes, length is not None)
+    request = decode_with_header(header, binary)
+    payload = model.payload(request)
+    wanted = _wanted_outputs(model, request)
+    plan = InferPlan(header, model.submit_options(request), wanted, _binary(request, wanted))
+    if plan.binary != {spec.name for spec in wanted} or any(
+        spec.datatype == "BYTES" for spec in wanted
+    ):
+        plan.answers = None  # JSON or variable-size outputs: encoded in full each time
+    if length is not None and header.is_cacheable:
+        plans.put(model, header_bytes, plan)
+    return InferCall(request, payload, plan)
+
+
+def infer_response(model: ServedModel, call: InferCall, result: dict[str, Any]) -> Answer:
+    """(status, body, headers) answering ``call`` with the model's ``result``."""
+    plan = call.plan
+    answers = plan.answers
+    if answers is not None:
+        arrays = [result[spec.name] for spec in plan.wanted]
+        shapes = tuple(array.shape for array in arrays)
+        json_header = answers.get(shapes)
+        if json_header is not None:
+            chunks = [tensor_bytes(s.datatype, a) for s, a in zip(plan.wanted, arrays, strict=True)]
+            return 200, b"".join([json_header, *chunks]), _binary_headers(len(json_header))
+    outputs = [OutputTensor(spec.name, result[spec.name], spec.datatype) for spec in plan.wanted]
+    data, json_length = encode_infer_response(
+        model.name, model.version, call.request.request_id, outputs, plan.binary
+    )
+    if json_length is None:
+        return 200, data, JSON_HEADERS
+    if answers is not None and len(answers) < ANSWER_HEADERS_PER_PLAN:
+        answers[tuple(o.array.shape for o in outputs)] = data[:json_length]
+    return 200, data, _binary_headers(json_length)
+
+
+def error_response(exc: Exception, *, is_openai: bool = False) -> Answer:
+    """(status, body, headers) for a failed request: ``{"error": message}``, or OpenAI's
+    error document on ``/v1/`` paths."""
+    if is_openai:
+        error, document = openai_error(exc)
+        return error.status, orjson.dumps(document), (*JSON_HEADERS, *error.headers)
+    error = http_error(exc)
+    return error.status, orjson.dumps({"error": error.message}), (*JSON_HEADERS, *error.headers)
+
+
+def _binary_headers(json_length: int) -> Headers:
+    return (_BINARY_TYPE, (_HEADER_LENGTH, b"%d" % json_length))
+
+
+def _wanted_outputs(model: ServedModel, request: InferRequest) -> list[TensorSpec]:
+    if request.outputs is None:
+        return list(model.outputs)
+    by_name = {spec.name: spec for spec in model.outputs}
+    wanted = []
+    for output in request.outputs:
+        spec = by_name.get(output.name)
+        if spec is None:
+            raise InvalidInput(
+                f"unknown output {output.name!r} for model {model.name!r}; "
+                f"expected {sorted(by_name)}"
+            )
+        wanted.append(spec)
+    return wanted
+
+
+def _binary(request: InferRequest, wanted: list[TensorSpec]) -> set[str]:
+    if request.outputs is None:
+        return {s.name for s in wanted} if request.is_binary_output_default else set()
+    return {o.name for o in request.outputs if o.is_binary}

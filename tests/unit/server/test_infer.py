@@ -1,0 +1,121 @@
+"""prepare_infer and infer_response: the per-header plan and the cached answer headers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from carpool import Batcher
+from carpool.errors import InvalidInput
+from carpool.server import infer
+from carpool.server.infer import InferPlans, infer_response, prepare_infer
+from carpool.server.repository import ServedModel, TensorSpec
+
+
+def _model() -> ServedModel:
+    return ServedModel(
+        "m",
+        "1",
+        "python",
+        (TensorSpec("x", "FP32", (2,)),),
+        (TensorSpec("y", "FP32", (-1,)), TensorSpec("z", "INT64", (1,))),
+        Batcher(lambda inputs: inputs),
+    )
+
+
+def _body(rows: np.ndarray, *, binary_outputs: bool = True, request_id: str | None = None):
+    data = rows.astype(np.float32).tobytes()
+    document: dict[str, Any] = {
+        "inputs": [
+            {
+                "name": "x",
+                "shape": list(rows.shape),
+                "datatype": "FP32",
+                "parameters": {"binary_data_size": len(data)},
+            }
+        ],
+        "parameters": {"binary_data_output": binary_outputs, "priority": 1},
+    }
+    if request_id is not None:
+        document["id"] = request_id
+    header = orjson.dumps(document)
+    return header + data, str(len(header)).encode()
+
+
+def _decode(answer: tuple[int, bytes, Any]) -> dict[str, Any]:
+    status, body, headers = answer
+    assert status == 200
+    found = dict(headers)
+    if b"inference-header-content-length" not in found:
+        document = orjson.loads(body)
+        return {o["name"]: np.reshape(o["data"], o["shape"]) for o in document["outputs"]}
+    length = int(found[b"inference-header-content-length"])
+    document, offset, outputs = orjson.loads(body[:length]), length, {}
+    for output in document["outputs"]:
+        size = output["parameters"]["binary_data_size"]
+        dtype = {"FP32": np.float32, "INT64": np.int64}[output["datatype"]]
+        chunk = body[offset : offset + size]
+        outputs[output["name"]] = np.frombuffer(chunk, dtype).reshape(output["shape"])
+        offset += size
+    assert offset == len(body)
+    return outputs
+
+
+def test_a_repeated_header_reuses_its_plan_and_decodes_each_body() -> None:
+    model, plans = _model(), InferPlans()
+    first = prepare_infer(model, *_body(np.array([[1.0, 2.0]])), plans)
+    second = prepare_infer(model, *_body(np.array([[3.0, 4.0]])), plans)
+    assert second.plan is first.plan
+    assert first.options == {"priority": model.batcher.policy.classes[0].name}
+    np.testing.assert_array_equal(first.payload["x"], [[1, 2]])
+    np.testing.assert_array_equal(second.payload["x"], [[3, 4]])
+
+
+def test_answers_are_right_for_each_output_shape_with_cached_headers() -> None:
+    model, plans = _model(), InferPlans()
+    for width in (3, 5, 3, 5, 1):
+        call = prepare_infer(model, *_body(np.zeros((1, 2))), plans)
+        y = np.arange(width, dtype=np.float32)[None] + width
+        z = np.array([[width]])
+        outputs = _decode(infer_response(model, call, {"y": y, "z": z}))
+        np.testing.assert_array_equal(outputs["y"], y)
+        np.testing.assert_array_equal(outputs["z"], z)
+    assert call.plan.answers is not None and len(call.plan.answers) == 3
+
+
+def test_json_outputs_are_encoded_in_full() -> None:
+    model, plans = _model(), InferPlans()
+    call = prepare_infer(model, *_body(np.zeros((1, 2)), binary_outputs=False), plans)
+    assert call.plan.answers is None
+    outputs = _decode(infer_response(model, call, {"y": np.ones((1, 2)), "z": np.ones((1, 1))}))
+    np.testing.assert_array_equal(outputs["y"], [[1, 1]])
+
+
+def test_request_ids_get_their_own_plans_and_answers() -> None:
+    model, plans = _model(), InferPlans()
+    for request_id in ("a", "b", "a"):
+        call = prepare_infer(model, *_body(np.zeros((1, 2)), request_id=request_id), plans)
+        _, body, headers = infer_response(model, call, {"y": np.ones((1, 2)), "z": np.ones((1, 1))})
+        length = int(dict(headers)[b"inference-header-content-length"])
+        assert orjson.loads(body[:length])["id"] == request_id
+
+
+def test_a_bad_header_length_is_refused_and_nothing_is_cached() -> None:
+    model, plans = _model(), InferPlans()
+    body, _ = _body(np.zeros((1, 2)))
+    with pytest.raises(InvalidInput, match="Inference-Header-Content-Length"):
+        prepare_infer(model, body, b"twelve", plans)
+    with pytest.raises(InvalidInput, match="shape \\[1, 3\\], expected \\[-1, 2\\]"):
+        prepare_infer(model, *_body(np.zeros((1, 3))), plans)
+    assert plans.get(model, body) is None
+
+
+def test_plans_are_bounded_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(infer, "PLANS_PER_MODEL", 3)
+    model, plans = _model(), InferPlans()
+    for request_id in "abcde":
+        prepare_infer(model, *_body(np.zeros((1, 2)), request_id=request_id), plans)
+    assert len(plans._by_model["m"]) == 3
