@@ -169,6 +169,7 @@ class ModelConfig(_Strict):
     devices: list[str] | None = Field(None, min_length=1)
     device: str | None = None  # every replica's device when devices is not given (cpu)
     dtype: TorchDtype | None = None
+    executor: Literal["auto", "thread", "loop"] = "auto"  # where a sync model runs (Batcher)
 
     @field_validator("version", mode="before")
     @classmethod

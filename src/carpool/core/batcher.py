@@ -29,6 +29,7 @@ from carpool.core.collate import Collator
 from carpool.core.policy import BatchPolicy
 from carpool.core.queues import Queues
 from carpool.core.replicas import (
+    EXECUTORS,
     BatchFn,
     FnFactory,
     Replica,
@@ -85,6 +86,10 @@ class Batcher:
             switch interval is lowered to this (restored when the last such batcher
             stops), so the model thread is not held off the GIL by the event loop's
             bursts; ``None`` leaves the interpreter alone.
+        executor: where a sync model runs: ``"thread"``, each replica on its own thread;
+            ``"loop"``, on the event loop's thread (the loop waits for each batch);
+            ``"auto"`` (default), on the loop for a CPU model when the process may use only
+            one CPU, where a thread would only take turns with the loop on that core.
 
     Raises:
         ConfigError: when the arguments contradict each other.
@@ -106,6 +111,7 @@ class Batcher:
         memory_probe: MemoryProbe | None = None,
         telemetry: bool = True,
         switch_interval_s: float | None = 0.0005,
+        executor: str = "auto",
     ) -> None:
         if (fn is None) == (fn_factory is None):
             raise ConfigError("fn", fn, "exactly one of fn or fn_factory")
@@ -132,6 +138,9 @@ class Batcher:
             raise ConfigError("switch_interval_s", switch_interval_s, "seconds in (0, 1] or None")
         self._switch_interval_s = switch_interval_s
         self._holds_switch_interval = False
+        if executor not in EXECUTORS:
+            raise ConfigError("executor", executor, f"one of {list(EXECUTORS)}")
+        self._executor = executor
         slos = {c.name: c.slo_s for c in self._policy.classes}
         telemetry_cls = Telemetry if telemetry else NullTelemetry
         self._telemetry = telemetry_cls(
@@ -197,7 +206,15 @@ class Batcher:
         self._starting = loop.create_future()
         try:
             replicas = [
-                Replica(i, device, self._name, self._fn, self._fn_factory, self._clock.now)
+                Replica(
+                    i,
+                    device,
+                    self._name,
+                    self._fn,
+                    self._fn_factory,
+                    self._clock.now,
+                    self._executor,
+                )
                 for i, device in enumerate(self._devices)
             ]
             try:
@@ -429,6 +446,8 @@ class Batcher:
                     f.batch.lead_class == landing.batch.lead_class for f in inflight
                 )
                 await self._land(replica, landing, holds_replica)
+                if replica.blocks_loop:
+                    await _io_turn()
                 continue
             if self._state is not _State.RUNNING and self._queues.num_live == 0:
                 return
@@ -621,6 +640,13 @@ def _guarded(hook: TraceHook, name: str) -> TraceHook:
             log.exception("on_trace hook of %r raised", name)
 
     return call
+
+
+async def _io_turn() -> None:
+    """Let the event loop read its sockets before the next batch is chosen: a model that
+    computed on the loop's thread left every request that arrived meanwhile unread."""
+    await asyncio.sleep(0)  # the loop polls for I/O after this round of callbacks
+    await asyncio.sleep(0)  # and runs the readers (which queue requests) before this
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

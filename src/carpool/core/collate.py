@@ -135,7 +135,8 @@ class DictCollator:
     def num_items(self, payload: Any) -> int:
         if len(payload) == 1:
             (array,) = payload.values()
-            return int(np.shape(array)[0])
+            shape = getattr(array, "shape", None)  # np.shape() is a Python-level call
+            return int((shape if shape is not None else np.shape(array))[0])
         counts = {int(np.shape(a)[0]) for a in payload.values()}
         if len(counts) != 1:
             raise ValueError(f"inputs disagree on the batch dimension: {sorted(counts)}")

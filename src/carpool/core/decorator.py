@@ -99,6 +99,7 @@ def batched(
     slow_request_s: float | None = ...,
     memory_probe: MemoryProbe | None = ...,
     switch_interval_s: float | None = ...,
+    executor: str = ...,
 ) -> Callable[[BatchFn], BatchedFunction]: ...
 
 
@@ -128,6 +129,7 @@ def batched(
     slow_request_s: float | None = None,
     memory_probe: MemoryProbe | None = None,
     switch_interval_s: float | None = 0.0005,
+    executor: str = "auto",
 ) -> BatchedFunction | Callable[[BatchFn], BatchedFunction]:
     """Decorate a batched function: ``await f(x)`` then runs ``x`` inside some batch.
 
@@ -164,6 +166,7 @@ def batched(
             slow_request_s=slow_request_s,
             memory_probe=memory_probe,
             switch_interval_s=switch_interval_s,
+            executor=executor,
         )
         return BatchedFunction(target, batcher)
 

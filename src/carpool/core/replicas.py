@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import os
 import sys
 import threading
 from collections.abc import Awaitable, Callable
@@ -22,6 +23,31 @@ from carpool.core.telemetry import ReplicaCounters
 
 BatchFn = Callable[[Any], Any]
 FnFactory = Callable[[str], BatchFn]
+
+
+EXECUTORS = ("auto", "thread", "loop")
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def runs_on_loop(executor: str, device: str) -> bool:
+    """Whether a sync model on ``device`` runs on the event loop's thread.
+
+    ``"auto"`` means yes only for a CPU model in a process confined to one CPU: there a
+    replica thread cannot compute in parallel with the loop, it only takes turns with it
+    on the one core, and each turn costs a context switch and the caches the other side
+    filled (W1 over HTTP on one core: 18% more requests per second on the loop; see
+    ``docs/benchmarks.md``). The loop then waits for each batch, as it would for its turn.
+    """
+    if executor == "auto":
+        return device == "cpu" and usable_cpus() == 1
+    return executor == "loop"
 
 
 def is_async_callable(fn: object) -> bool:
@@ -102,6 +128,7 @@ class Replica:
         fn: BatchFn | None,
         factory: FnFactory | None,
         now: Callable[[], float],
+        executor: str = "auto",
     ) -> None:
         self.replica_id = replica_id
         self.device = device
@@ -121,6 +148,7 @@ class Replica:
             initializer=self._init_thread,
         )
         self._is_async = fn is not None and is_async_callable(fn)
+        self._on_loop = runs_on_loop(executor, device)
 
     def _init_thread(self) -> None:
         torch = sys.modules.get("torch")
@@ -129,12 +157,17 @@ class Replica:
 
     @property
     def is_threaded(self) -> bool:
-        """Whether the model runs on this replica's thread (a sync model)."""
-        return not self._is_async
+        """Whether the model runs on this replica's thread (a sync model off the loop)."""
+        return not self._is_async and not self._on_loop
+
+    @property
+    def blocks_loop(self) -> bool:
+        """Whether the model computes on the event loop's thread, holding it meanwhile."""
+        return not self._is_async and self._on_loop
 
     @property
     def pipeline_depth(self) -> int:
-        return 1 if self._is_async else 2
+        return 2 if self.is_threaded else 1
 
     async def load(self) -> None:
         """Build this replica's model with the factory, on the replica's own thread."""
@@ -166,6 +199,15 @@ class Replica:
             batch = collator.collate(payloads, is_many)
         except Exception as exc:
             return _raise(exc)
+        if self._on_loop:
+
+            async def call_on_loop() -> RunOutput:
+                started = now()
+                outputs = fn(batch)
+                ended = now()
+                return RunOutput(collator.split(outputs, counts, is_many), started, ended)
+
+            return call_on_loop()
 
         def job() -> tuple[Any, float, float]:
             started = now()

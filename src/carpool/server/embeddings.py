@@ -59,6 +59,7 @@ class EmbeddingService:
         devices: list[str] | None = None,
         dtype: str = "float32",
         max_inputs: int = DEFAULT_MAX_INPUTS,
+        executor: str = "auto",
     ) -> None:
         from carpool.models.embeddings import TextEncoder
 
@@ -75,6 +76,7 @@ class EmbeddingService:
             name=name,
             devices=devices or ["cpu"],
             collate="packed",
+            executor=executor,
         )
 
     @property

@@ -1,0 +1,87 @@
+"""Where a sync model runs: its replica's thread, or the event loop's thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from carpool import Batcher, BatchPolicy
+from carpool.core import replicas
+from carpool.errors import ConfigError
+
+
+class ThreadRecorder:
+    def __init__(self) -> None:
+        self.threads: set[int] = set()
+        self.sizes: list[int] = []
+
+    def __call__(self, batch: np.ndarray) -> np.ndarray:
+        self.threads.add(threading.get_ident())
+        self.sizes.append(len(batch))
+        return batch * 2
+
+
+async def _run(executor: str, device: str = "cpu") -> tuple[ThreadRecorder, list[float]]:
+    model = ThreadRecorder()
+    batcher = Batcher(
+        model,
+        BatchPolicy(max_batch_size=8, max_delay_s=0.01),
+        devices=[device],
+        executor=executor,
+        switch_interval_s=None,
+    )
+    async with batcher:
+        results = await asyncio.gather(
+            *(batcher.submit(np.array([i], dtype=np.float32)) for i in range(8))
+        )
+    return model, [float(r[0]) for r in results]
+
+
+async def test_loop_runs_the_model_on_the_event_loop_thread_and_still_batches() -> None:
+    model, results = await _run("loop")
+    assert model.threads == {threading.get_ident()}
+    assert results == [2.0 * i for i in range(8)]
+    assert model.sizes == [8]
+
+
+async def test_thread_runs_the_model_on_its_replica_thread() -> None:
+    model, results = await _run("thread")
+    assert threading.get_ident() not in model.threads
+    assert results == [2.0 * i for i in range(8)]
+
+
+@pytest.mark.parametrize(
+    ("cpus", "device", "on_loop"),
+    [(1, "cpu", True), (2, "cpu", False), (1, "cuda:0", False)],
+)
+async def test_auto_uses_the_loop_only_for_a_cpu_model_confined_to_one_cpu(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, device: str, on_loop: bool
+) -> None:
+    monkeypatch.setattr(replicas, "usable_cpus", lambda: cpus)
+    assert replicas.runs_on_loop("auto", device) is on_loop
+    if device == "cpu":
+        model, _ = await _run("auto")
+        assert (model.threads == {threading.get_ident()}) is on_loop
+
+
+def test_an_unknown_executor_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="executor"):
+        Batcher(lambda batch: batch, executor="process")
+
+
+async def test_a_model_error_on_the_loop_fails_only_its_batch() -> None:
+    def fails_on_seven(batch: np.ndarray) -> np.ndarray:
+        if 7 in batch:
+            raise RuntimeError("seven")
+        return batch
+
+    batcher = Batcher(fails_on_seven, BatchPolicy(max_batch_size=1), executor="loop")
+    async with batcher:
+        ok, bad = await asyncio.gather(
+            batcher.submit(np.ones(1)), batcher.submit(np.full(1, 7.0)), return_exceptions=True
+        )
+    assert float(ok[0]) == 1.0
+    assert "seven" in str(bad)
