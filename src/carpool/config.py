@@ -169,7 +169,8 @@ class ModelConfig(_Strict):
     devices: list[str] | None = Field(None, min_length=1)
     device: str | None = None  # every replica's device when devices is not given (cpu)
     dtype: TorchDtype | None = None
-    executor: Literal["auto", "thread", "loop"] = "auto"  # where a sync model runs (Batcher)
+    # Where a sync model runs (Batcher's executor); None: the kind's default.
+    executor: Literal["auto", "thread", "loop"] | None = None
 
     @field_validator("version", mode="before")
     @classmethod

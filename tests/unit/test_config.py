@@ -187,6 +187,7 @@ def test_config_datatypes_are_the_server_datatypes() -> None:
         ),
         (_with_model_line("length_buckets: [64, 16]"), "models[0].length_buckets", "ascending"),
         (_with_model_line("max_batch_tokens: 0"), "models[0].max_batch_tokens", "greater than"),
+        (_with_model_line("executor: process"), "models[0].executor", "'thread'"),
         ("models: []\n", "models", "at least 1 item"),
         ("", "(top level)", "dictionary"),
         ("models:\n  - name: [\n", "line 3", "valid YAML"),
@@ -253,3 +254,9 @@ def test_embeddings_entry_reads_a_folder_and_token_policy(config_dir: Path) -> N
     declared = text + "    inputs: [{name: T, datatype: BYTES, shape: []}]\n"
     with pytest.raises(ConfigError, match=r"models\[0\]\.inputs.*declares its own"):
         load_config(_write(config_dir, declared))
+
+
+def test_executor_is_read_and_left_to_the_kind_when_absent(config_dir: Path) -> None:
+    config = load_config(_write(config_dir, _with_model_line("executor: loop")))
+    assert config.models[0].executor == "loop"
+    assert config.models[1].executor is None

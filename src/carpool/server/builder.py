@@ -51,7 +51,7 @@ def build_model(model: ModelConfig) -> ServedModel:
             devices=model.replica_devices(),
             dtype=model.dtype or "float32",
             max_inputs=model.max_inputs,
-            executor=model.executor,
+            executor=model.executor or EmbeddingService.DEFAULT_EXECUTOR,
         )
         return service.served_model()
     if model.kind == "generation":
@@ -67,7 +67,7 @@ def build_model(model: ModelConfig) -> ServedModel:
         name=model.name,
         devices=model.replica_devices(),
         collate=_collator(inputs),
-        executor=model.executor,
+        executor=model.executor or "auto",
     )
     return ServedModel(
         name=model.name,
