@@ -6,7 +6,9 @@ by default). Reports req/s, p50/p99 from wrk, and the mean batch size from the s
 own statistics; the offline W1 ceiling at batch 64 is measured in the same run, before
 and after the HTTP runs (their mean), for a ratio.
 
-    .venv/bin/python benchmarks/bench_http.py [--duration-s 8] [--json PATH]
+    .venv/bin/python benchmarks/bench_http.py [--duration-s 8] [--repeats 3] [--json PATH]
+
+Each sweep runs every concurrency once; the figures reported are medians over the sweeps.
 
 Needs `wrk` (apt-get install wrk) and `taskset` (util-linux).
 """
@@ -16,10 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -31,6 +35,7 @@ from benchlib import (
     carpool_serve,
     machine_info,
     require_wrk,
+    wait_kserve_ready,
     write_results,
     wrk_info,
 )
@@ -77,12 +82,20 @@ def _stats(url: str) -> tuple[int, int]:
     return int(stats["inference_count"]), int(stats["execution_count"])
 
 
+def _median_row(connections: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per field, the median over the sweeps; each sweep's figures kept under "runs"."""
+    fields = ("rate_rps", "p50_ms", "p99_ms", "mean_batch_size", "non_2xx")
+    row: dict[str, Any] = {f: statistics.median(r[f] for r in runs) for f in fields}
+    return {"concurrency": connections, **row, "runs": runs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--duration-s", type=float, default=8.0)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--repeats", type=int, default=3, help="sweeps; medians reported")
     args = parser.parse_args()
     require_wrk("bench_http")
     machine = machine_info(**wrk_info())
@@ -101,15 +114,9 @@ def main() -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    rows = []
+    rows: list[dict[str, Any]] = []
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_kserve_ready(url)
         with tempfile.TemporaryDirectory() as tmp:
             body = Path(tmp) / "body.bin"
             header_length = _body(body)
@@ -123,19 +130,22 @@ def main() -> None:
                 },
             )
             run_wrk(infer_url, script, 16, 2.0, LOAD_CPU)  # warm-up
-            for connections in CONCURRENCY:
-                before = _stats(url)
-                result = run_wrk(infer_url, script, connections, args.duration_s, LOAD_CPU)
-                after = _stats(url)
-                items, batches = after[0] - before[0], after[1] - before[1]
-                result["mean_batch_size"] = items / batches if batches else 0.0
-                result["concurrency"] = connections
-                rows.append(result)
-                print(
-                    f"concurrency {connections:>3}: {result['rate_rps']:8.0f} req/s  "
-                    f"p50 {result['p50_ms']:7.2f} ms  p99 {result['p99_ms']:7.2f} ms  "
-                    f"mean batch {result['mean_batch_size']:5.1f}  non-2xx {result['non_2xx']}"
-                )
+            runs: dict[int, list[dict[str, Any]]] = {c: [] for c in CONCURRENCY}
+            for repeat in range(args.repeats):
+                for connections in CONCURRENCY:
+                    before = _stats(url)
+                    result = run_wrk(infer_url, script, connections, args.duration_s, LOAD_CPU)
+                    after = _stats(url)
+                    items, batches = after[0] - before[0], after[1] - before[1]
+                    result["mean_batch_size"] = items / batches if batches else 0.0
+                    runs[connections].append(result)
+                    print(
+                        f"sweep {repeat + 1} concurrency {connections:>3}: "
+                        f"{result['rate_rps']:8.0f} req/s  p50 {result['p50_ms']:7.2f} ms  "
+                        f"p99 {result['p99_ms']:7.2f} ms  mean batch "
+                        f"{result['mean_batch_size']:5.1f}  non-2xx {result['non_2xx']}"
+                    )
+            rows = [_median_row(c, runs[c]) for c in CONCURRENCY]
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
@@ -145,10 +155,14 @@ def main() -> None:
         f"offline W1 ceiling again: {ceiling_after:.0f} items/s; "
         f"mean {ceiling:.0f} items/s is the ceiling below"
     )
+    print("medians of the sweeps:")
     for result in rows:
         result["ratio_to_ceiling"] = result["rate_rps"] / ceiling
-        share = result["ratio_to_ceiling"]
-        print(f"concurrency {result['concurrency']:>3}: {share:.2f} of ceiling")
+        print(
+            f"concurrency {result['concurrency']:>3}: {result['rate_rps']:8.0f} req/s  "
+            f"p50 {result['p50_ms']:7.2f} ms  p99 {result['p99_ms']:7.2f} ms  mean batch "
+            f"{result['mean_batch_size']:5.1f}  {result['ratio_to_ceiling']:.2f} of ceiling"
+        )
     write_results(
         args.json,
         {
@@ -156,6 +170,7 @@ def main() -> None:
             "ceiling_items_per_s": ceiling,
             "ceiling_before_after": [ceiling_before, ceiling_after],
             "rows": rows,
+            "repeats": args.repeats,
             "duration_s": args.duration_s,
         },
     )

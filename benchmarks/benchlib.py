@@ -161,6 +161,21 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=10)
 
 
+def wait_kserve_ready(url: str, timeout_s: float = 60.0) -> None:
+    """Poll ``url``/v2/health/ready until it answers 200 (carpool serve is up)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not become ready within {timeout_s:g} s")
+
+
 def wait_ready(
     process: subprocess.Popen[bytes],
     url: str,

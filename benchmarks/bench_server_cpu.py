@@ -1,0 +1,130 @@
+"""Where a served request's CPU goes: per-thread CPU time of `carpool serve` under wrk.
+
+The server runs pinned to CPU 0 (``OMP_NUM_THREADS=1``), ``wrk -t1`` on CPU 1 drives
+``POST /v2/models/mlp/infer`` closed-loop (binary KServe body by default, ``--json`` for
+the KServe JSON body of bench_peers.py) for ``--duration-s`` per concurrency. The CPU time
+of each server thread over the window (``/proc/PID/task/TID/stat``: user + system) divided
+by the requests answered gives microseconds of CPU per request per thread: the event loop
+(``MainThread``, HTTP and batching) apart from a replica thread (the model), which is how
+the per-request overhead and its cause were told apart for `docs/benchmarks.md`.
+
+    .venv/bin/python benchmarks/bench_server_cpu.py [CONFIG.yaml] [--concurrency 64,256]
+        [--json] [--duration-s 8]
+
+Without a config the built-in models are served (``mlp`` is W1, 64 / 2 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+import benchlib
+from bench_http import _body
+from wrkrun import free_port, run_wrk, write_post_script
+
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_ticks(pid: int) -> dict[int, tuple[str, int]]:
+    """{thread id: (name, user + system ticks)} of a running process."""
+    threads = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except FileNotFoundError:  # the thread ended
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        threads[int(tid)] = (name, int(fields[11]) + int(fields[12]))
+    return threads
+
+
+def _script(folder: Path, as_json: bool) -> Path:
+    body, script = folder / "body", folder / "post.lua"
+    if as_json:
+        x = np.random.default_rng(0).standard_normal(256).astype(np.float32)
+        tensor = {"name": "INPUT0", "shape": [1, 256], "datatype": "FP32", "data": x.tolist()}
+        body.write_text(json.dumps({"inputs": [tensor]}))
+        write_post_script(script, body, {"Content-Type": "application/json"})
+    else:
+        header_length = _body(body)
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "Inference-Header-Content-Length": str(header_length),
+        }
+        write_post_script(script, body, headers)
+    return script
+
+
+def _counts(url: str) -> tuple[int, int]:
+    stats = httpx.get(f"{url}/v2/models/mlp/stats").json()["model_stats"][0]
+    return int(stats["inference_count"]), int(stats["execution_count"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("config", nargs="?", type=Path)
+    parser.add_argument("--concurrency", default="64,256")
+    parser.add_argument("--duration-s", type=float, default=8.0)
+    parser.add_argument("--json", action="store_true", help="KServe JSON bodies, not binary")
+    args = parser.parse_args()
+    benchlib.require_wrk("bench_server_cpu.py")
+    print(f"machine: {benchlib.machine_info(**benchlib.wrk_info())}")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = ["taskset", "-c", benchlib.SERVER_CPU, *benchlib.carpool_serve(port, 0, args.config)]
+    server = subprocess.Popen(
+        command,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        benchlib.wait_kserve_ready(url)
+        with tempfile.TemporaryDirectory() as tmp:
+            script = _script(Path(tmp), args.json)
+            infer = f"{url}/v2/models/mlp/infer"
+            run_wrk(infer, script, 16, 2.0, benchlib.LOAD_CPU)  # warm-up
+            for connections in (int(c) for c in args.concurrency.split(",")):
+                _report(server.pid, url, infer, script, connections, args.duration_s)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+
+
+def _report(pid: int, url: str, infer: str, script: Path, connections: int, seconds: float) -> None:
+    before, counts_before = thread_cpu_ticks(pid), _counts(url)
+    start = time.perf_counter()
+    result: dict[str, Any] = run_wrk(infer, script, connections, seconds, benchlib.LOAD_CPU)
+    elapsed = time.perf_counter() - start
+    after, counts_after = thread_cpu_ticks(pid), _counts(url)
+    items = counts_after[0] - counts_before[0]
+    batches = counts_after[1] - counts_before[1]
+    print(
+        f"c={connections}: {result['rate_rps']:.0f} req/s  p50 {result['p50_ms']:.1f} ms  "
+        f"p99 {result['p99_ms']:.1f} ms  mean batch {items / max(batches, 1):.1f}"
+    )
+    for tid, (name, ticks) in sorted(after.items()):
+        used = ticks - before.get(tid, (name, 0))[1]
+        if used:
+            role = "event loop" if tid == pid else "other thread"
+            share = used / TICKS_PER_S / elapsed
+            per_request_us = used / TICKS_PER_S / max(items, 1) * 1e6
+            print(f"  {role:12s} {tid}: {share:6.1%} of a core, {per_request_us:6.1f} us/request")
+
+
+if __name__ == "__main__":
+    main()
