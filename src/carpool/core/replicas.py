@@ -36,14 +36,20 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+LONGEST_BATCH_ON_LOOP_S = 0.05
+
+
 def runs_on_loop(executor: str, device: str) -> bool:
-    """Whether a sync model on ``device`` runs on the event loop's thread.
+    """Whether a sync model on ``device`` starts on the event loop's thread.
 
     ``"auto"`` means yes only for a CPU model in a process confined to one CPU: there a
     replica thread cannot compute in parallel with the loop, it only takes turns with it
     on the one core, and each turn costs a context switch and the caches the other side
     filled (W1 over HTTP on one core: 18% more requests per second on the loop; see
     ``docs/benchmarks.md``). The loop then waits for each batch, as it would for its turn.
+    Under ``"auto"`` a replica whose batch computes longer than
+    ``LONGEST_BATCH_ON_LOOP_S`` moves to its thread for good: the loop must not go deaf
+    to health checks and new connections for that long.
     """
     if executor == "auto":
         return device == "cpu" and usable_cpus() == 1
@@ -149,6 +155,7 @@ class Replica:
         )
         self._is_async = fn is not None and is_async_callable(fn)
         self._on_loop = runs_on_loop(executor, device)
+        self._may_leave_loop = executor == "auto"
 
     def _init_thread(self) -> None:
         torch = sys.modules.get("torch")
@@ -205,6 +212,8 @@ class Replica:
                 started = now()
                 outputs = fn(batch)
                 ended = now()
+                if self._may_leave_loop and ended - started > LONGEST_BATCH_ON_LOOP_S:
+                    self._on_loop = False  # later batches run on the replica's thread
                 return RunOutput(collator.split(outputs, counts, is_many), started, ended)
 
             return call_on_loop()

@@ -85,3 +85,29 @@ async def test_a_model_error_on_the_loop_fails_only_its_batch() -> None:
         )
     assert float(ok[0]) == 1.0
     assert "seven" in str(bad)
+
+
+async def test_auto_moves_a_replica_off_the_loop_when_a_batch_computes_too_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(replicas, "usable_cpus", lambda: 1)
+    monkeypatch.setattr(replicas, "LONGEST_BATCH_ON_LOOP_S", 0.0)  # every batch is too long
+    model = ThreadRecorder()
+    batcher = Batcher(model, BatchPolicy(max_batch_size=1), executor="auto")
+    async with batcher:
+        await batcher.submit(np.ones(1))
+        assert model.threads == {threading.get_ident()}  # the first batch ran on the loop
+        await batcher.submit(np.ones(1))
+    assert len(model.threads) == 2  # the next one on the replica's thread
+
+
+async def test_loop_stays_on_the_loop_however_long_a_batch_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(replicas, "LONGEST_BATCH_ON_LOOP_S", 0.0)
+    model = ThreadRecorder()
+    batcher = Batcher(model, BatchPolicy(max_batch_size=1), executor="loop")
+    async with batcher:
+        for _ in range(3):
+            await batcher.submit(np.ones(1))
+    assert model.threads == {threading.get_ident()}
