@@ -130,7 +130,7 @@ class InferProtocol(HttpToolsProtocol):
         keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
         cycle = _FastCycle(
             model,
-            self.url.decode("ascii"),
+            self.url.decode("latin-1"),  # as _fast_model matched it
             header_length,
             keep_alive,
             self.expect_100_continue,

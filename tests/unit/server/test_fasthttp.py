@@ -225,6 +225,7 @@ async def test_other_routes_and_models_go_through_the_asgi_app(server: Server) -
         "custom infer": _binary_request(1.0, path=b"/v2/models/custom/infer"),
         "version": _binary_request(1.0, path=b"/v2/models/m/versions/1/infer"),
         "wrong version": _binary_request(1.0, path=b"/v2/models/m/versions/9/infer"),
+        "query": _binary_request(1.0, path=b"/v2/models/m/infer?trace=1"),
     }
     transports = {}
     for name, raw in requests.items():
@@ -238,6 +239,7 @@ async def test_other_routes_and_models_go_through_the_asgi_app(server: Server) -
     np.testing.assert_array_equal(_binary_output(answers["custom infer"]), [[3, 3]])
     np.testing.assert_array_equal(_binary_output(answers["version"]), [[2, 2]])
     assert answers["wrong version"][0] == 404
+    np.testing.assert_array_equal(_binary_output(answers["query"]), [[2, 2]])
 
 
 async def test_pipelined_requests_are_answered_in_order(server: Server) -> None:
