@@ -27,9 +27,13 @@ from carpool.server.tensors import (
     InferHeader,
     InferRequest,
     OutputTensor,
+    decode_json_with_header,
     decode_with_header,
     encode_infer_response,
+    header_of,
     infer_header,
+    json_shape_key,
+    parse_json_body,
     split_infer_body,
     tensor_bytes,
 )
@@ -108,12 +112,37 @@ def prepare_infer(
                 f"header Inference-Header-Content-Length={header_length!r}: expected a byte count"
             ) from None
     header_bytes, binary = split_infer_body(body, length)
-    plan = plans.get(model, header_bytes) if length is not None else None
+    if length is None:
+        return _prepare_json(model, header_bytes, plans)
+    plan = plans.get(model, header_bytes)
     if plan is not None:  # the same header as an earlier request: checked then
         request = decode_with_header(plan.header, binary)
         return InferCall(request, {t.name: t.array for t in request.inputs}, plan)
-    header = infer_header(header_bytes, length is not None)
-    request = decode_with_header(header, binary)
+    header = infer_header(header_bytes)
+    call = _first_call(model, header, decode_with_header(header, binary))
+    if header.is_cacheable:
+        plans.put(model, header_bytes, call.plan)
+    return call
+
+
+def _prepare_json(model: ServedModel, body: bytes, plans: InferPlans) -> InferCall:
+    """A JSON request: planned by its document without the tensor data, so requests that
+    differ only in their numbers share the checks."""
+    document = parse_json_body(body)
+    key = json_shape_key(document)
+    plan = plans.get(model, key) if key is not None else None
+    if plan is not None:
+        request = decode_json_with_header(plan.header, document)
+        return InferCall(request, {t.name: t.array for t in request.inputs}, plan)
+    header = header_of(document)
+    call = _first_call(model, header, decode_with_header(header, memoryview(b"")))
+    if key is not None:
+        plans.put(model, key, call.plan)
+    return call
+
+
+def _first_call(model: ServedModel, header: InferHeader, request: InferRequest) -> InferCall:
+    """The call and its new plan: the model's checks of the request's inputs and outputs."""
     payload = model.payload(request)
     wanted = _wanted_outputs(model, request)
     plan = InferPlan(header, model.submit_options(request), wanted, _binary(request, wanted))
@@ -121,8 +150,6 @@ def prepare_infer(
         spec.datatype == "BYTES" for spec in wanted
     ):
         plan.answers = None  # JSON or variable-size outputs: encoded in full each time
-    if length is not None and header.is_cacheable:
-        plans.put(model, header_bytes, plan)
     return InferCall(request, payload, plan)
 
 

@@ -34,10 +34,14 @@ __all__ = [
     "RequestedOutput",
     "datatype_of",
     "decode_infer_request",
+    "decode_json_with_header",
     "decode_with_header",
     "deserialize_bytes_tensor",
     "encode_infer_response",
+    "header_of",
     "infer_header",
+    "json_shape_key",
+    "parse_json_body",
     "serialize_bytes_tensor",
     "split_infer_body",
     "tensor_bytes",
@@ -296,12 +300,30 @@ _HEADERS = _HeaderCache()
 
 
 def _parse_header(header: bytes) -> InferHeader:
+    return header_of(parse_json_body(header))
+
+
+def parse_json_body(body: bytes) -> dict[str, Any]:
+    """A request's JSON document (the whole body, or the header of a binary one).
+
+    Raises:
+        InvalidInput: not JSON, or not a JSON object.
+    """
     try:
-        request = orjson.loads(header)
+        request = orjson.loads(body)
     except orjson.JSONDecodeError as error:
         raise InvalidInput(f"request body is not valid JSON: {error}") from None
     if not isinstance(request, dict):
         raise InvalidInput(f"request body must be a JSON object, got {type(request).__name__}")
+    return request
+
+
+def header_of(request: dict[str, Any]) -> InferHeader:
+    """The checked header of a parsed request document.
+
+    Raises:
+        InvalidInput: naming the field that is wrong and what was expected.
+    """
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput(f"request 'id' must be a string, got {request_id!r}")
@@ -318,6 +340,37 @@ def _parse_header(header: bytes) -> InferHeader:
         outputs=_requested_outputs(request.get("outputs"), is_binary_default),
         parameters=parameters,
         is_binary_output_default=is_binary_default,
+    )
+
+
+def json_shape_key(request: dict[str, Any]) -> bytes | None:
+    """The request document without its tensor data, as bytes: equal for two JSON requests
+    that differ only in their ``data`` lists (and never equal to a binary request's
+    header). None when an input's data is not a list."""
+    inputs = request.get("inputs")
+    if type(inputs) is not list:
+        return None
+    stripped = []
+    for entry in inputs:
+        if type(entry) is not dict or type(entry.get("data")) is not list:
+            return None
+        stripped.append({k: v for k, v in entry.items() if k != "data"})
+    return b"json:" + orjson.dumps({**request, "inputs": stripped})
+
+
+def decode_json_with_header(header: InferHeader, request: dict[str, Any]) -> InferRequest:
+    """The request of ``header`` with its inputs decoded from the ``data`` of ``request``,
+    a document with the same :func:`json_shape_key` as the one ``header`` was made from."""
+    tensors = []
+    for spec, entry in zip(header.specs, request["inputs"], strict=True):
+        flat = _from_json(spec, entry["data"])
+        tensors.append(InputTensor(spec.name, spec.datatype, spec.shape, flat.reshape(spec.shape)))
+    return InferRequest(
+        request_id=header.request_id,
+        inputs=tuple(tensors),
+        outputs=header.outputs,
+        parameters=dict(header.parameters) if header.parameters else {},
+        is_binary_output_default=header.is_binary_output_default,
     )
 
 

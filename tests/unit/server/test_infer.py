@@ -119,3 +119,47 @@ def test_plans_are_bounded_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
     for request_id in "abcde":
         prepare_infer(model, *_body(np.zeros((1, 2)), request_id=request_id), plans)
     assert len(plans._by_model["m"]) == 3
+
+
+def _json_body(values: list[Any], shape: list[int], request_id: str | None = None) -> bytes:
+    document: dict[str, Any] = {
+        "inputs": [{"name": "x", "shape": shape, "datatype": "FP32", "data": values}]
+    }
+    if request_id is not None:
+        document["id"] = request_id
+    return orjson.dumps(document)
+
+
+def test_json_requests_differing_only_in_data_share_a_plan() -> None:
+    model, plans = _model(), InferPlans()
+    first = prepare_infer(model, _json_body([1, 2], [1, 2]), None, plans)
+    second = prepare_infer(model, _json_body([3.5, 4], [1, 2]), None, plans)
+    other_shape = prepare_infer(model, _json_body([1, 2, 3, 4], [2, 2]), None, plans)
+    assert second.plan is first.plan
+    assert other_shape.plan is not first.plan
+    np.testing.assert_array_equal(second.payload["x"], [[3.5, 4]])
+    np.testing.assert_array_equal(other_shape.payload["x"], [[1, 2], [3, 4]])
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ([1, 2, 3], "shape \\[1, 2\\] has 2 elements but data has 3"),
+        (["1.5", 2], "FP32 data must be numbers"),
+        ([[1], [2, 3]], "ragged"),
+    ],
+)
+def test_a_planned_json_shape_still_checks_each_requests_data(
+    values: list[Any], message: str
+) -> None:
+    model, plans = _model(), InferPlans()
+    prepare_infer(model, _json_body([1, 2], [1, 2]), None, plans)
+    with pytest.raises(InvalidInput, match=message):
+        prepare_infer(model, _json_body(values, [1, 2]), None, plans)
+
+
+def test_json_request_ids_are_part_of_the_plan() -> None:
+    model, plans = _model(), InferPlans()
+    for request_id in ("a", "b"):
+        call = prepare_infer(model, _json_body([1, 2], [1, 2], request_id), None, plans)
+        assert call.request.request_id == request_id
