@@ -21,22 +21,19 @@ import numpy as np
 import orjson
 
 from carpool.errors import InvalidInput
-from carpool.server.errors import http_error, openai_error
-from carpool.server.repository import ServedModel, TensorSpec
-from carpool.server.tensors import (
+from carpool.server.decode import (
     InferHeader,
-    InferRequest,
-    OutputTensor,
     decode_json_with_header,
     decode_with_header,
-    encode_infer_response,
     header_of,
     infer_header,
     json_shape_key,
     parse_json_body,
     split_infer_body,
-    tensor_bytes,
 )
+from carpool.server.errors import http_error, openai_error
+from carpool.server.repository import ServedModel, TensorSpec
+from carpool.server.tensors import InferRequest, OutputTensor, encode_infer_response, tensor_bytes
 
 Headers = tuple[tuple[bytes, bytes], ...]
 Answer = tuple[int, bytes, Headers]

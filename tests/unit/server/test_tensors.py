@@ -19,13 +19,13 @@ import tritonclient.utils as triton_utils
 from tritonclient.utils import InferenceServerException
 
 from carpool.errors import InvalidInput
+from carpool.server.decode import decode_infer_request
 from carpool.server.tensors import (
     DATATYPES,
     InferRequest,
     OutputTensor,
     RequestedOutput,
     datatype_of,
-    decode_infer_request,
     deserialize_bytes_tensor,
     encode_infer_response,
     serialize_bytes_tensor,
@@ -750,8 +750,8 @@ def test_a_cached_header_still_checks_the_binary_size() -> None:
 
 
 def test_the_header_cache_is_bounded() -> None:
-    from carpool.server import tensors
+    from carpool.server import decode
 
-    for i in range(tensors._HeaderCache.SIZE + 50):
+    for i in range(decode._HeaderCache.SIZE + 50):
         decode_infer_request(*_binary_body(f"id-{i}", [1.0]))
-    assert len(tensors._HEADERS._entries) <= tensors._HeaderCache.SIZE
+    assert len(decode._HEADERS._entries) <= decode._HeaderCache.SIZE
