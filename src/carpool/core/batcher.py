@@ -29,17 +29,25 @@ from carpool.core.collate import Collator
 from carpool.core.policy import BatchPolicy
 from carpool.core.queues import Queues
 from carpool.core.replicas import (
-    EXECUTORS,
     BatchFn,
     FnFactory,
     Replica,
     RunOutput,
+    check_threading,
+    io_turn,
+    replica_devices,
     switch_interval,
 )
-from carpool.core.request import Batch, Outcome, Request, RequestState, RequestTrace
+from carpool.core.request import Batch, Outcome, Request, RequestState
 from carpool.core.scheduler import Decision, Scheduler
 from carpool.core.settle import Settler, by_signature
-from carpool.core.telemetry import NullTelemetry, Telemetry, TelemetrySnapshot, TraceHook
+from carpool.core.telemetry import (
+    NullTelemetry,
+    Telemetry,
+    TelemetrySnapshot,
+    TraceHook,
+    guarded_hook,
+)
 from carpool.errors import (
     CarpoolError,
     Closed,
@@ -115,38 +123,24 @@ class Batcher:
     ) -> None:
         if (fn is None) == (fn_factory is None):
             raise ConfigError("fn", fn, "exactly one of fn or fn_factory")
-        if devices is not None:
-            if not devices:
-                raise ConfigError("devices", devices, "at least one device string")
-            if num_replicas is not None and num_replicas != len(devices):
-                raise ConfigError("num_replicas", num_replicas, f"{len(devices)}, one per device")
-            num_replicas = len(devices)
-        num_replicas = 1 if num_replicas is None else num_replicas
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ConfigError("num_replicas", num_replicas, "an integer >= 1")
         self._fn = fn
         self._fn_factory = fn_factory
         self._name = name or getattr(fn or fn_factory, "__name__", None) or "model"
-        self._devices = list(devices) if devices is not None else ["cpu"] * num_replicas
+        self._devices = replica_devices(num_replicas, devices)
         self._policy = policy if policy is not None else BatchPolicy()
         self._intake = Intake(collate)
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._memory_probe = memory_probe
-        if switch_interval_s is not None and not (
-            isinstance(switch_interval_s, int | float) and 0 < switch_interval_s <= 1
-        ):
-            raise ConfigError("switch_interval_s", switch_interval_s, "seconds in (0, 1] or None")
+        check_threading(switch_interval_s, executor)
         self._switch_interval_s = switch_interval_s
         self._holds_switch_interval = False
-        if executor not in EXECUTORS:
-            raise ConfigError("executor", executor, f"one of {list(EXECUTORS)}")
         self._executor = executor
         slos = {c.name: c.slo_s for c in self._policy.classes}
         telemetry_cls = Telemetry if telemetry else NullTelemetry
         self._telemetry = telemetry_cls(
             self._name,
             slos,
-            on_trace=None if on_trace is None else _guarded(on_trace, self._name),
+            on_trace=None if on_trace is None else guarded_hook(on_trace, self._name),
             slow_request_s=slow_request_s,
         )
         self._queues = Queues(self._policy)
@@ -447,7 +441,7 @@ class Batcher:
                 )
                 await self._land(replica, landing, holds_replica)
                 if replica.blocks_loop:
-                    await _io_turn()
+                    await io_turn()
                 continue
             if self._state is not _State.RUNNING and self._queues.num_live == 0:
                 return
@@ -503,18 +497,7 @@ class Batcher:
         if idle_since is not None:
             oldest = min(r.arrival_s for r in batch.requests)
             replica.counters.fill_wait_s += max(0.0, now - max(idle_since, oldest))
-        batch.replica_id = replica.replica_id
-        for request in batch.requests:
-            request.state = RequestState.RUNNING
-            if request.timer is not None:
-                request.timer.cancel()
-                request.timer = None
-            request.batch_closed_s = now
-            request.compute_start_s = now
-            request.batch_size = batch.num_items
-            request.replica_id = replica.replica_id
-            if idle_since is not None:
-                request.fill_wait_s = max(0.0, now - max(idle_since, request.arrival_s))
+        batch.start(replica.replica_id, now, idle_since)
         groups = by_signature(batch.requests)
         return _InFlight(batch, groups, [self._start(replica, g) for g in groups], now)
 
@@ -628,25 +611,6 @@ class _InFlight:
     groups: list[list[Request]]
     attempts: list[Awaitable[RunOutput]]
     launched_s: float
-
-
-def _guarded(hook: TraceHook, name: str) -> TraceHook:
-    """``hook`` with its errors logged: a faulty hook must not strand the batch's requests."""
-
-    def call(trace: RequestTrace) -> None:
-        try:
-            hook(trace)
-        except Exception:
-            log.exception("on_trace hook of %r raised", name)
-
-    return call
-
-
-async def _io_turn() -> None:
-    """Let the event loop read its sockets before the next batch is chosen: a model that
-    computed on the loop's thread left every request that arrived meanwhile unread."""
-    await asyncio.sleep(0)  # the loop polls for I/O after this round of callbacks
-    await asyncio.sleep(0)  # and runs the readers (which queue requests) before this
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

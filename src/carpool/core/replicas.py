@@ -20,6 +20,7 @@ from typing import Any
 
 from carpool.core.collate import Collator
 from carpool.core.telemetry import ReplicaCounters
+from carpool.errors import ConfigError
 
 BatchFn = Callable[[Any], Any]
 FnFactory = Callable[[str], BatchFn]
@@ -54,6 +55,45 @@ def runs_on_loop(executor: str, device: str) -> bool:
     if executor == "auto":
         return device == "cpu" and usable_cpus() == 1
     return executor == "loop"
+
+
+def replica_devices(num_replicas: int | None, devices: list[str] | None) -> list[str]:
+    """One device string per replica: ``devices``, else ``num_replicas`` (1) CPU ones.
+
+    Raises:
+        ConfigError: no devices, a count that disagrees with them, or not an int >= 1.
+    """
+    if devices is not None:
+        if not devices:
+            raise ConfigError("devices", devices, "at least one device string")
+        if num_replicas is not None and num_replicas != len(devices):
+            raise ConfigError("num_replicas", num_replicas, f"{len(devices)}, one per device")
+        return list(devices)
+    num_replicas = 1 if num_replicas is None else num_replicas
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ConfigError("num_replicas", num_replicas, "an integer >= 1")
+    return ["cpu"] * num_replicas
+
+
+def check_threading(switch_interval_s: float | None, executor: str) -> None:
+    """Check a batcher's GIL switch interval and executor.
+
+    Raises:
+        ConfigError: naming the argument and what it may be.
+    """
+    if switch_interval_s is not None and not (
+        isinstance(switch_interval_s, int | float) and 0 < switch_interval_s <= 1
+    ):
+        raise ConfigError("switch_interval_s", switch_interval_s, "seconds in (0, 1] or None")
+    if executor not in EXECUTORS:
+        raise ConfigError("executor", executor, f"one of {list(EXECUTORS)}")
+
+
+async def io_turn() -> None:
+    """Let the event loop read its sockets before the next batch is chosen: a model that
+    computed on the loop's thread left every request that arrived meanwhile unread."""
+    await asyncio.sleep(0)  # the loop polls for I/O after this round of callbacks
+    await asyncio.sleep(0)  # and runs the readers (which queue requests) before this
 
 
 def is_async_callable(fn: object) -> bool:

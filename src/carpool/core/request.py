@@ -71,6 +71,22 @@ class Batch:
     closed_s: float
     replica_id: int = -1
 
+    def start(self, replica_id: int, now: float, idle_since_s: float | None) -> None:
+        """Mark every request running on ``replica_id`` from ``now`` (deadline timers off).
+        ``idle_since_s``: when the replica went idle, to tell each request's fill wait."""
+        self.replica_id = replica_id
+        for request in self.requests:
+            request.state = RequestState.RUNNING
+            if request.timer is not None:
+                request.timer.cancel()
+                request.timer = None
+            request.batch_closed_s = now
+            request.compute_start_s = now
+            request.batch_size = self.num_items
+            request.replica_id = replica_id
+            if idle_since_s is not None:
+                request.fill_wait_s = max(0.0, now - max(idle_since_s, request.arrival_s))
+
 
 class Outcome(enum.Enum):
     OK = "ok"

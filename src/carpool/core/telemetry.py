@@ -408,3 +408,15 @@ class NullTelemetry(Telemetry):
 
     def answered(self, request: Request, outcome: Outcome, now: float) -> None:
         pass
+
+
+def guarded_hook(hook: TraceHook, name: str) -> TraceHook:
+    """``hook`` with its errors logged: a faulty hook must not strand the batch's requests."""
+
+    def call(trace: RequestTrace) -> None:
+        try:
+            hook(trace)
+        except Exception:
+            logging.getLogger("carpool").exception("on_trace hook of %r raised", name)
+
+    return call
