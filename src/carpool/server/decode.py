@@ -8,7 +8,9 @@ repeats it for every request of one shape. Nothing here knows HTTP.
 
 from __future__ import annotations
 
+import functools
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -348,6 +350,12 @@ def _from_binary(spec: _InputSpec, chunk: memoryview) -> npt.NDArray[Any]:
 
 
 def _from_json(spec: _InputSpec, data: list[Any]) -> npt.NDArray[Any]:
+    flat = _flat_numbers(spec, data)
+    return flat if flat is not None else _from_json_lists(spec, data)
+
+
+def _from_json_lists(spec: _InputSpec, data: list[Any]) -> npt.NDArray[Any]:
+    """Any JSON ``data`` (nested lists of any values) as the flat array of ``spec``."""
     where = f"input {spec.name!r}"
     if spec.datatype == "BYTES":
         flat = _bytes_from_json(where, data)
@@ -367,6 +375,50 @@ def _from_json(spec: _InputSpec, data: list[Any]) -> npt.NDArray[Any]:
     if flat.size == 0:
         return np.empty(0, dtype=DATATYPES[spec.datatype])
     return flat
+
+
+def _flat_numbers(spec: _InputSpec, data: list[Any]) -> npt.NDArray[Any] | None:
+    """A flat list of numbers as the array of ``spec``, packed by ``struct`` (about three
+    times faster than ``np.array`` on a list of floats); None when the list is not such a
+    list (nested, strings, bools, a value out of range), which the general path then
+    decodes or rejects with its message.
+
+    Accepts exactly what the general path accepts: a list starting with a bool goes
+    there, since NumPy reads an all-bool list as BOOL, which a number type rejects.
+    """
+    dtype = DATATYPES[spec.datatype]
+    kind = dtype.kind
+    count = len(data)
+    if (
+        kind not in "iuf"
+        or spec.datatype == "BF16"
+        or count != spec.num_elements
+        or not count
+        or type(data[0]) is bool
+    ):
+        return None
+    code = "d" if kind == "f" else "Q" if dtype.itemsize == 8 and kind == "u" else "q"
+    try:
+        packed = _packer(code, count).pack(*data)
+    except (struct.error, OverflowError, TypeError):
+        return None
+    wide = np.frombuffer(packed, dtype=_WIDE[code])
+    if kind == "f":
+        with np.errstate(over="ignore"):  # too large for FP16/FP32 becomes inf, as in C
+            return wide.astype(dtype)
+    if dtype.itemsize < 8:
+        limits = np.iinfo(dtype)
+        if wide.min() < limits.min or wide.max() > limits.max:
+            return None
+    return wide.astype(dtype)
+
+
+_WIDE = {"d": np.dtype("=f8"), "q": np.dtype("=i8"), "Q": np.dtype("=u8")}
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(code: str, count: int) -> struct.Struct:
+    return struct.Struct(f"={count}{code}")
 
 
 def _bytes_from_json(where: str, data: list[Any]) -> npt.NDArray[Any]:
@@ -394,7 +446,9 @@ def _cast_json_numbers(
             raise InvalidInput(f"{where}: BOOL data must be true or false")
         return parsed
     if dtype.kind == "f":
-        if kind not in "iuf":
+        if kind == "O":  # UINT64-sized integers next to negative ones: still numbers
+            parsed = _wide_integers_as_floats(where, datatype, data)
+        elif kind not in "iuf":
             raise InvalidInput(f"{where}: {datatype} data must be numbers")
         with np.errstate(over="ignore"):  # too large for FP16/FP32 becomes inf, as in C
             return parsed.astype(dtype)
@@ -413,6 +467,13 @@ def _cast_json_numbers(
             f"{where}: {datatype} data must be integers in [{limits.min}, {limits.max}]"
         )
     return parsed.astype(dtype)
+
+
+def _wide_integers_as_floats(where: str, datatype: str, data: list[Any]) -> npt.NDArray[Any]:
+    values = np.array(data, dtype=object).reshape(-1).tolist()
+    if not all(type(value) in (int, float, bool) for value in values):
+        raise InvalidInput(f"{where}: {datatype} data must be numbers")
+    return np.array(values, dtype=np.float64)
 
 
 def _requested_outputs(

@@ -363,6 +363,14 @@ def test_rejects_json_values_of_the_wrong_type(
     assert_invalid(body, None, "input 'x'", fragment)
 
 
+def test_json_integers_spanning_int64_and_uint64_are_numbers_for_float_types() -> None:
+    data = [2**64 - 1, -1, 1.5]  # NumPy reads these as objects
+    body, _ = raw_request([{"name": "x", "shape": [3], "datatype": "FP64", "data": data}])
+    np.testing.assert_array_equal(
+        decode_infer_request(body, None).inputs[0].array, [2.0**64, -1.0, 1.5]
+    )
+
+
 def test_json_fp16_overflow_becomes_infinity() -> None:
     body, _ = raw_request([{"name": "x", "shape": [2], "datatype": "FP16", "data": [1e10, -1e10]}])
     np.testing.assert_array_equal(
