@@ -61,7 +61,7 @@ def _body(path: Path) -> int:
     return int(json_size)
 
 
-def _offline_ceiling(seconds: float = 3.0) -> float:
+def offline_ceiling(seconds: float = 3.0) -> float:
     import torch
 
     from carpool.models.mlp import W1Runner
@@ -138,7 +138,7 @@ def main() -> None:
     # On a shared machine the core's speed drifts by 10% within a minute, so the ceiling is
     # measured before every sweep and after the last (the server, idle, shares its CPU),
     # and each sweep is divided by the mean of the ceilings on either side of it.
-    ceilings = [_offline_ceiling()]
+    ceilings = [offline_ceiling()]
     print(f"offline W1 ceiling at batch 64 on cpu {SERVER_CPU}: {ceilings[0]:.0f} items/s")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -170,7 +170,7 @@ def main() -> None:
             runs: dict[int, list[dict[str, Any]]] = {c: [] for c in CONCURRENCY}
             for repeat in range(args.repeats):
                 if repeat:
-                    ceilings.append(_offline_ceiling())
+                    ceilings.append(offline_ceiling())
                     print(f"offline W1 ceiling: {ceilings[-1]:.0f} items/s")
                 for connections in CONCURRENCY:
                     before = _stats(url)
@@ -185,7 +185,7 @@ def main() -> None:
                         f"p99 {result['p99_ms']:7.2f} ms  mean batch "
                         f"{result['mean_batch_size']:5.1f}  non-2xx {result['non_2xx']}"
                     )
-            ceilings.append(_offline_ceiling())
+            ceilings.append(offline_ceiling())
             print(f"offline W1 ceiling: {ceilings[-1]:.0f} items/s")
             for connections in CONCURRENCY:
                 for repeat, result in enumerate(runs[connections]):

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 import benchlib
+from bench_http import offline_ceiling
 from benchlib import LOAD_CPU, RESULTS, ROOT, SERVER_CPU
 from wrkrun import free_port, run_wrk, write_post_script
 
@@ -333,18 +334,28 @@ def main() -> None:
     )
 
     if args.rounds:
-        rounds = []
+        rounds, ceilings = [], []
         for number in range(args.rounds):
             order = servers if number % 2 == 0 else servers[::-1]
-            print(f"round {number + 1}: {[s.name for s in order]}", flush=True)
+            ceilings.append(offline_ceiling())
+            print(
+                f"round {number + 1}: offline W1 ceiling {ceilings[-1]:.0f} items/s; "
+                f"{[s.name for s in order]}",
+                flush=True,
+            )
             rounds.append([_run(s, x_list, expected, args.duration_s, concurrency) for s in order])
+        ceilings.append(offline_ceiling())
         summary = _rounds_summary(rounds)
+        ceiling = float(np.median(ceilings))
         print()
         print(where)
+        print(f"offline W1 batch-64 ceiling: median {ceiling:.0f} items/s of {len(ceilings)}")
         for server, by_c in summary["medians"].items():
             for c, median in by_c.items():
+                median["of_ceiling"] = median["rate_rps"] / ceiling
                 print(
-                    f"{server:16} c={c:>3}: median {median['rate_rps']:6.0f} req/s, "
+                    f"{server:16} c={c:>3}: median {median['rate_rps']:6.0f} req/s "
+                    f"({median['of_ceiling']:.2f} of the ceiling), "
                     f"p99 {median['p99_ms']:6.1f} ms over {median['runs']} rounds"
                 )
         for pair, by_c in summary["ratios"].items():
@@ -356,6 +367,7 @@ def main() -> None:
             {
                 "machine": machine,
                 "duration_s": args.duration_s,
+                "ceilings_items_per_s": ceilings,
                 "rounds": rounds,
                 **summary,
             },

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 import benchlib
-from bench_http import _body, _offline_ceiling
+from bench_http import _body, offline_ceiling
 from wrkrun import free_port, run_wrk, write_post_script
 
 ANSWER = b'{"model_name":"mlp","outputs":[{"name":"OUTPUT0","datatype":"FP32","shape":[1,16]}]}'
@@ -93,7 +93,7 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait()
-    ceiling = _offline_ceiling()
+    ceiling = offline_ceiling()
     rate = statistics.median(rates)
     t_http_us, t_model_us = 1e6 / rate, 1e6 / ceiling
     best = t_model_us / (t_model_us + t_http_us)
