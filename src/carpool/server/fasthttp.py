@@ -62,6 +62,7 @@ class _FastCycle:
         "model",
         "more_body",
         "on_response",
+        "oversize",
         "path",
         "queued",
         "response_complete",
@@ -88,6 +89,7 @@ class _FastCycle:
         self.on_response = on_response
         self.chunks: list[bytes] = []
         self.size = 0
+        self.oversize = False  # the body passed the limit before the request's turn
         self.more_body = True
         self.started = False
         self.response_complete = False
@@ -104,10 +106,14 @@ class InferProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._inflight: _FastCycle | None = None
+        self._held: tuple[_FastCycle, bytes, int] | None = None  # waiting for resume_writing
 
     # -- parser callbacks: the fork between the fast path and uvicorn's -----------------
 
     def on_message_begin(self) -> None:
+        # A request answered inside data_received armed the keep-alive timer; the parser
+        # may go on to the next request of the same read: it is not idle.
+        self._unset_keepalive_if_required()
         # The ASGI scope is built only for requests that take the ASGI path.
         self.url = b""
         self.expect_100_continue = False
@@ -122,10 +128,13 @@ class InferProtocol(HttpToolsProtocol):
             self.headers.extend(headers)
             super().on_headers_complete()
             return
+        if self.transport.is_closing():
+            return  # after a 413 or connection: close, the rest of the read is ignored
         header_length = None
         for name, value in self.headers:
             if name == _HEADER_LENGTH:
-                header_length = value
+                header_length = value  # the first, as the ASGI path reads it
+                break
         parser = self.parser
         keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
         cycle = _FastCycle(
@@ -148,14 +157,18 @@ class InferProtocol(HttpToolsProtocol):
         if not isinstance(cycle, _FastCycle):
             super().on_body(body)
             return
-        if cycle.response_complete:
-            return  # answered early (413); the rest of the body is ignored
+        if cycle.response_complete or cycle.oversize:
+            return  # too large: the rest of the body is ignored
         cycle.chunks.append(body)
         cycle.size += len(body)
         limit = self.kserve.max_body_bytes
         if cycle.size > limit:
             cycle.keep_alive = False  # the unread rest makes the connection unusable
-            self._answer(cycle, *error_response(PayloadTooLarge(cycle.size, limit)))
+            cycle.chunks = []
+            if cycle.started:
+                self._answer(cycle, *error_response(PayloadTooLarge(cycle.size, limit)))
+            else:  # pipelined: answered in its turn, after the requests before it
+                cycle.oversize = True
 
     def on_message_complete(self) -> None:
         cycle = self.cycle
@@ -167,11 +180,19 @@ class InferProtocol(HttpToolsProtocol):
             self._dispatch(cycle)
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-        # uvicorn starts the next pipelined request through here.
+        # uvicorn starts the next pipelined request through here, from the answer of the
+        # one before. Begun on the next loop turn: a run of pipelined requests answered on
+        # the spot (400s) would otherwise begin each other recursively.
         if isinstance(cycle, _FastCycle):
-            self._begin(cycle)
+            self.loop.call_soon(self._begin, cycle)
         else:
             super()._start_asgi_task(cycle, app)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        held, self._held = self._held, None
+        if held is not None and not self.transport.is_closing():
+            self._finish(*held)
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle = self._inflight
@@ -197,8 +218,8 @@ class InferProtocol(HttpToolsProtocol):
             version = parts[5]
         else:
             return None
-        if parts[1] != "v2" or parts[2] != "models" or parts[-1] != "infer":
-            return None
+        if parts[1] != "v2" or parts[2] != "models" or parts[-1] != "infer" or "" in parts[3:]:
+            return None  # an empty segment: the ASGI path's router decides (404)
         try:
             model = self.kserve.repository.get(parts[3], version)
         except NotFound:
@@ -206,8 +227,13 @@ class InferProtocol(HttpToolsProtocol):
         return model if model.infer is None and model.batcher.is_running else None
 
     def _begin(self, cycle: _FastCycle) -> None:
+        if self.transport.is_closing():
+            return
         cycle.started = True
-        if not cycle.more_body:  # pipelined: read in full while the one before it ran
+        if cycle.oversize:
+            limit = self.kserve.max_body_bytes
+            self._answer(cycle, *error_response(PayloadTooLarge(cycle.size, limit)))
+        elif not cycle.more_body:  # pipelined: read in full while the one before it ran
             self._dispatch(cycle)
         elif cycle.waiting_for_100_continue:
             cycle.waiting_for_100_continue = False
@@ -254,7 +280,13 @@ class InferProtocol(HttpToolsProtocol):
         if not cycle.keep_alive:
             parts.append(b"connection: close\r\n")
         parts += (b"\r\n", body)
-        self.transport.write(b"".join(parts))
+        if self.flow.write_paused:  # the client is not reading: hold it, read no more
+            self._held = (cycle, b"".join(parts), status)
+            return
+        self._finish(cycle, b"".join(parts), status)
+
+    def _finish(self, cycle: _FastCycle, data: bytes, status: int) -> None:
+        self.transport.write(data)
         cycle.response_complete = True
         if self.access_log:
             client = f"{self.client[0]}:{self.client[1]}" if self.client else "-"

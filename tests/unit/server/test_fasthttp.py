@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import httptools
 import numpy as np
@@ -84,6 +84,27 @@ class Recorder:
 Server = tuple[KServeApp, Callable[[], tuple[InferProtocol, FakeTransport]], Recorder]
 
 
+T = TypeVar("T")
+
+
+def connector(
+    config: uvicorn.Config, transport_type: Callable[[], T]
+) -> Callable[[], tuple[InferProtocol, T]]:
+    """Connections to the protocol of ``config`` (loaded here), each on a new transport;
+    all share one server state, as a server's connections do."""
+    config.load()
+    state = ServerState()
+
+    def connect() -> tuple[InferProtocol, T]:
+        protocol = config.http_protocol_class(config=config, server_state=state, app_state={})
+        transport = transport_type()
+        protocol.connection_made(transport)  # type: ignore[attr-defined]
+        assert isinstance(protocol, InferProtocol)
+        return protocol, transport
+
+    return connect
+
+
 @pytest.fixture
 async def server() -> AsyncIterator[Server]:
     model = Recorder()
@@ -99,18 +120,8 @@ async def server() -> AsyncIterator[Server]:
     await repository.start()
     app = KServeApp(repository, max_body_bytes=100_000)
     config = uvicorn.Config(app, http=protocol_for(app), lifespan="off", log_level="warning")
-    config.load()
-    state = ServerState()
-
-    def connect() -> tuple[InferProtocol, FakeTransport]:
-        protocol = config.http_protocol_class(config=config, server_state=state, app_state={})
-        transport = FakeTransport()
-        protocol.connection_made(transport)  # type: ignore[attr-defined]
-        assert isinstance(protocol, InferProtocol)
-        return protocol, transport
-
     try:
-        yield app, connect, model
+        yield app, connector(config, FakeTransport), model
     finally:
         await repository.stop()
 
