@@ -110,6 +110,7 @@ def _open_loop(url: str, rates: str, duration_s: float, out: Path) -> list[dict[
                 "p99_ms": latency.get("p99_s", 0.0) * 1e3,
                 "mean_batch_size": server.get("mean_batch_size") or 0.0,
                 "num_errors": summary["num_errors"],
+                "errors": summary.get("errors") or {},  # by kind: status or exception
                 "behind_schedule_ratio": summary["behind_schedule_ratio"],
             }
         )
@@ -211,6 +212,8 @@ def main() -> None:
             f"{point['mean_batch_size']:5.1f}  errors {point['num_errors']}  "
             f"sent late {point['behind_schedule_ratio']:.1%}"
         )
+        if point["errors"]:
+            print("  errors: " + ", ".join(f"{k}: {n}" for k, n in point["errors"].items()))
     write_results(
         args.json,
         {
