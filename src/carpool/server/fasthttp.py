@@ -58,6 +58,7 @@ class _FastCycle:
         "chunks",
         "disconnected",
         "header_length",
+        "http_version",
         "keep_alive",
         "model",
         "more_body",
@@ -136,7 +137,8 @@ class InferProtocol(HttpToolsProtocol):
                 header_length = value  # the first, as the ASGI path reads it
                 break
         parser = self.parser
-        keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
+        version = parser.get_http_version()
+        keep_alive = version != "1.0" and parser.should_keep_alive()
         cycle = _FastCycle(
             model,
             self.url.decode("latin-1"),  # as _fast_model matched it
@@ -145,6 +147,7 @@ class InferProtocol(HttpToolsProtocol):
             self.expect_100_continue,
             self.on_response_complete,
         )
+        cycle.http_version = version
         existing, self.cycle = self.cycle, cycle  # type: ignore[assignment]
         if existing is None or existing.response_complete:
             self._begin(cycle)
@@ -290,7 +293,9 @@ class InferProtocol(HttpToolsProtocol):
         cycle.response_complete = True
         if self.access_log:
             client = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
-            self.access_logger.info('%s - "POST %s HTTP/1.1" %d', client, cycle.path, status)
+            self.access_logger.info(
+                '%s - "POST %s HTTP/%s" %d', client, cycle.path, cycle.http_version, status
+            )
         if not cycle.keep_alive:
             self.transport.close()
         cycle.on_response()

@@ -5,6 +5,7 @@ cases. The tests whose docstrings start "Was:" failed before the fixes they name
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 
 import numpy as np
@@ -79,7 +80,9 @@ class Setup:
         self.app, self.connect, self.model, self.batcher = app, connect, model, batcher
 
 
-async def _setup(timeout_keep_alive: float = 5.0) -> tuple[Setup, ModelRepository]:
+async def _setup(
+    timeout_keep_alive: float = 5.0, access_log: bool = False
+) -> tuple[Setup, ModelRepository]:
     model = Gate()
     batcher = Batcher(model, BatchPolicy(max_batch_size=10_000, max_delay_s=0.001), collate="dict")
     spec_in, spec_out = TensorSpec("x", "FP32", (2,)), TensorSpec("y", "FP32", (2,))
@@ -93,6 +96,7 @@ async def _setup(timeout_keep_alive: float = 5.0) -> tuple[Setup, ModelRepositor
         lifespan="off",
         log_level="warning",
         timeout_keep_alive=timeout_keep_alive,  # type: ignore[arg-type]
+        access_log=access_log,
     )
     return Setup(app, connector(config, Transport), model, batcher), repository
 
@@ -446,3 +450,27 @@ async def test_pipelined_request_dispatched_after_the_batcher_stopped_gets_503(
     await stopping
     await _until(lambda: len(_items(transport)) == 2)
     assert [s for s, _, _ in _items(transport)] == [200, 503]
+
+
+@pytest.mark.parametrize("version", [b"1.0", b"1.1"])
+async def test_access_log_names_the_request_s_http_version(
+    version: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With uvicorn's access log on, the fast path logs as uvicorn does, with the version
+    the request was sent with."""
+    s, repository = await _setup(access_log=True)
+    try:
+        protocol, transport = s.connect()
+        logger = logging.getLogger("uvicorn.access")  # uvicorn's config stops propagation
+        logger.addHandler(caplog.handler)
+        try:
+            with caplog.at_level("INFO", logger="uvicorn.access"):
+                raw = _binary_request(1.0).replace(b"HTTP/1.1", b"HTTP/" + version, 1)
+                protocol.data_received(raw)
+                await _until(lambda: bool(_items(transport)))
+        finally:
+            logger.removeHandler(caplog.handler)
+        lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+        assert lines == [f'- - "POST /v2/models/m/infer HTTP/{version.decode()}" 200']
+    finally:
+        await repository.stop()
