@@ -85,6 +85,7 @@ class _FastCycle:
         self.model = model
         self.path = path
         self.header_length = header_length
+        self.http_version = "1.1"
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = expect_continue
         self.on_response = on_response
