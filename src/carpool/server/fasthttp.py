@@ -78,6 +78,7 @@ class _FastCycle:
         model: ServedModel,
         path: str,
         header_length: bytes | None,
+        http_version: str,
         keep_alive: bool,
         expect_continue: bool,
         on_response: Any,
@@ -85,7 +86,7 @@ class _FastCycle:
         self.model = model
         self.path = path
         self.header_length = header_length
-        self.http_version = "1.1"
+        self.http_version = http_version
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = expect_continue
         self.on_response = on_response
@@ -144,11 +145,11 @@ class InferProtocol(HttpToolsProtocol):
             model,
             self.url.decode("latin-1"),  # as _fast_model matched it
             header_length,
+            version,
             keep_alive,
             self.expect_100_continue,
             self.on_response_complete,
         )
-        cycle.http_version = version
         existing, self.cycle = self.cycle, cycle  # type: ignore[assignment]
         if existing is None or existing.response_complete:
             self._begin(cycle)
