@@ -9,6 +9,7 @@ repeats it for every request of one shape. Nothing here knows HTTP.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import struct
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ __all__ = [
     "infer_header",
     "json_shape_key",
     "parse_json_body",
+    "parse_json_document",
     "split_infer_body",
 ]
 
@@ -150,13 +152,35 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     Raises:
         InvalidInput: not JSON, or not a JSON object.
     """
+    return parse_json_document(body)[0]
+
+
+def parse_json_document(body: bytes) -> tuple[dict[str, Any], bool]:
+    """(document, is_strict): a request's JSON document, and False when it needed the
+    ``NaN``/``Infinity``/``-Infinity`` literals that Triton accepts and ``tritonclient``
+    writes for non-finite floats (read then by the standard library; orjson refuses them).
+
+    Raises:
+        InvalidInput: not JSON, or not a JSON object.
+    """
     try:
-        request = orjson.loads(body)
+        request, is_strict = orjson.loads(body), True
     except orjson.JSONDecodeError as error:
-        raise InvalidInput(f"request body is not valid JSON: {error}") from None
+        request, is_strict = _with_non_finite_numbers(body, error), False
     if not isinstance(request, dict):
         raise InvalidInput(f"request body must be a JSON object, got {type(request).__name__}")
-    return request
+    return request, is_strict
+
+
+def _with_non_finite_numbers(body: bytes, error: orjson.JSONDecodeError) -> Any:
+    """``body`` read as JSON with NaN and infinities, or the error orjson gave."""
+    try:
+        document = json.loads(body)
+        orjson.dumps(document)  # what else the standard library lets through: lone
+        # surrogates, nesting deeper than the answer could be written with
+    except (ValueError, RecursionError, orjson.JSONEncodeError):
+        raise InvalidInput(f"request body is not valid JSON: {error}") from None
+    return document
 
 
 def header_of(request: dict[str, Any]) -> InferHeader:
@@ -186,8 +210,8 @@ def header_of(request: dict[str, Any]) -> InferHeader:
 
 def json_shape_key(request: dict[str, Any]) -> bytes | None:
     """The request document without its tensor data, as bytes: equal for two JSON requests
-    that differ only in their ``data`` lists (and never equal to a binary request's
-    header). None when an input's data is not a list."""
+    that differ only in their ``data`` lists. None when an input's data is not a list, or
+    the document is nested deeper than orjson writes."""
     inputs = request.get("inputs")
     if type(inputs) is not list:
         return None
@@ -196,7 +220,10 @@ def json_shape_key(request: dict[str, Any]) -> bytes | None:
         if type(entry) is not dict or type(entry.get("data")) is not list:
             return None
         stripped.append({k: v for k, v in entry.items() if k != "data"})
-    return b"json:" + orjson.dumps({**request, "inputs": stripped})
+    try:
+        return orjson.dumps({**request, "inputs": stripped})
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes: not planned
+        return None
 
 
 def decode_json_with_header(header: InferHeader, request: dict[str, Any]) -> InferRequest:
@@ -450,6 +477,8 @@ def _cast_json_numbers(
             parsed = _wide_integers_as_floats(where, datatype, data)
         elif kind not in "iuf":
             raise InvalidInput(f"{where}: {datatype} data must be numbers")
+        if kind in "iu":  # through float64, as the flat path and Triton (a double) do
+            parsed = parsed.astype(np.float64)
         with np.errstate(over="ignore"):  # too large for FP16/FP32 becomes inf, as in C
             return parsed.astype(dtype)
     limits = np.iinfo(dtype)
@@ -479,7 +508,7 @@ def _wide_integers_as_floats(where: str, datatype: str, data: list[Any]) -> npt.
 def _requested_outputs(
     outputs: object, is_binary_default: bool
 ) -> tuple[RequestedOutput, ...] | None:
-    if outputs is None:
+    if outputs is None or outputs == []:  # none named: all outputs, as in Triton
         return None
     if not isinstance(outputs, list):
         raise InvalidInput(f"request 'outputs' must be a list, got {outputs!r}")

@@ -14,7 +14,7 @@ of its outputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from carpool.server.decode import (
     header_of,
     infer_header,
     json_shape_key,
-    parse_json_body,
+    parse_json_document,
     split_infer_body,
 )
 from carpool.server.errors import http_error, openai_error
@@ -57,6 +57,7 @@ class InferPlan:
     options: dict[str, Any]
     wanted: list[TensorSpec]
     binary: set[str]
+    policy: object  # the batch policy ``options`` were resolved under (priority classes)
     answers: dict[tuple[tuple[int, ...], ...], bytes] | None = field(default_factory=dict)
 
 
@@ -75,20 +76,29 @@ class InferCall:
 
 
 class InferPlans:
-    """Plans by (model, header bytes); bounded per model, the oldest plan goes first."""
+    """Plans by model and key: a binary request's header bytes, or a JSON request's
+    document without its data (kept apart, so that no binary header can meet a JSON
+    plan). Bounded per model, the oldest plan goes first; keys longer than
+    ``MAX_KEY_BYTES`` are not kept."""
+
+    MAX_KEY_BYTES = 4096
 
     def __init__(self) -> None:
-        self._by_model: dict[str, dict[bytes, InferPlan]] = {}
+        self._by_model: dict[tuple[str, bool], dict[bytes, InferPlan]] = {}
 
-    def get(self, model: ServedModel, header_bytes: bytes) -> InferPlan | None:
-        plans = self._by_model.get(model.name)
-        return None if plans is None else plans.get(header_bytes)
+    def get(self, model: ServedModel, key: bytes, *, is_json: bool = False) -> InferPlan | None:
+        plans = self._by_model.get((model.name, is_json))
+        return None if plans is None else plans.get(key)
 
-    def put(self, model: ServedModel, header_bytes: bytes, plan: InferPlan) -> None:
-        plans = self._by_model.setdefault(model.name, {})
+    def put(
+        self, model: ServedModel, key: bytes, plan: InferPlan, *, is_json: bool = False
+    ) -> None:
+        if len(key) > self.MAX_KEY_BYTES:
+            return
+        plans = self._by_model.setdefault((model.name, is_json), {})
         if len(plans) >= PLANS_PER_MODEL:
             del plans[next(iter(plans))]
-        plans[header_bytes] = plan
+        plans[key] = plan
 
 
 def prepare_infer(
@@ -114,7 +124,7 @@ def prepare_infer(
     plan = plans.get(model, header_bytes)
     if plan is not None:  # the same header as an earlier request: checked then
         request = decode_with_header(plan.header, binary)
-        return InferCall(request, {t.name: t.array for t in request.inputs}, plan)
+        return _planned_call(model, plan, request)
     header = infer_header(header_bytes)
     call = _first_call(model, header, decode_with_header(header, binary))
     if header.is_cacheable:
@@ -125,24 +135,38 @@ def prepare_infer(
 def _prepare_json(model: ServedModel, body: bytes, plans: InferPlans) -> InferCall:
     """A JSON request: planned by its document without the tensor data, so requests that
     differ only in their numbers share the checks."""
-    document = parse_json_body(body)
-    key = json_shape_key(document)
-    plan = plans.get(model, key) if key is not None else None
+    document, is_strict = parse_json_document(body)
+    # A document with NaN or Infinity is not planned: its key would write them as null.
+    key = json_shape_key(document) if is_strict else None
+    plan = plans.get(model, key, is_json=True) if key is not None else None
     if plan is not None:
         request = decode_json_with_header(plan.header, document)
-        return InferCall(request, {t.name: t.array for t in request.inputs}, plan)
+        return _planned_call(model, plan, request)
     header = header_of(document)
     call = _first_call(model, header, decode_with_header(header, memoryview(b"")))
-    if key is not None:
-        plans.put(model, key, call.plan)
+    if key is not None:  # kept without this request's data: later ones bring their own
+        specs = tuple(replace(spec, data=[]) for spec in header.specs)
+        call.plan.header = replace(header, specs=specs)
+        plans.put(model, key, call.plan, is_json=True)
     return call
+
+
+def _planned_call(model: ServedModel, plan: InferPlan, request: InferRequest) -> InferCall:
+    """A request of a known plan; its options are resolved again if the model's batch
+    policy (and with it the priority classes) changed since."""
+    policy = model.batcher.policy
+    if plan.policy is not policy:
+        plan.options, plan.policy = model.submit_options(request), policy
+    return InferCall(request, {t.name: t.array for t in request.inputs}, plan)
 
 
 def _first_call(model: ServedModel, header: InferHeader, request: InferRequest) -> InferCall:
     """The call and its new plan: the model's checks of the request's inputs and outputs."""
     payload = model.payload(request)
     wanted = _wanted_outputs(model, request)
-    plan = InferPlan(header, model.submit_options(request), wanted, _binary(request, wanted))
+    options = model.submit_options(request)
+    policy = model.batcher.policy
+    plan = InferPlan(header, options, wanted, _binary(request, wanted), policy)
     if plan.binary != {spec.name for spec in wanted} or any(
         spec.datatype == "BYTES" for spec in wanted
     ):

@@ -7,6 +7,7 @@ dimension (as Triton's ``dims`` do); metadata shows it as ``-1``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -170,7 +171,11 @@ class ServedModel:
             )
         timeout = request.parameters.get("timeout")
         if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            if (
+                isinstance(timeout, bool)
+                or not isinstance(timeout, int | float)
+                or not 0 < timeout < math.inf  # not NaN either
+            ):
                 raise InvalidInput(f"parameter 'timeout'={timeout!r}: expected microseconds > 0")
             options["timeout_s"] = timeout * TIMEOUT_PARAMETER_UNIT_S
         return options

@@ -17,6 +17,7 @@ here knows HTTP.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,6 +225,7 @@ def encode_infer_response(
         header["id"] = request_id
     entries: list[dict[str, Any]] = []
     chunks: list[bytes] = []
+    is_finite = True
     for output in outputs:
         datatype = output.datatype or datatype_of(output.array)
         if datatype not in DATATYPES:
@@ -240,13 +242,27 @@ def encode_infer_response(
             entry["parameters"] = {"binary_data_size": len(chunk)}
             chunks.append(chunk)
         else:
-            entry["data"] = _to_json_data(output.name, datatype, output.array)
+            data = entry["data"] = _to_json_data(output.name, datatype, output.array)
+            if isinstance(data, np.ndarray) and data.dtype.kind == "f":
+                is_finite = is_finite and bool(np.isfinite(data).all())
         entries.append(entry)
     header["outputs"] = entries
-    json_header = orjson.dumps(header, option=_JSON_OPTIONS)
+    if is_finite:
+        json_header = orjson.dumps(header, option=_JSON_OPTIONS)
+    else:
+        json_header = _dumps_non_finite(header)
     if not chunks:
         return json_header, None
     return b"".join([json_header, *chunks]), len(json_header)
+
+
+def _dumps_non_finite(header: dict[str, Any]) -> bytes:
+    """``header`` as JSON with NaN, Infinity and -Infinity for non-finite floats, as
+    Triton writes them and ``tritonclient`` reads them (orjson would write null)."""
+    for entry in header["outputs"]:
+        if isinstance(entry.get("data"), np.ndarray):
+            entry["data"] = entry["data"].tolist()
+    return json.dumps(header, allow_nan=True, separators=(",", ":")).encode()
 
 
 def tensor_bytes(datatype: str, array: npt.NDArray[Any]) -> bytes:

@@ -118,7 +118,7 @@ def test_plans_are_bounded_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
     model, plans = _model(), InferPlans()
     for request_id in "abcde":
         prepare_infer(model, *_body(np.zeros((1, 2)), request_id=request_id), plans)
-    assert len(plans._by_model["m"]) == 3
+    assert len(plans._by_model[("m", False)]) == 3
 
 
 def _json_body(values: list[Any], shape: list[int], request_id: str | None = None) -> bytes:
