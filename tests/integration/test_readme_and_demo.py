@@ -58,5 +58,8 @@ def test_readme_client_examples_work_against_the_built_in_models(tmp_path: Path)
             )
             assert result.returncode == 0, result.stderr
             assert result.stdout.splitlines()[-1] == "ran"
+        shown = re.findall(r"```text\n(carpool .*?)```", readme, re.S)[0].splitlines()
+        said = served.output().splitlines()
+        assert shown[:4] == said[:4], "the ready lines the README shows: version and models"
     finally:
         assert served.stop() == 0, served.output()

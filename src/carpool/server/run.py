@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 from collections.abc import Callable
 from types import FrameType
 
@@ -18,6 +19,7 @@ import uvicorn
 import uvloop
 
 from carpool.server.app import KServeApp
+from carpool.server.banner import logger, ready_lines, use_default_logging
 from carpool.server.fasthttp import protocol_for
 from carpool.server.grpc import start_grpc_server
 from carpool.server.repository import ModelRepository
@@ -32,9 +34,20 @@ class _DrainingServer(uvicorn.Server):
     the exit a clean one: status 0. ``on_exit`` runs on the first signal, so the gRPC
     server stops accepting at the same moment as HTTP."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], object] | None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_exit: Callable[[], object] | None,
+        on_started: Callable[[uvicorn.Server], object],
+    ) -> None:
         super().__init__(config)
         self._on_exit = on_exit
+        self._on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:  # bound; not when binding failed (uvicorn then exits)
+            self._on_started(self)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
@@ -56,6 +69,7 @@ def serve(
 ) -> None:
     """Serve HTTP on ``port`` and gRPC on ``grpc_port`` (None or <= 0: no gRPC) until
     SIGINT/SIGTERM; then stop accepting, drain every batcher, return (exit status 0)."""
+    use_default_logging()
     app = KServeApp(repository)
     config = uvicorn.Config(
         app,
@@ -108,8 +122,17 @@ async def _serve(
             if grpc_server is not None and grpc_stopped is None:
                 grpc_stopped = asyncio.ensure_future(grpc_server.stop(SHUTDOWN_GRACE_S))
 
+        def on_exit() -> None:
+            logger.info("stopping: no new requests; answering the accepted ones")
+            stop_grpc()
+
         # The signal handler may run outside a loop callback: hop onto the loop.
-        http = _DrainingServer(config, on_exit=lambda: loop.call_soon_threadsafe(stop_grpc))
+        grpc_address = f"{host}:{grpc_port}" if grpc_server is not None else None
+        http = _DrainingServer(
+            config,
+            on_exit=lambda: loop.call_soon_threadsafe(on_exit),
+            on_started=lambda server: _announce(server, repository, grpc_address),
+        )
         try:
             await http.serve()
         finally:
@@ -118,3 +141,11 @@ async def _serve(
                 await grpc_stopped
     finally:
         await repository.stop()
+    logger.info("stopped")
+
+
+def _announce(http: uvicorn.Server, repository: ModelRepository, grpc: str | None) -> None:
+    """The ready lines, with the address uvicorn bound (port 0 included)."""
+    host, port = http.servers[0].sockets[0].getsockname()[:2]
+    for line in ready_lines(repository, f"{host}:{port}", grpc):
+        logger.info(line)

@@ -1,0 +1,56 @@
+"""What `carpool serve` says when it is ready and when it stops.
+
+Triton prints its model table and the addresses it listens on; a person starting a
+server wants to know the same: which models, with which batching, where to send
+requests, and how to stop it without losing any.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from carpool import __version__
+from carpool.server.generation import generation_models
+from carpool.server.repository import ModelRepository, ServedModel
+
+logger = logging.getLogger("carpool.server")
+
+
+def use_default_logging() -> None:
+    """Lines of ``carpool.server`` on stderr at INFO, unless the process configured
+    logging itself (an application embedding the server)."""
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def ready_lines(repository: ModelRepository, http: str, grpc: str | None) -> list[str]:
+    """The startup summary: one line per model, then the addresses."""
+    models = list(repository)
+    generation = generation_models(repository)
+    width = max((len(m.name) for m in models), default=0)
+    lines = [f"carpool {__version__}: {len(models)} model(s) ready"]
+    for model in models:
+        lines.append(f"  {model.name:<{width}}  {_describe(model, model.name in generation)}")
+    lines.append(f"HTTP  http://{http}  KServe v2 /v2, OpenAI /v1, Prometheus /metrics")
+    if grpc is not None:
+        lines.append(f"gRPC  {grpc}  KServe v2 inference.GRPCInferenceService")
+    lines.append("SIGINT or SIGTERM: stop accepting, answer every accepted request, exit 0")
+    return lines
+
+
+def _describe(model: ServedModel, is_generation: bool) -> str:
+    if is_generation:
+        return "generation: continuous batching, /v1/completions and /v1/chat/completions"
+    policy = model.batcher.policy
+    batching = f"batch <= {policy.max_batch_size} within {policy.max_delay_s * 1e3:g} ms"
+    replicas = model.batcher.num_replicas
+    if replicas > 1:
+        batching += f", {replicas} replicas"
+    if model.embeddings is not None:
+        return f"embeddings ({model.platform}): {batching}, /v1/embeddings"
+    return f"{model.platform}: {batching}"
