@@ -56,6 +56,7 @@ class Request:
     compute_end_s: float = math.nan
     batch_size: int = 0
     replica_id: int = -1
+    batch_id: int = -1
 
 
 @dataclass(slots=True, eq=False)
@@ -77,6 +78,7 @@ class Batch:
         self.replica_id = replica_id
         for request in self.requests:
             request.state = RequestState.RUNNING
+            request.batch_id = self.batch_id
             if request.timer is not None:
                 request.timer.cancel()
                 request.timer = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from bisect import bisect_left
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -140,6 +141,11 @@ class BatchStats:
     num_tokens: int = 0  # variable-length items only: real tokens batched
     num_padded_slots: int = 0  # slots the model computed on padding
     padding_waste: float = 0.0  # padded slots / all slots
+    # Batches in which at least one request succeeded, and the items of the requests that
+    # did (Triton's execution_count and inference_count); when the last of them landed.
+    num_completed_batches: int = 0
+    num_completed_items: int = 0
+    last_completed_unix_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +244,10 @@ class Telemetry:
         self._size_compute: defaultdict[int, float] = defaultdict(float)
         self._num_batches = 0
         self._num_items = 0
+        self._ok_batches = 0
+        self._ok_items = 0
+        self._last_ok_batch: dict[int, int] = {}  # replica id -> its last batch with an OK
+        self._last_ok_unix_s: float | None = None
         self._fill_sum = 0.0
         self._num_tokens = 0
         self._num_slots = 0
@@ -281,6 +291,11 @@ class Telemetry:
         total_s = now - request.arrival_s
         if outcome is Outcome.OK:
             counters.completed += 1
+            self._ok_items += request.num_items
+            if self._last_ok_batch.get(request.replica_id) != request.batch_id:
+                self._last_ok_batch[request.replica_id] = request.batch_id
+                self._ok_batches += 1
+                self._last_ok_unix_s = time.time()  # once per batch: wall time for stats
             counters.latency.observe(total_s)
             counters.queue_wait.observe(request.batch_closed_s - request.arrival_s)
         elif outcome is Outcome.EXPIRED:
@@ -346,6 +361,9 @@ class Telemetry:
                 num_tokens=self._num_tokens,
                 num_padded_slots=self._num_slots - self._num_tokens,
                 padding_waste=1 - self._num_tokens / self._num_slots if self._num_slots else 0.0,
+                num_completed_batches=self._ok_batches,
+                num_completed_items=self._ok_items,
+                last_completed_unix_s=self._last_ok_unix_s,
             ),
             replicas=tuple(
                 ReplicaStats(

@@ -29,7 +29,8 @@ from carpool.config import POLICY_FIELDS
 from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
 from carpool.server import completions, openai
-from carpool.server.errors import NotFound, PayloadTooLarge
+from carpool.server.encoding import inflate
+from carpool.server.errors import MethodNotAllowed, NotFound, PayloadTooLarge
 from carpool.server.infer import InferPlans, error_response, infer_response, prepare_infer
 from carpool.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from carpool.server.metrics import Metrics
@@ -98,23 +99,34 @@ class KServeApp:
         if not parts or parts[0] != "v2":
             raise NotFound(f"path {scope['path']!r}", ["/v2/...", "/v1/..."])
         rest = parts[1:]
-        if method == "GET" and rest in (["health", "live"], ["health", "ready"]):
+        path = scope["path"]
+        if rest in (["health", "live"], ["health", "ready"]):
+            _allow(method, path, "GET")
             ready = rest[1] == "live" or self.repository.is_ready
             return await _respond(send, 200 if ready else 400, b"", ())
-        if method == "GET" and not rest:
+        if not rest:
+            _allow(method, path, "GET")
             return await _json(send, self._server_metadata())
+        if rest == ["models", "stats"]:  # every model's statistics, as Triton's extension
+            _allow(method, path, "GET")
+            return await _json(send, {"model_stats": [model_stats(m) for m in self.repository]})
         if len(rest) < 2 or rest[0] != "models":
-            raise NotFound(f"path {scope['path']!r}", ["/v2/models/{model}/..."])
-        name, version, action = _model_path(rest[1:], scope["path"])
+            raise NotFound(f"path {path!r}", ["/v2/models/{model}/..."])
+        name, version, action = _model_path(rest[1:], path)
         model = self.repository.get(name, version)
-        if method == "POST" and action == "infer":
+        if action == "infer":
+            _allow(method, path, "POST")
             return await self._infer(model, scope, receive, send)
-        if action == "policy" and method in ("GET", "POST"):
+        if action == "policy":
+            _allow(method, path, "GET", "POST")
             if method == "POST":
-                model.batcher.update_policy(**_policy_changes(await self._read_body(receive)))
+                model.batcher.update_policy(
+                    **_policy_changes(await self._read_body(scope, receive))
+                )
             return await _json(send, _policy_document(model.batcher.policy))
-        if method != "GET":
-            raise NotFound(f"{method} {scope['path']!r}", ["GET", "POST .../infer"])
+        if action not in (None, "ready", "config", "stats"):
+            raise NotFound(f"path {path!r}", ["ready", "config", "stats", "infer", "policy"])
+        _allow(method, path, "GET")
         if action is None:
             return await _json(send, model.metadata())
         if action == "ready":
@@ -122,21 +134,19 @@ class KServeApp:
             return await _respond(send, status, b"", ())
         if action == "config":
             return await _json(send, model.config())
-        if action == "stats":
-            return await _json(send, {"model_stats": [model_stats(model)]})
-        raise NotFound(f"path {scope['path']!r}", ["ready", "config", "stats", "infer"])
+        return await _json(send, {"model_stats": [model_stats(model)]})  # stats
 
     async def _openai(
         self, method: str, rest: list[str], scope: Scope, receive: Receive, send: Send
     ) -> None:
         if method == "POST" and rest == ["embeddings"]:
-            body = await self._read_body(receive)
+            body = await self._read_body(scope, receive)
             work = openai.create_embeddings(self.repository, body)
             return await _respond(send, 200, await _unless_disconnected(work, receive), (_JSON,))
         if method == "GET" and rest == ["models"]:
             return await _respond(send, 200, openai.list_models(self.repository), (_JSON,))
         if method == "POST" and rest in (["completions"], ["chat", "completions"]):
-            body = await self._read_body(receive)
+            body = await self._read_body(scope, receive)
             call = await completions.prepare(self.repository, body, is_chat=rest[0] == "chat")
             if call.is_stream:
                 return await _stream(send, receive, completions.stream(call))
@@ -152,13 +162,16 @@ class KServeApp:
         return {"name": "carpool", "version": __version__, "extensions": EXTENSIONS}
 
     async def _infer(self, model: ServedModel, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._read_body(receive)
+        body = await self._read_body(scope, receive)
         header_length = _header(scope, b"inference-header-content-length")
         call = prepare_infer(model, body, header_length, self.plans)
         result = await _unless_disconnected(model.run(call.payload, call.options), receive)
         await _respond(send, *infer_response(model, call, result))
 
-    async def _read_body(self, receive: Receive) -> bytes:
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        """The request body, inflated when it came with ``Content-Encoding: gzip`` or
+        ``deflate`` (``tritonclient``'s ``request_compression_algorithm``), within
+        ``max_body_bytes`` either way."""
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -171,7 +184,18 @@ class KServeApp:
                 raise PayloadTooLarge(size, self.max_body_bytes)
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks)
+                body = b"".join(chunks)
+                encoding = _header(scope, b"content-encoding")
+                if encoding is None:
+                    return body
+                return inflate(body, encoding, self.max_body_bytes)
+
+
+def _allow(method: str, path: str, *allowed: str) -> None:
+    """Raises MethodNotAllowed (405, with ``Allow``) unless ``method`` is one of
+    ``allowed``; HEAD goes with GET, as HTTP has it."""
+    if method not in allowed and not (method == "HEAD" and "GET" in allowed):
+        raise MethodNotAllowed(method, path, allowed)
 
 
 class ClientGone(Exception):

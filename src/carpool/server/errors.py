@@ -6,6 +6,7 @@ error              HTTP  gRPC                why
 =================  ====  ==================  =============================================
 InvalidInput       400   INVALID_ARGUMENT    the client sent something unusable
 NotFound           404   NOT_FOUND           unknown model or version
+MethodNotAllowed   405   UNIMPLEMENTED       a known path, another method (``Allow``)
 PayloadTooLarge    413   RESOURCE_EXHAUSTED  body over the configured limit
 QueueFull          429   RESOURCE_EXHAUSTED  admission refused; ``Retry-After`` tells when
 DeadlineExceeded   503   UNAVAILABLE         the deadline passed while queued
@@ -44,6 +45,14 @@ class NotFound(Exception):
         super().__init__(f"{what} not found; available: {', '.join(known) or 'none'}")
 
 
+class MethodNotAllowed(Exception):
+    """A known path asked with a method it does not answer."""
+
+    def __init__(self, method: str, path: str, allowed: tuple[str, ...]) -> None:
+        self.allowed = allowed
+        super().__init__(f"{method} {path!r} is not allowed; expected {' or '.join(allowed)}")
+
+
 class PayloadTooLarge(Exception):
     def __init__(self, size_bytes: int, limit_bytes: int) -> None:
         super().__init__(
@@ -62,6 +71,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (InvalidInput, 400),
     (ConfigError, 400),
     (NotFound, 404),
+    (MethodNotAllowed, 405),
     (PayloadTooLarge, 413),
     (QueueFull, 429),
     (DeadlineExceeded, 503),
@@ -76,6 +86,7 @@ _GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
     (InvalidInput, "INVALID_ARGUMENT"),
     (ConfigError, "INVALID_ARGUMENT"),
     (NotFound, "NOT_FOUND"),
+    (MethodNotAllowed, "UNIMPLEMENTED"),
     (PayloadTooLarge, "RESOURCE_EXHAUSTED"),
     (QueueFull, "RESOURCE_EXHAUSTED"),
     (DeadlineExceeded, "UNAVAILABLE"),
@@ -85,7 +96,7 @@ _GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
 
 def error_message(exc: BaseException) -> str:
     """The message either wire answers ``exc`` with."""
-    if isinstance(exc, CarpoolError | NotFound | PayloadTooLarge):
+    if isinstance(exc, CarpoolError | NotFound | MethodNotAllowed | PayloadTooLarge):
         return str(exc)
     return f"internal error: {type(exc).__name__}: {exc}"
 
@@ -98,6 +109,8 @@ def http_error(exc: BaseException) -> HttpError:
             headers: tuple[tuple[bytes, bytes], ...] = ()
             if status == 429:
                 headers = ((b"retry-after", b"1"),)
+            elif isinstance(exc, MethodNotAllowed):
+                headers = ((b"allow", ", ".join(exc.allowed).encode()),)
             return HttpError(status, message, headers)
     return HttpError(500, message)
 

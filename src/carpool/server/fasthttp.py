@@ -35,6 +35,7 @@ from carpool.server.infer import Headers, InferCall, error_response, infer_respo
 from carpool.server.repository import ServedModel
 
 _HEADER_LENGTH = b"inference-header-content-length"
+_CONTENT_ENCODING = b"content-encoding"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
@@ -124,6 +125,15 @@ class InferProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         model = self._fast_model()
+        header_length = None
+        if model is not None:
+            for name, value in self.headers:
+                if name == _HEADER_LENGTH:
+                    if header_length is None:  # the first, as the ASGI path reads it
+                        header_length = value
+                elif name == _CONTENT_ENCODING:  # compressed: the ASGI path inflates it
+                    model = None
+                    break
         if model is None:
             url, headers, expect = self.url, self.headers, self.expect_100_continue
             super().on_message_begin()  # uvicorn's scope, with what the parser gave so far
@@ -133,11 +143,6 @@ class InferProtocol(HttpToolsProtocol):
             return
         if self.transport.is_closing():
             return  # after a 413 or connection: close, the rest of the read is ignored
-        header_length = None
-        for name, value in self.headers:
-            if name == _HEADER_LENGTH:
-                header_length = value  # the first, as the ASGI path reads it
-                break
         parser = self.parser
         version = parser.get_http_version()
         keep_alive = version != "1.0" and parser.should_keep_alive()

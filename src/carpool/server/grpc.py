@@ -36,7 +36,7 @@ from google.protobuf import json_format  # type: ignore[import-untyped]  # no st
 
 from carpool import __version__
 from carpool.errors import InvalidInput
-from carpool.server.errors import error_message, grpc_status
+from carpool.server.errors import NotFound, error_message, grpc_status
 from carpool.server.proto import grpc_service_pb2 as pb
 from carpool.server.proto import grpc_service_pb2_grpc as pb_grpc
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
@@ -271,8 +271,8 @@ class InferenceServicer:
     ) -> pb.ModelReadyResponse:
         try:
             model = self.repository.get(request.name, request.version or None)
-        except Exception as exc:
-            await _abort(context, exc)
+        except NotFound:  # not an error: Triton answers ready=false, as REST's 404 reads
+            return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=model.batcher.is_running)
 
     async def ServerMetadata(

@@ -14,7 +14,11 @@ def _duration(count: int, stats: LatencyStats) -> dict[str, int]:
 
 
 def model_stats(model: ServedModel) -> dict[str, Any]:
-    """Counts and cumulative nanoseconds in the shape ``tritonclient`` parses."""
+    """Counts and cumulative nanoseconds in the shape ``tritonclient`` parses (Triton's
+    statistics extension). ``inference_count`` and ``execution_count`` count what
+    succeeded. carpool times a batch's input and output handling inside
+    ``compute_infer``, so ``compute_input`` and ``compute_output`` carry the counts with
+    0 ns (not measured apart)."""
     snap = model.batcher.snapshot()
     completed = sum(c.num_completed for c in snap.classes.values())
     failed = sum(c.num_failed + sum(c.rejections.values()) for c in snap.classes.values())
@@ -24,24 +28,30 @@ def model_stats(model: ServedModel) -> dict[str, Any]:
         if c.queue_wait.count
     )
     batches = snap.batches
+    last = batches.last_completed_unix_s
     return {
         "name": model.name,
         "version": model.version,
-        "inference_count": batches.num_items,
-        "execution_count": batches.num_batches,
+        "last_inference": 0 if last is None else int(last * 1e3),  # ms since the epoch
+        "inference_count": batches.num_completed_items,
+        "execution_count": batches.num_completed_batches,
         "inference_stats": {
             "success": _duration(completed, snap.latency),
             "fail": {"count": failed, "ns": 0},
             "queue": {"count": completed, "ns": round(queue_ns * 1e9)},
+            "compute_input": {"count": batches.num_batches, "ns": 0},
             "compute_infer": _duration(batches.num_batches, batches.compute),
+            "compute_output": {"count": batches.num_batches, "ns": 0},
         },
         "batch_stats": [
             {
                 "batch_size": size,
+                "compute_input": {"count": count, "ns": 0},
                 "compute_infer": {
                     "count": count,
                     "ns": round(batches.size_compute_s.get(size, 0.0) * 1e9),
                 },
+                "compute_output": {"count": count, "ns": 0},
             }
             for size, count in batches.size_histogram.items()
         ],

@@ -119,7 +119,7 @@ async def test_body_over_the_limit_is_a_413() -> None:
         ("GET", "/v2/models/m/versions/1", 200),
         ("GET", "/v2/models/m/versions/2", 404),
         ("GET", "/v2/models/m/nonsense", 404),
-        ("DELETE", "/v2/models/m", 404),
+        ("DELETE", "/v2/models/m", 405),
         ("GET", "/v1/anything", 404),
         ("GET", "/metrics", 200),
     ],
