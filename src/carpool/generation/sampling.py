@@ -23,6 +23,9 @@ from carpool.generation.types import SamplingParams
 # for 32 rows of 1000 on the CPU here. Rows fall back to a full sort when their top
 # _TOP_P_CANDIDATES tokens hold less than top_p.
 _TOP_P_CANDIDATES = 256
+# Below this a temperature samples greedily, as in vLLM: logits divided by it overflow
+# float32 (1e-40 gave inf and NaN, and token 0 every time).
+GREEDY_BELOW = 1e-5
 
 
 def apply_top_k_top_p(
@@ -86,7 +89,7 @@ class Sampler:
     ) -> list[int]:
         """``logits`` [n, V] (row i belongs to ``seq_ids[i]``) -> n token ids."""
         tokens = [0] * len(params)
-        greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+        greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_BELOW]
         if greedy:
             chosen = (
                 logits[greedy].argmax(dim=-1).tolist()
@@ -95,7 +98,7 @@ class Sampler:
             )
             for i, token in zip(greedy, chosen, strict=True):
                 tokens[i] = token
-        random_rows = [i for i, p in enumerate(params) if p.temperature != 0]
+        random_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
         filtered = [i for i in random_rows if params[i].top_k > 0 or params[i].top_p < 1.0]
         plain = [i for i in random_rows if params[i].top_k <= 0 and params[i].top_p >= 1.0]
         for rows, is_filtered in ((filtered, True), (plain, False)):
@@ -118,7 +121,8 @@ class Sampler:
         temperature = torch.tensor([p.temperature for p in picked], device=device)
         scaled = logits[rows].float() / temperature[:, None]
         if is_filtered:
-            top_k = torch.tensor([p.top_k for p in picked], device=device)
+            vocab = logits.shape[-1]  # a larger top_k is all of it (and fits the tensor)
+            top_k = torch.tensor([min(p.top_k, vocab) for p in picked], device=device)
             top_p = torch.tensor([p.top_p for p in picked], device=device)
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = torch.softmax(scaled, dim=-1).double()

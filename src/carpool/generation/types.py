@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How one request picks its next token. ``temperature == 0`` is greedy."""
+    """How one request picks its next token. ``temperature`` below 1e-5 (0 included) is greedy."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0: off

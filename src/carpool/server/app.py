@@ -139,13 +139,17 @@ class KServeApp:
     async def _openai(
         self, method: str, rest: list[str], scope: Scope, receive: Receive, send: Send
     ) -> None:
-        if method == "POST" and rest == ["embeddings"]:
+        path = scope["path"]
+        if rest == ["embeddings"]:
+            _allow(method, path, "POST")
             body = await self._read_body(scope, receive)
             work = openai.create_embeddings(self.repository, body)
             return await _respond(send, 200, await _unless_disconnected(work, receive), (_JSON,))
-        if method == "GET" and rest == ["models"]:
+        if rest == ["models"]:
+            _allow(method, path, "GET")
             return await _respond(send, 200, openai.list_models(self.repository), (_JSON,))
-        if method == "POST" and rest in (["completions"], ["chat", "completions"]):
+        if rest in (["completions"], ["chat", "completions"]):
+            _allow(method, path, "POST")
             body = await self._read_body(scope, receive)
             call = await completions.prepare(self.repository, body, is_chat=rest[0] == "chat")
             if call.is_stream:

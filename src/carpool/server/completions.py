@@ -118,7 +118,7 @@ async def prepare(repository: ModelRepository, body: bytes, *, is_chat: bool) ->
     doc = json_object(body, CHAT_FIELDS if is_chat else COMPLETION_FIELDS)
     service = _service(repository, doc)
     for name, unused in _UNUSED.items():
-        if name in doc and doc[name] not in unused:
+        if name in doc and not _is_unused(doc[name], unused):
             raise BadParam(name, _unsupported(name, doc[name]))
     loop = asyncio.get_running_loop()
     if is_chat:
@@ -243,7 +243,7 @@ def _service(repository: ModelRepository, doc: dict[str, Any]) -> GenerationServ
     services = generation_models(repository)
     service = services.get(name)
     if service is None:
-        raise NotFound(f"generation model {name!r}", sorted(services))
+        raise NotFound(f"generation model {name!r}", sorted(services), is_model=True)
     return service
 
 
@@ -298,7 +298,9 @@ def _sampling(
             f"the prompt has {num_prompt} tokens; this model holds at "
             f"most {service.max_model_len} tokens per sequence",
         )
-    key = "max_completion_tokens" if is_chat and "max_completion_tokens" in doc else "max_tokens"
+    # The newer name first, unless it is absent or null (the client's None), as vLLM reads it.
+    is_new = is_chat and doc.get("max_completion_tokens") is not None
+    key = "max_completion_tokens" if is_new else "max_tokens"
     max_tokens = doc.get(key)
     if max_tokens is None:
         max_tokens = room if is_chat else min(DEFAULT_MAX_TOKENS, room)
@@ -309,20 +311,33 @@ def _sampling(
             f"than this model's {service.max_model_len} tokens per sequence; lower {key} "
             f"to {room} or less",
         )
+    vocab_size = service.tokenizer.vocab_size
+    # -1 or 0: off (vLLM writes -1); more than the vocabulary is all of it.
+    top_k = min(max(_integer(doc, "top_k", 0, -1), 0), vocab_size)
+    try:
+        stop_token_ids = tuple(
+            check_token_ids(_list(doc, "stop_token_ids"), vocab_size, "stop_token_ids")
+        )
+    except BadParam:
+        raise
+    except InvalidInput as error:
+        raise BadParam("stop_token_ids", str(error)) from None
     return SamplingParams(
         temperature=_number(doc, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(doc, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=_integer(doc, "top_k", 0, 0),
+        top_k=top_k,
         seed=_integer(doc, "seed", None, -(2**63)),
         max_tokens=_integer({key: max_tokens}, key, None, 1),
         stop=_stop(doc.get("stop")),
-        stop_token_ids=tuple(
-            check_token_ids(
-                _list(doc, "stop_token_ids"), service.tokenizer.vocab_size, "stop_token_ids"
-            )
-        ),
+        stop_token_ids=stop_token_ids,
         ignore_eos=_flag(doc, "ignore_eos"),
     )
+
+
+def _is_unused(value: Any, unused: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of the "not used" values, by type too: ``0`` is not
+    ``False`` (``logprobs: 0`` asks for log-probabilities)."""
+    return any(value is u or (type(value) is type(u) and value == u) for u in unused)
 
 
 def _number(

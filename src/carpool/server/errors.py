@@ -37,11 +37,14 @@ from carpool.errors import (
 
 
 class NotFound(Exception):
-    """An unknown model or version (a server-level fact: core has no model names)."""
+    """An unknown path, model or version (a server-level fact: core has no model names).
+    ``is_model``: a model or version, which OpenAI's error object calls
+    ``model_not_found``."""
 
-    def __init__(self, what: str, known: list[str]) -> None:
+    def __init__(self, what: str, known: list[str], *, is_model: bool = False) -> None:
         self.what = what
         self.known = known
+        self.is_model = is_model
         super().__init__(f"{what} not found; available: {', '.join(known) or 'none'}")
 
 
@@ -125,13 +128,14 @@ def grpc_status(exc: BaseException) -> str:
 
 
 _OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
-                 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+                 405: "invalid_request_error", 413: "invalid_request_error",
+                 429: "rate_limit_error"}  # fmt: skip
 
 
 def openai_error(exc: BaseException) -> tuple[HttpError, dict[str, Any]]:
     """The status and headers (as :func:`http_error`) and OpenAI's error object."""
     error = http_error(exc)
-    code = "model_not_found" if isinstance(exc, NotFound) else None
+    code = "model_not_found" if isinstance(exc, NotFound) and exc.is_model else None
     body = {
         "error": {
             "message": error.message,

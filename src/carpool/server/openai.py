@@ -15,6 +15,7 @@ token ids or a list of such lists), ``encoding_format`` ("float" or "base64"),
 from __future__ import annotations
 
 import base64
+import math
 import time
 from typing import Any
 
@@ -69,13 +70,18 @@ async def create_embeddings(repository: ModelRepository, body: bytes) -> bytes:
             f"dimensions={dimensions!r} is not supported: model {service.name!r} returns "
             f"{service.dimensions} dimensions and cannot shorten them; leave dimensions out",
         )
-    options = _options(doc)
+    options = _options(doc, service)
     texts, tokens = _inputs(doc.get("input"))
-    if texts is not None:
-        embedded = await service.embed_texts(texts, **options)
-    else:
-        assert tokens is not None
-        embedded = await service.embed_tokens(tokens, **options)
+    try:
+        if texts is not None:
+            embedded = await service.embed_texts(texts, **options)
+        else:
+            assert tokens is not None
+            embedded = await service.embed_tokens(tokens, **options)
+    except BadParam:
+        raise
+    except InvalidInput as error:  # what the service checks is the input's: name it
+        raise BadParam("input", str(error)) from None
     rows: list[Any]
     if encoding == "base64":
         little = embedded.vectors.astype("<f4", copy=False)
@@ -118,19 +124,27 @@ def _model(repository: ModelRepository, doc: dict[str, Any]) -> EmbeddingService
     services = embedding_models(repository)
     service = services.get(name)
     if service is None:
-        raise NotFound(f"embeddings model {name!r}", sorted(services))
+        raise NotFound(f"embeddings model {name!r}", sorted(services), is_model=True)
     return service
 
 
-def _options(doc: dict[str, Any]) -> dict[str, Any]:
+def _options(doc: dict[str, Any], service: EmbeddingService) -> dict[str, Any]:
+    """The batcher keywords, checked here so that their errors name their field."""
     options: dict[str, Any] = {}
     priority = doc.get("priority")
     if priority is not None:
-        if not isinstance(priority, str):
-            raise BadParam("priority", f"priority={priority!r}: expected a class name")
+        classes = [c.name for c in service.batcher.policy.classes]
+        if priority not in classes:
+            raise BadParam("priority", f"priority={priority!r}: expected one of {classes}")
         options["priority"] = priority
     timeout_s = doc.get("timeout_s")
     if timeout_s is not None:
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, int | float)
+            or not 0 < timeout_s < math.inf
+        ):
+            raise BadParam("timeout_s", f"timeout_s={timeout_s!r}: expected seconds > 0")
         options["timeout_s"] = timeout_s
     return options
 

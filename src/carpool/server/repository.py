@@ -209,9 +209,9 @@ class ModelRepository:
     def get(self, name: str, version: str | None = None) -> ServedModel:
         model = self._models.get(name)
         if model is None:
-            raise NotFound(f"model {name!r}", sorted(self._models))
+            raise NotFound(f"model {name!r}", sorted(self._models), is_model=True)
         if version not in (None, "", model.version):
-            raise NotFound(f"version {version!r} of model {name!r}", [model.version])
+            raise NotFound(f"version {version!r} of model {name!r}", [model.version], is_model=True)
         return model
 
     async def start(self) -> None:

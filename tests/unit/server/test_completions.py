@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
@@ -22,12 +23,21 @@ MODEL = "tiny"
 
 @pytest.fixture
 async def app() -> AsyncIterator[KServeApp]:
+    async with tiny_generation_app() as app:
+        yield app
+
+
+@asynccontextmanager
+async def tiny_generation_app() -> AsyncIterator[KServeApp]:
+    """The app serving a started tiny random Llama named MODEL."""
     settings = GenerationSettings(num_blocks=64, max_model_len=128, max_num_seqs=8)
     service = GenerationService.tiny_random(MODEL, settings)
     app = KServeApp(ModelRepository([service.served_model()]))
     await app.repository.start()
-    yield app
-    await app.repository.stop()
+    try:
+        yield app
+    finally:
+        await app.repository.stop()
 
 
 class Exchange:
