@@ -6,7 +6,9 @@ the KServe JSON body of bench_peers.py) for ``--duration-s`` per concurrency. Th
 of each server thread over the window (``/proc/PID/task/TID/stat``: user + system) divided
 by the requests answered gives microseconds of CPU per request per thread: the event loop
 (``MainThread``, HTTP and batching) apart from a replica thread (the model), which is how
-the per-request overhead and its cause were told apart for `docs/benchmarks.md`.
+the per-request overhead and its cause were told apart for `docs/benchmarks.md`. The
+batch compute per item (the model with collation and splitting, from the server's own
+/stats) is printed next to it, to compare with the offline ceiling.
 
     .venv/bin/python benchmarks/bench_server_cpu.py [CONFIG.yaml] [--concurrency 64,256]
         [--json] [--duration-s 8]
@@ -67,9 +69,11 @@ def _script(folder: Path, as_json: bool) -> Path:
     return script
 
 
-def _counts(url: str) -> tuple[int, int]:
+def _counts(url: str) -> tuple[int, int, int]:
+    """(items, batches, compute ns) the server's /stats report so far."""
     stats = httpx.get(f"{url}/v2/models/mlp/stats").json()["model_stats"][0]
-    return int(stats["inference_count"]), int(stats["execution_count"])
+    compute_ns = stats["inference_stats"]["compute_infer"]["ns"]
+    return int(stats["inference_count"]), int(stats["execution_count"]), int(compute_ns)
 
 
 def main() -> None:
@@ -113,9 +117,14 @@ def _report(pid: int, url: str, infer: str, script: Path, connections: int, seco
     after, counts_after = thread_cpu_ticks(pid), _counts(url)
     items = counts_after[0] - counts_before[0]
     batches = counts_after[1] - counts_before[1]
+    compute_us = (counts_after[2] - counts_before[2]) / max(items, 1) / 1e3
     print(
         f"c={connections}: {result['rate_rps']:.0f} req/s  p50 {result['p50_ms']:.1f} ms  "
         f"p99 {result['p99_ms']:.1f} ms  mean batch {items / max(batches, 1):.1f}"
+    )
+    print(  # the model with collation and splitting, timed by the batcher
+        f"  batch compute {compute_us:.1f} us/item; {1e6 / result['rate_rps']:.1f} us of "
+        "wall time per request in all"
     )
     for tid, (name, ticks) in sorted(after.items()):
         used = ticks - before.get(tid, (name, 0))[1]
