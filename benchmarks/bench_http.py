@@ -154,7 +154,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     open_rows: list[dict[str, Any]] = []
     try:
-        wait_kserve_ready(url)
+        wait_kserve_ready(url, server)
         with tempfile.TemporaryDirectory() as tmp:
             body = Path(tmp) / "body.bin"
             header_length = _body(body)

@@ -97,7 +97,7 @@ def main() -> None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        benchlib.wait_kserve_ready(url)
+        benchlib.wait_kserve_ready(url, server)
         with tempfile.TemporaryDirectory() as tmp:
             script = _script(Path(tmp), args.json)
             infer = f"{url}/v2/models/mlp/infer"

@@ -161,12 +161,17 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=10)
 
 
-def wait_kserve_ready(url: str, timeout_s: float = 60.0) -> None:
-    """Poll ``url``/v2/health/ready until it answers 200 (carpool serve is up)."""
+def wait_kserve_ready(
+    url: str, process: subprocess.Popen[bytes] | None = None, timeout_s: float = 60.0
+) -> None:
+    """Poll ``url``/v2/health/ready until it answers 200 (carpool serve is up); fail at
+    once if ``process`` (the server) has exited."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server exited with status {process.returncode}")
         try:
             if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
                 return
