@@ -8,6 +8,7 @@ diagnose (see docs/tuning.md and docs/doctor.md).
 
 from __future__ import annotations
 
+import enum
 import sys
 from typing import TYPE_CHECKING, Annotated
 
@@ -42,20 +43,41 @@ def _root(
     """carpool: requests that share the ride."""
 
 
+class LogLevel(enum.StrEnum):
+    """uvicorn's log levels."""
+
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
+    trace = "trace"
+
+
 @app.command()
 def serve(
     config: Annotated[
         str | None, typer.Argument(metavar="CONFIG", help="YAML file listing the models to serve.")
     ] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
-    grpc_port: Annotated[int, typer.Option(help="gRPC port; 0 or less: no gRPC.")] = 8001,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
+    port: Annotated[int, typer.Option(help="HTTP port.", min=0, max=65535)] = 8000,
+    grpc_port: Annotated[
+        int, typer.Option(help="gRPC port; 0 or less: no gRPC.", max=65535)
+    ] = 8001,
+    log_level: Annotated[
+        LogLevel, typer.Option(help="uvicorn log level.", case_sensitive=False)
+    ] = LogLevel.warning,
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
+    from carpool.server.errors import PortInUse
     from carpool.server.run import serve as run_server
 
-    run_server(_repository(config), host=host, port=port, grpc_port=grpc_port, log_level=log_level)
+    repository = _repository(config)
+    try:
+        run_server(repository, host=host, port=port, grpc_port=grpc_port, log_level=log_level.value)
+    except PortInUse as error:
+        print(f"carpool serve: {error}", file=sys.stderr)
+        raise SystemExit(3) from None  # uvicorn's status when the HTTP port is taken
 
 
 @app.command(

@@ -232,8 +232,10 @@ def load_config(path: str | Path) -> ServeConfig:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as error:
         raise ConfigError("file", file, f"a readable file ({error.strerror})", file=file) from None
+    except UnicodeDecodeError:
+        raise ConfigError("file", file, "a YAML text file in UTF-8", file=file) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as error:
         raise _yaml_error(error, file) from None
     return parse_config(data, file=file, base_dir=Path(path).resolve().parent)
@@ -295,6 +297,28 @@ def _did_you_mean(key: str, known: list[str]) -> str:
     if close:
         return f"; did you mean {close[0]!r}?"
     return f"; known keys: {', '.join(known)}" if known else ""
+
+
+class _StrictLoader(yaml.SafeLoader):  # type: ignore[misc]
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the
+    last: ``max_batch_size: 8`` then ``64`` would silently be 64)."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> Any:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates
+)
 
 
 def _yaml_error(error: yaml.YAMLError, file: str) -> ConfigError:

@@ -56,6 +56,10 @@ class MethodNotAllowed(Exception):
         super().__init__(f"{method} {path!r} is not allowed; expected {' or '.join(allowed)}")
 
 
+class PortInUse(Exception):
+    """A port the server was told to listen on cannot be bound."""
+
+
 class PayloadTooLarge(Exception):
     def __init__(self, size_bytes: int, limit_bytes: int) -> None:
         super().__init__(

@@ -36,7 +36,7 @@ from google.protobuf import json_format  # type: ignore[import-untyped]  # no st
 
 from carpool import __version__
 from carpool.errors import InvalidInput
-from carpool.server.errors import NotFound, error_message, grpc_status
+from carpool.server.errors import NotFound, PortInUse, error_message, grpc_status
 from carpool.server.proto import grpc_service_pb2 as pb
 from carpool.server.proto import grpc_service_pb2_grpc as pb_grpc
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
@@ -428,7 +428,11 @@ async def start_grpc_server(repository: ModelRepository, host: str, port: int) -
     )
     servicer = InferenceServicer(repository)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
-    if server.add_insecure_port(f"{host}:{port}") == 0:  # older grpcio: 0 instead of raising
-        raise RuntimeError(f"gRPC server could not bind {host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio raises when the address is taken
+        bound = 0
+    if bound == 0:  # older grpcio: 0 instead of raising
+        raise PortInUse(f"gRPC port {host}:{port}: could not bind (address in use?)")
     await server.start()
     return server

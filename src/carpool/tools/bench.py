@@ -39,6 +39,7 @@ from carpool.tools.loadgen import (
     parse_schedule,
     read_trace,
 )
+from carpool.tools.outputs import writable_path
 from carpool.tools.serverstats import ServerStats, stats_from_metrics, stats_from_snapshots
 from carpool.tools.summary import Summary, summarize
 from carpool.tools.targets import DEFAULT_TEXT, InProcessTarget, TargetSpec, Wire, make_target
@@ -142,8 +143,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup_s=parse_duration(args.warmup, "warmup"),
         seed=args.seed,
         drain_timeout_s=parse_duration(args.drain_timeout, "drain-timeout"),
-        json_path=Path(args.json_path) if args.json_path else None,
-        csv_path=Path(args.csv_path) if args.csv_path else None,
+        json_path=writable_path("json", args.json_path),
+        csv_path=writable_path("csv", args.csv_path),
         plots_dir=Path(args.plots_dir) if args.plots_dir else None,
         show_progress=not args.no_progress and sys.stderr.isatty(),
     )
@@ -294,6 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
+        spec = config.spec
+        if spec.is_http and spec.model is None:  # a flag missing: 2, before any request
+            raise ConfigError("model", None, f"a model name (--model) for {spec.wire.value}")
     except CarpoolError as error:
         print(f"carpool bench: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -52,6 +52,7 @@ from carpool.tools.doctor_sweep import (
     max_batch_under_budget,
     measure_sweep,
 )
+from carpool.tools.outputs import writable_path
 
 _MIB = 1024 * 1024
 
@@ -91,6 +92,8 @@ class DoctorOptions:
                 raise ConfigError("dtype", self.dtype, "a dtype name such as float32") from None
         if self.max_batch < 1:
             raise ConfigError("max_batch", self.max_batch, "an integer >= 1")
+        if self.rtol is not None and not self.rtol >= 0:
+            raise ConfigError("rtol", self.rtol, "a tolerance >= 0")
         if self.repeats < 1 or self.warmup < 0:
             raise ConfigError("repeats", (self.repeats, self.warmup), "repeats >= 1, warmup >= 0")
         if any(n < 1 for n in self.lengths):
@@ -192,12 +195,16 @@ def load_target(
     obj = import_ref(source) if isinstance(source, str) else source
     if not callable(obj):
         raise ConfigError("source", source, f"a callable or a factory, not {type(obj).__name__}")
-    if is_factory(obj):
-        obj = obj(device)
-    modules = _torch_modules(obj)
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.nn.Module):
-        module = obj.to(device)
+    try:
+        if is_factory(obj):
+            obj = obj(device)
+            torch = sys.modules.get("torch")  # a factory may be what imports it
+        module = obj.to(device) if torch is not None and isinstance(obj, torch.nn.Module) else None
+    except Exception as error:  # the model's own failure: one line, exit 2
+        raise ModelError(f"could not load {source!r} on {device!r}: {error!r}") from error
+    modules = _torch_modules(obj)
+    if module is not None and torch is not None:
         torch_dtype = getattr(torch, dtype)
 
         def call_module(batch: Array) -> Outputs:
@@ -431,9 +438,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         options = options_from_args(args)
         if args.threads is not None:
+            if args.threads < 1:
+                raise ConfigError("threads", args.threads, "an integer >= 1")
             import torch
 
             torch.set_num_threads(args.threads)
+        json_path = writable_path("json", args.json_path)
         target = load_target(
             args.source, device=options.device, dtype=options.dtype, input_name=args.input_name
         )
@@ -442,8 +452,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"carpool doctor: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     print(render_text(report))
-    if args.json_path:
-        write_json(report, args.json_path)
-        print(f"\nJSON written to {args.json_path}")
+    if json_path is not None:
+        write_json(report, json_path)
+        print(f"\nJSON written to {json_path}")
     if args.strict and not report.invariance.is_passed:
         raise SystemExit(1)

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import numpy as np
 
 from carpool.errors import ConfigError
+from carpool.tools.outputs import writable_path
 from carpool.tools.tune import (
     OBJECTIVES,
     STRATEGIES,
@@ -103,7 +105,31 @@ def main(argv: list[str]) -> None:
     except ConfigError as error:
         print(f"carpool tune: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except (httpx.HTTPError, OSError) as error:  # the server to tune is down or failing
+        print(f"carpool tune: {args.target}: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
     raise SystemExit(code)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """What a run cannot use, refused before the first trial.
+
+    Raises:
+        ConfigError: naming the flag.
+    """
+    for flag, value in (
+        ("--window", args.window),
+        ("--trial-duration", args.trial_duration),
+        ("--stable-spread", args.stable_spread),
+        ("--slo-p99-ms", args.slo_p99_ms),
+    ):
+        if not value > 0:
+            raise ConfigError(flag, value, "a number above 0")
+    writable_path("--out", args.out)
+    if args.report is not None:  # a folder: what goes in it must be writable
+        writable_path("--report", args.report / "tune.md")
+    if args.model_config is not None:
+        base_entry(args.model_config, args.model_name)
 
 
 def _server_target(target: str, model_name: str | None) -> tuple[str, str]:
@@ -131,6 +157,7 @@ def _item(args: argparse.Namespace) -> Any:
 
 async def run(args: argparse.Namespace) -> int:
     """Tune as ``args`` say; returns the exit status."""
+    _check_flags(args)
     space = SearchSpace(tuple(Param.parse(t) for t in args.param or DEFAULT_PARAMS))
     max_windows = args.max_windows or max(1, round(args.trial_duration / args.window))
     settings = MeasureSettings(
