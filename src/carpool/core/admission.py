@@ -8,6 +8,7 @@ was expected.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Hashable
 from typing import Any
 
@@ -49,7 +50,7 @@ def request_cost(
     elif cost is None:
         cost = num_items
     if isinstance(cost, bool) or not (
-        isinstance(cost, int | float) and math.isfinite(cost) and cost >= 0
+        isinstance(cost, numbers.Real) and math.isfinite(cost) and cost >= 0
     ):
         raise InvalidInput(f"cost={cost!r}: expected a finite number >= 0")
     if policy.max_batch_cost is not None and cost > policy.max_batch_cost:
@@ -67,10 +68,10 @@ def deadline(now: float, timeout_s: float | None, limits: ClassLimits) -> float 
         if timeout_s is None:
             return None
     elif isinstance(timeout_s, bool) or not (
-        isinstance(timeout_s, int | float) and timeout_s > 0 and math.isfinite(timeout_s)
+        isinstance(timeout_s, numbers.Real) and timeout_s > 0 and math.isfinite(timeout_s)
     ):
         raise InvalidInput(f"timeout_s={timeout_s!r}: expected a finite number of seconds > 0")
-    return now + timeout_s
+    return now + float(timeout_s)
 
 
 class Intake:
@@ -87,7 +88,9 @@ class Intake:
         self._collate = collate
         self.collator: Collator | None = None
         if isinstance(collate, str):
-            collator_for(collate, None)  # validates the name now, not on the first request
+            named = collator_for(collate, None)  # validates the name now, not on the first request
+            if collate != "auto":  # a named one is known now: adopted with the policy
+                self.collator = named
         else:
             self.collator = collate
         self.has_lengths = False
@@ -99,15 +102,16 @@ class Intake:
         return collator_for(self._collate, payload)
 
     def adopt(self, collator: Collator, policy: BatchPolicy) -> None:
+        _check_tokens(policy, collator)
         self.has_lengths = hasattr(collator, "lengths")
-        if policy.max_batch_tokens is not None and not self.has_lengths:
-            raise ConfigError(
-                "max_batch_tokens",
-                policy.max_batch_tokens,
-                'a variable-length collator (collate="packed" or "padded")',
-            )
         self.pads = bool(getattr(collator, "pads", False))
         self.collator = collator
+
+    def check(self, policy: BatchPolicy) -> None:
+        """Refuse a token budget that the collator in use cannot measure (none chosen yet,
+        ``collate="auto"``: checked when one is)."""
+        if self.collator is not None:
+            _check_tokens(policy, self.collator)
 
     def lengths(self, payload: Any, is_many: bool, policy: BatchPolicy) -> tuple[int, int, int]:
         """``(num_tokens, longest, bucket)`` of a variable-length payload, checked to fit."""
@@ -179,3 +183,12 @@ class OomCap:
                 self._at_s += recovery_s
             self._cap = None if cap >= max_size else cap
         return self._cap
+
+
+def _check_tokens(policy: BatchPolicy, collator: Collator) -> None:
+    if policy.max_batch_tokens is not None and not hasattr(collator, "lengths"):
+        raise ConfigError(
+            "max_batch_tokens",
+            policy.max_batch_tokens,
+            'a variable-length collator (collate="packed" or "padded")',
+        )

@@ -193,7 +193,13 @@ class Batcher:
         if self._state is _State.RUNNING:
             return
         if self._starting is not None:
-            return await asyncio.shield(self._starting)
+            try:
+                return await asyncio.shield(self._starting)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # this caller was cancelled
+                return await self.start()  # the caller who was starting it was: try again
         if self._state is _State.DRAINING:
             raise Closed(self._name)
         loop = self._loop = asyncio.get_running_loop()
@@ -260,6 +266,24 @@ class Batcher:
                 self._holds_switch_interval = False
             self._tasks = []
             self._state = _State.STOPPED
+
+    def _leave_closed_loop(self) -> None:
+        """Back to NEW after the loop this batcher ran on was closed without a stop:
+        replica threads closed, and requests queued there forgotten (their callers' loop
+        is gone; nothing can answer them)."""
+        now = self._clock.now()
+        for queue in self._queues.ordered:
+            for request in list(queue.live()):
+                request.timer = None
+                self._queues.forget(request)
+                self._telemetry.answered(request, Outcome.CLOSED, now)
+        for replica in self._replicas:
+            replica.close()
+        if self._holds_switch_interval:
+            switch_interval.release()
+            self._holds_switch_interval = False
+        self._replicas, self._tasks = [], []
+        self._state = _State.NEW
 
     async def __aenter__(self) -> Batcher:
         await self.start()
@@ -343,6 +367,10 @@ class Batcher:
             if self._state is not _State.NEW:
                 raise Closed(self._name)
             await self.start()
+        elif self._loop is not None and self._loop.is_closed():
+            # Started lazily by an earlier asyncio.run(): its replica tasks ended with it.
+            self._leave_closed_loop()
+            await self.start()
         request = self._make_request(payload, is_many, priority, timeout_s, cost)
         try:
             return await request.future
@@ -360,7 +388,10 @@ class Batcher:
         cost: float | None,
     ) -> Request:
         policy = self._policy
-        limits = policy.limits.get(policy.default_class if priority is None else priority)
+        if priority is None:
+            limits = policy.limits.get(policy.default_class)
+        else:
+            limits = policy.limits.get(priority) if isinstance(priority, str) else None
         if limits is None:
             self._telemetry.rejected(policy.default_class, "invalid")
             raise InvalidInput(
@@ -542,7 +573,7 @@ class Batcher:
                     log.exception("memory_probe of %r raised; sample skipped", self._name)
                 else:
                     self._telemetry.memory(used, total)
-            queue = self._queues.by_name.get(batch.lead_class)
+            queue = self._queues.leading(batch.lead_class)
             if queue is not None and not holds_replica:
                 queue.num_running -= 1
             if self._queues.num_live and self._idle:
@@ -583,7 +614,12 @@ class Batcher:
     # -- policy and telemetry ---------------------------------------------------------
 
     def set_policy(self, policy: BatchPolicy) -> None:
-        """Replace the policy while running; takes effect at the next batch."""
+        """Replace the policy while running; takes effect at the next batch.
+
+        Raises:
+            ConfigError: a token budget the collator in use cannot measure.
+        """
+        self._intake.check(policy)
         self._queues.reconfigure(policy)
         self._policy = policy
         self._telemetry.set_classes({c.name: c.slo_s for c in policy.classes})

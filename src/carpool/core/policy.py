@@ -167,7 +167,7 @@ class BatchPolicy:
             object.__setattr__(self, "length_buckets", buckets)
         if self.cost_fn is not None and not callable(self.cost_fn):
             raise ConfigError("cost_fn", self.cost_fn, "a callable taking one payload")
-        preferred = tuple(self.preferred_batch_sizes)
+        preferred = _sequence("preferred_batch_sizes", self.preferred_batch_sizes, "sizes")
         for size in preferred:
             _check_int("preferred_batch_sizes[]", size, minimum=1)
             if size > self.max_batch_size:
@@ -177,9 +177,12 @@ class BatchPolicy:
                     f"sizes no larger than max_batch_size={self.max_batch_size}",
                 )
         object.__setattr__(self, "preferred_batch_sizes", tuple(sorted(set(preferred))))
-        classes = tuple(self.classes)
+        classes = _sequence("classes", self.classes, "ClassPolicy values")
         if not classes:
             raise ConfigError("classes", classes, "at least one class")
+        for c in classes:
+            if not isinstance(c, ClassPolicy):
+                raise ConfigError("classes[]", c, "a ClassPolicy(name, ...)")
         names = [c.name for c in classes]
         if len(set(names)) != len(names):
             raise ConfigError("classes", names, "unique class names")
@@ -218,3 +221,10 @@ class BatchPolicy:
             return self.limits[self.default_class if name is None else name]
         except KeyError:
             raise ConfigError("priority", name, f"one of {list(self.limits)}") from None
+
+
+def _sequence(field: str, value: Any, what: str) -> tuple[Any, ...]:
+    """``value`` as a tuple, when it is a list, tuple or set of ``what``."""
+    if not isinstance(value, list | tuple | set | frozenset):
+        raise ConfigError(field, value, f"a list of {what}")
+    return tuple(value)

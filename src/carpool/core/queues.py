@@ -98,12 +98,20 @@ class ClassQueue:
 class Queues:
     """All classes' queues of one model, in priority order, with admission control."""
 
-    __slots__ = ("by_name", "max_queue_size", "ordered")
+    __slots__ = ("_retired", "by_name", "max_queue_size", "ordered")
 
     def __init__(self, policy: BatchPolicy) -> None:
         self.ordered = [ClassQueue(policy.limits[c.name]) for c in policy.classes]
         self.by_name = {q.name: q for q in self.ordered}
         self.max_queue_size = policy.max_queue_size
+        # Classes a policy change removed while batches they lead still ran: their
+        # running count must come down when those land, and come back with the class.
+        self._retired: dict[str, ClassQueue] = {}
+
+    def leading(self, class_name: str) -> ClassQueue | None:
+        """The queue whose running count a batch led by ``class_name`` holds, current or
+        retired."""
+        return self.by_name.get(class_name) or self._retired.get(class_name)
 
     @property
     def num_live(self) -> int:
@@ -135,11 +143,14 @@ class Queues:
                     [c.name for c in policy.classes],
                     f"to keep class {queue.name!r}, which has {queue.num_live} waiting requests",
                 )
-        old = self.by_name
+        old = {**self._retired, **self.by_name}
         self.ordered = []
         for c in policy.classes:
             queue = old.get(c.name) or ClassQueue(policy.limits[c.name])
             queue.limits = policy.limits[c.name]
             self.ordered.append(queue)
         self.by_name = {q.name: q for q in self.ordered}
+        self._retired = {
+            name: q for name, q in old.items() if name not in self.by_name and q.num_running
+        }
         self.max_queue_size = policy.max_queue_size

@@ -10,6 +10,7 @@ call (every request gets a :class:`ModelError` saying both numbers).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Hashable
 
 from carpool.core.admission import OomCap
@@ -40,7 +41,16 @@ class Settler:
 
         Returns the call's output when it succeeded as a whole, else None."""
         try:
-            output = await attempt
+            try:
+                output = await attempt
+            except (asyncio.CancelledError, GeneratorExit) as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # this replica is being stopped: not the model's doing
+                # The model raised it (or concurrent.futures.CancelledError, which asyncio
+                # turns into CancelledError on the way back from the thread): a model
+                # error like any other, not the end of this replica.
+                raise _RaisedByModel(exc) from exc
         except OutputCountMismatch as exc:
             for request in requests:
                 self.fail(request, ModelError(str(exc), request_id=request.request_id), exc)
@@ -55,8 +65,9 @@ class Settler:
                 if oom:
                     error = CapacityError(request.request_id, request.num_items)
                 else:
+                    raised = exc.raised if isinstance(exc, _RaisedByModel) else exc
                     error = ModelError(
-                        f"the model raised {type(exc).__name__}: {exc}",
+                        f"the model raised {type(raised).__name__}: {raised}",
                         request_id=request.request_id,
                     )
                 self.fail(request, error, exc)
@@ -86,6 +97,15 @@ class Settler:
             request.future.set_exception(error)
         outcome = Outcome.OUT_OF_MEMORY if isinstance(error, CapacityError) else Outcome.MODEL_ERROR
         self._telemetry.answered(request, outcome, now)
+
+
+class _RaisedByModel(Exception):
+    """A cancellation-shaped exception (CancelledError, GeneratorExit) that came out of
+    the model rather than from stopping the replica."""
+
+    def __init__(self, raised: BaseException) -> None:
+        super().__init__(repr(raised))
+        self.raised = raised
 
 
 def by_signature(requests: list[Request]) -> list[list[Request]]:
