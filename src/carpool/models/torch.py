@@ -68,7 +68,21 @@ class TorchRunner:
                 else:
                     args.append(self._tensor(value))
             result = self.module(*args)
+            if isinstance(result, dict):  # by the declared names
+                missing = [name for name in self.output_names if name not in result]
+                if missing:
+                    raise ModelError(
+                        f"the model returned a dict of {sorted(result)}; the config declares "
+                        f"{self.output_names}"
+                    )
+                result = [result[name] for name in self.output_names]
             tensors = list(result) if isinstance(result, tuple | list) else [result]
+            for tensor in tensors:
+                if not isinstance(tensor, self._torch.Tensor):
+                    raise ModelError(
+                        f"the model returned a {type(tensor).__name__}; expected a tensor, a "
+                        f"tuple of {len(self.output_names)} tensors or a dict by output name"
+                    )
             if len(tensors) != len(self.output_names):
                 raise ModelError(
                     f"the model returned {len(tensors)} outputs; the config declares "

@@ -117,7 +117,47 @@ def _specs(model: ModelConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec
         if model.outputs is not None
         else tuple(TensorSpec(t.name, t.datatype, t.shape) for t in read_outputs)
     )
+    # Declared tensors must be the file's: a mismatch would pass every request's checks
+    # and then fail each one inside onnxruntime with a 500.
+    _check_against_file("inputs", inputs, read_inputs, every_file_tensor=True)
+    _check_against_file("outputs", outputs, read_outputs, every_file_tensor=False)
     return inputs, outputs
+
+
+def _check_against_file(
+    key: str, declared: tuple[TensorSpec, ...], read: Any, *, every_file_tensor: bool
+) -> None:
+    """``declared`` against the ONNX file's tensors ``read``: names, datatypes, ranks and
+    fixed dims (-1 in either matches anything); with ``every_file_tensor`` each of the
+    file's tensors must be declared too (onnxruntime needs every input fed).
+
+    Raises:
+        ConfigError: naming ``key[j]`` and what the file has.
+    """
+    in_file = {t.name: t for t in read}
+    for j, spec in enumerate(declared):
+        found = in_file.get(spec.name)
+        if found is None:
+            raise ConfigError(f"{key}[{j}].name", spec.name, f"one of the file's {sorted(in_file)}")
+        if found.datatype != spec.datatype:
+            raise ConfigError(
+                f"{key}[{j}].datatype",
+                spec.datatype,
+                f"{found.datatype} for {spec.name!r}, as in the file",
+            )
+        shape, file_shape = tuple(spec.shape), tuple(found.shape)
+        if len(shape) != len(file_shape) or any(
+            a != b and -1 not in (a, b) for a, b in zip(shape, file_shape, strict=False)
+        ):
+            raise ConfigError(
+                f"{key}[{j}].shape",
+                list(shape),
+                f"{list(file_shape)} for {spec.name!r}, as in the file (after the batch dim)",
+            )
+    if every_file_tensor:
+        missing = sorted(set(in_file) - {spec.name for spec in declared})
+        if missing:
+            raise ConfigError(key, [spec.name for spec in declared], f"also the file's {missing}")
 
 
 def _fn_factory(

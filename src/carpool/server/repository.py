@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from carpool.core.batcher import Batcher
-from carpool.errors import ConfigError, InvalidInput
+from carpool.errors import ConfigError, InvalidInput, ModelError
 from carpool.server.errors import NotFound
 from carpool.server.tensors import DATATYPES, InferRequest
 
@@ -79,12 +79,26 @@ class ServedModel:
             return await self.infer(payload, options)
         return self.outputs_of(await self.batcher.submit_many(payload, **options))
 
-    @staticmethod
-    def outputs_of(result: Any) -> Any:
-        """The batcher's result for one request as ``{output name: array}``."""
-        if isinstance(result, dict):  # per-token outputs of ragged rows come back as lists
-            return {k: np.stack(v) if isinstance(v, list) else v for k, v in result.items()}
-        return result
+    def outputs_of(self, result: Any) -> dict[str, Any]:
+        """The batcher's result for one request as ``{output name: array}``.
+
+        Raises:
+            ModelError: the model did not return a dict holding every declared output.
+        """
+        if not isinstance(result, dict):
+            raise ModelError(
+                f"model {self.name!r} returned a {type(result).__name__}; expected a dict of "
+                f"its declared outputs {[spec.name for spec in self.outputs]}"
+            )
+        # Per-token outputs of ragged rows come back as lists.
+        outputs = {k: np.stack(v) if isinstance(v, list) else v for k, v in result.items()}
+        for spec in self.outputs:
+            if spec.name not in outputs:
+                raise ModelError(
+                    f"model {self.name!r} returned outputs {sorted(outputs)}; the config "
+                    f"declares {[s.name for s in self.outputs]}"
+                )
+        return outputs
 
     def metadata(self) -> dict[str, Any]:
         return {

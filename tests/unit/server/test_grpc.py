@@ -249,7 +249,13 @@ def _served(infer: Any = None, num_replicas: int = 1) -> ServedModel:
         default_class="normal",
     )
     batcher = Batcher(
-        lambda inputs: {"y": inputs["x"]}, policy, collate="dict", num_replicas=num_replicas
+        lambda inputs: {
+            "y": inputs["x"],
+            "tag": np.array([[b"t"]] * len(inputs["x"]), dtype=object),
+        },
+        policy,
+        collate="dict",
+        num_replicas=num_replicas,
     )
     return ServedModel(
         "m",
