@@ -38,7 +38,6 @@ from carpool import __version__
 from carpool.errors import InvalidInput
 from carpool.server.errors import NotFound, PortInUse, error_message, grpc_status
 from carpool.server.proto import grpc_service_pb2 as pb
-from carpool.server.proto import grpc_service_pb2_grpc as pb_grpc
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.stats import model_stats
 from carpool.server.tensors import (
@@ -418,7 +417,7 @@ async def start_grpc_server(repository: ModelRepository, host: str, port: int) -
     """Bind ``host:port`` and start serving ``repository``; the caller stops the server.
 
     Raises:
-        RuntimeError: the address cannot be bound.
+        PortInUse: the address cannot be bound.
     """
     server = grpc.aio.server(
         options=[
@@ -426,8 +425,7 @@ async def start_grpc_server(repository: ModelRepository, host: str, port: int) -
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
     )
-    servicer = InferenceServicer(repository)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    add_servicer(server, InferenceServicer(repository))
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # grpcio raises when the address is taken
@@ -436,3 +434,30 @@ async def start_grpc_server(repository: ModelRepository, host: str, port: int) -
         raise PortInUse(f"gRPC port {host}:{port}: could not bind (address in use?)")
     await server.start()
     return server
+
+
+def add_servicer(server: grpc.aio.Server, servicer: InferenceServicer) -> None:
+    """Serve every RPC of ``inference.GRPCInferenceService`` on ``server`` with
+    ``servicer``'s method of the same name, the handlers read from the proto's own
+    service descriptor (what protoc's ``_pb2_grpc`` module would hold, without its base
+    class of unimplemented methods: ``InferenceServicer`` implements all of them)."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in service.methods:
+        request, response = (
+            getattr(pb, method.input_type.name),
+            getattr(pb, method.output_type.name),
+        )
+        make = (
+            grpc.stream_stream_rpc_method_handler
+            if method.client_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )

@@ -21,8 +21,7 @@ import tritonclient.grpc.aio as grpcclient
 
 from carpool import Batcher, BatchPolicy
 from carpool.server.app import KServeApp
-from carpool.server.grpc import InferenceServicer
-from carpool.server.proto import grpc_service_pb2_grpc as pb_grpc
+from carpool.server.grpc import InferenceServicer, add_servicer
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.stats import model_stats
 
@@ -99,7 +98,7 @@ async def grpc_client() -> AsyncIterator[grpcclient.InferenceServerClient]:
     repository = ModelRepository([_served()])
     await repository.start()
     server = grpc.aio.server()
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(repository), server)
+    add_servicer(server, InferenceServicer(repository))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
