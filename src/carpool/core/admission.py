@@ -61,15 +61,21 @@ def request_cost(
     return float(cost)
 
 
+def is_timeout(value: object) -> bool:
+    """Whether ``value`` can be a timeout: a real number (not a bool), finite and > 0."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    number = float(value)
+    return number > 0 and math.isfinite(number)
+
+
 def deadline(now: float, timeout_s: float | None, limits: ClassLimits) -> float | None:
     """When the request expires: ``timeout_s`` or the class default from ``now``; or never."""
     if timeout_s is None:
         timeout_s = limits.timeout_s
         if timeout_s is None:
             return None
-    elif isinstance(timeout_s, bool) or not (
-        isinstance(timeout_s, numbers.Real) and timeout_s > 0 and math.isfinite(timeout_s)
-    ):
+    elif not is_timeout(timeout_s):
         raise InvalidInput(f"timeout_s={timeout_s!r}: expected a finite number of seconds > 0")
     return now + float(timeout_s)
 

@@ -318,9 +318,7 @@ def _sampling(
         stop_token_ids = tuple(
             check_token_ids(_list(doc, "stop_token_ids"), vocab_size, "stop_token_ids")
         )
-    except BadParam:
-        raise
-    except InvalidInput as error:
+    except InvalidInput as error:  # check_token_ids knows no OpenAI params: name it
         raise BadParam("stop_token_ids", str(error)) from None
     return SamplingParams(
         temperature=_number(doc, "temperature", 1.0, 0.0, 2.0),

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
 from carpool.server.decode import (
     InferHeader,
@@ -57,7 +58,7 @@ class InferPlan:
     options: dict[str, Any]
     wanted: list[TensorSpec]
     binary: set[str]
-    policy: object  # the batch policy ``options`` were resolved under (priority classes)
+    policy: BatchPolicy  # the one ``options`` were resolved under (its priority classes)
     answers: dict[tuple[tuple[int, ...], ...], bytes] | None = field(default_factory=dict)
 
 

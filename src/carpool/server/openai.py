@@ -15,13 +15,13 @@ token ids or a list of such lists), ``encoding_format`` ("float" or "base64"),
 from __future__ import annotations
 
 import base64
-import math
 import time
 from typing import Any
 
 import numpy as np
 import orjson
 
+from carpool.core.admission import is_timeout
 from carpool.errors import InvalidInput
 from carpool.server.embeddings import EmbeddingService
 from carpool.server.errors import NotFound
@@ -78,8 +78,6 @@ async def create_embeddings(repository: ModelRepository, body: bytes) -> bytes:
         else:
             assert tokens is not None
             embedded = await service.embed_tokens(tokens, **options)
-    except BadParam:
-        raise
     except InvalidInput as error:  # what the service checks is the input's: name it
         raise BadParam("input", str(error)) from None
     rows: list[Any]
@@ -139,11 +137,7 @@ def _options(doc: dict[str, Any], service: EmbeddingService) -> dict[str, Any]:
         options["priority"] = priority
     timeout_s = doc.get("timeout_s")
     if timeout_s is not None:
-        if (
-            isinstance(timeout_s, bool)
-            or not isinstance(timeout_s, int | float)
-            or not 0 < timeout_s < math.inf
-        ):
+        if not is_timeout(timeout_s):
             raise BadParam("timeout_s", f"timeout_s={timeout_s!r}: expected seconds > 0")
         options["timeout_s"] = timeout_s
     return options

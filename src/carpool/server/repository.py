@@ -7,13 +7,13 @@ dimension (as Triton's ``dims`` do); metadata shows it as ``-1``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from carpool.core.admission import is_timeout
 from carpool.core.batcher import Batcher
 from carpool.errors import ConfigError, InvalidInput, ModelError
 from carpool.server.errors import NotFound
@@ -185,11 +185,7 @@ class ServedModel:
             )
         timeout = request.parameters.get("timeout")
         if timeout is not None:
-            if (
-                isinstance(timeout, bool)
-                or not isinstance(timeout, int | float)
-                or not 0 < timeout < math.inf  # not NaN either
-            ):
+            if not is_timeout(timeout):
                 raise InvalidInput(f"parameter 'timeout'={timeout!r}: expected microseconds > 0")
             options["timeout_s"] = timeout * TIMEOUT_PARAMETER_UNIT_S
         return options
