@@ -176,7 +176,7 @@ class InferProtocol(HttpToolsProtocol):
             cycle.keep_alive = False  # the unread rest makes the connection unusable
             cycle.chunks = []
             if cycle.started:
-                self._answer(cycle, *error_response(PayloadTooLarge(cycle.size, limit)))
+                self._answer_too_large(cycle)
             else:  # pipelined: answered in its turn, after the requests before it
                 cycle.oversize = True
 
@@ -241,13 +241,16 @@ class InferProtocol(HttpToolsProtocol):
             return
         cycle.started = True
         if cycle.oversize:
-            limit = self.kserve.max_body_bytes
-            self._answer(cycle, *error_response(PayloadTooLarge(cycle.size, limit)))
+            self._answer_too_large(cycle)
         elif not cycle.more_body:  # pipelined: read in full while the one before it ran
             self._dispatch(cycle)
         elif cycle.waiting_for_100_continue:
             cycle.waiting_for_100_continue = False
             self.transport.write(_CONTINUE)
+
+    def _answer_too_large(self, cycle: _FastCycle) -> None:
+        limit = self.kserve.max_body_bytes
+        self._answer(cycle, *error_response(PayloadTooLarge(cycle.size, limit)))
 
     def _dispatch(self, cycle: _FastCycle) -> None:
         body = b"".join(cycle.chunks)
