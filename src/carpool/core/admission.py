@@ -40,19 +40,21 @@ def request_cost(
             f"the request carries {num_items} items, more than max_batch_size="
             f"{limits.max_batch_size} of class {limits.name!r}; split it into smaller requests"
         )
-    if cost is None and policy.cost_fn is not None:
-        try:
-            cost = float(policy.cost_fn(payload))
-        except (TypeError, ValueError, AttributeError, IndexError, KeyError) as exc:
-            raise InvalidInput(
-                f"cost_fn could not price this payload ({type(exc).__name__}: {exc})"
-            ) from exc
-    elif cost is None:
-        cost = num_items
-    if isinstance(cost, bool) or not (
-        isinstance(cost, numbers.Real) and math.isfinite(cost) and cost >= 0
-    ):
-        raise InvalidInput(f"cost={cost!r}: expected a finite number >= 0")
+    cost_fn = policy.cost_fn
+    if cost is None and cost_fn is None:
+        cost = num_items  # a count >= 1: nothing to check (the common case, per request)
+    else:
+        if cost is None and cost_fn is not None:
+            try:
+                cost = float(cost_fn(payload))
+            except (TypeError, ValueError, AttributeError, IndexError, KeyError) as exc:
+                raise InvalidInput(
+                    f"cost_fn could not price this payload ({type(exc).__name__}: {exc})"
+                ) from exc
+        if isinstance(cost, bool) or not (
+            isinstance(cost, numbers.Real) and math.isfinite(cost) and cost >= 0
+        ):
+            raise InvalidInput(f"cost={cost!r}: expected a finite number >= 0")
     if policy.max_batch_cost is not None and cost > policy.max_batch_cost:
         raise InvalidInput(
             f"the request costs {cost:g}, more than max_batch_cost={policy.max_batch_cost:g}; "

@@ -424,6 +424,18 @@ def _flat_numbers(spec: _InputSpec, data: list[Any]) -> npt.NDArray[Any] | None:
         or type(data[0]) is bool
     ):
         return None
+    if kind == "f" and dtype.itemsize >= 4:  # FP32, FP64: packed in their own width
+        code = "f" if dtype.itemsize == 4 else "d"
+        packer = _packer(code, count)
+        packed = bytearray(packer.size)  # writable, kept by the array
+        try:
+            packer.pack_into(packed, 0, *data)
+        except OverflowError:  # beyond FP32: through float64, where it becomes inf
+            pass
+        except (struct.error, TypeError):
+            return None
+        else:
+            return np.frombuffer(packed, dtype=_WIDE[code])
     code = "d" if kind == "f" else "Q" if dtype.itemsize == 8 and kind == "u" else "q"
     try:
         packed = _packer(code, count).pack(*data)
@@ -440,7 +452,12 @@ def _flat_numbers(spec: _InputSpec, data: list[Any]) -> npt.NDArray[Any] | None:
     return wide.astype(dtype)
 
 
-_WIDE = {"d": np.dtype("=f8"), "q": np.dtype("=i8"), "Q": np.dtype("=u8")}
+_WIDE = {
+    "f": np.dtype("=f4"),
+    "d": np.dtype("=f8"),
+    "q": np.dtype("=i8"),
+    "Q": np.dtype("=u8"),
+}
 
 
 @functools.lru_cache(maxsize=64)

@@ -68,6 +68,7 @@ def test_fast_path_agrees_with_the_general_path(datatype: str, data: list[Any]) 
     ("datatype", "data"),
     [
         ("FP32", [0.5, -2, 3]),
+        ("FP32", [1e39, -1e39, 3.4028235e38, 2**70]),  # beyond FP32: inf, as in C
         ("FP64", [1e300, -1e-300, 7]),
         ("INT8", [-128, 0, 127]),
         ("UINT8", [0, 255]),
@@ -84,6 +85,14 @@ def test_fast_path_takes_flat_lists_of_numbers(datatype: str, data: list[Any]) -
     assert not isinstance(general, str)
     assert fast.dtype == general.dtype
     np.testing.assert_array_equal(fast, general)
+
+
+@pytest.mark.parametrize("datatype", NUMERIC)
+def test_fast_path_arrays_are_writable(datatype: str) -> None:
+    fast = _flat_numbers(_spec(datatype, 3), [1, 2, 3])
+    assert fast is not None
+    fast[0] = 7  # a model may work in place on what it is given
+    assert fast.tolist() == [7, 2, 3]
 
 
 @pytest.mark.parametrize(
