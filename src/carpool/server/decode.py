@@ -427,15 +427,15 @@ def _flat_numbers(spec: _InputSpec, data: list[Any]) -> npt.NDArray[Any] | None:
     if kind == "f" and dtype.itemsize >= 4:  # FP32, FP64: packed in their own width
         code = "f" if dtype.itemsize == 4 else "d"
         packer = _packer(code, count)
-        packed = bytearray(packer.size)  # writable, kept by the array
+        buffer = bytearray(packer.size)  # writable, kept by the array
         try:
-            packer.pack_into(packed, 0, *data)
+            packer.pack_into(buffer, 0, *data)
         except OverflowError:  # beyond FP32: through float64, where it becomes inf
             pass
         except (struct.error, TypeError):
             return None
         else:
-            return np.frombuffer(packed, dtype=_WIDE[code])
+            return np.frombuffer(buffer, dtype=_WIDE[code])
     code = "d" if kind == "f" else "Q" if dtype.itemsize == 8 and kind == "u" else "q"
     try:
         packed = _packer(code, count).pack(*data)
@@ -452,7 +452,7 @@ def _flat_numbers(spec: _InputSpec, data: list[Any]) -> npt.NDArray[Any] | None:
     return wide.astype(dtype)
 
 
-_WIDE = {
+_WIDE: dict[str, np.dtype[Any]] = {
     "f": np.dtype("=f4"),
     "d": np.dtype("=f8"),
     "q": np.dtype("=i8"),
