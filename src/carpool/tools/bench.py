@@ -220,8 +220,10 @@ async def _run_point(
     config: BenchConfig, target: Target, point: Point, rng: np.random.Generator
 ) -> PointResult:
     if config.warmup_s > 0:
+        # Its own stream: the measured schedule for a seed is the same whatever the warm-up.
+        [warm_rng] = rng.spawn(1)
         warm = LoadGenerator(target, drain_timeout_s=config.drain_timeout_s)
-        await _drive(warm, config, point, config.warmup_s, rng, is_warmup=True)
+        await _drive(warm, config, point, config.warmup_s, warm_rng, is_warmup=True)
     before = await _server_state(config, target)
     generator = LoadGenerator(target, drain_timeout_s=config.drain_timeout_s)
     async with benchreport.LiveProgress(
@@ -249,15 +251,15 @@ async def _drive(
         arrivals = point.arrivals
         if is_warmup:  # warm up at the first rate of a schedule, in the same shape
             arrivals = ArrivalProcess(arrivals.arrival, arrivals.steps[:1], arrivals.burstiness)
-        return await generator.run_open(arrivals.send_times(duration_s, rng))
+        return await generator.run_open(arrivals.send_times(duration_s, rng), duration_s)
     assert point.trace is not None
     trace = point.trace
     if is_warmup:  # the trace's mean rate, Poisson
         rate = len(trace) / max(float(trace[-1]), 1e-3)
         return await generator.run_open(
-            ArrivalProcess.steady(rate, Arrival.POISSON).send_times(duration_s, rng)
+            ArrivalProcess.steady(rate, Arrival.POISSON).send_times(duration_s, rng), duration_s
         )
-    return await generator.run_open(trace[trace < duration_s])
+    return await generator.run_open(trace[trace < duration_s], duration_s)
 
 
 async def _server_state(config: BenchConfig, target: Target) -> str | TelemetrySnapshot | None:

@@ -145,6 +145,10 @@ def text_table(results: list[PointResult]) -> str:
         ]
         lines.append(" ".join(cells))
         s = result.summary
+        if s.offered_rate_rps is not None:  # open loop: what was asked next to what came
+            lines.append(
+                f"  offered {s.offered_rate_rps:.1f} req/s, achieved {s.rate_rps:.1f} req/s"
+            )
         if s.errors:
             lines.append(f"  errors: {', '.join(f'{k}: {n}' for k, n in s.errors.items())}")
         if s.num_behind_schedule:
@@ -153,11 +157,15 @@ def text_table(results: list[PointResult]) -> str:
                 f"over 1 ms late (max lag {s.max_lag_s * 1e3:.1f} ms); latency counts from "
                 "the schedule"
             )
-        if s.ttft is not None and s.itl is not None:
+        if s.ttft is not None:  # one-token streams have a ttft and no inter-token gaps
+            itl = (
+                "itl -"
+                if s.itl is None
+                else f"itl p50 {s.itl.p50_s * 1e3:.2f} ms p99 {s.itl.p99_s * 1e3:.2f} ms"
+            )
             lines.append(
                 f"  ttft p50 {s.ttft.p50_s * 1e3:.2f} ms p99 {s.ttft.p99_s * 1e3:.2f} ms; "
-                f"itl p50 {s.itl.p50_s * 1e3:.2f} ms p99 {s.itl.p99_s * 1e3:.2f} ms; "
-                f"{s.tokens_per_s:.1f} tokens/s"
+                f"{itl}; {s.tokens_per_s:.1f} tokens/s"
             )
     return "\n".join(lines)
 

@@ -80,7 +80,10 @@ def _crop(out: Array, shape: tuple[int, ...]) -> Array | None:
 
 
 def deviation(out: Array, ref: Array) -> tuple[float, float]:
-    """``(max abs, max abs / max(|out|, |ref|))``; inf when ``out`` cannot be cut to ``ref``."""
+    """``(max abs, max abs / max(|out|, |ref|))``; inf when ``out`` cannot be cut to ``ref``
+    or its NaNs and infinities are not where ``ref`` has the same (NaN matches NaN, as in
+    ``numpy.testing.assert_allclose``): a model that answers NaN alone and batched alike is
+    batch-invariant; one whose NaN appears or goes away with batching is not."""
     cropped = _crop(out, ref.shape)
     if cropped is None:
         return math.inf, math.inf
@@ -88,8 +91,19 @@ def deviation(out: Array, ref: Array) -> tuple[float, float]:
     b = ref.astype(np.float64)
     if a.size == 0:
         return 0.0, 0.0
+    a_inf, b_inf = np.isinf(a), np.isinf(b)
+    if (
+        not np.array_equal(np.isnan(a), np.isnan(b))
+        or not np.array_equal(a_inf, b_inf)
+        or not np.array_equal(a[a_inf], b[b_inf])
+    ):
+        return math.inf, math.inf
+    finite = np.isfinite(a)
+    a, b = a[finite], b[finite]
+    if a.size == 0:
+        return 0.0, 0.0
     max_abs = float(np.max(np.abs(a - b)))
-    if not math.isfinite(max_abs):  # NaN or inf in either: never within tolerance
+    if not math.isfinite(max_abs):  # finite values whose difference overflows
         return math.inf, math.inf
     if max_abs == 0.0:
         return 0.0, 0.0

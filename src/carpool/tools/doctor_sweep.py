@@ -247,8 +247,15 @@ def find_knee(points: Sequence[tuple[int, float]], min_gain: float = 1.3) -> Kne
         if not is_flat[i]:
             break
         knee = gains[i][0]
-    if knee is None:
-        largest = ordered[-1][0] if ordered else 0
+    if len(ordered) < 2:  # no step to judge: not evidence that throughput still grows
+        measured = (
+            f"only one batch size measured ({ordered[0][0]})"
+            if ordered
+            else "no batch size measured"
+        )
+        reason = f"{measured}: no step to find a knee on; sweep several sizes (--max-batch above 1)"
+    elif knee is None:
+        largest = ordered[-1][0]
         reason = (
             f"throughput still grows by >= {min_gain:g}x per doubling up to batch {largest}: "
             "no knee yet; try a larger --max-batch"

@@ -274,8 +274,15 @@ class LoadGenerator:
         self._drain_timeout_s = drain_timeout_s
         self.progress = Progress()
 
-    async def run_open(self, send_times_s: Sequence[float] | Times) -> RunResult:
-        """Send at ``start + offset`` for each offset, whatever the answers do."""
+    async def run_open(
+        self, send_times_s: Sequence[float] | Times, duration_s: float | None = None
+    ) -> RunResult:
+        """Send at ``start + offset`` for each offset, whatever the answers do.
+
+        ``duration_s`` is the window the offsets were drawn for: the offered rate is the
+        scheduled sends over it (without it, over the last offset, which overstates a
+        short run: 5 sends 10 ms apart are 100 req/s over 50 ms, not 125 over 40 ms).
+        """
         clock = self._clock
         offsets = [float(t) for t in send_times_s]
         records: list[RequestRecord] = []
@@ -294,7 +301,8 @@ class LoadGenerator:
             records.append(record)
             senders.submit(record)
         await self._drain(senders.close(), records)
-        duration_s = offsets[-1] if offsets else 0.0
+        if duration_s is None:
+            duration_s = offsets[-1] if offsets else 0.0
         rate = len(offsets) / duration_s if duration_s > 0 else None
         return RunResult(Mode.OPEN, records, started_s, duration_s, offered_rate_rps=rate)
 

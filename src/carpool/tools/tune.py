@@ -127,7 +127,8 @@ class Constraints:
         out = []
         if m.error is not None:
             out.append(f"error: {m.error}")
-        if m.num_errors > 0.01 * (m.num_requests + m.num_errors):
+        # Feasible means *under* 1% of the requests failed: exactly 1% is not.
+        if m.num_errors > 0 and m.num_errors >= 0.01 * (m.num_requests + m.num_errors):
             out.append(f"{m.num_errors} failed requests")
         if not m.p99_s <= self.slo_p99_s:  # NaN (nothing answered) violates too
             out.append(f"p99 {m.p99_s * 1e3:.1f} ms > SLO {self.slo_p99_s * 1e3:.1f} ms")
@@ -148,6 +149,7 @@ class TrialResult:
     measurement: Measurement
     violations: tuple[str, ...]
     objective: float  # the objective's value (0 when nothing was measured)
+    scale: float = 1.0  # the trial's length, relative to a full one (halving's early rounds)
 
     @property
     def is_feasible(self) -> bool:
@@ -174,8 +176,18 @@ class TuneOutcome:
 
     @property
     def best(self) -> TrialResult | None:
-        feasible = [r for r in self.results if r.is_feasible]
-        return min(feasible, key=rank_key) if feasible else None
+        """The best feasible point by :func:`rank_key`, judged on each point's latest
+        trial (a longer one supersedes a shorter one it may refute) and among the longest
+        trials that are feasible: successive halving recommends its survivor, not a short
+        early-round trial that happened to measure higher."""
+        latest: dict[tuple[int, ...], TrialResult] = {}
+        for result in self.results:
+            latest[result.index] = result
+        feasible = [r for r in latest.values() if r.is_feasible]
+        if not feasible:
+            return None
+        longest = max(r.scale for r in feasible)
+        return min((r for r in feasible if r.scale == longest), key=rank_key)
 
 
 Measure = Callable[[TrialConfig, float], Awaitable[Measurement]]  # (config, duration scale)
@@ -250,6 +262,7 @@ class Tuner:
             measurement=m,
             violations=self.constraints.violations(m),
             objective=value if value == value else 0.0,
+            scale=scale,
         )
         outcome.results.append(result)
         self._seen[index] = result

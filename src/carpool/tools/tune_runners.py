@@ -51,9 +51,12 @@ class LoadSpec:
 class LoadDriver:
     """Runs ``submit`` as the spec says, recording each answer's latency."""
 
-    def __init__(self, submit: Submit, spec: LoadSpec) -> None:
+    def __init__(
+        self, submit: Submit, spec: LoadSpec, *, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self._submit = submit
         self._spec = spec
+        self._clock = clock
         self._tasks: list[asyncio.Task[None]] = []
         self._in_flight: set[asyncio.Task[bool]] = set()
         self._latencies: list[float] = []
@@ -81,14 +84,16 @@ class LoadDriver:
         self._latencies, self._num_items, self._num_errors = [], 0, 0
         return out
 
-    async def _one(self) -> bool:
-        start = time.perf_counter()
+    async def _one(self, scheduled_s: float | None = None) -> bool:
+        """One request; its latency counts from ``scheduled_s`` (open loop: when it was
+        due, so a dispatcher that falls behind cannot hide the wait), else from now."""
+        start = self._clock() if scheduled_s is None else scheduled_s
         try:
             num_items = await self._submit()
         except Exception:  # any failed request counts, whatever the transport raised
             self._num_errors += 1
             return False
-        self._latencies.append(time.perf_counter() - start)
+        self._latencies.append(self._clock() - start)
         self._num_items += num_items
         return True
 
@@ -101,16 +106,16 @@ class LoadDriver:
     async def _arrivals(self, rate_rps: float) -> None:
         rng = np.random.default_rng(self._spec.seed)
         loop = asyncio.get_running_loop()
-        next_s = time.perf_counter()
+        next_s = self._clock()
         while True:
             next_s += float(rng.exponential(1.0 / rate_rps))
-            delay = next_s - time.perf_counter()
+            delay = next_s - self._clock()
             if delay > 0:
                 await asyncio.sleep(delay)
             if len(self._in_flight) >= self._spec.max_in_flight:
                 self._num_errors += 1
                 continue
-            task = loop.create_task(self._one())
+            task = loop.create_task(self._one(next_s))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
 
