@@ -538,11 +538,13 @@ class Batcher:
     def _start(self, replica: Replica, requests: list[Request]) -> Awaitable[RunOutput]:
         collator = self._intake.collator
         assert collator is not None, "a request was admitted, so the collator is known"
+        deadlines = [r.deadline_s for r in requests if r.deadline_s is not None]
         return replica.start(
             collator,
             [r.payload for r in requests],
             [r.is_many for r in requests],
             [r.num_items for r in requests],
+            min(deadlines) if deadlines else None,
         )
 
     async def _land(self, replica: Replica, inflight: _InFlight, holds_replica: bool) -> None:

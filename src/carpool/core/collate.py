@@ -293,6 +293,9 @@ def split_outputs(
     outputs: Any, counts: list[int], is_many: list[bool], where: str = ""
 ) -> list[Any]:
     """Cut ``outputs`` into one result per request (see the module docstring)."""
+    if isinstance(outputs, dict | tuple) and not outputs:
+        # No output at all: every caller would get an empty {} or () as its result.
+        raise OutputCountMismatch(sum(counts), 0, where)
     if isinstance(outputs, dict):
         per_key = {k: split_outputs(v, counts, is_many, str(k)) for k, v in outputs.items()}
         return [{k: parts[i] for k, parts in per_key.items()} for i in range(len(counts))]

@@ -148,6 +148,19 @@ async def _raise(exc: Exception) -> RunOutput:
     raise exc
 
 
+class StartedLate(Exception):
+    """A model call reached its turn after the earliest deadline of its requests: it did
+    not run (a batch that waited behind a busy replica, or a later group or bisection
+    half of one). ``started_s`` is when it would have started."""
+
+    def __init__(self, started_s: float) -> None:
+        super().__init__(f"the call reached its turn at {started_s:.6f}, past a deadline")
+        self.started_s = started_s
+
+
+_LATE = object()  # what a replica thread returns for a call it did not run
+
+
 @dataclass(frozen=True, slots=True)
 class RunOutput:
     """One model call's results (one per payload) and when it really ran."""
@@ -224,9 +237,18 @@ class Replica:
             self._is_async = is_async_callable(self._fn)
 
     def start(
-        self, collator: Collator, payloads: list[Any], is_many: list[bool], counts: list[int]
+        self,
+        collator: Collator,
+        payloads: list[Any],
+        is_many: list[bool],
+        counts: list[int],
+        deadline_s: float | None = None,
     ) -> Awaitable[RunOutput]:
-        """Begin collate → model → split; the future holds one result per payload."""
+        """Begin collate → model → split; the future holds one result per payload.
+
+        ``deadline_s``, the earliest deadline of the call's requests, is checked when the
+        model's turn comes (a call may wait behind the replica's previous one): past it the
+        model is not called and the awaitable raises :class:`StartedLate`."""
         fn = self._fn
         assert fn is not None, "a replica runs only after load()"
         now = self._now
@@ -234,6 +256,8 @@ class Replica:
 
             async def call() -> RunOutput:
                 started = now()
+                if deadline_s is not None and started >= deadline_s:
+                    raise StartedLate(started)
                 outputs = await fn(collator.collate(payloads, is_many))
                 return RunOutput(collator.split(outputs, counts, is_many), started, now())
 
@@ -250,6 +274,8 @@ class Replica:
 
             async def call_on_loop() -> RunOutput:
                 started = now()
+                if deadline_s is not None and started >= deadline_s:
+                    raise StartedLate(started)
                 outputs = fn(batch)
                 ended = now()
                 if self._may_leave_loop and ended - started > LONGEST_BATCH_ON_LOOP_S:
@@ -260,6 +286,8 @@ class Replica:
 
         def job() -> tuple[Any, float, float]:
             started = now()
+            if deadline_s is not None and started >= deadline_s:
+                return _LATE, started, started
             outputs = fn(batch)
             return outputs, started, now()
 
@@ -267,6 +295,8 @@ class Replica:
 
         async def finish() -> RunOutput:
             outputs, started, ended = await running
+            if outputs is _LATE:
+                raise StartedLate(started)
             return RunOutput(collator.split(outputs, counts, is_many), started, ended)
 
         return finish()

@@ -3,6 +3,7 @@
 A request moves through its states in one direction::
 
     QUEUED ──▶ RUNNING ──▶ DONE
+       │          └──▶ EXPIRED  (deadline passed before its model call's turn came)
        ├──▶ EXPIRED     (deadline passed while queued; it never runs)
        └──▶ CANCELLED   (the caller gave up while it was queued)
 

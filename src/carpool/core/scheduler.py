@@ -236,11 +236,22 @@ def _earliest(a: float | None, b: float | None) -> float | None:
 
 
 def _trim_to_preferred(plan: _Plan, preferred: tuple[int, ...]) -> bool:
-    """Cut ``plan`` to the largest preferred size it can fill; False if it fills none."""
-    target = max((p for p in preferred if p <= plan.num_items), default=None)
-    if target is None:
+    """Cut ``plan`` to its longest FIFO prefix whose size is a preferred size (the largest
+    preferred size it can fill, as Triton does); False if no prefix is one.
+
+    A request of k items (``submit_many``) can straddle a preferred size: with sizes
+    (2, 4) and requests of 1, 1 and 3 items no prefix makes 4, but the first two make 2.
+    """
+    if not preferred:
         return False
-    while plan.num_items > target:
+    keep = total = 0
+    for i, request in enumerate(plan.requests):
+        total += request.num_items
+        if total in preferred:
+            keep = i + 1
+    if keep == 0:
+        return False
+    while len(plan.requests) > keep:
         request = plan.requests.pop()
         plan.num_items -= request.num_items
         plan.cost -= request.cost
@@ -249,4 +260,4 @@ def _trim_to_preferred(plan: _Plan, preferred: tuple[int, ...]) -> bool:
         plan.takes[-1] = (queue, count - 1)
         if count == 1:
             plan.takes.pop()
-    return plan.num_items == target
+    return True

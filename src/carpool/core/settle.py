@@ -4,22 +4,28 @@ A call that raises is bisected: each half runs again, down to single requests, s
 requests that make the model fail get a :class:`ModelError` and the rest get results. Out
 of memory is bisected the same way and also noted on the :class:`OomCap`, which lowers the
 batch size for a while; a request that runs out of memory alone gets a
-:class:`CapacityError`. A model that returns the wrong number of outputs fails the whole
-call (every request gets a :class:`ModelError` saying both numbers).
+:class:`CapacityError`. Only evidence about the batch size lowers the cap: the batch the
+scheduler formed (when it has more than one item), and a split whose two halves both ran
+out of memory. One request too large for memory fails alone without dragging the cap of
+everyone else down to 1. A model that returns the wrong number of outputs fails the whole
+call (every request gets a :class:`ModelError` saying both numbers). A call whose turn
+comes after a request's deadline (it waited behind the replica's previous batch) does not
+run: the expired requests get :class:`DeadlineExceeded`, the others run without them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable, Hashable
 
 from carpool.core.admission import OomCap
 from carpool.core.clock import Clock
 from carpool.core.collate import OutputCountMismatch
-from carpool.core.replicas import RunOutput, is_out_of_memory
+from carpool.core.replicas import RunOutput, StartedLate, is_out_of_memory
 from carpool.core.request import Outcome, Request, RequestState
 from carpool.core.telemetry import Telemetry
-from carpool.errors import CapacityError, CarpoolError, ModelError
+from carpool.errors import CapacityError, CarpoolError, DeadlineExceeded, ModelError
 
 Start = Callable[[list[Request]], Awaitable[RunOutput]]
 
@@ -40,6 +46,13 @@ class Settler:
         """Answer ``requests`` from ``attempt``; on failure run halves again with ``start``.
 
         Returns the call's output when it succeeded as a whole, else None."""
+        output, _ = await self._settle(requests, attempt, start, is_split=False)
+        return output
+
+    async def _settle(
+        self, requests: list[Request], attempt: Awaitable[RunOutput], start: Start, is_split: bool
+    ) -> tuple[RunOutput | None, bool]:
+        """:meth:`settle`, plus whether this call ran out of memory as a whole."""
         try:
             try:
                 output = await attempt
@@ -51,14 +64,23 @@ class Settler:
                 # turns into CancelledError on the way back from the thread): a model
                 # error like any other, not the end of this replica.
                 raise _RaisedByModel(exc) from exc
+        except StartedLate as late:
+            for request in requests:
+                if request.deadline_s is not None and request.deadline_s <= late.started_s:
+                    self.expire(request)
+            rest = [r for r in requests if r.state is RequestState.RUNNING]
+            if not rest:
+                return None, False
+            return await self._settle(rest, start(rest), start, is_split)
         except OutputCountMismatch as exc:
             for request in requests:
                 self.fail(request, ModelError(str(exc), request_id=request.request_id), exc)
-            return None
+            return None, False
         except Exception as exc:
             oom = is_out_of_memory(exc)
-            if oom:
-                self._oom.note(sum(r.num_items for r in requests), self._clock.now())
+            num_items = sum(r.num_items for r in requests)
+            if oom and not is_split and num_items > 1:
+                self._oom.note(num_items, self._clock.now())
             if len(requests) == 1:
                 request = requests[0]
                 error: CarpoolError
@@ -71,11 +93,17 @@ class Settler:
                         request_id=request.request_id,
                     )
                 self.fail(request, error, exc)
-                return None
+                return None, oom
             half = len(requests) // 2
-            for part in (requests[:half], requests[half:]):
-                await self.settle(part, start(part), start)
-            return None
+            parts = (requests[:half], requests[half:])
+            out_of_memory = [
+                (await self._settle(part, start(part), start, is_split=True))[1] for part in parts
+            ]
+            # Both halves out of memory: the size is too large, not one request in it.
+            smaller = min(sum(r.num_items for r in part) for part in parts)
+            if all(out_of_memory) and smaller > 1:
+                self._oom.note(smaller, self._clock.now())
+            return None, oom
         now = self._clock.now()
         telemetry = self._telemetry
         for request, result in zip(requests, output.results, strict=True):
@@ -86,7 +114,23 @@ class Settler:
             if not future.done():
                 future.set_result(result)
             telemetry.answered(request, Outcome.OK, now)
-        return output
+        return output, False
+
+    def expire(self, request: Request) -> None:
+        """Fail a request whose deadline passed before its model call's turn came."""
+        now = self._clock.now()
+        request.state = RequestState.EXPIRED
+        request.compute_start_s = math.nan  # it never computed
+        assert request.deadline_s is not None
+        if not request.future.done():
+            request.future.set_exception(
+                DeadlineExceeded(
+                    request.request_id,
+                    request.deadline_s - request.arrival_s,
+                    now - request.arrival_s,
+                )
+            )
+        self._telemetry.answered(request, Outcome.EXPIRED, now)
 
     def fail(self, request: Request, error: CarpoolError, cause: BaseException) -> None:
         now = self._clock.now()
