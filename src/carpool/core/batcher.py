@@ -633,11 +633,16 @@ class Batcher:
         self.set_policy(policy)
         return policy
 
-    def snapshot(self) -> TelemetrySnapshot:
-        """Everything measured so far, as frozen typed values."""
+    def snapshot(self, *, quantiles: bool = True) -> TelemetrySnapshot:
+        """Everything measured so far, as frozen typed values. ``quantiles=False`` skips
+        the percentiles (``p*_s`` and ``max_s`` are NaN), which sort the recent samples:
+        a scraper that needs only counts, sums and buckets (``/metrics``) asks for that."""
         uptime = self._clock.now() - self._started_s if self._replicas else 0.0
         return self._telemetry.snapshot(
-            uptime, self._queues.pending_by_class(), [r.counters for r in self._replicas]
+            uptime,
+            self._queues.pending_by_class(),
+            [r.counters for r in self._replicas],
+            quantiles=quantiles,
         )
 
 

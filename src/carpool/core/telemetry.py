@@ -22,6 +22,9 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 RING_SIZE = 8192  # a power of two: the ring index is masked, not divided
+# Every reason ``ClassStats.rejections`` may count: exporters show each from 0, since a
+# counter series that first appears at 1 is invisible to Prometheus' rate().
+REJECTION_REASONS: tuple[str, ...] = ("cancelled", "closed", "deadline", "invalid", "queue_full")
 
 slow_log = logging.getLogger("carpool.slow")
 
@@ -40,6 +43,9 @@ class LatencyStats:
     p999_s: float
     max_s: float
     buckets: tuple[tuple[float, int], ...]  # (upper bound, cumulative count), +inf last
+    # The running total itself: ``mean_s * count`` recomputed at each snapshot can come
+    # out a few ulps lower than before, and a Prometheus ``_sum`` that goes down is a reset.
+    sum_s: float = 0.0
 
 
 class Histogram:
@@ -75,7 +81,11 @@ class Histogram:
         samples = [v for h in histograms for v in h.recent()]
         return total.stats(samples)
 
-    def stats(self, samples: list[float] | None = None) -> LatencyStats:
+    def stats(self, samples: list[float] | None = None, *, quantiles: bool = True) -> LatencyStats:
+        """Counts, buckets and sum; with ``quantiles`` also the percentiles and max of the
+        recent samples (a sort of up to ``RING_SIZE`` values), else those are NaN."""
+        if not quantiles:
+            samples = []
         recent = sorted(self.recent() if samples is None else samples)
         cumulative, running = [], 0
         for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
@@ -90,6 +100,7 @@ class Histogram:
             p999_s=_quantile(recent, 0.999),
             max_s=recent[-1] if recent else math.nan,
             buckets=tuple(cumulative),
+            sum_s=self.total,
         )
 
 
@@ -336,9 +347,11 @@ class Telemetry:
         uptime_s: float,
         pending_by_class: dict[str, int],
         replicas: list[ReplicaCounters],
+        *,
+        quantiles: bool = True,
     ) -> TelemetrySnapshot:
         classes = {
-            name: self._class_stats(name, c, pending_by_class.get(name, 0))
+            name: self._class_stats(name, c, pending_by_class.get(name, 0), quantiles)
             for name, c in self._classes.items()
         }
         busy = sum(r.busy_s for r in replicas)
@@ -357,7 +370,7 @@ class Telemetry:
                 size_compute_s=dict(sorted(self._size_compute.items())),
                 fill_ratio=self._fill_sum / self._num_batches if self._num_batches else 0.0,
                 effective_compute_ratio=busy / (busy + fill_wait) if busy + fill_wait else 0.0,
-                compute=self._compute.stats(),
+                compute=self._compute.stats(quantiles=quantiles),
                 num_tokens=self._num_tokens,
                 num_padded_slots=self._num_slots - self._num_tokens,
                 padding_waste=1 - self._num_tokens / self._num_slots if self._num_slots else 0.0,
@@ -382,7 +395,9 @@ class Telemetry:
             latency=Histogram.merged([c.latency for c in self._classes.values()]),
         )
 
-    def _class_stats(self, name: str, c: _ClassCounters, pending: int) -> ClassStats:
+    def _class_stats(
+        self, name: str, c: _ClassCounters, pending: int, quantiles: bool
+    ) -> ClassStats:
         slo = self._slo.get(name)
         return ClassStats(
             name=name,
@@ -393,8 +408,8 @@ class Telemetry:
             num_pending=pending,
             num_batches_led=c.batches_led,
             rejections=dict(c.rejections),
-            latency=c.latency.stats(),
-            queue_wait=c.queue_wait.stats(),
+            latency=c.latency.stats(quantiles=quantiles),
+            queue_wait=c.queue_wait.stats(quantiles=quantiles),
             slo_s=slo,
             slo_attainment=c.slo_met / c.slo_total if slo is not None and c.slo_total else None,
         )

@@ -32,7 +32,6 @@ from carpool.server import completions, openai
 from carpool.server.encoding import inflate
 from carpool.server.errors import MethodNotAllowed, NotFound, PayloadTooLarge
 from carpool.server.infer import InferPlans, error_response, infer_response, prepare_infer
-from carpool.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from carpool.server.metrics import Metrics
 from carpool.server.repository import ModelRepository, ServedModel
 from carpool.server.stats import model_stats
@@ -91,9 +90,10 @@ class KServeApp:
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method: str = scope["method"]
         parts = [p for p in scope["path"].split("/") if p]
-        if method == "GET" and parts == ["metrics"]:
-            body = self.metrics.render()
-            return await _respond(send, 200, body, ((b"content-type", METRICS_CONTENT_TYPE),))
+        if parts == ["metrics"]:
+            _allow(method, scope["path"], "GET")
+            body, content_type = self.metrics.render(_header(scope, b"accept"))
+            return await _respond(send, 200, body, ((b"content-type", content_type),))
         if parts[:1] == ["v1"]:
             return await self._openai(method, parts[1:], scope, receive, send)
         if not parts or parts[0] != "v2":

@@ -2,11 +2,14 @@
 
 A custom collector reads each batcher's :class:`TelemetrySnapshot` at scrape time, so
 the hot path records nothing twice. Names start with ``carpool_``; labels are ``model``
-and ``class`` (plus ``reason`` and ``replica`` where they apply).
+(the name the repository serves it under, as ``/v2/models/{m}/stats`` has it) and
+``class`` (plus ``reason`` and ``replica`` where they apply). The text format 0.0.4 is
+served unless the scraper's ``Accept`` asks for OpenMetrics, as Prometheus does.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,9 +19,10 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from carpool.core.telemetry import LatencyStats, TelemetrySnapshot
+from carpool.core.telemetry import REJECTION_REASONS, LatencyStats, TelemetrySnapshot
 from carpool.generation.engine import GenerationSnapshot
 from carpool.server.generation import generation_models
 from carpool.server.repository import ModelRepository
@@ -26,13 +30,24 @@ from carpool.server.repository import ModelRepository
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 BATCH_SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
+Named = tuple[str, TelemetrySnapshot]  # (served model name, its batcher's snapshot)
+
+
+def _le(bound: float) -> str:
+    """A bucket bound as OpenMetrics' canonical number (``1.0``, not ``1``; ``+Inf``), as
+    prometheus_client's own histograms write it and Prometheus 3 stores it."""
+    return "+Inf" if bound == math.inf else repr(float(bound))
+
+
+_BATCH_SIZE_LE = tuple(_le(b) for b in BATCH_SIZE_BOUNDS)
+
 
 def _buckets(stats: LatencyStats) -> list[tuple[str, float]]:
-    return [("+Inf" if b == float("inf") else repr(b), float(n)) for b, n in stats.buckets]
+    return [(_le(b), float(n)) for b, n in stats.buckets]
 
 
 def _histogram_sum(stats: LatencyStats) -> float:
-    return stats.mean_s * stats.count if stats.count else 0.0
+    return stats.sum_s
 
 
 class TelemetryCollector(Collector):
@@ -42,15 +57,17 @@ class TelemetryCollector(Collector):
         self._repository = repository
 
     def collect(self) -> Iterator[Metric]:
-        snapshots = [m.batcher.snapshot() for m in self._repository]
+        # Labelled by the repository's (unique) names: a batcher's own name defaults to
+        # its function's, which two models may share.
+        snapshots = [(m.name, m.batcher.snapshot(quantiles=False)) for m in self._repository]
         yield from _class_metrics(snapshots)
         yield from _batch_metrics(snapshots)
         yield from _replica_metrics(snapshots)
-        services = generation_models(self._repository).values()
-        yield from _generation_metrics([g.engine.snapshot() for g in services])
+        services = generation_models(self._repository).items()
+        yield from _generation_metrics([(name, g.engine.snapshot()) for name, g in services])
 
 
-def _class_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
+def _class_metrics(snapshots: list[Named]) -> Iterator[Metric]:
     labels = ["model", "class"]
     requests = CounterMetricFamily("carpool_requests", "Requests accepted.", labels=labels)
     items = CounterMetricFamily(
@@ -77,15 +94,15 @@ def _class_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
     queue = HistogramMetricFamily(
         "carpool_queue_wait_seconds", "Time from arrival to batch close.", labels=labels
     )
-    for snap in snapshots:
+    for model, snap in snapshots:
         for name, c in snap.classes.items():
-            key = [snap.model, name]
+            key = [model, name]
             requests.add_metric(key, c.num_requests)
             items.add_metric(key, c.num_items)
             completed.add_metric(key, c.num_completed)
             failed.add_metric(key, c.num_failed)
-            for reason, count in sorted(c.rejections.items()):
-                rejected.add_metric([*key, reason], count)
+            for reason in sorted({*REJECTION_REASONS, *c.rejections}):
+                rejected.add_metric([*key, reason], c.rejections.get(reason, 0))
             pending.add_metric(key, c.num_pending)
             if c.slo_attainment is not None:
                 slo.add_metric(key, c.slo_attainment)
@@ -94,7 +111,7 @@ def _class_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
     yield from (requests, items, completed, failed, rejected, pending, slo, latency, queue)
 
 
-def _batch_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
+def _batch_metrics(snapshots: list[Named]) -> Iterator[Metric]:
     batches = CounterMetricFamily("carpool_batches", "Batches run.", labels=["model"])
     sizes = HistogramMetricFamily("carpool_batch_size", "Items per batch.", labels=["model"])
     compute = HistogramMetricFamily(
@@ -123,26 +140,26 @@ def _batch_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
         "Padded slots / all slots computed (0 when packed).",
         labels=["model"],
     )
-    for snap in snapshots:
+    for model, snap in snapshots:
         b = snap.batches
-        tokens.add_metric([snap.model], b.num_tokens)
-        padded.add_metric([snap.model], b.num_padded_slots)
-        waste.add_metric([snap.model], b.padding_waste)
-        batches.add_metric([snap.model], b.num_batches)
+        tokens.add_metric([model], b.num_tokens)
+        padded.add_metric([model], b.num_padded_slots)
+        waste.add_metric([model], b.padding_waste)
+        batches.add_metric([model], b.num_batches)
         cumulative = []
-        for bound in BATCH_SIZE_BOUNDS:
+        for bound, le in zip(BATCH_SIZE_BOUNDS, _BATCH_SIZE_LE, strict=True):
             cumulative.append(
-                (str(bound), float(sum(n for s, n in b.size_histogram.items() if s <= bound)))
+                (le, float(sum(n for s, n in b.size_histogram.items() if s <= bound)))
             )
         cumulative.append(("+Inf", float(b.num_batches)))
-        sizes.add_metric([snap.model], cumulative, float(b.num_items))
-        compute.add_metric([snap.model], _buckets(b.compute), _histogram_sum(b.compute))
-        fill.add_metric([snap.model], b.fill_ratio)
-        effective.add_metric([snap.model], b.effective_compute_ratio)
+        sizes.add_metric([model], cumulative, float(b.num_items))
+        compute.add_metric([model], _buckets(b.compute), _histogram_sum(b.compute))
+        fill.add_metric([model], b.fill_ratio)
+        effective.add_metric([model], b.effective_compute_ratio)
     yield from (batches, sizes, compute, fill, effective, tokens, padded, waste)
 
 
-def _replica_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
+def _replica_metrics(snapshots: list[Named]) -> Iterator[Metric]:
     busy = GaugeMetricFamily(
         "carpool_replica_busy_fraction",
         "Share of uptime a replica computed.",
@@ -158,16 +175,16 @@ def _replica_metrics(snapshots: list[TelemetrySnapshot]) -> Iterator[Metric]:
         "(peak - trough) / total memory reported by the runner.",
         labels=["model"],
     )
-    for snap in snapshots:
+    for model, snap in snapshots:
         for r in snap.replicas:
-            busy.add_metric([snap.model, str(r.replica_id)], r.busy_fraction)
-        balance.add_metric([snap.model], snap.replica_balance)
+            busy.add_metric([model, str(r.replica_id)], r.busy_fraction)
+        balance.add_metric([model], snap.replica_balance)
         if snap.memory is not None:
-            memory.add_metric([snap.model], snap.memory.volatility)
+            memory.add_metric([model], snap.memory.volatility)
     yield from (busy, balance, memory)
 
 
-def _generation_metrics(snapshots: list[GenerationSnapshot]) -> Iterator[Metric]:
+def _generation_metrics(snapshots: list[tuple[str, GenerationSnapshot]]) -> Iterator[Metric]:
     """Generation models, in vLLM's vocabulary (``vllm:num_requests_running`` is
     ``carpool_generation_requests_running`` here)."""
     model = ["model"]
@@ -208,8 +225,8 @@ def _generation_metrics(snapshots: list[GenerationSnapshot]) -> Iterator[Metric]
         name: HistogramMetricFamily(f"carpool_generation_{name}_seconds", text, labels=model)
         for name, (text, _) in histograms.items()
     }
-    for snap in snapshots:
-        key = [snap.model]
+    for served, snap in snapshots:
+        key = [served]
         running.add_metric(key, snap.scheduler.num_running)
         waiting.add_metric(key, snap.scheduler.num_waiting)
         kv.add_metric(key, snap.scheduler.kv_cache_usage)
@@ -234,5 +251,10 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(TelemetryCollector(repository))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, accept: bytes | None = None) -> tuple[bytes, bytes]:
+        """The scrape body and its content type: OpenMetrics when ``accept`` (the
+        request's ``Accept`` header) asks for it, else the text format 0.0.4."""
+        if accept is None or b"openmetrics" not in accept:
+            return generate_latest(self.registry), CONTENT_TYPE
+        encode, content_type = choose_encoder(accept.decode("latin-1"))
+        return encode(self.registry), content_type.encode()

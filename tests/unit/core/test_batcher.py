@@ -13,6 +13,7 @@ import logging
 import math
 import sys
 import threading
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -882,6 +883,20 @@ async def test_snapshot_reports_latency_percentiles_and_effective_compute_ratio(
     # 0.75 s of compute against 0.25 s of a replica idling while the batch filled
     assert 0.0 <= snap.batches.effective_compute_ratio <= 1.0
     assert snap.batches.effective_compute_ratio == pytest.approx(0.75)
+
+
+async def test_snapshot_without_quantiles_keeps_every_count(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_delay_s=0.25)
+    await _two_timed_requests(batcher, fake_model, fake_clock, spawn)
+
+    full, cheap = batcher.snapshot(), batcher.snapshot(quantiles=False)
+    for stats in (cheap.classes["normal"].latency, cheap.batches.compute):
+        assert math.isnan(stats.p50_s) and math.isnan(stats.max_s)
+    assert cheap.classes["normal"].latency.buckets == full.classes["normal"].latency.buckets
+    assert cheap.classes["normal"].latency.sum_s == pytest.approx(1.5)  # 1.0 s + 0.5 s
+    assert cheap.batches == replace(full.batches, compute=cheap.batches.compute)
 
 
 async def test_slo_attainment_is_the_share_answered_within_slo(
