@@ -34,7 +34,7 @@ from carpool.core.clock import Clock, MonotonicClock
 from carpool.core.telemetry import Histogram, LatencyStats
 from carpool.errors import Closed, InvalidInput, ModelError
 from carpool.generation.request import FinishReason
-from carpool.generation.tokenizer import IncrementalDetokenizer, Tokenizer
+from carpool.generation.tokenizer import IncrementalDetokenizer, Tokenizer, check_token_ids
 from carpool.generation.types import SamplingParams, SeqChunk, StepInput, StepOutput
 
 log = logging.getLogger("carpool.generation")
@@ -271,7 +271,8 @@ class GenerationEngine:
 
         Raises:
             Closed: when the engine is not running.
-            InvalidInput: when the prompt is empty or does not leave room for one token.
+            InvalidInput: when the prompt is empty, holds an id outside the tokenizer's
+                vocabulary, or does not leave room for one token.
             ModelError: when a step with this request failed.
         """
         if self._state is not _State.RUNNING:
@@ -305,6 +306,8 @@ class GenerationEngine:
     def _check(self, prompt: tuple[int, ...], sampling: SamplingParams) -> None:
         if not prompt:
             raise InvalidInput("the prompt is empty; expected at least one token")
+        # An id past the embedding would fail the whole step, and every request batched in it.
+        check_token_ids(prompt, self.tokenizer.vocab_size)
         if len(prompt) >= self.max_model_len:
             raise InvalidInput(
                 f"the prompt has {len(prompt)} tokens; this model holds at most "

@@ -20,6 +20,7 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from carpool.generation.tokenizer import REPLACEMENT_CHAR
 from carpool.generation.types import SamplingParams
 
 Detokenize = Callable[[Sequence[int]], str]
@@ -156,12 +157,13 @@ def _find_stop_string(request: GenRequest, detokenize: Detokenize) -> tuple[str,
     """The earliest stop string in the new tail of the output text, and where it starts.
 
     Only the tail is searched: from ``len(stop) - 1`` characters before the text already
-    checked, so a stop string spanning two tokens is still found.
+    checked, so a stop string spanning two tokens is still found. A trailing U+FFFD is not
+    checked yet: it may be a character still incomplete that the next token completes.
     """
     text = detokenize(request.output_token_ids)
     stops = request.sampling.stop
     start = max(0, request.num_checked_chars - max(len(s) for s in stops) + 1)
-    request.num_checked_chars = len(text)
+    request.num_checked_chars = len(text.rstrip(REPLACEMENT_CHAR))
     best: tuple[str, int] | None = None
     for stop in stops:
         if not stop:

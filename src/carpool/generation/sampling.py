@@ -56,7 +56,9 @@ def apply_top_k_top_p(
             break
         num_candidates = vocab
     # Keep a token while the more likely ones hold less than top_p: the first always stays.
-    keep = is_top_k & ((mass - probs < top_p[:, None]) | (ranks[None, :] == 0))
+    # top_p >= 1 is off (as in vLLM): float32 sums reach 1.0 before the tail is counted.
+    is_top_p = (mass - probs < top_p[:, None]) | (ranks[None, :] == 0) | (top_p[:, None] >= 1.0)
+    keep = is_top_k & is_top_p
     return torch.full_like(logits, float("-inf")).scatter(
         -1, order, torch.where(keep, values, float("-inf"))
     )
