@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ def usable_cpus() -> int:
 
 
 LONGEST_BATCH_ON_LOOP_S = 0.05
+# Batches in a row that took longer than LONGEST_BATCH_ON_LOOP_S without computing that
+# long (the model waited, or the host preempted the process) before a replica leaves.
+SLOW_BATCHES_TO_LEAVE_LOOP = 3
+thread_cpu_s: Callable[[], float] = time.thread_time  # the loop thread's CPU time
 
 
 def runs_on_loop(executor: str, device: str) -> bool:
@@ -49,8 +54,11 @@ def runs_on_loop(executor: str, device: str) -> bool:
     filled (W1 over HTTP on one core: 18% more requests per second on the loop; see
     ``docs/benchmarks.md``). The loop then waits for each batch, as it would for its turn.
     Under ``"auto"`` a replica whose batch computes longer than
-    ``LONGEST_BATCH_ON_LOOP_S`` moves to its thread for good: the loop must not go deaf
-    to health checks and new connections for that long.
+    ``LONGEST_BATCH_ON_LOOP_S`` (in CPU time of the loop's thread) moves to its thread for
+    good: the loop must not go deaf to health checks and new connections for that long.
+    A batch that took that long in wall time only (the model blocked, or the host ran
+    something else) counts towards ``SLOW_BATCHES_TO_LEAVE_LOOP`` in a row: one hiccup of
+    a shared machine must not cost the loop's advantage for the rest of the process.
     """
     if executor == "auto":
         return device == "cpu" and usable_cpus() == 1
@@ -209,6 +217,17 @@ class Replica:
         self._is_async = fn is not None and is_async_callable(fn)
         self._on_loop = runs_on_loop(executor, device)
         self._may_leave_loop = executor == "auto"
+        self._num_slow_batches = 0  # too long in wall time, in a row, on the loop
+
+    def _judge_loop_batch(self, wall_s: float, cpu_s: float) -> None:
+        """Under ``auto``: move later batches to the replica's thread after one batch that
+        computed too long, or several in a row that took too long (see runs_on_loop)."""
+        if wall_s <= LONGEST_BATCH_ON_LOOP_S:
+            self._num_slow_batches = 0
+            return
+        self._num_slow_batches += 1
+        if cpu_s > LONGEST_BATCH_ON_LOOP_S or self._num_slow_batches >= SLOW_BATCHES_TO_LEAVE_LOOP:
+            self._on_loop = False  # later batches run on the replica's thread
 
     def _init_thread(self) -> None:
         torch = sys.modules.get("torch")
@@ -276,10 +295,11 @@ class Replica:
                 started = now()
                 if deadline_s is not None and started >= deadline_s:
                     raise StartedLate(started)
+                cpu_started = thread_cpu_s()
                 outputs = fn(batch)
                 ended = now()
-                if self._may_leave_loop and ended - started > LONGEST_BATCH_ON_LOOP_S:
-                    self._on_loop = False  # later batches run on the replica's thread
+                if self._may_leave_loop:
+                    self._judge_loop_batch(ended - started, thread_cpu_s() - cpu_started)
                 return RunOutput(collator.split(outputs, counts, is_many), started, ended)
 
             return call_on_loop()

@@ -101,6 +101,39 @@ async def test_auto_moves_a_replica_off_the_loop_when_a_batch_computes_too_long(
     assert len(model.threads) == 2  # the next one on the replica's thread
 
 
+async def test_auto_stays_on_the_loop_after_batches_that_only_waited_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Too long in wall time, not in CPU time: a shared machine's hiccup, or a model that
+    # waited. The loop keeps the model until SLOW_BATCHES_TO_LEAVE_LOOP such batches in a row.
+    monkeypatch.setattr(replicas, "usable_cpus", lambda: 1)
+    monkeypatch.setattr(replicas, "LONGEST_BATCH_ON_LOOP_S", 0.0)  # every batch is too long
+    monkeypatch.setattr(replicas, "thread_cpu_s", lambda: 0.0)  # and computes nothing
+    model = ThreadRecorder()
+    batcher = Batcher(model, BatchPolicy(max_batch_size=1), executor="auto")
+    loop_thread = threading.get_ident()
+    async with batcher:
+        for _ in range(replicas.SLOW_BATCHES_TO_LEAVE_LOOP):
+            await batcher.submit(np.ones(1))
+        assert model.threads == {loop_thread}
+        await batcher.submit(np.ones(1))
+    assert len(model.threads) == 2  # after that many in a row: the replica's thread
+
+
+async def test_auto_counts_only_slow_batches_in_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replicas, "usable_cpus", lambda: 1)
+    monkeypatch.setattr(replicas, "thread_cpu_s", lambda: 0.0)
+    model = ThreadRecorder()
+    batcher = Batcher(model, BatchPolicy(max_batch_size=1), executor="auto")
+    async with batcher:
+        for _ in range(3 * replicas.SLOW_BATCHES_TO_LEAVE_LOOP):
+            # one batch within the limit after each pair that took too long
+            for limit in (0.0, 0.0, 60.0):
+                monkeypatch.setattr(replicas, "LONGEST_BATCH_ON_LOOP_S", limit)
+                await batcher.submit(np.ones(1))
+    assert model.threads == {threading.get_ident()}
+
+
 async def test_loop_stays_on_the_loop_however_long_a_batch_takes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
