@@ -348,7 +348,13 @@ class GenerationEngine:
                 continue
             now = self._clock.now()
             for update in updates:
-                self._deliver(update, now)
+                try:
+                    self._deliver(update, now)
+                except Exception as error:  # its text could not be made: it alone fails
+                    log.exception(
+                        "model %r: delivering sequence %d failed", self.name, update.seq_id
+                    )
+                    self._fail_seqs([update.seq_id], error)
 
     async def _idle(self) -> None:
         self._wake.clear()
@@ -368,7 +374,10 @@ class GenerationEngine:
                 stream.events.put_nowait(error)
         leaving, self._leaving = self._leaving, []
         for seq_id in leaving:
-            self._scheduler.abort(seq_id)
+            try:
+                self._scheduler.abort(seq_id)
+            except Exception:  # a scheduler bug: the loop must go on serving the others
+                log.exception("model %r: aborting sequence %d failed", self.name, seq_id)
 
     def _mark_scheduled(self, step: StepInput) -> None:
         now = self._clock.now()

@@ -160,6 +160,33 @@ def test_top_p_of_one_filters_nothing(top_k: int) -> None:
     assert int(torch.isfinite(filtered).sum()) == (top_k or 64)
 
 
+class PoisonTokenizer(ByteTokenizer):
+    """Decoding any text that holds the byte 0x07 raises (a detokenizer bug)."""
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        if 0x07 in token_ids:
+            raise UnicodeError("cannot decode BEL")
+        return super().decode(token_ids)
+
+
+async def test_a_request_whose_text_cannot_be_made_fails_alone_and_serving_goes_on() -> None:
+    engine, scheduler, _ = _engine(num_blocks=32)
+    engine.tokenizer = PoisonTokenizer()
+    await engine.start()
+    try:
+        poisoned = _run(engine, [*b"bell", 0x07], max_tokens=4)
+        healthy = _run(engine, list(b"hello"), max_tokens=4)
+        results = await asyncio.wait_for(
+            asyncio.gather(poisoned, healthy, return_exceptions=True), timeout=30
+        )
+        assert isinstance(results[0], ModelError) and "BEL" in str(results[0])
+        assert isinstance(results[1], list) and len(results[1]) == 4
+        assert len(await _run(engine, list(b"later"), max_tokens=3)) == 3
+    finally:
+        await engine.stop()
+    _assert_all_blocks_free(scheduler)
+
+
 # -- guarded edges (regressions) --------------------------------------------------------------
 
 
