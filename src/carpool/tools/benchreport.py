@@ -74,7 +74,7 @@ class LiveProgress:
 
     def _line(self, elapsed_s: float) -> str:
         p = self._progress
-        recent = p.recent_latency_s[-2000:]
+        recent = list(p.recent_latency_s)
         p50 = sorted(recent)[len(recent) // 2] * 1e3 if recent else float("nan")
         rate = p.num_done / elapsed_s if elapsed_s > 0 else 0.0
         return (

@@ -44,6 +44,7 @@ BEHIND_SCHEDULE_S = 0.001
 _WAKE_EARLY_S = 0.001  # event-loop timers are ~1 ms coarse: wake early, then yield until due
 _YIELD_EVERY = 64  # a dispatcher that is behind still lets replies in every so often
 TIMEOUT = "timeout"
+RECENT_LATENCIES = 2000  # how many latest latencies Progress keeps for a live display
 
 Times = npt.NDArray[np.float64]
 
@@ -256,7 +257,11 @@ class Progress:
     num_sent: int = 0
     num_done: int = 0
     num_errors: int = 0
-    recent_latency_s: list[float] = field(default_factory=list)
+    # The latest latencies only (what the live line's p50 reads): a long run at a high
+    # rate must not keep one float per request for the display.
+    recent_latency_s: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_LATENCIES)
+    )
 
 
 class LoadGenerator:

@@ -13,6 +13,7 @@ import pytest
 
 from carpool.core.clock import FakeClock
 from carpool.errors import ConfigError
+from carpool.tools import loadgen
 from carpool.tools.loadgen import (
     TIMEOUT,
     Arrival,
@@ -217,6 +218,18 @@ async def test_open_loop_that_keeps_up_is_never_behind() -> None:
     assert summary.num_behind_schedule == 0
     assert summary.items_per_s == pytest.approx(2 * summary.rate_rps)
     assert summary.offered_rate_rps == pytest.approx(30 / 0.29)
+
+
+async def test_progress_keeps_only_the_latest_latencies(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The live display reads the latest ones; a long run must not keep one per request.
+    monkeypatch.setattr(loadgen, "RECENT_LATENCIES", 5)
+    clock = FakeClock()
+    generator = LoadGenerator(SerialTarget(clock, lambda i: 0.001), clock=clock)
+    times = ArrivalProcess.steady(100.0, Arrival.CONSTANT).send_times(0.3, np.random.default_rng())
+    result = await _drive(clock, asyncio.create_task(generator.run_open(times)))
+    assert len(result.records) == 30
+    latest = sorted(result.records, key=lambda r: r.done_s)[-5:]
+    assert list(generator.progress.recent_latency_s) == pytest.approx([r.latency_s for r in latest])
 
 
 async def test_closed_loop_sends_back_to_back_for_the_duration() -> None:
