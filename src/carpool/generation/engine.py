@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from carpool.core.clock import Clock, MonotonicClock
-from carpool.core.telemetry import Histogram, LatencyStats
+from carpool.core.telemetry import LATENCY_BUCKETS_S, Histogram, LatencyStats
 from carpool.errors import Closed, InvalidInput, ModelError
 from carpool.generation.request import FinishReason
 from carpool.generation.tokenizer import IncrementalDetokenizer, Tokenizer, check_token_ids
@@ -39,6 +39,9 @@ from carpool.generation.types import SamplingParams, SeqChunk, StepInput, StepOu
 
 log = logging.getLogger("carpool.generation")
 
+# A request's own latencies (first token, end to end, queue): generations may run for
+# minutes, so the buckets go on past the core's 60 s, as vLLM's do.
+REQUEST_LATENCY_BUCKETS_S = (*LATENCY_BUCKETS_S, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # Inter-token latencies are short: finer buckets at the low end than request latency.
 TOKEN_LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -300,8 +303,10 @@ class GenerationEngine:
             if not stream.is_done:  # the consumer left early: leave at the next step
                 self._finish(seq_id, FinishReason.ABORT, self._clock.now())
 
-    def snapshot(self) -> GenerationSnapshot:
-        return self._telemetry.snapshot(self.name, self._scheduler.stats())
+    def snapshot(self, *, quantiles: bool = True) -> GenerationSnapshot:
+        """What the engine measured so far; ``quantiles=False`` leaves the percentiles
+        NaN and skips their sort (``/metrics`` reads counts, sums and buckets only)."""
+        return self._telemetry.snapshot(self.name, self._scheduler.stats(), quantiles)
 
     def _check(self, prompt: tuple[int, ...], sampling: SamplingParams) -> None:
         if not prompt:
@@ -475,10 +480,10 @@ class _Telemetry:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.finished_by_reason: dict[str, int] = {}
-        self.time_to_first_token = Histogram()
+        self.time_to_first_token = Histogram(REQUEST_LATENCY_BUCKETS_S)
         self.inter_token_latency = Histogram(TOKEN_LATENCY_BUCKETS_S)
-        self.e2e_latency = Histogram()
-        self.queue_time = Histogram()
+        self.e2e_latency = Histogram(REQUEST_LATENCY_BUCKETS_S)
+        self.queue_time = Histogram(REQUEST_LATENCY_BUCKETS_S)
 
     def tokens(self, stream: _Stream, count: int, now: float) -> None:
         if stream.first_token_s is None:
@@ -495,15 +500,17 @@ class _Telemetry:
         self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
         self.e2e_latency.observe(now - stream.arrival_s)
 
-    def snapshot(self, model: str, scheduler: SchedulerStats) -> GenerationSnapshot:
+    def snapshot(
+        self, model: str, scheduler: SchedulerStats, quantiles: bool = True
+    ) -> GenerationSnapshot:
         return GenerationSnapshot(
             model=model,
             scheduler=scheduler,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             finished=dict(self.finished_by_reason),
-            time_to_first_token=self.time_to_first_token.stats(),
-            inter_token_latency=self.inter_token_latency.stats(),
-            e2e_latency=self.e2e_latency.stats(),
-            queue_time=self.queue_time.stats(),
+            time_to_first_token=self.time_to_first_token.stats(quantiles=quantiles),
+            inter_token_latency=self.inter_token_latency.stats(quantiles=quantiles),
+            e2e_latency=self.e2e_latency.stats(quantiles=quantiles),
+            queue_time=self.queue_time.stats(quantiles=quantiles),
         )

@@ -64,7 +64,9 @@ class TelemetryCollector(Collector):
         yield from _batch_metrics(snapshots)
         yield from _replica_metrics(snapshots)
         services = generation_models(self._repository).items()
-        yield from _generation_metrics([(name, g.engine.snapshot()) for name, g in services])
+        yield from _generation_metrics(
+            [(name, g.engine.snapshot(quantiles=False)) for name, g in services]
+        )
 
 
 def _class_metrics(snapshots: list[Named]) -> Iterator[Metric]:

@@ -5,6 +5,7 @@ moves one step at a time."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -379,3 +380,19 @@ async def test_telemetry_counts_tokens_and_times_steps(engine, runner):
     assert snap.inter_token_latency.max_s == pytest.approx(0.01)
     assert snap.e2e_latency.max_s == pytest.approx(0.03)
     assert snap.scheduler.num_running == 0
+
+
+async def test_request_latency_buckets_reach_past_a_minute_and_scrapes_skip_quantiles(
+    engine, runner
+):
+    # Generations may run for minutes: their latencies need buckets past 60 s (vLLM's
+    # e2e buckets go to 7680 s), or every long one lands in +Inf.
+    runner.scripts[0] = list(b"ab")
+    await _collect(engine, _prompt("hi"), max_tokens=2)
+    snap, cheap = engine.snapshot(), engine.snapshot(quantiles=False)
+    bounds = [bound for bound, _ in snap.e2e_latency.buckets]
+    assert {120.0, 960.0, 7680.0} <= set(bounds)
+    assert [b for b, _ in snap.time_to_first_token.buckets] == bounds
+    assert cheap.e2e_latency.buckets == snap.e2e_latency.buckets
+    assert cheap.e2e_latency.sum_s == snap.e2e_latency.sum_s
+    assert math.isnan(cheap.e2e_latency.p99_s) and not math.isnan(snap.e2e_latency.p99_s)
