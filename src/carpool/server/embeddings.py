@@ -24,7 +24,7 @@ import numpy as np
 from carpool.core.batcher import Batcher
 from carpool.core.layout import Packed
 from carpool.core.policy import BatchPolicy
-from carpool.errors import InvalidInput
+from carpool.errors import ConfigError, InvalidInput
 from carpool.server.repository import ServedModel, TensorSpec
 
 DEFAULT_MAX_INPUTS = 2048  # texts per call, as OpenAI's API allows
@@ -76,6 +76,14 @@ class EmbeddingService:
         self.max_inputs = max_inputs
         self._encoder_cls = TextEncoder
         self.encoder = TextEncoder.from_folder(self.folder, dtype=dtype)
+        budget = policy.max_batch_tokens
+        if budget is not None and budget < self.encoder.max_length:
+            raise ConfigError(  # else a long text could never join a batch
+                "max_batch_tokens",
+                budget,
+                f"at least {self.encoder.max_length} (the most tokens one text of "
+                f"{self.folder.name!r} takes)",
+            )
         self._shared_taken = False
         self.batcher = Batcher(
             fn_factory=self._replica,
@@ -107,14 +115,14 @@ class EmbeddingService:
 
     async def embed_texts(self, texts: Sequence[str], **options: Any) -> Embedded:
         """Embeddings of ``texts`` (each truncated to ``max_length`` tokens)."""
-        self._check_count(len(texts))
+        self._check_count(len(texts), options.get("priority"))
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(None, self.encoder.tokenize, list(texts))
         return await self._run(ids, options)
 
     async def embed_tokens(self, token_lists: Sequence[Any], **options: Any) -> Embedded:
         """Embeddings of texts given as token ids (used as given, special tokens included)."""
-        self._check_count(len(token_lists))
+        self._check_count(len(token_lists), options.get("priority"))
         ids = []
         for i, tokens in enumerate(token_lists):
             try:
@@ -123,13 +131,25 @@ class EmbeddingService:
                 raise InvalidInput(f"input[{i}]: {error}") from None
         return await self._run(ids, options)
 
-    def _check_count(self, count: int) -> None:
+    def _check_count(self, count: int, priority: Any) -> None:
         if count == 0:
             raise InvalidInput("input is empty: expected at least one text")
         if count > self.max_inputs:
             raise InvalidInput(
                 f"input holds {count} texts, more than this model's limit of {self.max_inputs} "
                 "per request; split it into several requests"
+            )
+        # Each text is its own queued request: past a queue bound the call could never be
+        # admitted, and QueueFull (429, retry later) would have clients retry it for ever.
+        policy = self.batcher.policy
+        limits = policy.limits.get(priority if isinstance(priority, str) else policy.default_class)
+        bounds = (policy.max_queue_size, limits.max_queue_size if limits is not None else None)
+        bound = min((b for b in bounds if b is not None), default=None)
+        if bound is not None and count > bound:
+            raise InvalidInput(
+                f"input holds {count} texts, more than the {bound} this model's queue holds "
+                "(max_queue_size; each text waits as one request); split it into several "
+                "requests"
             )
 
     async def _run(self, ids: list[np.ndarray], options: dict[str, Any]) -> Embedded:

@@ -165,18 +165,36 @@ def _inputs(value: Any) -> tuple[list[str] | None, list[Any] | None]:
             if not text:
                 raise BadParam("input", f"input[{i}] is an empty string; expected some text")
         return value, None
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return None, [np.asarray(value)]
+    if all(_is_token(v) for v in value):
+        return None, [_token_array(value, "input")]
+    if _is_token(value[0]):  # a flat list of ids with something else in it
+        i, item = next((i, v) for i, v in enumerate(value) if not _is_token(v))
+        raise BadParam(
+            "input",
+            f"input[{i}] is a {type(item).__name__}; expected a token id (an integer) like "
+            "input[0], or every item a list of token ids",
+        )
     for i, item in enumerate(value):
-        if not (
-            isinstance(item, list)
-            and item
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
-        ):
+        if not (isinstance(item, list) and item and all(_is_token(t) for t in item)):
             what = "an empty list" if item == [] else f"a {type(item).__name__}"
             raise BadParam(
                 "input",
                 f"input[{i}] is {what}; expected every item to be a string, or every item "
                 "a non-empty list of token ids",
             )
-    return None, [np.asarray(item) for item in value]
+    return None, [_token_array(item, f"input[{i}]") for i, item in enumerate(value)]
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_array(ids: list[int], where: str) -> np.ndarray:
+    """int64 ids; an id past int64 is named here (NumPy would make the list float64)."""
+    try:
+        return np.asarray(ids, dtype=np.int64)
+    except OverflowError:
+        j, big = next((j, t) for j, t in enumerate(ids) if not -(2**63) <= t < 2**63)
+        raise BadParam(
+            "input", f"{where}: token id {big} at position {j} is outside the vocabulary"
+        ) from None
