@@ -17,6 +17,7 @@ dtypes.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,11 @@ import numpy as np
 from carpool.core.layout import Packed
 from carpool.errors import ConfigError, ModelError
 from carpool.models._source import import_ref, is_import_ref
+
+# Replicas load their copies on their own threads at once; torch.export.load keeps its
+# deserializer in a module global and refuses a second concurrent load ("_CURRENT_DESERIALIZER
+# is already set"), so file loads take turns.
+_FILE_LOAD_LOCK = threading.Lock()
 
 
 class TorchRunner:
@@ -129,9 +135,10 @@ def load_module(source: str, device: str = "cpu") -> Any:
         return module
     path = Path(source)
     try:
-        if path.suffix == ".pt2":
-            return torch.export.load(str(path)).module()
-        return torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
+        with _FILE_LOAD_LOCK:
+            if path.suffix == ".pt2":
+                return torch.export.load(str(path)).module()
+            return torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
     except Exception as error:  # a corrupt or foreign file: say which and why
         what = "a torch.export .pt2" if path.suffix == ".pt2" else "a TorchScript"
         raise ConfigError(

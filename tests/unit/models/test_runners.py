@@ -187,6 +187,48 @@ def test_torch_runner_from_torch_export_file(
     _check_two_heads(factory("cpu"), name)
 
 
+def test_torch_export_file_loads_on_several_replica_threads_at_once(
+    make_module: Callable[[str], str], tmp_path: Path
+) -> None:
+    # docs/server.md: a .pt2 source with `devices: [cuda:0, cuda:1]` loads one copy per
+    # replica, each on its own thread at the same time.
+    import threading
+
+    import torch
+
+    name = make_module(TORCH_MODULE)
+    batch = torch.export.Dim("batch")
+    exported = torch.export.export(
+        importlib.import_module(name).build().eval(),
+        (torch.from_numpy(X), torch.ones(3, 3)),
+        dynamic_shapes=({0: batch}, {0: batch}),
+    )
+    path = tmp_path / "two_heads.pt2"
+    torch.export.save(exported, str(path))
+    factory = torch_factory(str(path), input_names=["x", "y"], output_names=["sum", "total"])
+    num_replicas = 4
+    start = threading.Barrier(num_replicas)
+    runners: list[TorchRunner] = []
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        start.wait()
+        try:
+            runners.append(factory("cpu"))
+        except BaseException as error:  # collected: a thread's exception is otherwise lost
+            errors.append(error)
+
+    for _ in range(3):
+        threads = [threading.Thread(target=load) for _ in range(num_replicas)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert errors == []
+    for runner in runners:
+        _check_two_heads(runner, name)
+
+
 def test_torch_runner_casts_to_dtype_and_back_to_declared_outputs(
     make_module: Callable[[str], str],
 ) -> None:
