@@ -423,6 +423,9 @@ async def start_grpc_server(repository: ModelRepository, host: str, port: int) -
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # grpcio sets SO_REUSEPORT by default: a second server on a port another gRPC
+            # server holds would bind, and the kernel would split connections between them.
+            ("grpc.so_reuseport", 0),
         ]
     )
     add_servicer(server, InferenceServicer(repository))

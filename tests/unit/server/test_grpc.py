@@ -17,11 +17,13 @@ from google.protobuf.descriptor import Descriptor, EnumDescriptor
 
 from carpool import Batcher, BatchPolicy, ClassPolicy
 from carpool.errors import InvalidInput
+from carpool.server.errors import PortInUse
 from carpool.server.grpc import (
     InferenceServicer,
     decode_infer_request,
     model_config,
     model_statistics,
+    start_grpc_server,
 )
 from carpool.server.proto import grpc_service_pb2 as pb
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
@@ -389,3 +391,21 @@ async def test_cancelling_a_stream_cancels_its_running_requests() -> None:
     with pytest.raises(asyncio.CancelledError):
         await waiting
     await infer.cancelled.wait()  # set by the handler's cleanup, which cancels the request
+
+
+async def test_a_grpc_port_another_grpc_server_holds_is_refused() -> None:
+    # docs/server.md: a port already taken, HTTP or gRPC, stops carpool serve (exit 3).
+    # grpcio binds with SO_REUSEPORT unless told not to, so a second server would share it.
+    import socket
+
+    with socket.socket() as probe:  # a free port, for `first` to take
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    repository = ModelRepository([])
+    first = await start_grpc_server(repository, "127.0.0.1", port)
+    try:
+        with pytest.raises(PortInUse, match=str(port)):
+            second = await start_grpc_server(repository, "127.0.0.1", port)
+            await second.stop(None)
+    finally:
+        await first.stop(None)
