@@ -69,6 +69,7 @@ def serve(
     ] = LogLevel.warning,
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
+    from carpool.errors import ConfigError
     from carpool.server.errors import PortInUse
     from carpool.server.run import serve as run_server
 
@@ -78,6 +79,10 @@ def serve(
     except PortInUse as error:
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(3) from None  # uvicorn's status when the HTTP port is taken
+    except ConfigError as error:  # a model file that fails to load as its replicas start
+        where = f"{config}: " if config is not None and error.file is None else ""
+        print(f"carpool serve: {where}{error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 @app.command(

@@ -1,8 +1,8 @@
 """What batching buys: the reference MLP W1 served one request at a time, then batched.
 
-``make serve`` runs this until the server exists. Many concurrent callers each send one
-256-float request at a time (closed loop) for a fixed time; the same model runs first
-with ``max_batch_size=1`` (no batching) and then with carpool's dynamic batching.
+``carpool demo`` runs it in one process, without a network. Many concurrent callers each
+send one 256-float request at a time (closed loop) for a fixed time; the same model runs
+first with ``max_batch_size=1`` (no batching) and then with carpool's dynamic batching.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ async def run_demo(num_clients: int, duration_s: float, max_delay_s: float) -> N
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="carpool demo", description=__doc__)
     parser.add_argument("--clients", type=int, default=128, help="concurrent callers")
     parser.add_argument("--duration-s", type=float, default=4.0, help="seconds per run")
     parser.add_argument("--max-delay-s", type=float, default=0.002, help="batching delay window")
