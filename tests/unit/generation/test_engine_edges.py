@@ -20,8 +20,6 @@ from carpool.generation.engine import (
     FinishReason,
     GenerationEngine,
     GenerationEvent,
-    SchedulerStats,
-    SeqUpdate,
 )
 from carpool.generation.kv_cache import KVCacheManager
 from carpool.generation.request import RequestStatus
@@ -31,6 +29,7 @@ from carpool.generation.scheduler import Scheduler, SchedulerConfig
 from carpool.generation.tokenizer import ByteTokenizer
 from carpool.generation.types import SamplingParams, StepInput, StepOutput
 from carpool.generation.weights import random_llama
+from carpool.server.generation import SchedulerAdapter
 
 from .test_scheduler import make_scheduler, run_to_end, scripted
 
@@ -40,38 +39,6 @@ TINY = {
     "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
     "max_position_embeddings": 256, "vocab_size": TOKENIZER.vocab_size,
 }  # fmt: skip
-
-
-class Adapter:
-    """The real scheduler as the engine's ``StepScheduler`` (as ``server/generation.py``)."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-
-    def add(
-        self,
-        seq_id: int,
-        prompt_ids: tuple[int, ...],
-        sampling: SamplingParams,
-        priority: str | None,
-    ) -> None:
-        self.scheduler.add_request(seq_id, prompt_ids, sampling, class_name=priority)
-
-    def schedule(self) -> StepInput:
-        return self.scheduler.schedule().step_input
-
-    def update(self, step: StepInput, output: StepOutput) -> Sequence[SeqUpdate]:
-        events = self.scheduler.update(step, output)
-        return [SeqUpdate(e.request_id, e.new_token_ids, e.finish_reason) for e in events]
-
-    def abort(self, seq_id: int) -> None:
-        self.scheduler.abort(seq_id)
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_unfinished()
-
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats()
 
 
 class FlakyRunner:
@@ -101,7 +68,7 @@ def _engine(
     )
     scheduler = Scheduler(config, KVCacheManager(BlockPool(num_blocks, block_size)))
     engine = GenerationEngine(
-        Adapter(scheduler), runner, TOKENIZER, max_model_len=num_blocks * block_size
+        SchedulerAdapter(scheduler), runner, TOKENIZER, max_model_len=num_blocks * block_size
     )
     return engine, scheduler, runner
 

@@ -9,6 +9,7 @@ import textwrap
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -169,9 +170,8 @@ def test_torch_runner_from_torchscript_file(
     _check_two_heads(factory("cpu"), name)
 
 
-def test_torch_runner_from_torch_export_file(
-    make_module: Callable[[str], str], tmp_path: Path
-) -> None:
+def _two_heads_pt2(make_module: Callable[[str], str], tmp_path: Path) -> tuple[str, Any]:
+    """(module name, factory) of TORCH_MODULE saved as a torch.export .pt2 file."""
     import torch
 
     name = make_module(TORCH_MODULE)
@@ -183,7 +183,13 @@ def test_torch_runner_from_torch_export_file(
     )
     path = tmp_path / "two_heads.pt2"
     torch.export.save(exported, str(path))
-    factory = torch_factory(str(path), input_names=["x", "y"], output_names=["sum", "total"])
+    return name, torch_factory(str(path), input_names=["x", "y"], output_names=["sum", "total"])
+
+
+def test_torch_runner_from_torch_export_file(
+    make_module: Callable[[str], str], tmp_path: Path
+) -> None:
+    name, factory = _two_heads_pt2(make_module, tmp_path)
     _check_two_heads(factory("cpu"), name)
 
 
@@ -194,18 +200,7 @@ def test_torch_export_file_loads_on_several_replica_threads_at_once(
     # replica, each on its own thread at the same time.
     import threading
 
-    import torch
-
-    name = make_module(TORCH_MODULE)
-    batch = torch.export.Dim("batch")
-    exported = torch.export.export(
-        importlib.import_module(name).build().eval(),
-        (torch.from_numpy(X), torch.ones(3, 3)),
-        dynamic_shapes=({0: batch}, {0: batch}),
-    )
-    path = tmp_path / "two_heads.pt2"
-    torch.export.save(exported, str(path))
-    factory = torch_factory(str(path), input_names=["x", "y"], output_names=["sum", "total"])
+    name, factory = _two_heads_pt2(make_module, tmp_path)
     num_replicas = 4
     start = threading.Barrier(num_replicas)
     runners: list[TorchRunner] = []
