@@ -98,6 +98,9 @@ class Batcher:
             ``"loop"``, on the event loop's thread (the loop waits for each batch);
             ``"auto"`` (default), on the loop for a CPU model when the process may use only
             one CPU, where a thread would only take turns with the loop on that core.
+        policy_check: called with the policy at construction and with every new one
+            (``set_policy``/``update_policy``); raises ConfigError for a policy the model
+            cannot serve (a token budget smaller than one item the model may take).
 
     Raises:
         ConfigError: when the arguments contradict each other.
@@ -120,14 +123,18 @@ class Batcher:
         telemetry: bool = True,
         switch_interval_s: float | None = 0.0005,
         executor: str = "auto",
+        policy_check: Callable[[BatchPolicy], None] | None = None,
     ) -> None:
         if (fn is None) == (fn_factory is None):
             raise ConfigError("fn", fn, "exactly one of fn or fn_factory")
+        self._policy_check = policy_check
         self._fn = fn
         self._fn_factory = fn_factory
         self._name = name or getattr(fn or fn_factory, "__name__", None) or "model"
         self._devices = replica_devices(num_replicas, devices)
         self._policy = policy if policy is not None else BatchPolicy()
+        if policy_check is not None:
+            policy_check(self._policy)
         self._intake = Intake(collate)
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._memory_probe = memory_probe
@@ -619,8 +626,11 @@ class Batcher:
         """Replace the policy while running; takes effect at the next batch.
 
         Raises:
-            ConfigError: a token budget the collator in use cannot measure.
+            ConfigError: a token budget the collator in use cannot measure, or what the
+                batcher's ``policy_check`` refuses.
         """
+        if self._policy_check is not None:
+            self._policy_check(policy)
         self._intake.check(policy)
         self._queues.reconfigure(policy)
         self._policy = policy

@@ -76,14 +76,6 @@ class EmbeddingService:
         self.max_inputs = max_inputs
         self._encoder_cls = TextEncoder
         self.encoder = TextEncoder.from_folder(self.folder, dtype=dtype)
-        budget = policy.max_batch_tokens
-        if budget is not None and budget < self.encoder.max_length:
-            raise ConfigError(  # else a long text could never join a batch
-                "max_batch_tokens",
-                budget,
-                f"at least {self.encoder.max_length} (the most tokens one text of "
-                f"{self.folder.name!r} takes)",
-            )
         self._shared_taken = False
         self.batcher = Batcher(
             fn_factory=self._replica,
@@ -92,7 +84,18 @@ class EmbeddingService:
             devices=devices or ["cpu"],
             collate="packed",
             executor=executor,
+            policy_check=self._check_policy,  # at startup and on every policy update
         )
+
+    def _check_policy(self, policy: BatchPolicy) -> None:
+        budget = policy.max_batch_tokens
+        if budget is not None and budget < self.encoder.max_length:
+            raise ConfigError(  # else a long text could never join a batch
+                "max_batch_tokens",
+                budget,
+                f"at least {self.encoder.max_length} (the most tokens one text of "
+                f"{self.folder.name!r} takes)",
+            )
 
     @property
     def dimensions(self) -> int:

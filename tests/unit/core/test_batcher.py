@@ -21,6 +21,7 @@ import pytest
 
 from carpool import (
     Batcher,
+    BatchPolicy,
     CapacityError,
     ClassPolicy,
     Closed,
@@ -683,6 +684,21 @@ async def test_restarts_after_stop(make_batcher):
 
 
 # -- policy updates -----------------------------------------------------------------------
+
+
+async def test_policy_check_refuses_a_policy_at_construction_and_on_update() -> None:
+    def at_most_eight(policy: BatchPolicy) -> None:
+        if policy.max_batch_size > 8:
+            raise ConfigError("max_batch_size", policy.max_batch_size, "8 or less")
+
+    with pytest.raises(ConfigError, match="8 or less"):
+        Batcher(lambda xs: xs, BatchPolicy(max_batch_size=9), policy_check=at_most_eight)
+    batcher = Batcher(lambda xs: xs, BatchPolicy(max_batch_size=4), policy_check=at_most_eight)
+    async with batcher:
+        with pytest.raises(ConfigError, match="8 or less"):
+            batcher.update_policy(max_batch_size=16)
+        assert batcher.policy.max_batch_size == 4  # unchanged
+        assert batcher.update_policy(max_batch_size=8).max_batch_size == 8
 
 
 async def test_update_policy_takes_effect_for_the_next_batch(

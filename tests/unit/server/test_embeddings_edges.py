@@ -94,6 +94,16 @@ def test_a_token_budget_below_the_max_length_is_refused_when_the_service_is_buil
     assert "256" in str(caught.value)
 
 
+async def test_a_token_budget_below_the_max_length_is_refused_by_a_policy_update(app):
+    # The same rule through POST .../policy (what `carpool tune` uses) on a running server.
+    path = f"/v2/models/{MODEL}/policy"
+    got = await _call(app, path, max_batch_tokens=100)
+    assert got.status == 400, got.json()
+    assert "max_batch_tokens" in got.json()["error"] and "256" in got.json()["error"]
+    assert app.repository.get(MODEL).batcher.policy.max_batch_tokens == 4096  # unchanged
+    assert (await _call(app, path, max_batch_tokens=512)).status == 200
+
+
 async def test_a_flat_token_list_holding_a_list_names_the_item_that_is_wrong(app):
     got = await _call(app, "/v1/embeddings", model=MODEL, input=[101, [2023], 102])
     assert got.status == 400
