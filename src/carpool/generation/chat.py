@@ -2,12 +2,14 @@
 
 A Hugging Face folder names its template in ``tokenizer_config.json`` (``chat_template``,
 a Jinja template). It is rendered as ``transformers`` renders it: Jinja2's sandbox,
-``trim_blocks`` and ``lstrip_blocks``, the variables ``messages``, ``bos_token``,
-``eos_token`` and ``add_generation_prompt``, and the helpers ``raise_exception`` and
-``strftime_now``. Jinja2 is imported only when a template is rendered (it comes with
-torch and transformers).
+``trim_blocks`` and ``lstrip_blocks``, ``{% break %}``/``{% continue %}``, the variables
+``messages`` (each with ``role``, ``content`` and, when sent, ``name``), ``bos_token``,
+``eos_token`` and ``add_generation_prompt``, the helpers ``raise_exception`` and
+``strftime_now``, and transformers' ``tojson`` (non-ASCII and ``<``/``&`` kept as they
+are; ``indent``, ``separators``, ``sort_keys``). Jinja2 is imported only when a template
+is rendered (it comes with torch and transformers).
 
-A model without a template (the built-in random-weight model) gets :data:`FALLBACK`::
+The built-in random-weight model (no template of its own) gets :data:`FALLBACK`::
 
     <|system|>
     You are terse.
@@ -20,6 +22,7 @@ A model without a template (the built-in random-weight model) gets :data:`FALLBA
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -37,15 +40,17 @@ FALLBACK = (
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
-    """One message: a role and its text."""
+    """One message: a role, its text, and the sender's ``name`` when given."""
 
     role: str
     content: str
+    name: str | None = None
 
     @classmethod
     def from_json(cls, value: Any, index: int) -> ChatMessage:
-        """A message from OpenAI's JSON: ``{"role": ..., "content": str | [parts]}``; text
-        parts (``{"type": "text", "text": ...}``) are joined, other parts are refused.
+        """A message from OpenAI's JSON: ``{"role": ..., "content": str | [parts],
+        "name": str}``; text parts (``{"type": "text", "text": ...}``) are joined, other
+        parts are refused.
 
         Raises:
             InvalidInput: naming ``messages[index]`` and what was wrong.
@@ -68,7 +73,18 @@ class ChatMessage:
                 f"{at}.content is a {type(content).__name__}; expected a string or a list of "
                 "text parts"
             )
-        return cls(role, content)
+        name = value.get("name")
+        if name is not None and not isinstance(name, str):
+            raise InvalidInput(f"{at}.name is a {type(name).__name__}; expected a string")
+        return cls(role, content, name)
+
+    def as_template_data(self) -> dict[str, str]:
+        """The message as a template sees it (``name`` only when given, as transformers
+        drops keys that are None)."""
+        data = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            data["name"] = self.name
+        return data
 
 
 def _text_part(part: Any, at: str) -> str:
@@ -99,7 +115,7 @@ def render_chat(
     try:
         return str(
             compiled.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[m.as_template_data() for m in messages],
                 bos_token=bos_token,
                 eos_token=eos_token,
                 add_generation_prompt=add_generation_prompt,
@@ -125,6 +141,19 @@ def _strftime_now(format: str) -> str:
     return datetime.datetime.now().strftime(format)
 
 
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' ``tojson``: plain ``json.dumps`` (Jinja's escapes HTML characters)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str) -> Any:
     try:
@@ -134,7 +163,10 @@ def _compile(template: str) -> Any:
         raise ConfigError(
             "chat_template", "<jinja>", "jinja2 installed (pip install jinja2) to render it"
         ) from None
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
     try:

@@ -3,7 +3,8 @@
 Two tokenizers share one small interface (:class:`Tokenizer`):
 
 - :class:`HFTokenizer`: a Hugging Face folder's ``tokenizer.json`` (the ``tokenizers``
-  library), with BOS/EOS and the Jinja ``chat_template`` from ``tokenizer_config.json``;
+  library), with BOS/EOS and the Jinja chat template read as ``transformers`` reads them
+  (``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja``);
 - :class:`ByteTokenizer`: one id per byte (0-255) plus BOS (256) and EOS (257), for the
   built-in random-weight model; it needs no files.
 
@@ -96,12 +97,28 @@ class ByteTokenizer:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
 
+# The named special tokens of transformers' tokenizers (SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where save_pretrained writes it (transformers >= 4.47)
+
+
 @dataclass(frozen=True, slots=True)
 class _SpecialTokens:
     bos_token: str
     eos_token: str
     chat_template: str | None
     eos_names: tuple[str, ...]
+    # The tokens the config files make special (see _special_names): skipped when
+    # decoding, as transformers does, even where tokenizer.json says otherwise.
+    skipped: tuple[str, ...] = ()
 
 
 class HFTokenizer:
@@ -116,12 +133,18 @@ class HFTokenizer:
         eos = [tokenizer.token_to_id(name) for name in special.eos_names]
         eos += list(extra_eos_ids)
         self._eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
+        skipped = (tokenizer.token_to_id(name) for name in special.skipped)
+        self._skipped_ids = frozenset(i for i in skipped if i is not None)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> HFTokenizer:
         """Load ``folder/tokenizer.json`` (required) and, when present,
-        ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ``chat_template``) and
-        ``generation_config.json`` / ``config.json`` (more ``eos_token_id`` values).
+        ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ``chat_template``, the
+        special ``added_tokens_decoder`` entries), ``special_tokens_map.json`` (older
+        folders' special tokens, read as transformers reads it: when
+        ``tokenizer_config.json`` has no ``added_tokens_decoder``), ``chat_template.jinja``
+        (the template, ahead of ``tokenizer_config.json``'s) and ``generation_config.json``
+        / ``config.json`` (more ``eos_token_id`` values, a number or a list).
 
         Raises:
             ConfigError: when ``tokenizer.json`` is missing or unreadable.
@@ -137,11 +160,24 @@ class HFTokenizer:
         except Exception as error:
             raise ConfigError("source", str(file), f"a readable tokenizer.json ({error})") from None
         config = _read_json(path / "tokenizer_config.json")
+        if "added_tokens_decoder" not in config:  # transformers' legacy path
+            config.update(_read_json(path / "special_tokens_map.json"))
+        template = _chat_template(config.get("chat_template"))
+        template_file = path / CHAT_TEMPLATE_FILE
+        if template_file.is_file():
+            try:
+                template = template_file.read_text(encoding="utf-8")
+            except (OSError, ValueError) as error:
+                raise ConfigError(
+                    "source", str(template_file), f"a readable chat template ({error})"
+                ) from None
+        eos_token = _token_text(config.get("eos_token"))
         special = _SpecialTokens(
             bos_token=_token_text(config.get("bos_token")),
-            eos_token=_token_text(config.get("eos_token")),
-            chat_template=_chat_template(config.get("chat_template")),
-            eos_names=tuple(n for n in [_token_text(config.get("eos_token"))] if n),
+            eos_token=eos_token,
+            chat_template=template,
+            eos_names=(eos_token,) if eos_token else (),
+            skipped=_special_names(config),
         )
         extra: list[int] = []
         for name in ("generation_config.json", "config.json"):
@@ -178,7 +214,10 @@ class HFTokenizer:
         return [int(i) for i in ids]
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+        ids = list(token_ids)
+        if self._skipped_ids:
+            ids = [i for i in ids if i not in self._skipped_ids]
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -196,6 +235,23 @@ def _token_text(value: Any) -> str:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else ""
+
+
+def _special_names(config: dict[str, Any]) -> tuple[str, ...]:
+    """The texts of the tokens ``config`` makes special, as transformers reads it: the
+    ``added_tokens_decoder`` entries marked ``special``; in a folder without that table
+    (the older format), the named tokens (``bos_token``, ``eos_token``, ...). Extra ones
+    (``additional_special_tokens``) keep ``tokenizer.json``'s flag, as in transformers."""
+    decoder = config.get("added_tokens_decoder")
+    if isinstance(decoder, dict):
+        names = [
+            _token_text(token)
+            for token in decoder.values()
+            if isinstance(token, dict) and token.get("special") is True
+        ]
+        return tuple(dict.fromkeys(n for n in names if n))
+    names = [_token_text(config.get(key)) for key in SPECIAL_TOKEN_KEYS]
+    return tuple(dict.fromkeys(n for n in names if n))
 
 
 def _chat_template(value: Any) -> str | None:

@@ -36,7 +36,7 @@ import orjson
 from carpool.errors import InvalidInput
 from carpool.generation.chat import ChatMessage, render_chat
 from carpool.generation.engine import GenerationEvent, Usage
-from carpool.generation.tokenizer import check_token_ids
+from carpool.generation.tokenizer import ByteTokenizer, check_token_ids
 from carpool.generation.types import SamplingParams
 from carpool.server.errors import NotFound, openai_error
 from carpool.server.generation import GenerationService, generation_models
@@ -273,9 +273,18 @@ def _completion_prompt(service: GenerationService, prompt: Any) -> list[int]:
 def _chat_prompt(service: GenerationService, messages: Any) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise BadParam("messages", "messages: expected a non-empty list of {role, content}")
+    tokenizer = service.tokenizer
+    if tokenizer.chat_template is None and not isinstance(tokenizer, ByteTokenizer):
+        # As vLLM: no default template since transformers 4.44; only the built-in byte
+        # model has carpool's fallback.
+        raise BadParam(
+            "messages",
+            f"model {service.name!r} has no chat template (no chat_template in its "
+            "tokenizer_config.json, no chat_template.jinja); add one to its folder, or send "
+            "the prompt text to /v1/completions",
+        )
     try:
         parsed = [ChatMessage.from_json(m, i) for i, m in enumerate(messages)]
-        tokenizer = service.tokenizer
         text = render_chat(
             parsed,
             tokenizer.chat_template,
@@ -284,7 +293,8 @@ def _chat_prompt(service: GenerationService, messages: Any) -> list[int]:
         )
     except InvalidInput as error:
         raise BadParam("messages", str(error)) from None
-    # A folder's template writes BOS itself; the fallback template does not.
+    # A folder's template writes BOS itself (vLLM: add_special_tokens false for chat); the
+    # built-in model's fallback template does not.
     return tokenizer.encode(text, add_special_tokens=tokenizer.chat_template is None)
 
 
