@@ -49,8 +49,8 @@ class ChatMessage:
     @classmethod
     def from_json(cls, value: Any, index: int) -> ChatMessage:
         """A message from OpenAI's JSON: ``{"role": ..., "content": str | [parts],
-        "name": str}``; text parts (``{"type": "text", "text": ...}``) are joined, other
-        parts are refused.
+        "name": str}``; text parts (``{"type": "text", "text": ...}``) are joined with a
+        newline (as vLLM joins them), other parts are refused.
 
         Raises:
             InvalidInput: naming ``messages[index]`` and what was wrong.
@@ -65,7 +65,7 @@ class ChatMessage:
         if content is None and role == "assistant":
             content = ""
         if isinstance(content, list):
-            content = "".join(
+            content = "\n".join(
                 _text_part(part, f"{at}.content[{i}]") for i, part in enumerate(content)
             )
         if not isinstance(content, str):

@@ -87,7 +87,7 @@ def test_messages_from_openai_json_join_text_parts():
         "role": "user",
         "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
     }
-    assert ChatMessage.from_json(value, 0) == ChatMessage("user", "ab")
+    assert ChatMessage.from_json(value, 0) == ChatMessage("user", "a\nb")  # as vLLM joins
     assert ChatMessage.from_json({"role": "assistant", "content": None}, 1).content == ""
 
 
