@@ -37,6 +37,11 @@ from carpool.server.repository import ServedModel
 _HEADER_LENGTH = b"inference-header-content-length"
 _CONTENT_ENCODING = b"content-encoding"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# Pipelined requests read ahead of the one being answered before reading pauses. Reading
+# on is how a hang-up is seen: a paused transport never reports one, and the queued
+# request would reach the model for nobody.
+READ_AHEAD_REQUESTS = 16
+READ_AHEAD_BYTES = 1024 * 1024
 
 
 def protocol_for(app: KServeApp) -> type[HttpToolsProtocol]:
@@ -111,6 +116,7 @@ class InferProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._inflight: _FastCycle | None = None
         self._held: tuple[_FastCycle, bytes, int] | None = None  # waiting for resume_writing
+        self._asgi: Any = None  # the ASGI cycle last started (its task may still run)
 
     # -- parser callbacks: the fork between the fast path and uvicorn's -----------------
 
@@ -159,8 +165,8 @@ class InferProtocol(HttpToolsProtocol):
         if existing is None or existing.response_complete:
             self._begin(cycle)
         else:  # pipelined behind a request still being answered
-            self.flow.pause_reading()
             self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
+            self._limit_read_ahead()
 
     def on_body(self, body: bytes) -> None:
         cycle = self.cycle
@@ -171,6 +177,8 @@ class InferProtocol(HttpToolsProtocol):
             return  # too large: the rest of the body is ignored
         cycle.chunks.append(body)
         cycle.size += len(body)
+        if not cycle.started:
+            self._limit_read_ahead()
         limit = self.kserve.max_body_bytes
         if cycle.size > limit:
             cycle.keep_alive = False  # the unread rest makes the connection unusable
@@ -189,6 +197,14 @@ class InferProtocol(HttpToolsProtocol):
         if cycle.started and not cycle.response_complete:
             self._dispatch(cycle)
 
+    def _limit_read_ahead(self) -> None:
+        """Pause reading once the pipelined requests waiting hold READ_AHEAD_REQUESTS or
+        READ_AHEAD_BYTES; uvicorn resumes it after each answer."""
+        waiting: list[Any] = [c for c, _ in self.pipeline]
+        size = sum(c.size for c in waiting if isinstance(c, _FastCycle))
+        if len(waiting) >= READ_AHEAD_REQUESTS or size >= READ_AHEAD_BYTES:
+            self.flow.pause_reading()
+
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         # uvicorn starts the next pipelined request through here, from the answer of the
         # one before. Begun on the next loop turn: a run of pipelined requests answered on
@@ -196,6 +212,7 @@ class InferProtocol(HttpToolsProtocol):
         if isinstance(cycle, _FastCycle):
             self.loop.call_soon(self._begin, cycle)
         else:
+            self._asgi = cycle
             super()._start_asgi_task(cycle, app)
 
     def resume_writing(self) -> None:
@@ -209,6 +226,13 @@ class InferProtocol(HttpToolsProtocol):
         if cycle is not None and cycle.queued is not None:
             cycle.model.batcher.cancel(cycle.queued)
             cycle.queued = None
+        # uvicorn tells only the newest cycle; an ASGI request running with a pipelined one
+        # behind it would go on to write to the closed transport (uvloop raises) and keep
+        # its queued request in the batcher.
+        asgi = self._asgi
+        if asgi is not None and asgi is not self.cycle and not asgi.response_complete:
+            asgi.disconnected = True
+            asgi.message_event.set()
         super().connection_lost(exc)
 
     # -- the fast path ----------------------------------------------------------------

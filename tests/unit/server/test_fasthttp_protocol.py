@@ -14,7 +14,7 @@ import uvicorn
 
 from carpool import Batcher, BatchPolicy
 from carpool.server.app import KServeApp
-from carpool.server.fasthttp import InferProtocol, protocol_for
+from carpool.server.fasthttp import READ_AHEAD_REQUESTS, InferProtocol, protocol_for
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 
 from .test_fasthttp import (
@@ -366,7 +366,7 @@ async def test_expect_continue_pipelined_behind_a_running_request(setup: Setup) 
     protocol.data_received(_binary_request(1.0) + head + b"\r\n\r\n")
     await _until(lambda: setup.model.running == 1)
     assert b"100 Continue" not in transport.data  # not before the first answer
-    assert not transport.reading
+    assert transport.reading  # read ahead (READ_AHEAD_*): a hang-up is still seen
     setup.model.open.set()
     await _until(lambda: b"100 Continue" in transport.data)
     first_end = transport.data.index(b"HTTP/1.1 100 Continue")
@@ -387,6 +387,41 @@ async def test_connection_lost_while_the_model_runs(setup: Setup) -> None:
     setup.model.open.set()
     await asyncio.sleep(0.05)
     assert transport.data == b"" and transport.writes_after_close == 0
+
+
+async def test_pipelined_requests_are_read_ahead_up_to_a_bound(setup: Setup) -> None:
+    """Was: reading paused on the first pipelined request, so a client that hung up then
+    was never seen and its queued request reached the model (tests/integration/
+    test_fault_mix.py)."""
+    setup.model.open.clear()
+    protocol, transport = setup.connect()
+    protocol.data_received(_binary_request(1.0))
+    await _until(lambda: setup.model.running == 1)
+    for i in range(READ_AHEAD_REQUESTS - 1):
+        protocol.data_received(_binary_request(float(i)))
+        assert transport.reading, i
+    protocol.data_received(_binary_request(2.0))
+    assert not transport.reading
+    setup.model.open.set()
+    await _until(lambda: len(_items(transport)) == READ_AHEAD_REQUESTS + 1)
+    assert transport.reading
+
+
+async def test_connection_lost_tells_the_asgi_request_running_ahead_of_a_pipelined_one(
+    setup: Setup,
+) -> None:
+    """Was: uvicorn marked only the newest (pipelined) cycle disconnected; the running ASGI
+    request kept its queued request, then wrote to the closed transport (uvloop raises)."""
+    setup.batcher.update_policy(max_delay_s=0.2)
+    protocol, transport = setup.connect()
+    asgi = _binary_request(1.0, path=b"/v2/models/m/infer?via=asgi")
+    protocol.data_received(asgi + asgi)
+    await _until(lambda: setup.batcher.num_pending == 1)
+    protocol.connection_lost(None)
+    await _until(lambda: setup.batcher.num_pending == 0)
+    await asyncio.sleep(0.3)
+    assert setup.model.seen == [] and transport.data == b""
+    assert transport.writes_after_close == 0
 
 
 async def test_connection_lost_with_a_pipelined_request_waiting(setup: Setup) -> None:
