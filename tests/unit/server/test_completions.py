@@ -16,7 +16,8 @@ from carpool.server.app import KServeApp
 from carpool.server.completions import prepare
 from carpool.server.generation import GenerationService, GenerationSettings
 from carpool.server.openai import BadParam
-from carpool.server.repository import ModelRepository
+
+from .apps import started_app
 
 MODEL = "tiny"
 
@@ -32,12 +33,8 @@ async def tiny_generation_app() -> AsyncIterator[KServeApp]:
     """The app serving a started tiny random Llama named MODEL."""
     settings = GenerationSettings(num_blocks=64, max_model_len=128, max_num_seqs=8)
     service = GenerationService.tiny_random(MODEL, settings)
-    app = KServeApp(ModelRepository([service.served_model()]))
-    await app.repository.start()
-    try:
+    async with started_app(service.served_model()) as app:
         yield app
-    finally:
-        await app.repository.stop()
 
 
 class Exchange:

@@ -20,8 +20,8 @@ from carpool.errors import ConfigError
 from carpool.server.app import KServeApp
 from carpool.server.defaults import embeddings_folder
 from carpool.server.embeddings import EmbeddingService
-from carpool.server.repository import ModelRepository
 
+from .apps import started_app
 from .test_openai_edges import _call
 
 MODEL = "minilm"
@@ -38,12 +38,8 @@ def folder() -> Iterator[Path]:
 @asynccontextmanager
 async def served(folder: Path, policy: BatchPolicy) -> AsyncIterator[KServeApp]:
     service = EmbeddingService(MODEL, folder, policy, max_inputs=64)
-    app = KServeApp(ModelRepository([service.served_model()]))
-    await app.repository.start()
-    try:
+    async with started_app(service.served_model()) as app:
         yield app
-    finally:
-        await app.repository.stop()
 
 
 @pytest.fixture

@@ -25,6 +25,8 @@ from carpool.server.grpc import InferenceServicer, add_servicer
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.stats import model_stats
 
+from .apps import started_app
+
 
 def double(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"y": inputs["x"] * 2}
@@ -85,12 +87,8 @@ class Exchange:
 
 @pytest.fixture
 async def app() -> AsyncIterator[KServeApp]:
-    app = KServeApp(ModelRepository([_served(), _served(name="other")]))
-    await app.repository.start()
-    try:
+    async with started_app(_served(), _served(name="other")) as app:
         yield app
-    finally:
-        await app.repository.stop()
 
 
 @pytest.fixture
