@@ -74,8 +74,8 @@ class LiveProgress:
 
     def _line(self, elapsed_s: float) -> str:
         p = self._progress
-        recent = list(p.recent_latency_s)
-        p50 = sorted(recent)[len(recent) // 2] * 1e3 if recent else float("nan")
+        recent = sorted(p.recent_latency_s)
+        p50 = recent[len(recent) // 2] * 1e3 if recent else float("nan")
         rate = p.num_done / elapsed_s if elapsed_s > 0 else 0.0
         return (
             f"{self._label}  {min(elapsed_s, self._duration_s):5.1f}/{self._duration_s:g} s  "

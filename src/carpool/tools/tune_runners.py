@@ -21,6 +21,7 @@ import numpy as np
 import orjson
 
 from carpool.core.batcher import Batcher
+from carpool.core.clock import Clock, MonotonicClock
 from carpool.core.decorator import BatchedFunction
 from carpool.core.policy import BatchPolicy
 from carpool.errors import ConfigError
@@ -51,12 +52,10 @@ class LoadSpec:
 class LoadDriver:
     """Runs ``submit`` as the spec says, recording each answer's latency."""
 
-    def __init__(
-        self, submit: Submit, spec: LoadSpec, *, clock: Callable[[], float] = time.perf_counter
-    ) -> None:
+    def __init__(self, submit: Submit, spec: LoadSpec, *, clock: Clock | None = None) -> None:
         self._submit = submit
         self._spec = spec
-        self._clock = clock
+        self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._tasks: list[asyncio.Task[None]] = []
         self._in_flight: set[asyncio.Task[bool]] = set()
         self._latencies: list[float] = []
@@ -87,13 +86,13 @@ class LoadDriver:
     async def _one(self, scheduled_s: float | None = None) -> bool:
         """One request; its latency counts from ``scheduled_s`` (open loop: when it was
         due, so a dispatcher that falls behind cannot hide the wait), else from now."""
-        start = self._clock() if scheduled_s is None else scheduled_s
+        start = self._clock.now() if scheduled_s is None else scheduled_s
         try:
             num_items = await self._submit()
         except Exception:  # any failed request counts, whatever the transport raised
             self._num_errors += 1
             return False
-        self._latencies.append(self._clock() - start)
+        self._latencies.append(self._clock.now() - start)
         self._num_items += num_items
         return True
 
@@ -106,10 +105,10 @@ class LoadDriver:
     async def _arrivals(self, rate_rps: float) -> None:
         rng = np.random.default_rng(self._spec.seed)
         loop = asyncio.get_running_loop()
-        next_s = self._clock()
+        next_s = self._clock.now()
         while True:
             next_s += float(rng.exponential(1.0 / rate_rps))
-            delay = next_s - self._clock()
+            delay = next_s - self._clock.now()
             if delay > 0:
                 await asyncio.sleep(delay)
             if len(self._in_flight) >= self._spec.max_in_flight:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from carpool.core.clock import FakeClock
 from carpool.tools.bench import BenchConfig, Point, PointResult, run_bench
 from carpool.tools.benchreport import text_table
 from carpool.tools.doctor_checks import check_invariance, deviation
@@ -100,6 +101,17 @@ def test_text_table_shows_ttft_for_single_token_streams() -> None:
 # -- tune -------------------------------------------------------------------------------------
 
 
+class _StalledClock(FakeClock):
+    """A fake clock read from ``now[0]``, which a model moves while it blocks the loop."""
+
+    def __init__(self, now: list[float]) -> None:
+        super().__init__(now[0])
+        self._cell = now
+
+    def now(self) -> float:
+        return self._cell[0]
+
+
 async def test_tuner_open_loop_counts_latency_from_the_schedule() -> None:
     # A model that blocks the event loop for 1 s on its first call: every arrival due
     # meanwhile leaves late, and its latency must count from when it was due.
@@ -115,7 +127,7 @@ async def test_tuner_open_loop_counts_latency_from_the_schedule() -> None:
             done.set()
         return 1
 
-    driver = LoadDriver(submit, LoadSpec(rate_rps=1000.0), clock=lambda: now[0])
+    driver = LoadDriver(submit, LoadSpec(rate_rps=1000.0), clock=_StalledClock(now))
     driver.start()
     await done.wait()
     await driver.stop()
