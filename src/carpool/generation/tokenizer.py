@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from carpool.errors import ConfigError, InvalidInput
+from carpool.generation.chat import FALLBACK
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -50,7 +51,15 @@ class Tokenizer(Protocol):
     def eos_token(self) -> str: ...
 
     @property
-    def chat_template(self) -> str | None: ...
+    def chat_template(self) -> str | None:
+        """The Jinja chat template, None when the model has none (chat is refused)."""
+        ...
+
+    @property
+    def chat_adds_special_tokens(self) -> bool:
+        """Whether a rendered chat prompt is encoded with BOS added. Hugging Face
+        templates write BOS themselves (vLLM encodes chat with add_special_tokens false)."""
+        ...
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -87,7 +96,11 @@ class ByteTokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        return None
+        return FALLBACK  # carpool's own: the built-in random-weight model has no folder
+
+    @property
+    def chat_adds_special_tokens(self) -> bool:
+        return True  # BOS is an id, not text: no template can write it
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -208,6 +221,10 @@ class HFTokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._special.chat_template
+
+    @property
+    def chat_adds_special_tokens(self) -> bool:
+        return False  # the folder's template writes BOS (vLLM's default for chat)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

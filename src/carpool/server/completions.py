@@ -36,7 +36,7 @@ import orjson
 from carpool.errors import InvalidInput
 from carpool.generation.chat import ChatMessage, render_chat
 from carpool.generation.engine import GenerationEvent, Usage
-from carpool.generation.tokenizer import ByteTokenizer, check_token_ids
+from carpool.generation.tokenizer import check_token_ids
 from carpool.generation.types import SamplingParams
 from carpool.server.errors import NotFound, openai_error
 from carpool.server.generation import GenerationService, generation_models
@@ -274,9 +274,8 @@ def _chat_prompt(service: GenerationService, messages: Any) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise BadParam("messages", "messages: expected a non-empty list of {role, content}")
     tokenizer = service.tokenizer
-    if tokenizer.chat_template is None and not isinstance(tokenizer, ByteTokenizer):
-        # As vLLM: no default template since transformers 4.44; only the built-in byte
-        # model has carpool's fallback.
+    template = tokenizer.chat_template
+    if template is None:  # as vLLM: no default template since transformers 4.44
         raise BadParam(
             "messages",
             f"model {service.name!r} has no chat template (no chat_template in its "
@@ -287,15 +286,13 @@ def _chat_prompt(service: GenerationService, messages: Any) -> list[int]:
         parsed = [ChatMessage.from_json(m, i) for i, m in enumerate(messages)]
         text = render_chat(
             parsed,
-            tokenizer.chat_template,
+            template,
             bos_token=tokenizer.bos_token,
             eos_token=tokenizer.eos_token,
         )
     except InvalidInput as error:
         raise BadParam("messages", str(error)) from None
-    # A folder's template writes BOS itself (vLLM: add_special_tokens false for chat); the
-    # built-in model's fallback template does not.
-    return tokenizer.encode(text, add_special_tokens=tokenizer.chat_template is None)
+    return tokenizer.encode(text, add_special_tokens=tokenizer.chat_adds_special_tokens)
 
 
 def _sampling(

@@ -14,7 +14,7 @@ import pytest
 
 from carpool.server.app import KServeApp
 from carpool.server.completions import prepare
-from carpool.server.generation import GenerationService, GenerationSettings
+from carpool.server.generation import GenerationService, GenerationSettings, generation_models
 from carpool.server.openai import BadParam
 
 from .apps import started_app
@@ -254,3 +254,38 @@ async def test_bad_completion_requests_name_the_field(app, body, param, match):
 async def test_bad_chat_requests_name_the_field(app, body, match):
     with pytest.raises(BadParam, match=match):
         await _prepare(app, is_chat=True, **body)
+
+
+class _BracketTokenizer:
+    """A tokenizer of its own (not carpool's ByteTokenizer): bytes as ids, a template that
+    brackets each message, and BOS added by encoding, as the protocol lets it say."""
+
+    def __init__(self) -> None:
+        from carpool.generation.tokenizer import ByteTokenizer
+
+        self._bytes = ByteTokenizer()
+        self.vocab_size = self._bytes.vocab_size
+        self.bos_token_id = self._bytes.bos_token_id
+        self.eos_token_ids = self._bytes.eos_token_ids
+        self.bos_token = self.eos_token = ""
+        self.chat_template = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+        self.chat_adds_special_tokens = True
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._bytes.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: Any) -> str:
+        return self._bytes.decode(token_ids)
+
+
+async def test_chat_uses_the_tokenizers_template_and_its_word_on_bos(app):
+    service = generation_models(app.repository)[MODEL]
+    service.tokenizer = _BracketTokenizer()
+    chat = await _prepare(app, is_chat=True, messages=[{"role": "user", "content": "hi"}])
+    assert chat.prompt_ids == [256, *b"[hi]"]
+    service.tokenizer.chat_adds_special_tokens = False  # a template that writes BOS itself
+    chat = await _prepare(app, is_chat=True, messages=[{"role": "user", "content": "hi"}])
+    assert chat.prompt_ids == list(b"[hi]")
+    service.tokenizer.chat_template = None  # no template: refused, whatever the tokenizer
+    with pytest.raises(BadParam, match="has no chat template"):
+        await _prepare(app, is_chat=True, messages=[{"role": "user", "content": "hi"}])
