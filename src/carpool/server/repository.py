@@ -165,28 +165,34 @@ class ServedModel:
         return payload
 
     def submit_options(self, request: InferRequest) -> dict[str, Any]:
-        """``priority`` and ``timeout`` request parameters as batcher keywords."""
+        """``priority`` and ``timeout`` request parameters as batcher keywords, read as
+        Triton reads them: priority 1 is the highest level, and 0 or a level beyond the
+        model's levels is the default one (``InferenceRequest::SetPriority``); a timeout
+        is in microseconds, 0 meaning none of its own (``tritonserver.h``).
+
+        Raises:
+            InvalidInput: a negative or non-integer priority, or a negative timeout.
+        """
         options: dict[str, Any] = {}
         priority = request.parameters.get("priority")
-        classes = [c.name for c in self.batcher.policy.classes]
         if isinstance(priority, str):
             options["priority"] = priority
-        elif isinstance(priority, int) and not isinstance(priority, bool):
-            if priority != 0:  # 0: the default level, as in Triton
-                if not 1 <= priority <= len(classes):
-                    raise InvalidInput(
-                        f"parameter 'priority'={priority}: expected 1..{len(classes)} "
-                        f"(1 highest) or a class name {classes}"
-                    )
-                options["priority"] = classes[priority - 1]
+        elif isinstance(priority, int) and not isinstance(priority, bool) and priority >= 0:
+            classes = self.batcher.policy.classes
+            if 1 <= priority <= len(classes):
+                options["priority"] = classes[priority - 1].name
         elif priority is not None:
+            names = [c.name for c in self.batcher.policy.classes]
             raise InvalidInput(
-                f"parameter 'priority'={priority!r}: expected an integer or a class name"
+                f"parameter 'priority'={priority!r}: expected an integer >= 0 (1 highest) "
+                f"or a class name {names}"
             )
         timeout = request.parameters.get("timeout")
-        if timeout is not None:
+        if timeout is not None and (timeout != 0 or isinstance(timeout, bool)):
             if not is_timeout(timeout):
-                raise InvalidInput(f"parameter 'timeout'={timeout!r}: expected microseconds > 0")
+                raise InvalidInput(
+                    f"parameter 'timeout'={timeout!r}: expected microseconds >= 0 (0: none)"
+                )
             options["timeout_s"] = timeout * TIMEOUT_PARAMETER_UNIT_S
         return options
 

@@ -18,7 +18,8 @@ def model_stats(model: ServedModel) -> dict[str, Any]:
     statistics extension). ``inference_count`` and ``execution_count`` count what
     succeeded. carpool times a batch's input and output handling inside
     ``compute_infer``, so ``compute_input`` and ``compute_output`` carry the counts with
-    0 ns (not measured apart)."""
+    0 ns (not measured apart). carpool has no response cache: ``cache_hit`` and
+    ``cache_miss``, which Triton always writes, are zero."""
     snap = model.batcher.snapshot()
     completed = sum(c.num_completed for c in snap.classes.values())
     failed = sum(c.num_failed + sum(c.rejections.values()) for c in snap.classes.values())
@@ -42,6 +43,8 @@ def model_stats(model: ServedModel) -> dict[str, Any]:
             "compute_input": {"count": batches.num_batches, "ns": 0},
             "compute_infer": _duration(batches.num_batches, batches.compute),
             "compute_output": {"count": batches.num_batches, "ns": 0},
+            "cache_hit": {"count": 0, "ns": 0},
+            "cache_miss": {"count": 0, "ns": 0},
         },
         "batch_stats": [
             {

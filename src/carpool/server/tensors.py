@@ -221,7 +221,7 @@ def encode_infer_response(
     header: dict[str, Any] = {"model_name": model_name}
     if model_version is not None:
         header["model_version"] = model_version
-    if request_id is not None:
+    if request_id:  # an empty id is left out, as Triton leaves it out
         header["id"] = request_id
     entries: list[dict[str, Any]] = []
     chunks: list[bytes] = []

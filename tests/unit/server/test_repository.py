@@ -71,6 +71,8 @@ def test_missing_input_is_named() -> None:
         ({"priority": 1}, {"priority": "interactive"}),
         ({"priority": 3}, {"priority": "background"}),
         ({"priority": 0}, {}),
+        ({"priority": 4}, {}),  # beyond the levels: the default, as Triton
+        ({"timeout": 0}, {}),  # no timeout of its own, as Triton
         ({"priority": "normal"}, {"priority": "normal"}),
         ({"timeout": 250_000}, {"timeout_s": 0.25}),
     ],
@@ -82,7 +84,7 @@ def test_priority_and_timeout_parameters_map_to_classes_and_deadlines(
 
 
 @pytest.mark.parametrize(
-    "parameters", [{"priority": 4}, {"priority": 1.5}, {"timeout": -1}, {"timeout": True}]
+    "parameters", [{"priority": -1}, {"priority": 1.5}, {"timeout": -1}, {"timeout": True}]
 )
 def test_bad_priority_or_timeout_is_invalid_input(parameters: dict[str, object]) -> None:
     with pytest.raises(InvalidInput):
