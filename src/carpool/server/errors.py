@@ -8,7 +8,7 @@ InvalidInput       400   INVALID_ARGUMENT    the client sent something unusable
 NotFound           404   NOT_FOUND           unknown model or version
 MethodNotAllowed   405   UNIMPLEMENTED       a known path, another method (``Allow``)
 PayloadTooLarge    413   RESOURCE_EXHAUSTED  body over the configured limit
-QueueFull          429   RESOURCE_EXHAUSTED  admission refused; ``Retry-After`` tells when
+QueueFull          429   UNAVAILABLE         admission refused; ``Retry-After`` tells when
 DeadlineExceeded   503   UNAVAILABLE         the deadline passed while queued
 Closed             503   UNAVAILABLE         the server is draining
 ModelError         500   INTERNAL            the model raised on this request
@@ -95,7 +95,7 @@ _GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
     (NotFound, "NOT_FOUND"),
     (MethodNotAllowed, "UNIMPLEMENTED"),
     (PayloadTooLarge, "RESOURCE_EXHAUSTED"),
-    (QueueFull, "RESOURCE_EXHAUSTED"),
+    (QueueFull, "UNAVAILABLE"),  # as Triton; gRPC maps HTTP 429 to it too
     (DeadlineExceeded, "UNAVAILABLE"),
     (Closed, "UNAVAILABLE"),
 )

@@ -15,11 +15,12 @@ raw, in ``raw_output_contents``, as Triton answers ``tritonclient``.
 Configuration and statistics are the REST JSON (``ServedModel.config()``,
 :func:`~carpool.server.stats.model_stats`) parsed into the proto messages, so both wires
 say the same thing. On a ``ModelStreamInfer`` stream each request runs as soon as it
-arrives and is answered when it completes, so requests on one stream share batches with
-each other and with everyone else, and answers may come in any order (match them by id)::
+arrives, so requests on one stream share batches with each other and with everyone else,
+and the answers go back in request order, as Triton writes them for a model that is not
+decoupled (a request done early waits for the ones before it)::
 
     client --> req a, req b, req c, (half-close)
-    server <-- resp b, resp a, error c, (end: every request answered)
+    server <-- resp a, resp b, error c, (end: every request answered)
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from carpool.server.tensors import (
 __all__ = [
     "EXTENSIONS",
     "MAX_MESSAGE_BYTES",
+    "MAX_RESPONSE_BYTES",
     "InferenceServicer",
     "decode_infer_request",
     "encode_infer_response",
@@ -61,7 +63,10 @@ __all__ = [
 ]
 
 EXTENSIONS = ["model_configuration", "statistics", "parameters"]
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # as the REST body limit
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # requests, as the REST body limit
+# Responses, as Triton's server and tritonclient's channel: a protobuf message's ceiling. A
+# smaller limit would fail an answer after its model ran (REST bounds no response).
+MAX_RESPONSE_BYTES = 2**31 - 1
 
 _KNOWN = ", ".join(DATATYPES)
 # The InferTensorContents field of each datatype; FP16 and BF16 have none (raw only).
@@ -308,35 +313,33 @@ class InferenceServicer:
         requests: AsyncIterator[pb.ModelInferRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Answer each request of the stream as it completes; a failed request is an
-        ``error_message`` answer and the stream goes on. The stream ends once the client
-        has half-closed and every request is answered; when the client cancels, requests
-        still queued are taken out of their batchers."""
-        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
-
-        async def answer(request: pb.ModelInferRequest) -> None:
-            answers.put_nowait(await self._stream_answer(request))
+        """Answer the stream's requests in the order they came, as Triton answers a
+        model that is not decoupled; each is submitted as soon as it arrives, so requests
+        of one stream still share batches. A failed request is an ``error_message``
+        answer and the stream goes on. The stream ends once the client has half-closed
+        and every request is answered; when the client cancels, requests still queued are
+        taken out of their batchers."""
+        owed: asyncio.Queue[asyncio.Task[pb.ModelStreamInferResponse] | None] = asyncio.Queue()
+        running: set[asyncio.Task[pb.ModelStreamInferResponse]] = set()
 
         async def read() -> None:
             try:
                 async for request in requests:
-                    task = asyncio.create_task(answer(request))
+                    task = asyncio.create_task(self._stream_answer(request))
                     running.add(task)
                     task.add_done_callback(running.discard)
-                if running:
-                    await asyncio.wait(set(running))
+                    owed.put_nowait(task)
             finally:
-                answers.put_nowait(None)  # also when reading fails: the writer must stop
+                owed.put_nowait(None)  # also when reading fails: the writer must stop
 
         reader = asyncio.create_task(read())
         try:
-            while (response := await answers.get()) is not None:
-                yield response
+            while (task := await owed.get()) is not None:
+                yield await task
             await reader  # re-raises a failed read, which ends the RPC with its status
         finally:
-            for task in (reader, *running):
-                task.cancel()
+            for pending in (reader, *running):
+                pending.cancel()
 
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -381,14 +384,18 @@ class InferenceServicer:
 
     async def _stream_answer(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
         try:
-            return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+            answer = pb.ModelStreamInferResponse(infer_response=await self._infer(request))
         except Exception as exc:
             which = pb.ModelInferResponse(
                 model_name=request.model_name, model_version=request.model_version, id=request.id
             )
-            return pb.ModelStreamInferResponse(
+            answer = pb.ModelStreamInferResponse(
                 error_message=error_message(exc), infer_response=which
             )
+        # As Triton, on every stream answer: this is the request's last (and only) one.
+        # Clients that ask for triton_enable_empty_final_response wait for it.
+        answer.infer_response.parameters["triton_final_response"].bool_param = True
+        return answer
 
 
 def model_config(model: ServedModel) -> pb.ModelConfig:
@@ -422,7 +429,7 @@ async def start_grpc_server(repository: ModelRepository, host: str, port: int) -
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
             # grpcio sets SO_REUSEPORT by default: a second server on a port another gRPC
             # server holds would bind, and the kernel would split connections between them.
             ("grpc.so_reuseport", 0),
@@ -462,5 +469,28 @@ def add_servicer(server: grpc.aio.Server, servicer: InferenceServicer) -> None:
             response_serializer=response.SerializeToString,
         )
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+        (grpc.method_handlers_generic_handler(service.full_name, handlers), _NotServed())
     )
+
+
+class _NotServed(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpcio has no hints
+    """The RPCs of Triton's service that carpool does not serve (repository load/unload,
+    shared memory, tracing, logging): UNIMPLEMENTED naming the RPC, where grpcio would
+    say only "Method not found!"."""
+
+    _PREFIX = "/inference.GRPCInferenceService/"
+
+    def service(self, details: grpc.HandlerCallDetails) -> Any:
+        method = details.method
+        if not method.startswith(self._PREFIX):
+            return None
+        name = method.removeprefix(self._PREFIX)
+
+        async def refuse(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"carpool does not serve {name}: repository load/unload, shared memory, "
+                "tracing and log settings are not supported",
+            )
+
+        return grpc.unary_unary_rpc_method_handler(refuse)

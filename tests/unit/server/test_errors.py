@@ -21,7 +21,7 @@ from carpool.server.errors import NotFound, error_message, grpc_status, http_err
     [
         (InvalidInput("bad shape"), "INVALID_ARGUMENT", 400),
         (NotFound("model 'x'", ["mlp"]), "NOT_FOUND", 404),
-        (QueueFull("normal", 8), "RESOURCE_EXHAUSTED", 429),
+        (QueueFull("normal", 8), "UNAVAILABLE", 429),
         (DeadlineExceeded(1, 0.5, 0.6), "UNAVAILABLE", 503),
         (Closed("mlp"), "UNAVAILABLE", 503),
         (ModelError("boom"), "INTERNAL", 500),

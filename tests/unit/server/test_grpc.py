@@ -346,7 +346,7 @@ def _stream_request(request_id: str, value: float, width: int = 2) -> pb.ModelIn
     return request
 
 
-async def test_stream_answers_each_request_when_it_completes() -> None:
+async def test_stream_runs_requests_at_once_and_answers_them_in_order() -> None:
     infer = GatedInfer()
     servicer = InferenceServicer(ModelRepository([_served(infer)]))
     incoming: asyncio.Queue[pb.ModelInferRequest | None] = asyncio.Queue()
@@ -357,21 +357,24 @@ async def test_stream_answers_each_request_when_it_completes() -> None:
 
     stream = servicer.ModelStreamInfer(requests(), context=None)
     incoming.put_nowait(_stream_request("slow", 1.0))
-    incoming.put_nowait(_stream_request("fast", 2.0))
     incoming.put_nowait(_stream_request("bad", 3.0, width=3))
+    incoming.put_nowait(_stream_request("fast", 2.0))
+    first = asyncio.ensure_future(anext(stream))
     infer.gate(2.0).set()
-    answers = [await anext(stream), await anext(stream)]  # "slow" is still held
-    by_id = {a.infer_response.id: a for a in answers}
-    assert set(by_id) == {"fast", "bad"}
-    assert by_id["fast"].error_message == ""
-    (y,) = by_id["fast"].infer_response.raw_output_contents
-    assert np.frombuffer(y, "<f4").tolist() == [2.0, 2.0]
-    assert "shape [1, 3]" in by_id["bad"].error_message
-    assert by_id["bad"].infer_response.model_name == "m"
+    await infer.entry(1.0).wait()  # "slow" reached its model ...
+    await infer.entry(2.0).wait()  # ... and so did "fast", behind it on the stream
+    await asyncio.sleep(0.05)
+    assert not first.done()  # "fast" is done, but "slow" is owed its answer first
     infer.gate(1.0).set()
-    incoming.put_nowait(None)  # the client half-closes; "slow" is still owed an answer
-    slow = await anext(stream)
-    assert (slow.error_message, slow.infer_response.id) == ("", "slow")
+    incoming.put_nowait(None)  # the client half-closes
+    answers = [await first, await anext(stream), await anext(stream)]
+    assert [a.infer_response.id for a in answers] == ["slow", "bad", "fast"]
+    slow, bad, fast = answers
+    assert slow.error_message == fast.error_message == ""
+    (y,) = fast.infer_response.raw_output_contents
+    assert np.frombuffer(y, "<f4").tolist() == [2.0, 2.0]
+    assert "shape [1, 3]" in bad.error_message
+    assert bad.infer_response.model_name == "m"
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
 
