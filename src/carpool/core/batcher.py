@@ -482,6 +482,9 @@ class Batcher:
                     await io_turn()
                 continue
             if self._state is not _State.RUNNING and self._queues.num_live == 0:
+                # A replica that idled while draining (its class at its share cap) is
+                # owed no other wake-up once the last request was cancelled or expired.
+                self._wake_all()
                 return
             if replica.idle_since_s is None:
                 replica.idle_since_s = now

@@ -2,7 +2,8 @@
 
 Each class keeps a deque of requests in arrival order plus running totals of its live
 (QUEUED) requests, items and cost. A request that expires or is cancelled while queued
-is only marked and subtracted from the totals (O(1)); scans skip it and pops discard it.
+is only marked and subtracted from the totals (O(1)); scans skip it and pops discard it,
+and the deque is compacted once dead requests outnumber the live ones.
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ class ClassQueue:
         if self.num_live == 0:
             self._deque.clear()
             self.live_cost = 0.0
+        else:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop dead requests once they outnumber the live ones: behind a head that waits
+        (a long delay, a capped class) they would otherwise pile up, payloads and all,
+        however low the queue bound. Each compaction halves the deque: O(1) amortized."""
+        if len(self._deque) > 2 * self.num_live + 16:
+            self._deque = deque(r for r in self._deque if r.state is _QUEUED)
 
     def head_bucket(self) -> int | None:
         """The length bucket of the oldest live request."""
@@ -78,6 +88,8 @@ class ClassQueue:
         if self.num_live == 0:
             self._deque.clear()
             self.live_cost = 0.0
+        else:
+            self._compact()
 
     def pop_live(self, count: int) -> list[Request]:
         """Remove and return the ``count`` oldest live requests."""

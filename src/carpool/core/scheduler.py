@@ -4,7 +4,8 @@ The scheduler is pure bookkeeping over :class:`~carpool.core.queues.Queues`: no 
 no threads, time passed in. That keeps every rule testable with a fake clock:
 
 1. Classes are tried in priority order, except that a class whose oldest request has
-   waited past its ``max_wait_s`` (aging) goes before all others, oldest first.
+   waited past its ``max_wait_s`` (aging) goes before all others, oldest first; a
+   higher class whose oldest request is older still keeps its place before it.
 2. A class already on as many replicas as its ``share`` allows is skipped (unless aged;
    the time it ages is reported, so a free replica looks again then). A busy replica may
    queue a full batch of its running batch's class behind it: that takes no new replica.
@@ -102,16 +103,29 @@ class Scheduler:
                 heads[queue.name] = head
         if not candidates:
             return Decision()
-        aged = sorted(
-            (
+        aged = [
+            q
+            for q in candidates
+            if q.limits.max_wait_s is not None
+            and now >= heads[q.name].arrival_s + q.limits.max_wait_s
+        ]
+        order = candidates
+        if aged:
+            # An aged class goes before younger requests, not before a higher class whose
+            # oldest request waited longer still: that class (which may never age) would
+            # starve under a backlog of aged requests below it.
+            front = [
                 q
                 for q in candidates
-                if q.limits.max_wait_s is not None
-                and now >= heads[q.name].arrival_s + q.limits.max_wait_s
-            ),
-            key=lambda q: heads[q.name].arrival_s,
-        )
-        order = aged + [q for q in candidates if q not in aged]
+                if q in aged
+                or any(
+                    q.limits.rank < a.limits.rank
+                    and heads[q.name].arrival_s <= heads[a.name].arrival_s
+                    for a in aged
+                )
+            ]
+            front.sort(key=lambda q: (heads[q.name].arrival_s, q.limits.rank))
+            order = front + [q for q in candidates if q not in front]
         wake_at_s: float | None = None
         ages_first_s: float | None = None
         for queue in order:

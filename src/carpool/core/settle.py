@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import traceback
 from collections.abc import Awaitable, Callable, Hashable
 
 from carpool.core.admission import OomCap
@@ -94,16 +95,24 @@ class Settler:
                     )
                 self.fail(request, error, exc)
                 return None, oom
-            half = len(requests) // 2
-            parts = (requests[:half], requests[half:])
-            out_of_memory = [
-                (await self._settle(part, start(part), start, is_split=True))[1] for part in parts
-            ]
-            # Both halves out of memory: the size is too large, not one request in it.
-            smaller = min(sum(r.num_items for r in part) for part in parts)
-            if all(out_of_memory) and smaller > 1:
-                self._oom.note(smaller, self._clock.now())
-            return None, oom
+            # The traceback's frames hold what the failed call allocated (its inputs, its
+            # activations): release them, and retry only once out of this block, or the
+            # halves run out of the memory the failed call still holds.
+            _clear_frames(exc)
+        else:
+            return self._answer(requests, output), False
+        half = len(requests) // 2
+        parts = (requests[:half], requests[half:])
+        out_of_memory = [
+            (await self._settle(part, start(part), start, is_split=True))[1] for part in parts
+        ]
+        # Both halves out of memory: the size is too large, not one request in it.
+        smaller = min(sum(r.num_items for r in part) for part in parts)
+        if all(out_of_memory) and smaller > 1:
+            self._oom.note(smaller, self._clock.now())
+        return None, oom
+
+    def _answer(self, requests: list[Request], output: RunOutput) -> RunOutput:
         now = self._clock.now()
         telemetry = self._telemetry
         for request, result in zip(requests, output.results, strict=True):
@@ -114,7 +123,7 @@ class Settler:
             if not future.done():
                 future.set_result(result)
             telemetry.answered(request, Outcome.OK, now)
-        return output, False
+        return output
 
     def expire(self, request: Request) -> None:
         """Fail a request whose deadline passed before its model call's turn came."""
@@ -150,6 +159,16 @@ class _RaisedByModel(Exception):
     def __init__(self, raised: BaseException) -> None:
         super().__init__(repr(raised))
         self.raised = raised
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames in ``exc``'s traceback and its causes'."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def by_signature(requests: list[Request]) -> list[list[Request]]:

@@ -361,11 +361,12 @@ async def test_aged_classes_go_oldest_first() -> None:
         ClassPolicy("lo", max_wait_s=1.0),
     )
     h = await _harness(max_delay_s=0.0, classes=classes, fill_from_lower=False)
-    h.add("hi", at=0.0)
+    hi = h.add("hi", at=0.3)  # younger than both: aging puts them first
     lo = h.add("lo", at=0.1)
     mid = h.add("mid", at=0.2)
     assert _batch(h.decide(5.0)).requests == [lo]
     assert _batch(h.decide(5.0)).requests == [mid]
+    assert _batch(h.decide(5.0)).requests == [hi]
 
 
 async def test_aged_class_ignores_its_share_cap() -> None:
@@ -643,8 +644,18 @@ def _observe(h: Harness, now: float, is_draining: bool, cap: int | None) -> Pre:
     for name, head in heads.items():
         max_wait_s = policy.limits[name].max_wait_s
         is_aged[name] = max_wait_s is not None and now - head.arrival_s >= max_wait_s
-    aged = sorted((n for n in heads if is_aged[n]), key=lambda n: heads[n].arrival_s)
-    order = aged + [n for n in heads if n not in aged]
+    aged = [n for n in heads if is_aged[n]]
+    rank = {name: limits.rank for name, limits in policy.limits.items()}
+    # Aged classes go first, oldest first; a higher class whose head is older than an
+    # aged class's head keeps its place before it (else it could starve).
+    front = [
+        n
+        for n in heads
+        if is_aged[n]
+        or any(rank[n] < rank[a] and heads[n].arrival_s <= heads[a].arrival_s for a in aged)
+    ]
+    front.sort(key=lambda n: (heads[n].arrival_s, rank[n]))
+    order = front + [n for n in heads if n not in front]
     is_eligible = {
         q.name: is_aged.get(q.name, False)
         or q.num_running < share_cap(q.limits.share, h.num_replicas)
@@ -733,8 +744,9 @@ def _check_decision(h: Harness, pre: Pre, decision: Decision, ledger: Ledger) ->
     assert lead == closable[0], f"{lead} led a batch while {closable[0]}, ahead of it, was ready"
     aged = [n for n in pre.order if pre.is_aged[n]]
     if aged and _is_due(h, pre, aged[0]):
-        # The oldest aged class goes first and its oldest fresh request rides in the batch.
-        assert lead == aged[0]
+        # The oldest aged class goes first (unless a higher class with an older head is
+        # ready) and its oldest fresh request rides in the batch.
+        assert pre.order.index(lead) <= pre.order.index(aged[0])
         assert requests[0] is pre.fresh[lead][0]
 
     # Which requests: exactly the reference plan, trimmed to a preferred size only when
