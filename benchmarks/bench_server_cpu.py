@@ -38,8 +38,8 @@ from wrkrun import free_port, run_wrk, write_post_script
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def thread_cpu_ticks(pid: int) -> dict[int, tuple[str, int]]:
-    """{thread id: (name, user + system ticks)} of a running process."""
+def thread_cpu_ticks(pid: int) -> dict[int, tuple[str, int, int]]:
+    """{thread id: (name, user ticks, system ticks)} of a running process."""
     threads = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -48,7 +48,7 @@ def thread_cpu_ticks(pid: int) -> dict[int, tuple[str, int]]:
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2 :].split()
-        threads[int(tid)] = (name, int(fields[11]) + int(fields[12]))
+        threads[int(tid)] = (name, int(fields[11]), int(fields[12]))
     return threads
 
 
@@ -126,13 +126,17 @@ def _report(pid: int, url: str, infer: str, script: Path, connections: int, seco
         f"  batch compute {compute_us:.1f} us/item; {1e6 / result['rate_rps']:.1f} us of "
         "wall time per request in all"
     )
-    for tid, (name, ticks) in sorted(after.items()):
-        used = ticks - before.get(tid, (name, 0))[1]
+    for tid, (name, user, system) in sorted(after.items()):
+        _, user_before, system_before = before.get(tid, (name, 0, 0))
+        used, kernel = user + system - user_before - system_before, system - system_before
         if used:
             role = "event loop" if tid == pid else "other thread"
             share = used / TICKS_PER_S / elapsed
             per_request_us = used / TICKS_PER_S / max(items, 1) * 1e6
-            print(f"  {role:12s} {tid}: {share:6.1%} of a core, {per_request_us:6.1f} us/request")
+            print(
+                f"  {role:12s} {tid}: {share:6.1%} of a core, {per_request_us:6.1f} us/request "
+                f"({kernel / used:.0%} in the kernel)"
+            )
 
 
 if __name__ == "__main__":
