@@ -19,7 +19,8 @@ completions, the rest of the context for chat), ``temperature``, ``top_p``, ``se
 (ignored), and carpool's extensions ``top_k``, ``ignore_eos``, ``stop_token_ids`` and
 ``priority`` (a class name: interactive, normal, background). Refused with a 400 naming
 the field: ``n > 1``, ``echo``, ``logprobs``, ``best_of > 1``, ``suffix``, ``logit_bias``,
-non-zero penalties, tools.
+non-zero penalties, tools, a ``response_format`` other than text. A prompt or
+``max_tokens`` past the context is a 400 with OpenAI's ``context_length_exceeded`` code.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from carpool.server.openai import BadParam, json_object
 from carpool.server.repository import ModelRepository
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
 MAX_STOP_STRINGS = 4
 
 _COMMON = (
@@ -75,6 +77,7 @@ CHAT_FIELDS = (
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "response_format",
 )
 # Known fields carpool does not implement: the values that mean "not used".
 _UNUSED: dict[str, tuple[Any, ...]] = {
@@ -90,6 +93,7 @@ _UNUSED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True),
+    "response_format": (None, {"type": "text"}),  # plain text: what carpool writes anyway
 }
 
 
@@ -299,11 +303,17 @@ def _sampling(
     doc: dict[str, Any], service: GenerationService, num_prompt: int, is_chat: bool
 ) -> SamplingParams:
     room = service.max_model_len - num_prompt
+    # Context errors open as OpenAI's and vLLM's do ("This model's maximum context length
+    # is N tokens"; clients such as LiteLLM match it) and carry OpenAI's code.
+    what = "messages" if is_chat else "prompt"
+    context = f"This model's maximum context length is {service.max_model_len} tokens"
     if room < 1:
         raise BadParam(
-            "prompt",
-            f"the prompt has {num_prompt} tokens; this model holds at "
-            f"most {service.max_model_len} tokens per sequence",
+            what,
+            f"{context}. However, your {what} resulted in {num_prompt} tokens, leaving no "
+            f"room for output (at most {service.max_model_len} tokens per sequence, "
+            f"{what} and output together); shorten the {what}",
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
     # The newer name first, unless it is absent or null (the client's None), as vLLM reads it.
     is_new = is_chat and doc.get("max_completion_tokens") is not None
@@ -314,9 +324,10 @@ def _sampling(
     elif isinstance(max_tokens, int) and max_tokens > room:  # refused before a stream starts
         raise BadParam(
             key,
-            f"{key}={max_tokens}: the prompt ({num_prompt} tokens) and {key} add up to more "
-            f"than this model's {service.max_model_len} tokens per sequence; lower {key} "
+            f"{context}. However, you requested {num_prompt + max_tokens} tokens "
+            f"({num_prompt} in the {what}, {max_tokens} in the completion); lower {key} "
             f"to {room} or less",
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
     vocab_size = service.tokenizer.vocab_size
     # -1 or 0: off (vLLM writes -1); more than the vocabulary is all of it.
@@ -331,7 +342,7 @@ def _sampling(
         temperature=_number(doc, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(doc, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=top_k,
-        seed=_integer(doc, "seed", None, -(2**63)),
+        seed=_integer(doc, "seed", None, -(2**63), 2**63 - 1),  # int64, as vLLM bounds it
         max_tokens=_integer({key: max_tokens}, key, None, 1),
         stop=_stop(doc.get("stop")),
         stop_token_ids=stop_token_ids,
@@ -365,12 +376,20 @@ def _number(
     return float(value)
 
 
-def _integer(doc: dict[str, Any], name: str, default: Any, low: int) -> Any:
+def _integer(
+    doc: dict[str, Any], name: str, default: Any, low: int, high: int | None = None
+) -> Any:
     value = doc.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise BadParam(name, f"{name}={value!r}: expected an integer >= {low}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        expected = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise BadParam(name, f"{name}={value!r}: expected an integer {expected}")
     return value
 
 

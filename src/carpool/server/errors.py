@@ -139,7 +139,11 @@ _OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
 def openai_error(exc: BaseException) -> tuple[HttpError, dict[str, Any]]:
     """The status and headers (as :func:`http_error`) and OpenAI's error object."""
     error = http_error(exc)
-    code = "model_not_found" if isinstance(exc, NotFound) and exc.is_model else None
+    code: str | None
+    if isinstance(exc, NotFound) and exc.is_model:
+        code = "model_not_found"
+    else:  # a BadParam's code, such as context_length_exceeded
+        code = getattr(exc, "code", None) if isinstance(exc, InvalidInput) else None
     body = {
         "error": {
             "message": error.message,

@@ -33,10 +33,12 @@ _STARTED = int(time.time())
 
 
 class BadParam(InvalidInput):
-    """Invalid input that OpenAI's error object names by ``param``."""
+    """Invalid input that OpenAI's error object names by ``param`` (and, where OpenAI
+    has one, by ``code``: ``context_length_exceeded``)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, *, code: str | None = None) -> None:
         self.param = param
+        self.code = code
         super().__init__(message)
 
 
