@@ -41,7 +41,7 @@ from carpool.generation.tokenizer import check_token_ids
 from carpool.generation.types import SamplingParams
 from carpool.server.errors import NotFound, openai_error
 from carpool.server.generation import GenerationService, generation_models
-from carpool.server.openai import BadParam, json_object
+from carpool.server.openai import BadParam, json_object, priority_class
 from carpool.server.repository import ModelRepository
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -135,11 +135,7 @@ async def prepare(repository: ModelRepository, body: bytes, *, is_chat: bool) ->
     options = doc.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
         raise BadParam("stream_options", "stream_options: expected an object, with stream: true")
-    priority = doc.get("priority")
-    if priority is not None and priority not in service.classes:
-        raise BadParam(
-            "priority", f"priority={priority!r}: expected a class name, one of {service.classes}"
-        )
+    priority = priority_class(doc, service.classes)
     return CompletionCall(
         service=service,
         prompt_ids=prompt_ids,

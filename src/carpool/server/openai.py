@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -128,14 +129,30 @@ def _model(repository: ModelRepository, doc: dict[str, Any]) -> EmbeddingService
     return service
 
 
+def priority_class(doc: dict[str, Any], classes: Sequence[str]) -> str | None:
+    """The request's ``priority``: a class name, or None for the default class (absent,
+    null, or vLLM's default priority 0, which vLLM's clients send).
+
+    Raises:
+        BadParam: any other value, naming the classes.
+    """
+    priority = doc.get("priority")
+    if priority is None or (priority == 0 and type(priority) is int):
+        return None
+    if not isinstance(priority, str) or priority not in classes:
+        raise BadParam(
+            "priority",
+            f"priority={priority!r}: expected a class name, one of {list(classes)} "
+            "(or 0, vLLM's default)",
+        )
+    return priority
+
+
 def _options(doc: dict[str, Any], service: EmbeddingService) -> dict[str, Any]:
     """The batcher keywords, checked here so that their errors name their field."""
     options: dict[str, Any] = {}
-    priority = doc.get("priority")
+    priority = priority_class(doc, [c.name for c in service.batcher.policy.classes])
     if priority is not None:
-        classes = [c.name for c in service.batcher.policy.classes]
-        if priority not in classes:
-            raise BadParam("priority", f"priority={priority!r}: expected one of {classes}")
         options["priority"] = priority
     timeout_s = doc.get("timeout_s")
     if timeout_s is not None:

@@ -169,3 +169,28 @@ async def test_embeddings_input_errors_name_the_input_param(embedding_app, body)
     got = await _call(embedding_app, "/v1/embeddings", model=EMBEDDER, **body)
     assert got.status == 400
     assert got.json()["error"]["param"] == "input", got.json()
+
+
+# -- priority ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_vllms_default_priority_zero_is_the_default_class(app, path):
+    """vLLM's requests carry an integer priority, 0 by default (its clients may send it
+    always); carpool's priority is a class name. 0 is the default class; other integers
+    and unknown names stay a 400 naming priority."""
+    prompt = {"prompt": "hi"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]
+    }  # fmt: skip
+    got = await _call(app, path, model=MODEL, max_tokens=2, priority=0, **prompt)
+    assert got.status == 200, got.json()
+    for bad in (1, -1, 0.0, False, "vip"):
+        got = await _call(app, path, model=MODEL, max_tokens=2, priority=bad, **prompt)
+        assert got.status == 400 and got.json()["error"]["param"] == "priority", bad
+
+
+async def test_embeddings_take_vllms_default_priority_zero(embedding_app):
+    got = await _call(embedding_app, "/v1/embeddings", model=EMBEDDER, input="a", priority=0)
+    assert got.status == 200, got.json()
+    got = await _call(embedding_app, "/v1/embeddings", model=EMBEDDER, input="a", priority=2)
+    assert got.status == 400 and got.json()["error"]["param"] == "priority"
