@@ -405,7 +405,8 @@ def _source_problems(model: ModelConfig, at: str, base_dir: Path) -> Any:
         return
     if not path.is_file():
         what = "a .onnx" if model.kind == "onnx" else "module:factory or a TorchScript/.pt2"
-        yield (f"{at}.source", source, f"{what} file; {path} does not exist")
+        why = "is not a file" if path.exists() else "does not exist"
+        yield (f"{at}.source", source, f"{what} file; {path} {why}")
 
 
 def _is_file_source(model: ModelConfig) -> bool:

@@ -184,6 +184,11 @@ class Batcher:
         return len(self._devices)
 
     @property
+    def devices(self) -> tuple[str, ...]:
+        """Each replica's device string, in replica order."""
+        return tuple(self._devices)
+
+    @property
     def num_pending(self) -> int:
         return self._queues.num_live
 

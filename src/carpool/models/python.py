@@ -44,7 +44,18 @@ def load_python(source: str) -> FnFactory:
         )
     if is_factory(obj):
         factory: FnFactory = obj
-        return factory
+
+        def make(device: str) -> BatchFn:
+            try:
+                return factory(device)
+            except Exception as error:  # the factory runs user code: say why it failed
+                raise ConfigError(
+                    "source",
+                    source,
+                    f"a factory that builds the model ({type(error).__name__}: {error})",
+                ) from error
+
+        return make
 
     fn: BatchFn = obj
 

@@ -50,7 +50,7 @@ class TorchRunner:
         import torch
 
         self._torch = torch
-        self.device = torch.device(device)
+        self.device = torch_device(device)
         self.dtype = getattr(torch, dtype) if dtype is not None else None
         self.input_names = list(input_names)
         self.output_names = list(output_names)
@@ -115,6 +115,32 @@ class TorchRunner:
         return array if dtype is None else array.astype(dtype, copy=False)
 
 
+def torch_device(device: str) -> Any:
+    """``device`` as a ``torch.device`` this process can place a model on.
+
+    Raises:
+        ConfigError: on field ``device`` for a string torch does not read as a device, or
+            a CUDA device this torch cannot reach (no CUDA, or past the last GPU).
+    """
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as error:
+        raise ConfigError(
+            "device", device, f"a torch device such as cpu or cuda:0 ({error})"
+        ) from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (parsed.index or 0) >= count:
+            raise ConfigError(
+                "device",
+                device,
+                f"cpu or cuda:0..cuda:{count - 1}" if count else "cpu: torch sees no CUDA device",
+            )
+    return parsed
+
+
 def load_module(source: str, device: str = "cpu") -> Any:
     """The ``nn.Module`` that ``source`` names (see the module doc), on ``device``.
 
@@ -127,7 +153,14 @@ def load_module(source: str, device: str = "cpu") -> Any:
         factory = import_ref(source)
         if not callable(factory):
             raise ConfigError("source", source, "module:factory, a function returning nn.Module")
-        module = factory()
+        try:
+            module = factory()
+        except Exception as error:  # the factory runs user code: say why it failed
+            raise ConfigError(
+                "source",
+                source,
+                f"a factory that builds the model ({type(error).__name__}: {error})",
+            ) from error
         if not isinstance(module, torch.nn.Module):
             raise ConfigError(
                 "source", source, f"a factory returning nn.Module, not {type(module).__name__}"
@@ -162,6 +195,7 @@ def torch_factory(
         import_ref(source)
 
     def make(device: str) -> TorchRunner:
+        torch_device(device)  # before loading: a bad device is not a bad file
         return TorchRunner(
             load_module(source, device),
             input_names=input_names,

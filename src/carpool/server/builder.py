@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from carpool.config import GENERATION_FIELDS, ModelConfig, ServeConfig, TensorConfig
 from carpool.core.batcher import Batcher
@@ -12,6 +12,9 @@ from carpool.errors import ConfigError
 from carpool.server.generation import GenerationSettings
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.tensors import DATATYPES
+
+if TYPE_CHECKING:
+    from carpool.models.onnx import FileTensor, TensorInfo
 
 PLATFORMS = {"python": "python", "torch": "pytorch", "onnx": "onnxruntime"}
 
@@ -29,7 +32,7 @@ def build_repository(config: ServeConfig, *, file: str | None = None) -> ModelRe
     models = []
     for i, model in enumerate(config.models):
         try:
-            models.append(build_model(model))
+            models.append(build_model(model, key=f"models[{i}]", file=file))
         except ConfigError as error:
             if error.file is not None:
                 raise
@@ -39,8 +42,14 @@ def build_repository(config: ServeConfig, *, file: str | None = None) -> ModelRe
     return ModelRepository(models)
 
 
-def build_model(model: ModelConfig) -> ServedModel:
-    """One served model. Raises :class:`ConfigError` naming the model's key that failed."""
+def build_model(
+    model: ModelConfig, *, key: str | None = None, file: str | None = None
+) -> ServedModel:
+    """One served model. Raises :class:`ConfigError` naming the model's key that failed.
+
+    With ``key`` (``models[i]``), a :class:`ConfigError` raised as a replica loads the
+    model (a bad device, a file or factory that fails) names ``key.<field>`` and ``file``.
+    """
     if model.kind == "embeddings":
         from carpool.server.embeddings import EmbeddingService
 
@@ -61,8 +70,9 @@ def build_model(model: ModelConfig) -> ServedModel:
             model.name, model.source, generation_settings(model)
         ).served_model()
     inputs, outputs = _specs(model)
+    fn_factory = _fn_factory(model, inputs, outputs)
     batcher = Batcher(
-        fn_factory=_fn_factory(model, inputs, outputs),
+        fn_factory=fn_factory if key is None else _naming_key(fn_factory, key, file),
         policy=model.policy(),
         name=model.name,
         devices=model.replica_devices(),
@@ -103,61 +113,98 @@ def _specs(model: ModelConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec
             missing = "inputs" if model.inputs is None else "outputs"
             raise ConfigError(missing, None, f"the {missing} of a {model.kind} model")
         return _tensors(model.inputs), _tensors(model.outputs)
-    from carpool.models.onnx import read_specs
+    from carpool.models.onnx import read_tensors
 
     # Read even when both are declared: a bad file then fails here, before serving starts.
-    read_inputs, read_outputs = read_specs(model.source)
+    file_inputs, file_outputs = read_tensors(model.source)
     inputs = (
         _tensors(model.inputs)
         if model.inputs is not None
-        else tuple(TensorSpec(t.name, t.datatype, t.shape) for t in read_inputs)
+        else tuple(_spec(t.spec(model.source)) for t in file_inputs)
     )
     outputs = (
         _tensors(model.outputs)
         if model.outputs is not None
-        else tuple(TensorSpec(t.name, t.datatype, t.shape) for t in read_outputs)
+        else tuple(_spec(t.spec(model.source, is_output=True)) for t in file_outputs)
     )
     # Declared tensors must be the file's: a mismatch would pass every request's checks
     # and then fail each one inside onnxruntime with a 500.
-    _check_against_file("inputs", inputs, read_inputs, every_file_tensor=True)
-    _check_against_file("outputs", outputs, read_outputs, every_file_tensor=False)
+    _check_against_file("inputs", inputs, file_inputs, every_file_tensor=True)
+    _check_against_file("outputs", outputs, file_outputs, every_file_tensor=False)
     return inputs, outputs
 
 
+def _spec(info: TensorInfo) -> TensorSpec:
+    return TensorSpec(info.name, info.datatype, info.shape)
+
+
 def _check_against_file(
-    key: str, declared: tuple[TensorSpec, ...], read: Any, *, every_file_tensor: bool
+    key: str,
+    declared: tuple[TensorSpec, ...],
+    in_file: list[FileTensor],
+    *,
+    every_file_tensor: bool,
 ) -> None:
-    """``declared`` against the ONNX file's tensors ``read``: names, datatypes, ranks and
-    fixed dims (-1 in either matches anything); with ``every_file_tensor`` each of the
-    file's tensors must be declared too (onnxruntime needs every input fed).
+    """``declared`` against the ONNX file's tensors ``in_file`` (``FileTensor``s): names,
+    datatypes, a dynamic batch dim, ranks and dims, as Triton's onnxruntime backend checks
+    them: a fixed dim in the file must be declared as that size (-1 would let requests of
+    any size through to fail inside onnxruntime); a dim the file leaves dynamic may be
+    declared fixed. A tensor the file gives no shape for is taken as declared. With
+    ``every_file_tensor`` each of the file's tensors must be declared too (onnxruntime
+    needs every input fed).
 
     Raises:
         ConfigError: naming ``key[j]`` and what the file has.
     """
-    in_file = {t.name: t for t in read}
+    by_name = {t.name: t for t in in_file}
     for j, spec in enumerate(declared):
-        found = in_file.get(spec.name)
+        found = by_name.get(spec.name)
         if found is None:
-            raise ConfigError(f"{key}[{j}].name", spec.name, f"one of the file's {sorted(in_file)}")
+            raise ConfigError(f"{key}[{j}].name", spec.name, f"one of the file's {sorted(by_name)}")
         if found.datatype != spec.datatype:
-            raise ConfigError(
-                f"{key}[{j}].datatype",
-                spec.datatype,
-                f"{found.datatype} for {spec.name!r}, as in the file",
+            what = (
+                f"{found.datatype} for {spec.name!r}, as in the file"
+                if found.datatype is not None
+                else f"a tensor onnxruntime returns as a NumPy array; {spec.name!r} in the file "
+                f"is {found.type}"
             )
-        shape, file_shape = tuple(spec.shape), tuple(found.shape)
+            raise ConfigError(f"{key}[{j}].datatype", spec.datatype, what)
+        if not found.shape:  # the file does not say
+            continue
+        if found.shape[0] != -1:
+            raise ConfigError(
+                f"{key}[{j}]",
+                spec.name,
+                f"a dynamic first (batch) dimension in the file; it has {list(found.shape)}",
+            )
+        shape, file_shape = tuple(spec.shape), found.shape[1:]
         if len(shape) != len(file_shape) or any(
-            a != b and -1 not in (a, b) for a, b in zip(shape, file_shape, strict=False)
+            a != b and b != -1 for a, b in zip(shape, file_shape, strict=False)
         ):
             raise ConfigError(
                 f"{key}[{j}].shape",
                 list(shape),
-                f"{list(file_shape)} for {spec.name!r}, as in the file (after the batch dim)",
+                f"{list(file_shape)} for {spec.name!r}, as in the file (after the batch dim; "
+                "-1 only where the file's dim is dynamic)",
             )
     if every_file_tensor:
-        missing = sorted(set(in_file) - {spec.name for spec in declared})
+        missing = sorted(set(by_name) - {spec.name for spec in declared})
         if missing:
             raise ConfigError(key, [spec.name for spec in declared], f"also the file's {missing}")
+
+
+def _naming_key(factory: Callable[[str], Any], key: str, file: str | None) -> Callable[[str], Any]:
+    def make(device: str) -> Any:
+        try:
+            return factory(device)
+        except ConfigError as error:
+            if error.file is not None:
+                raise
+            raise ConfigError(
+                f"{key}.{error.field}", error.value, error.expected, file=file
+            ) from error
+
+    return make
 
 
 def _fn_factory(

@@ -125,7 +125,7 @@ class ServedModel:
                 "default_priority_level": 1
                 + [c.name for c in policy.classes].index(policy.default_class),
             },
-            "instance_group": [{"count": self.batcher.num_replicas, "kind": "KIND_CPU"}],
+            "instance_group": _instance_groups(self.batcher.devices),
         }
 
     def payload(self, request: InferRequest) -> dict[str, np.ndarray]:
@@ -195,6 +195,27 @@ class ServedModel:
                 )
             options["timeout_s"] = timeout * TIMEOUT_PARAMETER_UNIT_S
         return options
+
+
+def _instance_groups(devices: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Triton's ``instance_group`` for replicas on ``devices``: one group per device, a
+    ``cuda:N`` one as ``KIND_GPU`` on GPU N, the others as ``KIND_CPU``."""
+    counts: dict[str, int] = {}
+    for device in devices:
+        counts[device] = counts.get(device, 0) + 1
+    groups: list[dict[str, Any]] = []
+    num_cpu = 0
+    for device, count in counts.items():
+        kind, _, index = device.partition(":")
+        if kind == "cuda":
+            groups.append(
+                {"count": count, "kind": "KIND_GPU", "gpus": [int(index) if index.isdigit() else 0]}
+            )
+        else:
+            num_cpu += count
+    if num_cpu:
+        groups.append({"count": num_cpu, "kind": "KIND_CPU"})
+    return groups
 
 
 _CONFIG_TYPES = {"BYTES": "STRING"}  # Triton's config names BYTES as TYPE_STRING
