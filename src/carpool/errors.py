@@ -18,9 +18,28 @@ status, KServe or OpenAI error bodies) are mapped elsewhere, in ``carpool.server
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CarpoolError(Exception):
     """Root of every error carpool raises."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception's default rebuilds cls(*self.args), from the message alone, which the
+        # __init__ of the classes below does not take: pickle and copy.copy failed, or
+        # nested the message and lost the fields. Rebuild from the fields instead.
+        args, kwargs = self._init_args()
+        return (_rebuild, (type(self), args, kwargs), self.__dict__)
+
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        """What ``__init__`` took: enough to build this error again."""
+        return self.args, {}
+
+
+def _rebuild(
+    cls: type[CarpoolError], args: tuple[object, ...], kwargs: dict[str, Any]
+) -> CarpoolError:
+    return cls(*args, **kwargs)
 
 
 class ConfigError(CarpoolError, ValueError):
@@ -36,6 +55,9 @@ class ConfigError(CarpoolError, ValueError):
         where = f"{file}: " if file is not None else ""
         super().__init__(f"{where}invalid {field}={value!r}: expected {expected}")
 
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.field, self.value, self.expected), {"file": self.file}
+
 
 class InvalidInput(CarpoolError, ValueError):
     """One request's input is unusable; the other requests of its batch are unaffected."""
@@ -45,6 +67,9 @@ class InvalidInput(CarpoolError, ValueError):
         self.request_id = request_id
         where = f"request {request_id}: " if request_id is not None else ""
         super().__init__(f"{where}{reason}")
+
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.reason,), {"request_id": self.request_id}
 
 
 class QueueFull(CarpoolError):
@@ -57,6 +82,9 @@ class QueueFull(CarpoolError):
             f"queue {queue!r} is full ({limit} requests waiting, the configured maximum); "
             "retry later or raise max_queue_size"
         )
+
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.queue, self.limit), {}
 
 
 class DeadlineExceeded(CarpoolError, TimeoutError):
@@ -72,14 +100,21 @@ class DeadlineExceeded(CarpoolError, TimeoutError):
             "or add capacity"
         )
 
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.request_id, self.timeout_s, self.waited_s), {}
+
 
 class ModelError(CarpoolError):
     """The model raised while running this request; ``__cause__`` is the original error."""
 
     def __init__(self, message: str, *, request_id: int | None = None) -> None:
+        self.reason = message
         self.request_id = request_id
         where = f"request {request_id}: " if request_id is not None else ""
         super().__init__(f"{where}{message}")
+
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.reason,), {"request_id": self.request_id}
 
 
 class CapacityError(CarpoolError, MemoryError):
@@ -93,6 +128,9 @@ class CapacityError(CarpoolError, MemoryError):
             "send fewer items per request or give the model more memory"
         )
 
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.request_id, self.num_items), {}
+
 
 class Closed(CarpoolError):
     """The batcher is stopped or draining and accepts no new requests."""
@@ -100,3 +138,6 @@ class Closed(CarpoolError):
     def __init__(self, name: str) -> None:
         self.name = name
         super().__init__(f"batcher {name!r} is not accepting requests (stopped or draining)")
+
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.name,), {}

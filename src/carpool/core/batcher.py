@@ -18,6 +18,7 @@ import inspect
 import itertools
 import logging
 import math
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -156,7 +157,9 @@ class Batcher:
             self._adopt(self._intake.collator)
         self._state = _State.NEW
         self._starting: asyncio.Future[None] | None = None
+        self._closing: asyncio.Future[None] | None = None  # stop()'s drain, once begun
         self._loop: asyncio.AbstractEventLoop | None = None  # start() sets it
+        self._loop_thread_id = 0  # the thread that ran self._loop when it started
         self._replicas: list[Replica] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._idle: deque[asyncio.Future[None]] = deque()
@@ -201,9 +204,15 @@ class Batcher:
     # -- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load every replica and start pulling batches. Idempotent."""
+        """Load every replica and start pulling batches. Idempotent.
+
+        Raises:
+            RuntimeError: the batcher runs on another event loop that is still open.
+        """
         if self._state is _State.RUNNING:
-            return
+            if self._is_on_its_loop():
+                return
+            self._leave_closed_loop()  # raises if that loop is still open
         if self._starting is not None:
             try:
                 return await asyncio.shield(self._starting)
@@ -215,6 +224,7 @@ class Batcher:
         if self._state is _State.DRAINING:
             raise Closed(self._name)
         loop = self._loop = asyncio.get_running_loop()
+        self._loop_thread_id = threading.get_ident()
         self._starting = loop.create_future()
         try:
             replicas = [
@@ -256,7 +266,18 @@ class Batcher:
     async def stop(self, drain: bool = True) -> None:
         """Stop accepting requests. With ``drain`` every queued request is still run and
         answered (without waiting for batches to fill); without it they fail with
-        :class:`Closed`. Returns when every replica loop and thread has ended."""
+        :class:`Closed`. Returns when every replica loop and thread has ended. Cancelling
+        it (a ``wait_for`` that timed out) stops the waiting, not the drain: what was
+        accepted is still answered, and the batcher stops once it has been.
+
+        Raises:
+            RuntimeError: the batcher runs on another event loop that is still open.
+        """
+        if self._state in (_State.RUNNING, _State.DRAINING) and not self._is_on_its_loop():
+            # Started on a loop that is gone: nothing there can be drained or answered.
+            self._leave_closed_loop()  # raises if that loop is still open
+            self._state = _State.STOPPED
+            return
         if self._starting is not None:
             # A start in progress would otherwise bring the batcher up after this returns.
             await asyncio.wait({self._starting})
@@ -268,9 +289,16 @@ class Batcher:
                 for request in list(queue.live()):
                     self._drop(request, Outcome.CLOSED)
         self._wake_all()
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        """Wait for every replica loop to end, then close the replicas: STOPPED."""
         try:
             await asyncio.gather(*self._tasks)
         finally:
+            self._closing = None
             for replica in self._replicas:
                 replica.close()
             if self._holds_switch_interval:
@@ -279,10 +307,34 @@ class Batcher:
             self._tasks = []
             self._state = _State.STOPPED
 
+    def _is_on_its_loop(self) -> bool:
+        """Whether the caller runs on the loop this batcher started on (cheaper than
+        asyncio.get_running_loop(), which makes a getpid() syscall): a loop in another
+        thread, or another loop of this thread after the first stopped running, is not."""
+        loop = self._loop
+        return (
+            loop is not None and self._loop_thread_id == threading.get_ident() and loop.is_running()
+        )
+
     def _leave_closed_loop(self) -> None:
         """Back to NEW after the loop this batcher ran on was closed without a stop:
         replica threads closed, and requests queued there forgotten (their callers' loop
-        is gone; nothing can answer them)."""
+        is gone; nothing can answer them). Its replica tasks may have ended anywhere
+        (asyncio.run cancels them; a bare loop.close() does not): their idle waiters and
+        the batches they held count for nothing now.
+
+        Raises:
+            RuntimeError: that loop is still open (running in another thread, or idle):
+                its futures cannot be awaited from this one, nor its tasks stopped.
+        """
+        if self._loop is not None and not self._loop.is_closed():
+            raise RuntimeError(
+                f"batcher {self._name!r} runs on another event loop, which is still open; "
+                "call it from that loop, stop it there first, or make one batcher per loop"
+            )
+        self._idle.clear()
+        self._closing = None
+        self._queues.replicas_gone()
         now = self._clock.now()
         for queue in self._queues.ordered:
             for request in list(queue.live()):
@@ -379,9 +431,9 @@ class Batcher:
             if self._state is not _State.NEW:
                 raise Closed(self._name)
             await self.start()
-        elif self._loop is not None and self._loop.is_closed():
-            # Started lazily by an earlier asyncio.run(): its replica tasks ended with it.
-            self._leave_closed_loop()
+        elif not self._is_on_its_loop():
+            # Started by an earlier asyncio.run(): its replica tasks ended with its loop.
+            self._leave_closed_loop()  # raises if that loop is still open
             await self.start()
         request = self._make_request(payload, is_many, priority, timeout_s, cost)
         try:
@@ -519,7 +571,8 @@ class Batcher:
         finally:
             if timer is not None:
                 timer.cancel()
-            if not waiter.done():
+            # Closed: its loop was closed under it, and this coroutine is being discarded.
+            if not waiter.done() and not waiter.get_loop().is_closed():
                 waiter.cancel()
             if waiter in self._idle:  # woken by its timer, not popped by a submit
                 self._idle.remove(waiter)

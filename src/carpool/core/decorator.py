@@ -140,12 +140,12 @@ def batched(
     policy = BatchPolicy(
         max_batch_size=max_batch_size,
         max_delay_s=max_delay_s,
-        preferred_batch_sizes=tuple(preferred_batch_sizes),
+        preferred_batch_sizes=preferred_batch_sizes,  # BatchPolicy checks and copies it
         max_batch_cost=max_batch_cost,
         cost_fn=cost_fn,
         max_queue_size=max_queue_size,
         timeout_s=timeout_s,
-        classes=tuple(classes),
+        classes=classes,  # BatchPolicy checks and copies it
         default_class=default_class,
         fill_from_lower=fill_from_lower,
         oom_recovery_s=oom_recovery_s,

@@ -143,6 +143,12 @@ class Queues:
     def forget(self, request: Request) -> None:
         self.by_name[request.class_name].forget(request)
 
+    def replicas_gone(self) -> None:
+        """Every replica ended without landing its batches (their event loop closed)."""
+        for queue in self.ordered:
+            queue.num_running = 0
+        self._retired.clear()
+
     def pending_by_class(self) -> dict[str, int]:
         return {q.name: q.num_live for q in self.ordered}
 

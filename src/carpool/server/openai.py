@@ -42,6 +42,9 @@ class BadParam(InvalidInput):
         self.code = code
         super().__init__(message)
 
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.param, self.reason), {"code": self.code}
+
 
 def embedding_models(repository: ModelRepository) -> dict[str, EmbeddingService]:
     return {m.name: m.embeddings for m in repository if m.embeddings is not None}

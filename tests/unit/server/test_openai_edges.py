@@ -194,3 +194,18 @@ async def test_embeddings_take_vllms_default_priority_zero(embedding_app):
     assert got.status == 200, got.json()
     got = await _call(embedding_app, "/v1/embeddings", model=EMBEDDER, input="a", priority=2)
     assert got.status == 400 and got.json()["error"]["param"] == "priority"
+
+
+def test_bad_param_survives_pickle_with_its_param_and_code():
+    import copy
+    import pickle
+
+    from carpool.server.openai import BadParam
+
+    error = BadParam("messages", "too long", code="context_length_exceeded")
+    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert (again.param, again.code, str(again)) == (
+            "messages",
+            "context_length_exceeded",
+            "too long",
+        )
