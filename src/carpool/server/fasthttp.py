@@ -98,7 +98,7 @@ class _FastCycle:
         self.on_response = on_response
         self.chunks: list[bytes] = []
         self.size = 0
-        self.oversize = False  # the body passed the limit before the request's turn
+        self.oversize = False  # the body passed the limit: a 413, the rest is ignored
         self.more_body = True
         self.started = False
         self.response_complete = False
@@ -183,10 +183,12 @@ class InferProtocol(HttpToolsProtocol):
         if cycle.size > limit:
             cycle.keep_alive = False  # the unread rest makes the connection unusable
             cycle.chunks = []
+            # Answered now, or (pipelined) in its turn after the requests before it; either
+            # way the rest of the body is ignored and never decoded, also while the 413 is
+            # held for resume_writing.
+            cycle.oversize = True
             if cycle.started:
                 self._answer_too_large(cycle)
-            else:  # pipelined: answered in its turn, after the requests before it
-                cycle.oversize = True
 
     def on_message_complete(self) -> None:
         cycle = self.cycle
@@ -194,7 +196,7 @@ class InferProtocol(HttpToolsProtocol):
             super().on_message_complete()
             return
         cycle.more_body = False
-        if cycle.started and not cycle.response_complete:
+        if cycle.started and not cycle.response_complete and not cycle.oversize:
             self._dispatch(cycle)
 
     def _limit_read_ahead(self) -> None:
@@ -223,9 +225,13 @@ class InferProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle = self._inflight
-        if cycle is not None and cycle.queued is not None:
-            cycle.model.batcher.cancel(cycle.queued)
-            cycle.queued = None
+        if cycle is not None:
+            # Its answer may have landed with the done-callback not yet run: cancelling
+            # is then too late, and uvicorn marks only the newest cycle disconnected.
+            cycle.disconnected = True
+            if cycle.queued is not None:
+                cycle.model.batcher.cancel(cycle.queued)
+                cycle.queued = None
         # uvicorn tells only the newest cycle; an ASGI request running with a pipelined one
         # behind it would go on to write to the closed transport (uvloop raises) and keep
         # its queued request in the batcher.
