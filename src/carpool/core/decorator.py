@@ -19,11 +19,41 @@ class BatchedFunction:
 
     It is an async context manager that starts and drains its batcher, and it also
     starts lazily on the first call. ``.batcher`` is the underlying :class:`Batcher`.
+
+    On a method (``def predict(self, batch)`` in a class body) each instance gets its own
+    batcher with the same policy, made on first access: ``model.predict(x)`` batches with
+    the other calls on ``model``, as Ray Serve's ``@serve.batch`` keeps a queue per
+    instance.
     """
 
-    def __init__(self, fn: BatchFn, batcher: Batcher) -> None:
+    def __init__(
+        self, fn: BatchFn, batcher: Batcher, make_batcher: Callable[[BatchFn], Batcher]
+    ) -> None:
         functools.update_wrapper(self, fn)
         self.batcher = batcher
+        self._fn = fn
+        self._make_batcher = make_batcher
+        self._method_name = str(getattr(fn, "__name__", id(self)))  # __set_name__ renames
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._method_name = name
+
+    def __get__(self, instance: object, owner: type | None = None) -> BatchedFunction:
+        if instance is None:
+            return self
+        attribute = f"_carpool_batched_{self._method_name}"
+        bound: BatchedFunction | None = getattr(instance, "__dict__", {}).get(attribute)
+        if bound is None:
+            if not hasattr(instance, "__dict__"):
+                raise TypeError(
+                    f"@batched method {self._method_name!r} keeps a batcher per instance in its "
+                    f"__dict__; {type(instance).__name__} has __slots__ without __dict__"
+                )
+            method = functools.partial(self._fn, instance)
+            functools.update_wrapper(method, self._fn)
+            bound = BatchedFunction(method, self._make_batcher(method), self._make_batcher)
+            instance.__dict__[attribute] = bound
+        return bound
 
     async def __call__(
         self,
@@ -153,8 +183,8 @@ def batched(
         length_buckets=length_buckets,
     )
 
-    def wrap(target: BatchFn) -> BatchedFunction:
-        batcher = Batcher(
+    def make_batcher(target: BatchFn) -> Batcher:
+        return Batcher(
             target,
             policy,
             name=name,
@@ -168,6 +198,8 @@ def batched(
             switch_interval_s=switch_interval_s,
             executor=executor,
         )
-        return BatchedFunction(target, batcher)
+
+    def wrap(target: BatchFn) -> BatchedFunction:
+        return BatchedFunction(target, make_batcher(target), make_batcher)
 
     return wrap if fn is None else wrap(fn)

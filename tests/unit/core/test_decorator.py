@@ -230,3 +230,55 @@ async def test_packed_collation_and_token_budget_through_the_decorator() -> None
     assert results == [6, 6, 3]
     assert all(sum(lengths) <= 6 for lengths in seen)
     assert total.snapshot().batches.num_tokens == 8
+
+
+class Scaler:
+    """A model object whose batched method reads its own state, as with Ray's
+    ``@serve.batch`` on a deployment's method."""
+
+    def __init__(self, factor: int) -> None:
+        self.factor = factor
+        self.batch_sizes: list[int] = []
+
+    @carpool.batched(max_batch_size=8, max_delay_s=0.05)
+    async def scale(self, xs: list[int]) -> list[int]:
+        self.batch_sizes.append(len(xs))
+        return [x * self.factor for x in xs]
+
+    @carpool.batched(max_batch_size=8, max_delay_s=0.05)
+    def scale_sync(self, xs: list[int]) -> list[int]:
+        return [x * self.factor for x in xs]
+
+
+async def test_a_method_batches_per_instance_with_its_self() -> None:
+    twice, thrice = Scaler(2), Scaler(3)
+    try:
+        got = await asyncio.wait_for(
+            asyncio.gather(
+                *(twice.scale(i) for i in range(4)), *(thrice.scale(i) for i in range(4))
+            ),
+            SAFETY_S,
+        )
+        assert got == [0, 2, 4, 6, 0, 3, 6, 9]
+        assert twice.batch_sizes == [4] and thrice.batch_sizes == [4]  # one batch each
+        assert twice.scale is twice.scale and twice.scale is not thrice.scale
+        assert twice.scale.batcher is not thrice.scale.batcher
+        assert await asyncio.wait_for(thrice.scale_sync(5), SAFETY_S) == 15
+        assert isinstance(Scaler.scale, BatchedFunction)  # on the class: the descriptor
+        assert twice.scale.__name__ == "scale"
+    finally:
+        for model in (twice, thrice):
+            await model.scale.stop()
+            await model.scale_sync.stop()
+
+
+def test_a_method_on_a_class_without_dict_says_why() -> None:
+    class Slotted:
+        __slots__ = ()
+
+        @carpool.batched
+        async def run(self, xs: list[int]) -> list[int]:
+            return xs
+
+    with pytest.raises(TypeError, match="__slots__"):
+        Slotted().run  # noqa: B018
