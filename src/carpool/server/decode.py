@@ -27,6 +27,7 @@ from carpool.server.tensors import (
     InferRequest,
     InputTensor,
     RequestedOutput,
+    check_empty_shape,
     deserialize_bytes_tensor,
 )
 
@@ -296,6 +297,8 @@ def _input_spec(index: int, item: object) -> _InputSpec:
         raise InvalidInput(f"{where}: datatype {datatype!r} is not one of {DATATYPE_NAMES}")
     shape = _shape(where, entry.get("shape"))
     num_elements = math.prod(shape)
+    if not num_elements:
+        check_empty_shape(where, datatype, shape)
     parameters = _optional_dict(entry, "parameters", where)
     if "shared_memory_region" in parameters:
         raise InvalidInput(f"{where}: shared memory is not supported; send the data inline")

@@ -46,6 +46,7 @@ from carpool.server.tensors import (
     InferRequest,
     InputTensor,
     RequestedOutput,
+    check_empty_shape,
     deserialize_bytes_tensor,
     tensor_bytes,  # the REST codec's raw encoding, so both wires send identical bytes
 )
@@ -128,6 +129,8 @@ def _decode_input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | No
     if any(dim < 0 for dim in shape):
         raise InvalidInput(f"{where}: shape must be integers >= 0, got {list(shape)}")
     num_elements = math.prod(shape)
+    if not num_elements:
+        check_empty_shape(where, tensor.datatype, shape)
     if raw is None:
         flat = _from_contents(where, tensor.datatype, num_elements, tensor.contents)
     else:

@@ -35,6 +35,7 @@ __all__ = [
     "InputTensor",
     "OutputTensor",
     "RequestedOutput",
+    "check_empty_shape",
     "datatype_of",
     "deserialize_bytes_tensor",
     "encode_infer_response",
@@ -72,6 +73,7 @@ _NAME_OF: dict[np.dtype[Any], str] = {
 }
 _JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 _LENGTH_PREFIX_BYTES = 4
+_MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)  # NumPy refuses any array past it, even empty
 
 
 def datatype_of(array: npt.NDArray[Any]) -> str:
@@ -91,6 +93,29 @@ def datatype_of(array: npt.NDArray[Any]) -> str:
             f"array dtype {dtype} has no KServe datatype; expected one of {DATATYPE_NAMES}"
         )
     return name
+
+
+def check_empty_shape(where: str, datatype: str, shape: tuple[int, ...]) -> None:
+    """Refuse a shape without elements whose other dimensions no array can have.
+
+    A shape with elements is bounded by the data that must fill it; one with a zero
+    dimension is not, and NumPy refuses (ValueError) an array, even an empty one, whose
+    nonzero dimensions times its item size pass the largest ``intp``. ``where`` starts
+    the message.
+
+    Raises:
+        InvalidInput: naming the shape.
+    """
+    size_bytes = DATATYPES[datatype].itemsize
+    for dim in shape:
+        if dim:
+            size_bytes *= dim
+    if size_bytes > _MAX_ARRAY_BYTES:
+        raise InvalidInput(
+            f"{where}: shape {list(shape)} is too large: its nonzero dimensions times "
+            f"{DATATYPES[datatype].itemsize} bytes per {datatype} pass {_MAX_ARRAY_BYTES} "
+            "bytes, more than any array can hold"
+        )
 
 
 # ---------------------------------------------------------------------------------------
