@@ -13,9 +13,9 @@ import time
 from bisect import bisect_left
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from carpool.core.request import Batch, Outcome, Request, RequestTrace, trace_of
+from carpool.core.request import Batch, Outcome, Request, RequestState, RequestTrace, trace_of
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
@@ -138,8 +138,9 @@ class ClassStats:
 
 @dataclass(frozen=True, slots=True)
 class BatchStats:
-    """``fill_ratio``: mean batch size / max batch size. ``effective_compute_ratio``:
-    compute time / (compute time + time replicas idled holding a batch open to fill)."""
+    """``fill_ratio``: the mean over batches of batch size / the max batch size it was
+    formed under. ``effective_compute_ratio``: compute time / (compute time + time
+    replicas idled holding a batch open to fill)."""
 
     num_batches: int
     num_items: int
@@ -157,6 +158,11 @@ class BatchStats:
     num_completed_batches: int = 0
     num_completed_items: int = 0
     last_completed_unix_s: float | None = None
+    # Those batches by size, and their compute seconds (Triton's batch_stats).
+    completed_size_histogram: dict[int, int] = field(default_factory=dict)
+    completed_size_compute_s: dict[int, float] = field(default_factory=dict)
+    # Each successful request's model call, its seconds summed (Triton's compute_infer).
+    completed_compute_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +263,9 @@ class Telemetry:
         self._num_items = 0
         self._ok_batches = 0
         self._ok_items = 0
+        self._ok_sizes: Counter[int] = Counter()
+        self._ok_size_compute: defaultdict[int, float] = defaultdict(float)
+        self._ok_compute_s = 0.0
         self._last_ok_batch: dict[int, int] = {}  # replica id -> its last batch with an OK
         self._last_ok_unix_s: float | None = None
         self._fill_sum = 0.0
@@ -281,16 +290,26 @@ class Telemetry:
             counters.rejections[reason] += 1
 
     def batch_done(self, batch: Batch, replica: ReplicaCounters, compute_s: float) -> None:
+        # Requests whose call came past their deadline never reached the model (settle.py):
+        # the batch ran without them, or, when they were all of it, did not run at all.
+        num_items = batch.num_items - sum(
+            r.num_items for r in batch.requests if r.state is RequestState.EXPIRED
+        )
+        if num_items == 0:
+            return
         self._num_batches += 1
-        self._num_items += batch.num_items
-        self._sizes[batch.num_items] += 1
-        self._size_compute[batch.num_items] += compute_s
-        self._fill_sum += batch.num_items / batch.max_batch_size
+        self._num_items += num_items
+        self._sizes[num_items] += 1
+        self._size_compute[num_items] += compute_s
+        self._fill_sum += num_items / batch.max_batch_size
         self._compute.observe(compute_s)
         self._classes[batch.lead_class].batches_led += 1
         replica.batches += 1
-        replica.items += batch.num_items
+        replica.items += num_items
         replica.busy_s += compute_s
+        if self._last_ok_batch.get(replica.replica_id) == batch.batch_id:
+            self._ok_sizes[num_items] += 1
+            self._ok_size_compute[num_items] += compute_s
 
     def tokens(self, num_tokens: int, num_slots: int) -> None:
         """A batch of variable-length items: its real tokens and the slots computed."""
@@ -303,6 +322,7 @@ class Telemetry:
         if outcome is Outcome.OK:
             counters.completed += 1
             self._ok_items += request.num_items
+            self._ok_compute_s += request.compute_end_s - request.compute_start_s
             if self._last_ok_batch.get(request.replica_id) != request.batch_id:
                 self._last_ok_batch[request.replica_id] = request.batch_id
                 self._ok_batches += 1
@@ -377,6 +397,9 @@ class Telemetry:
                 num_completed_batches=self._ok_batches,
                 num_completed_items=self._ok_items,
                 last_completed_unix_s=self._last_ok_unix_s,
+                completed_size_histogram=dict(sorted(self._ok_sizes.items())),
+                completed_size_compute_s=dict(sorted(self._ok_size_compute.items())),
+                completed_compute_s=self._ok_compute_s,
             ),
             replicas=tuple(
                 ReplicaStats(

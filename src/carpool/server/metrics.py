@@ -120,7 +120,9 @@ def _batch_metrics(snapshots: list[Named]) -> Iterator[Metric]:
         "carpool_batch_compute_seconds", "Model time per batch.", labels=["model"]
     )
     fill = GaugeMetricFamily(
-        "carpool_fill_ratio", "Mean batch size over max batch size.", labels=["model"]
+        "carpool_fill_ratio",
+        "Mean over batches of batch size / its max batch size.",
+        labels=["model"],
     )
     effective = GaugeMetricFamily(
         "carpool_effective_compute_ratio",

@@ -16,10 +16,13 @@ def _duration(count: int, stats: LatencyStats) -> dict[str, int]:
 def model_stats(model: ServedModel) -> dict[str, Any]:
     """Counts and cumulative nanoseconds in the shape ``tritonclient`` parses (Triton's
     statistics extension). ``inference_count`` and ``execution_count`` count what
-    succeeded. carpool times a batch's input and output handling inside
-    ``compute_infer``, so ``compute_input`` and ``compute_output`` carry the counts with
-    0 ns (not measured apart). carpool has no response cache: ``cache_hit`` and
-    ``cache_miss``, which Triton always writes, are zero."""
+    succeeded. As in Triton, ``queue`` and the ``compute_*`` durations are per successful
+    request (count: the successful requests; ns: each one's model call, summed), and
+    ``batch_stats`` are the executions ``execution_count`` counts, by size. carpool times
+    a call's input and output handling inside ``compute_infer``, so ``compute_input`` and
+    ``compute_output`` carry the counts with 0 ns (not measured apart). carpool has no
+    response cache: ``cache_hit`` and ``cache_miss``, which Triton always writes, are
+    zero."""
     snap = model.batcher.snapshot()
     completed = sum(c.num_completed for c in snap.classes.values())
     failed = sum(c.num_failed + sum(c.rejections.values()) for c in snap.classes.values())
@@ -40,9 +43,9 @@ def model_stats(model: ServedModel) -> dict[str, Any]:
             "success": _duration(completed, snap.latency),
             "fail": {"count": failed, "ns": 0},
             "queue": {"count": completed, "ns": round(queue_ns * 1e9)},
-            "compute_input": {"count": batches.num_batches, "ns": 0},
-            "compute_infer": _duration(batches.num_batches, batches.compute),
-            "compute_output": {"count": batches.num_batches, "ns": 0},
+            "compute_input": {"count": completed, "ns": 0},
+            "compute_infer": {"count": completed, "ns": round(batches.completed_compute_s * 1e9)},
+            "compute_output": {"count": completed, "ns": 0},
             "cache_hit": {"count": 0, "ns": 0},
             "cache_miss": {"count": 0, "ns": 0},
         },
@@ -52,10 +55,10 @@ def model_stats(model: ServedModel) -> dict[str, Any]:
                 "compute_input": {"count": count, "ns": 0},
                 "compute_infer": {
                     "count": count,
-                    "ns": round(batches.size_compute_s.get(size, 0.0) * 1e9),
+                    "ns": round(batches.completed_size_compute_s.get(size, 0.0) * 1e9),
                 },
                 "compute_output": {"count": count, "ns": 0},
             }
-            for size, count in batches.size_histogram.items()
+            for size, count in batches.completed_size_histogram.items()
         ],
     }

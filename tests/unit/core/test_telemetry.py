@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from carpool.core.request import Batch, Outcome, Request, RequestTrace
+from carpool.core.request import Batch, Outcome, Request, RequestState, RequestTrace
 from carpool.core.telemetry import (
     LATENCY_BUCKETS_S,
     RING_SIZE,
@@ -205,6 +205,49 @@ async def test_fill_ratio_is_mean_of_batch_size_over_max_batch_size() -> None:
     assert batches.mean_batch_size == pytest.approx(13 / 3)
     assert batches.size_histogram == {2: 1, 3: 1, 8: 1}
     assert batches.compute.count == 3
+
+
+async def test_requests_expired_before_their_call_are_not_counted_as_batched() -> None:
+    # settle.py expires the requests whose call's turn came past their deadline: the model
+    # never saw them, so the batch ran without them, or, without any left, did not run.
+    telemetry = Telemetry("m", SLOS)
+    replica = ReplicaCounters(0, "cpu")
+    ran, late = _request(num_items=2), _request(num_items=3)
+    late.state = RequestState.EXPIRED
+    telemetry.batch_done(_batch([ran, late], 8), replica, 0.1)
+    all_late = [_request(), _request()]
+    for request in all_late:
+        request.state = RequestState.EXPIRED
+    telemetry.batch_done(_batch(all_late, 8), replica, 0.0)
+    batches = telemetry.snapshot(1.0, {}, [replica]).batches
+    assert (batches.num_batches, batches.num_items, batches.size_histogram) == (1, 2, {2: 1})
+    assert batches.fill_ratio == pytest.approx(2 / 8)
+    assert batches.compute.count == 1
+    assert (replica.batches, replica.items) == (1, 2)
+
+
+async def test_completed_batches_and_compute_are_counted_as_triton_does() -> None:
+    # Triton: batch_stats only for executions with a success (execution_count), and each
+    # successful request adds its execution's time to compute_infer.
+    telemetry = Telemetry("m", SLOS)
+    replica = ReplicaCounters(0, "cpu")
+    good = [_request(), _request(num_items=2)]
+    batch = _batch(good, 8)
+    batch.start(0, 0.0, None)
+    for request in good:
+        request.compute_start_s, request.compute_end_s = 0.25, 0.5
+        _answer(telemetry, request, Outcome.OK, 0.5)
+    telemetry.batch_done(batch, replica, 0.3)
+    failed = _batch([_request()], 8)
+    failed.start(0, 0.5, None)
+    _answer(telemetry, failed.requests[0], Outcome.MODEL_ERROR, 0.75)
+    telemetry.batch_done(failed, replica, 0.2)
+    batches = telemetry.snapshot(1.0, {}, [replica]).batches
+    assert batches.size_histogram == {1: 1, 3: 1}
+    assert (batches.num_completed_batches, batches.num_completed_items) == (1, 3)
+    assert batches.completed_size_histogram == {3: 1}
+    assert batches.completed_size_compute_s == {3: pytest.approx(0.3)}
+    assert batches.completed_compute_s == pytest.approx(2 * 0.25)
 
 
 async def test_batches_led_are_counted_per_lead_class() -> None:
