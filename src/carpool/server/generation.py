@@ -180,7 +180,12 @@ class GenerationService:
             except UnicodeDecodeError as error:
                 raise InvalidInput(f"input 'TEXT' row {i} is not valid UTF-8 ({error})") from None
         priority = options.get("priority")
-        texts = await asyncio.gather(*(self._greedy(text, priority) for text in rows))
+        rows_running = [asyncio.ensure_future(self._greedy(text, priority)) for text in rows]
+        try:
+            texts = await asyncio.gather(*rows_running)
+        finally:  # a row refused fails the request: the others' text is for nobody
+            for row in rows_running:
+                row.cancel()
         return {"TEXT": np.array([t.encode("utf-8") for t in texts], dtype=object)}
 
     async def _greedy(self, text: str, priority: str | None) -> str:

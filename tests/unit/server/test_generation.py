@@ -3,6 +3,8 @@ drains the engine, the KServe face, and the scheduler adapter on the real schedu
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -71,6 +73,27 @@ async def test_kserve_face_continues_each_row_greedily():
         assert len(texts) == 3 and texts[0] == texts[1]
         with pytest.raises(InvalidInput, match="row 0 is not valid UTF-8"):
             await served.run({"TEXT": np.array([b"\xff"], dtype=object)}, {})
+    finally:
+        await served.batcher.stop()
+
+
+async def test_kserve_row_refused_stops_the_other_rows_of_its_request():
+    """One row past the context fails the request (a 400); the other rows' generation is
+    then for nobody and is aborted, not run to its end."""
+    service = _tiny(num_blocks=64, max_model_len=64)
+    served = service.served_model()
+    await served.batcher.start()
+    try:
+        rows = np.array([b"ok", b"x" * 200], dtype=object)
+        with pytest.raises(InvalidInput):
+            await served.run({"TEXT": rows}, {})
+        for _ in range(500):  # until "ok" left the engine, aborted or run to its end
+            snapshot = service.engine.snapshot(quantiles=False)
+            if snapshot.scheduler.num_running == snapshot.scheduler.num_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert snapshot.finished.get("length", 0) == 0, snapshot.finished  # not its 16 tokens
+        assert snapshot.finished.get("abort", 0) == 1, snapshot.finished
     finally:
         await served.batcher.stop()
 
