@@ -116,10 +116,9 @@ class Intake:
         self.collator = collator
 
     def check(self, policy: BatchPolicy) -> None:
-        """Refuse a token budget that the collator in use cannot measure (none chosen yet,
-        ``collate="auto"``: checked when one is)."""
-        if self.collator is not None:
-            _check_tokens(policy, self.collator)
+        """Refuse a token budget that the collator in use cannot measure. None chosen yet
+        means ``collate="auto"``, which never chooses one that measures lengths."""
+        _check_tokens(policy, self.collator)
 
     def lengths(self, payload: Any, is_many: bool, policy: BatchPolicy) -> tuple[int, int, int]:
         """``(num_tokens, longest, bucket)`` of a variable-length payload, checked to fit."""
@@ -193,7 +192,7 @@ class OomCap:
         return self._cap
 
 
-def _check_tokens(policy: BatchPolicy, collator: Collator) -> None:
+def _check_tokens(policy: BatchPolicy, collator: Collator | None) -> None:
     if policy.max_batch_tokens is not None and not hasattr(collator, "lengths"):
         raise ConfigError(
             "max_batch_tokens",

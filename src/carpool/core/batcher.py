@@ -155,6 +155,8 @@ class Batcher:
         self._scheduler = Scheduler()
         if self._intake.collator is not None:
             self._adopt(self._intake.collator)
+        else:
+            self._intake.check(self._policy)
         self._state = _State.NEW
         self._starting: asyncio.Future[None] | None = None
         self._closing: asyncio.Future[None] | None = None  # stop()'s drain, once begun
@@ -198,8 +200,9 @@ class Batcher:
     @property
     def effective_max_batch_size(self) -> int:
         """``max_batch_size``, or less while recovering from out of memory."""
+        max_size = self._policy.max_batch_size
         cap = self._oom.current(self._clock.now(), self._policy)
-        return self._policy.max_batch_size if cap is None else cap
+        return max_size if cap is None else min(cap, max_size)  # max may be lowered since
 
     # -- lifecycle --------------------------------------------------------------------
 

@@ -160,6 +160,8 @@ class BatchPolicy:
         _check_optional_float("timeout_s", self.timeout_s, minimum=0.0, strict=True)
         _check_float("oom_recovery_s", self.oom_recovery_s, minimum=0.0)
         _check_optional_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
+        if not isinstance(self.fill_from_lower, bool):  # "no" would be truthy
+            raise ConfigError("fill_from_lower", self.fill_from_lower, "True or False")
         buckets = self.length_buckets
         if buckets is not None:
             buckets = buckets if isinstance(buckets, str) else tuple(buckets)
