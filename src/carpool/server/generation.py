@@ -226,6 +226,17 @@ class EngineBatcher(Batcher):
         await self.service.engine.stop(drain=drain)
         await super().stop(drain=drain)
 
+    def set_policy(self, policy: BatchPolicy) -> None:
+        """Refused: the engine schedules by its own settings, so a batch policy set here
+        would be answered as applied and change nothing (``POST .../policy`` is a 400,
+        and ``carpool tune`` is told so instead of measuring noise)."""
+        raise ConfigError(
+            "policy",
+            self.service.name,
+            "a batched model: a generation model is scheduled by its engine settings "
+            "(max_num_seqs, max_num_batched_tokens, num_blocks in its config entry)",
+        )
+
 
 def generation_models(repository: ModelRepository) -> dict[str, GenerationService]:
     """The repository's generation models by name."""

@@ -152,3 +152,13 @@ def test_generation_keys_on_other_kinds_are_refused(tmp_path):
     }
     with pytest.raises(ConfigError, match="one device"):
         parse_config({"models": [generation]})
+
+
+def test_a_generation_model_refuses_a_batch_policy_it_would_ignore():
+    """The engine schedules by its own settings: a policy accepted here would be reported
+    as applied and change nothing (``carpool tune`` would measure noise)."""
+    batcher = _tiny(num_blocks=64, max_model_len=64).served_model().batcher
+    before = batcher.policy
+    with pytest.raises(ConfigError, match="engine settings"):
+        batcher.update_policy(max_batch_size=4)
+    assert batcher.policy is before

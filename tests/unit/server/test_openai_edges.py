@@ -209,3 +209,9 @@ def test_bad_param_survives_pickle_with_its_param_and_code():
             "context_length_exceeded",
             "too long",
         )
+
+
+async def test_a_policy_post_to_a_generation_model_is_a_400_naming_its_settings(app):
+    got = await _call(app, f"/v2/models/{MODEL}/policy", max_batch_size=4)
+    assert got.status == 400
+    assert "max_num_seqs" in got.json()["error"]
