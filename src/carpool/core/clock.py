@@ -37,10 +37,34 @@ class MonotonicClock:
         return time.monotonic()
 
     def call_at(self, when_s: float, callback: Callable[[], None]) -> TimerHandle:
+        """``callback`` at ``when_s`` or later, never before: uvloop rounds a timer's delay
+        to the nearest millisecond, so its timers may fire half a millisecond early (a
+        deadline would refuse a request still in time); one that does is armed again."""
         loop = asyncio.get_running_loop()
+        timer = _LoopTimer()
+
+        def fire() -> None:
+            remaining_s = when_s - time.monotonic()
+            if remaining_s > 0:
+                timer.handle = loop.call_later(remaining_s, fire)
+            else:
+                callback()
+
         # loop.time() is time.monotonic() for the standard and uvloop loops; converting
         # through a delay keeps this correct for any loop whose epoch differs.
-        return loop.call_later(max(0.0, when_s - time.monotonic()), callback)
+        timer.handle = loop.call_later(max(0.0, when_s - time.monotonic()), fire)
+        return timer
+
+
+class _LoopTimer:
+    """A MonotonicClock timer: the loop's handle of its latest arming."""
+
+    __slots__ = ("handle",)
+
+    handle: asyncio.TimerHandle
+
+    def cancel(self) -> None:
+        self.handle.cancel()
 
 
 class _FakeTimer:

@@ -154,6 +154,35 @@ async def test_monotonic_clock_timer_in_the_past_fires_on_the_next_loop_turn() -
     assert await asyncio.wait_for(done, timeout=60) is True
 
 
+def test_monotonic_clock_timers_never_fire_early_on_uvloop() -> None:
+    """uvloop rounds a timer's delay to the nearest millisecond: a quarter of timers with
+    delays between 0.5 and 10 ms fired up to half a millisecond early, and a deadline
+    refused a request still in time. The clock arms such a timer again."""
+    import random
+
+    import uvloop
+
+    async def fire_all() -> list[float]:
+        clock = MonotonicClock()
+        loop = asyncio.get_running_loop()
+        rng = random.Random(0)
+        lateness: list[float] = []
+        done = loop.create_future()
+        whens = [clock.now() + rng.uniform(0.0005, 0.01) for _ in range(60)]
+
+        def fired(when_s: float) -> None:
+            lateness.append(clock.now() - when_s)
+            if len(lateness) == len(whens):
+                done.set_result(None)
+
+        for when_s in whens:
+            clock.call_at(when_s, lambda w=when_s: fired(w))
+        await asyncio.wait_for(done, timeout=60)
+        return lateness
+
+    assert min(uvloop.run(fire_all())) >= 0.0
+
+
 @pytest.mark.parametrize("delta_s", [0.0, 1e-9, 123.0])
 async def test_advance_with_no_timers_only_moves_time(delta_s: float) -> None:
     clock = FakeClock(start_s=1.0)
