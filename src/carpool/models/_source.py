@@ -39,3 +39,14 @@ def import_ref(source: str) -> Any:
                 "source", source, f"a name {attr!r} defined in module {module_name!r}"
             ) from None
     return obj
+
+
+def build_with(source: str, factory: Any, *args: Any) -> Any:
+    """``factory(*args)``, the model's own code: a failure is a ConfigError on ``source``
+    saying why, so that ``carpool serve`` names the model's key instead of a traceback."""
+    try:
+        return factory(*args)
+    except Exception as error:
+        raise ConfigError(
+            "source", source, f"a factory that builds the model ({type(error).__name__}: {error})"
+        ) from error

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from carpool.errors import ConfigError
-from carpool.models._source import import_ref
+from carpool.models._source import build_with, import_ref
 
 BatchFn = Callable[[Any], Any]
 FnFactory = Callable[[str], BatchFn]
@@ -46,14 +46,8 @@ def load_python(source: str) -> FnFactory:
         factory: FnFactory = obj
 
         def make(device: str) -> BatchFn:
-            try:
-                return factory(device)
-            except Exception as error:  # the factory runs user code: say why it failed
-                raise ConfigError(
-                    "source",
-                    source,
-                    f"a factory that builds the model ({type(error).__name__}: {error})",
-                ) from error
+            built: BatchFn = build_with(source, factory, device)
+            return built
 
         return make
 

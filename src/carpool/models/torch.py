@@ -26,7 +26,7 @@ import numpy as np
 
 from carpool.core.layout import Packed
 from carpool.errors import ConfigError, ModelError
-from carpool.models._source import import_ref, is_import_ref
+from carpool.models._source import build_with, import_ref, is_import_ref
 
 # Replicas load their copies on their own threads at once; torch.export.load keeps its
 # deserializer in a module global and refuses a second concurrent load ("_CURRENT_DESERIALIZER
@@ -153,14 +153,7 @@ def load_module(source: str, device: str = "cpu") -> Any:
         factory = import_ref(source)
         if not callable(factory):
             raise ConfigError("source", source, "module:factory, a function returning nn.Module")
-        try:
-            module = factory()
-        except Exception as error:  # the factory runs user code: say why it failed
-            raise ConfigError(
-                "source",
-                source,
-                f"a factory that builds the model ({type(error).__name__}: {error})",
-            ) from error
+        module = build_with(source, factory)
         if not isinstance(module, torch.nn.Module):
             raise ConfigError(
                 "source", source, f"a factory returning nn.Module, not {type(module).__name__}"
