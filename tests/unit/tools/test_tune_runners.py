@@ -19,6 +19,9 @@ from carpool.tools.tune_runners import InProcessRunner, LoadDriver, LoadSpec, rs
 from carpool.tools.tune_trial import MeasureSettings, TrialConfig, measure_trial
 
 SHORT = MeasureSettings(warmup_s=0.0, window_s=0.02, max_windows=2, num_stable_windows=1)
+# For trials that must answer something: a window no busy 2-core CI machine stalls through
+# (a 20 ms one measured nothing once, in the full suite), after a warm-up for the start.
+ANSWERING = MeasureSettings(warmup_s=0.05, window_s=0.25, max_windows=2, num_stable_windows=1)
 ITEM = np.ones(4, dtype=np.float32)
 
 
@@ -52,7 +55,7 @@ async def test_in_process_runner_applies_the_config_and_measures(models: str, at
     runner = InProcessRunner(f"{models}:{attr}", ITEM, LoadSpec(concurrency=4))
     try:
         config = TrialConfig((("max_batch_size", 2), ("max_delay_s", 0.0)))
-        m = await measure_trial(runner, config, SHORT)
+        m = await measure_trial(runner, config, ANSWERING)
         assert m.error is None
         assert m.num_requests > 0 and m.num_errors == 0
         assert m.mean_batch_size is not None and 1 <= m.mean_batch_size <= 2
@@ -77,7 +80,7 @@ async def test_a_new_replica_count_rebuilds_the_batcher(models: str) -> None:
             runner, TrialConfig((("num_replicas", 1), ("max_delay_s", 0.001))), SHORT
         )
         assert runner._batcher is first  # same replicas: the policy changed in place
-        m = await measure_trial(runner, TrialConfig((("num_replicas", 2),)), SHORT)
+        m = await measure_trial(runner, TrialConfig((("num_replicas", 2),)), ANSWERING)
         assert runner._batcher is not first and runner._batcher is not None
         assert runner._batcher.num_replicas == 2 and m.num_requests > 0
     finally:
