@@ -198,13 +198,14 @@ def _inputs(value: Any) -> tuple[list[str] | None, list[Any] | None]:
         )
     for i, item in enumerate(value):
         if isinstance(item, list):  # a list of ids with something else in it: name that
-            j, bad = next(((j, t) for j, t in enumerate(item) if not _is_token(t)), (-1, None))
-            if j >= 0:
-                raise BadParam(
-                    "input",
-                    f"input[{i}][{j}] is a {type(bad).__name__}; expected a token id (an integer)",
-                )
-        if not (isinstance(item, list) and item and all(_is_token(t) for t in item)):
+            for j, token in enumerate(item):
+                if not _is_token(token):
+                    raise BadParam(
+                        "input",
+                        f"input[{i}][{j}] is a {type(token).__name__}; expected a token id "
+                        "(an integer)",
+                    )
+        if not (isinstance(item, list) and item):
             what = "an empty list" if item == [] else f"a {type(item).__name__}"
             raise BadParam(
                 "input",
