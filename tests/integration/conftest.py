@@ -54,6 +54,17 @@ class ServedProcess:
 
 
 StartServer = Callable[..., ServedProcess]
+WAIT_LIMIT_S = 30.0  # a net against a hung test, never a timing assertion
+
+
+def wait_until(condition: Callable[[], object], what: str) -> None:
+    """Poll ``condition`` (another process's state) until it holds; fail naming ``what``
+    after WAIT_LIMIT_S."""
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up after {WAIT_LIMIT_S} s waiting for {what}")
+        time.sleep(0.01)  # polling for a state change, not a timing check
 
 
 def start_served_process(

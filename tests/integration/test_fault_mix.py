@@ -19,7 +19,7 @@ import socket
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +35,7 @@ import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from .conftest import ServedProcess, start_served_process
+from .conftest import ServedProcess, start_served_process, wait_until
 
 LIMIT_S = 20.0  # only against hangs
 POISON = 666
@@ -147,14 +147,6 @@ def fault(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fault]:
     assert "Traceback" not in served.process.output(), served.process.output()
 
 
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    limit = time.monotonic() + LIMIT_S
-    while not condition():
-        if time.monotonic() > limit:
-            pytest.fail(f"gave up waiting for {what}")
-        time.sleep(0.01)  # polling another process for a state change, not a timing check
-
-
 # -- what the server reports ------------------------------------------------------------
 
 
@@ -201,7 +193,7 @@ class Watch:
         return value if key == "pending" else value - self.before.get(key, 0.0)
 
     def until(self, key: str, value: int) -> None:
-        _wait_until(lambda: self.now(key) == value, f"{key} == {value}")
+        wait_until(lambda: self.now(key) == value, f"{key} == {value}")
 
 
 # -- requests -------------------------------------------------------------------------
@@ -351,7 +343,7 @@ def test_http_faults_around_a_queued_batch_harm_no_one_and_are_counted(fault: Fa
     pool = ThreadPoolExecutor(max_workers=24)
     try:
         blocker = pool.submit(_post, fault.http_url, INFER, _body([1000]))
-        _wait_until(lambda: 1000 in fault.values(), "the blocker to reach the model")
+        wait_until(lambda: 1000 in fault.values(), "the blocker to reach the model")
         goods: dict[str, Future[Any]] = {}
         for i in range(6):  # the fast path
             goods[f"fast {i}"] = pool.submit(_post, fault.http_url, INFER, _body([1100 + i]))
@@ -459,7 +451,7 @@ def test_grpc_faults_around_a_queued_batch_harm_no_one_and_are_counted(fault: Fa
     cancelled_stream = grpcclient.InferenceServerClient(fault.grpc_url)
     try:
         blocker = pool.submit(_grpc, fault.grpc_url, [2000])
-        _wait_until(lambda: 2000 in fault.values(), "the blocker to reach the model")
+        wait_until(lambda: 2000 in fault.values(), "the blocker to reach the model")
         goods = {i: pool.submit(_grpc, fault.grpc_url, [2100 + i]) for i in range(4)}
         http_good = pool.submit(_post, fault.http_url, INFER, _body([2150]))
 
@@ -577,7 +569,7 @@ def test_sigterm_with_faults_in_flight_answers_every_accepted_request(tmp_path: 
     streamed: Queue[tuple[Any, Any]] = Queue()
     try:
         blocker = pool.submit(_post, fault.http_url, INFER, _body([3000]))
-        _wait_until(lambda: 3000 in fault.values(), "the blocker to reach the model")
+        wait_until(lambda: 3000 in fault.values(), "the blocker to reach the model")
         goods: dict[int, Future[Any]] = {}
         for value in (3100, 3101, 3102):
             goods[value] = pool.submit(_post, fault.http_url, INFER, _body([value]))
@@ -605,8 +597,8 @@ def test_sigterm_with_faults_in_flight_answers_every_accepted_request(tmp_path: 
 
         fault.process.process.send_signal(signal.SIGTERM)
         fault.process.stopped = True
-        _wait_until(lambda: "stopping" in fault.process.output(), "the server to say stopping")
-        _wait_until(lambda: _refused(fault.http_url), "new connections to be refused")
+        wait_until(lambda: "stopping" in fault.process.output(), "the server to say stopping")
+        wait_until(lambda: _refused(fault.http_url), "new connections to be refused")
         late.sendall(late_data[-10:])  # its connection was accepted: it is answered
     finally:
         fault.gate.unlink(missing_ok=True)

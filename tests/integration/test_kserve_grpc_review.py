@@ -5,7 +5,6 @@ carpool still differs from Triton."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from queue import Queue
@@ -19,7 +18,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from .conftest import ServedProcess, start_served_process
+from .conftest import ServedProcess, start_served_process, wait_until
 
 WAIT_LIMIT_S = 30.0
 BIG_OUTPUT_BYTES = 80 * 1024 * 1024  # over grpcio's and carpool's 64 MiB request limit
@@ -129,13 +128,6 @@ def _fp32_input(value: float = 1.0) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput("IN_FP32", [1, 2], "FP32")
     tensor.set_data_from_numpy(np.full((1, 2), value, dtype=np.float32))
     return tensor
-
-
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_LIMIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)  # polling another process
 
 
 def _is_final(response: service_pb2.ModelInferResponse) -> bool:
@@ -294,8 +286,8 @@ def test_stream_answers_come_in_request_order(
         held.set_data_from_numpy(np.array([[7001]], dtype=np.int64))
         client.async_stream_infer("gated", [held], request_id="first")
         client.async_stream_infer("id_FP32", [_fp32_input()], request_id="second")
-        _wait_until(lambda: 7001 in served.seen_values(), "the first request to reach its model")
-        _wait_until(lambda: served.inference_count("id_FP32") > before, "the second to run")
+        wait_until(lambda: 7001 in served.seen_values(), "the first request to reach its model")
+        wait_until(lambda: served.inference_count("id_FP32") > before, "the second to run")
     finally:
         served.gate.unlink(missing_ok=True)
     try:

@@ -12,8 +12,7 @@ requests queued before a lowered ``max_batch_size`` run in batches of the new si
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import ServedProcess, start_served_process
+from .conftest import ServedProcess, start_served_process, wait_until
 
 WAIT_LIMIT_S = 20.0  # a net against a hung test, never a timing assertion
 NUM_WORKERS = 16
@@ -231,13 +230,6 @@ async def test_policy_changes_under_load_lose_nothing_and_bad_posts_change_nothi
     assert delta("carpool_requests_total", **{"class": "background"}) > 0
 
 
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_LIMIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)  # polling another process
-
-
 def _pending(url: str, model: str) -> float:
     return _metric(httpx.get(f"{url}/metrics").text, "carpool_pending_requests", model=model)
 
@@ -258,10 +250,10 @@ async def test_requests_queued_before_max_batch_size_is_lowered_run_in_batches_o
                 return int(reply.json()["outputs"][0]["data"][0])
 
             first = asyncio.create_task(infer(0))
-            await asyncio.to_thread(_wait_until, lambda: served.batch_sizes() == [1], "batch 1")
+            await asyncio.to_thread(wait_until, lambda: served.batch_sizes() == [1], "batch 1")
             rest = [asyncio.create_task(infer(v)) for v in range(1, 12)]
             await asyncio.to_thread(
-                _wait_until, lambda: _pending(served.url, "recorded") == 11, "11 queued"
+                wait_until, lambda: _pending(served.url, "recorded") == 11, "11 queued"
             )
             reply = await client.post(f"{url}/policy", json={"max_batch_size": 3})
             assert reply.status_code == 200 and reply.json()["max_batch_size"] == 3

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +34,7 @@ import tritonclient.grpc as grpcclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from .conftest import ServedProcess, start_served_process
+from .conftest import ServedProcess, start_served_process, wait_until
 
 LIMIT_S = 20.0  # only against hangs
 SLEEP_S = 0.005  # the model's cost per call
@@ -138,14 +138,6 @@ def served(tmp_path: Path) -> Iterator[Served]:
     finally:
         gate.unlink(missing_ok=True)
         assert process.stop() == 0, process.output()
-
-
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + LIMIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"waited {LIMIT_S} s for {what}")
-        time.sleep(0.005)  # polling another process for a state change, not a timing check
 
 
 # -- the ledger: what the clients sent and saw ------------------------------------------
@@ -412,7 +404,7 @@ def gated_phase(served: Served, clients: Clients, ledger: Ledger, pool: ThreadPo
     url = served.http_url
     served.gate.touch()
     blocker = pool.submit(send_good, clients, ledger, INFER, [1], 0)
-    _wait_until(lambda: served.num_started() == 1, "the blocker in the model")
+    wait_until(lambda: served.num_started() == 1, "the blocker in the model")
     blocker_in_s = time.monotonic()
 
     # Expire in the queue: 503 over HTTP, UNAVAILABLE over gRPC.
@@ -433,8 +425,8 @@ def gated_phase(served: Served, clients: Clients, ledger: Ledger, pool: ThreadPo
     for path, values, priority in ((INFER, [21], 1), (ASGI, [22, 23], 2)):
         with _connect(url) as sock:
             sock.sendall(_raw(path, _body(values, _parameters(priority))))
-            _wait_until(lambda: pending(url) == 1, "the request queued")
-        _wait_until(lambda: pending(url) == 0, "the request withdrawn")
+            wait_until(lambda: pending(url) == 1, "the request queued")
+        wait_until(lambda: pending(url) == 0, "the request withdrawn")
         ledger.dropped(_class_of(priority), len(values), "cancelled")
     tensor = grpcclient.InferInput("X", [1, 1], "INT64")
     tensor.set_data_from_numpy(np.array([[24]], dtype=np.int64))
@@ -442,10 +434,10 @@ def gated_phase(served: Served, clients: Clients, ledger: Ledger, pool: ThreadPo
     context = clients.grpc().async_infer(
         "metered", [tensor], lambda result, error: cancelled.set(), priority=3
     )
-    _wait_until(lambda: pending(url) == 1, "the gRPC request queued")
+    wait_until(lambda: pending(url) == 1, "the gRPC request queued")
     context.cancel()
     assert cancelled.wait(LIMIT_S)
-    _wait_until(lambda: pending(url) == 0, "the gRPC request withdrawn")
+    wait_until(lambda: pending(url) == 0, "the gRPC request withdrawn")
     ledger.dropped("background", 1, "cancelled")
 
     # Fill the queue (one request per wire and priority), then three more are refused.
@@ -453,7 +445,7 @@ def gated_phase(served: Served, clients: Clients, ledger: Ledger, pool: ThreadPo
     fill += [("grpc", [35], 1), ("grpc", [36], 3)]
     assert len(fill) == MAX_QUEUE_SIZE
     held = [pool.submit(send_good, clients, ledger, w, v, p) for w, v, p in fill]
-    _wait_until(lambda: pending(url) == MAX_QUEUE_SIZE, "the queue full")
+    wait_until(lambda: pending(url) == MAX_QUEUE_SIZE, "the queue full")
     queued_s = time.monotonic()
     with httpx.Client(base_url=f"http://{url}", timeout=LIMIT_S) as client:
         for path, priority in ((INFER, 1), (ASGI, 3)):
@@ -734,7 +726,7 @@ def test_a_batch_whose_requests_all_expired_before_its_turn_is_not_counted_as_ru
     with ThreadPoolExecutor(max_workers=6) as pool:
         try:
             blocker = pool.submit(send_good, clients, ledger, INFER, [1], 0)
-            _wait_until(lambda: served.num_started() == 1, "the blocker in the model")
+            wait_until(lambda: served.num_started() == 1, "the blocker in the model")
             # Queued behind the blocker: a full interactive batch that computes SLOW_S,
             # and a full background batch that may wait half of that, not all of it.
             slow = [SLOW, *range(101, 100 + half)]
@@ -746,7 +738,7 @@ def test_a_batch_whose_requests_all_expired_before_its_turn_is_not_counted_as_ru
                 pool.submit(_http_once, url, INFER, values, 3, int(SLOW_S / 2 * 1e6))
                 for values in (list(range(300, 300 + half)), list(range(400, 400 + half)))
             ]
-            _wait_until(lambda: pending(url) == 4, "four requests queued")
+            wait_until(lambda: pending(url) == 4, "four requests queued")
             served.gate.unlink()
             for future in [blocker, *full]:
                 future.result(LIMIT_S)
@@ -778,9 +770,9 @@ def test_triton_compute_stats_are_per_successful_request_and_batch_stats_per_exe
     with ThreadPoolExecutor(max_workers=4) as pool:
         try:
             blocker = pool.submit(send_good, clients, ledger, INFER, [1], 0)
-            _wait_until(lambda: served.num_started() == 1, "the blocker in the model")
+            wait_until(lambda: served.num_started() == 1, "the blocker in the model")
             batched = [pool.submit(send_good, clients, ledger, INFER, [v], 0) for v in (2, 3, 4)]
-            _wait_until(lambda: pending(url) == 3, "three requests queued")
+            wait_until(lambda: pending(url) == 3, "three requests queued")
             served.gate.unlink()
             for future in [blocker, *batched]:
                 future.result(LIMIT_S)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from .conftest import ServedProcess, StartServer, start_served_process
+from .conftest import ServedProcess, StartServer, start_served_process, wait_until
 
 WAIT_LIMIT_S = 30.0
 DATATYPES = [
@@ -206,14 +205,6 @@ def _infer_gated(http_url: str, value: int, parameters: dict[str, Any] | None = 
     return httpx.post(f"http://{http_url}/v2/models/gated/infer", json=body, timeout=60.0)
 
 
-def _wait_until(condition: Any, what: str) -> None:
-    limit = time.monotonic() + WAIT_LIMIT_S
-    while not condition():
-        if time.monotonic() > limit:
-            pytest.fail(f"gave up waiting for {what}")
-        time.sleep(0.01)  # polling for a state change, not a timing assertion
-
-
 def _gated_y(response: httpx.Response) -> int:
     assert response.status_code == 200, response.text
     return int(response.json()["outputs"][0]["data"][0])
@@ -241,7 +232,7 @@ def test_deadline_shorter_than_the_wait_is_a_503_and_others_succeed(served: Serv
     with ThreadPoolExecutor(max_workers=2) as pool:
         try:
             blocker = pool.submit(_infer_gated, served.http_url, 4004)
-            _wait_until(lambda: 4004 in served.seen_values(), "the blocker to reach the model")
+            wait_until(lambda: 4004 in served.seen_values(), "the blocker to reach the model")
             patient = pool.submit(_infer_gated, served.http_url, 6006)
             hasty = _infer_gated(served.http_url, 5005, {"timeout": 50_000})  # 50 ms in µs
         finally:
@@ -263,13 +254,13 @@ def test_grpc_client_giving_up_drops_its_queued_request(served: Served) -> None:
     with ThreadPoolExecutor(max_workers=1) as pool:
         try:
             blocker = pool.submit(_infer_gated, served.http_url, 1001)
-            _wait_until(lambda: 1001 in served.seen_values(), "the blocker to reach the model")
+            wait_until(lambda: 1001 in served.seen_values(), "the blocker to reach the model")
             infer_input = grpcclient.InferInput("X", [1, 1], "INT64")
             infer_input.set_data_from_numpy(np.array([[2002]], dtype=np.int64))
             with pytest.raises(InferenceServerException) as caught:
                 client.infer("gated", [infer_input], client_timeout=0.3)
             assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
-            _wait_until(
+            wait_until(
                 lambda: _rejections(served.http_url, "gated", "cancelled") > before,
                 "the server to count the cancelled request",
             )

@@ -17,7 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from .conftest import StartServer
+from .conftest import StartServer, wait_until
 
 CONFIG = """\
 models:
@@ -36,13 +36,6 @@ def _input(value: int) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput("X", [1, 1], "INT64")
     tensor.set_data_from_numpy(np.array([[value]], dtype=np.int64))
     return tensor
-
-
-def _wait_until(condition: Any, what: str) -> None:
-    deadline = time.monotonic() + LIMIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)  # polling another process
 
 
 def _pending(http_url: str) -> float:
@@ -74,11 +67,11 @@ def test_signal_answers_running_and_queued_grpc_requests_and_refuses_new_ones(
                 callback=lambda result, error, v=value: answers.put((v, result, error)),
             )
             if value == 1:
-                _wait_until(lambda: seen.exists() and "1" in seen.read_text().split(), "1 runs")
+                wait_until(lambda: seen.exists() and "1" in seen.read_text().split(), "1 runs")
         body = {"inputs": [{"name": "X", "shape": [1, 1], "datatype": "INT64", "data": [4]}]}
         url = f"http://{server.http_url}/v2/models/gated/infer?via=asgi"  # not the fast path
         rest = pool.submit(httpx.post, url, json=body, timeout=LIMIT_S * 2)
-        _wait_until(lambda: _pending(server.http_url) == 2, "2 and 4 to be queued")
+        wait_until(lambda: _pending(server.http_url) == 2, "2 and 4 to be queued")
         server.process.send_signal(signum)
         server.stopped = True
         time.sleep(0.5)  # let the server begin its drain
