@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import importlib
-import itertools
-import sys
-import textwrap
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,26 +15,6 @@ from carpool.errors import ConfigError
 from carpool.models.onnx import OnnxRunner, TensorInfo, onnx_factory, read_specs
 from carpool.models.python import is_factory, load_python
 from carpool.models.torch import TorchRunner, load_module, torch_factory
-
-_names = itertools.count()
-
-
-@pytest.fixture
-def make_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], str]]:
-    """Writes a module to tmp_path and returns its (unique) importable name."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    written: list[str] = []
-
-    def make(source: str) -> str:
-        name = f"carpool_runner_test_{next(_names)}"
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source), encoding="utf-8")
-        written.append(name)
-        return name
-
-    yield make
-    for name in written:
-        sys.modules.pop(name, None)
-
 
 X = np.arange(12, dtype=np.float32).reshape(3, 4)
 

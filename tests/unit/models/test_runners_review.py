@@ -4,10 +4,7 @@ Triton and against onnxruntime and torch run directly. Each test failed before i
 from __future__ import annotations
 
 import asyncio
-import itertools
-import sys
-import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,25 +17,6 @@ from carpool.config import load_config, parse_config
 from carpool.errors import ConfigError
 from carpool.server.builder import build_repository
 from carpool.server.repository import ServedModel
-
-_names = itertools.count()
-
-
-@pytest.fixture
-def make_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], str]]:
-    """Writes a module to tmp_path and returns its (unique) importable name."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    written: list[str] = []
-
-    def make(source: str) -> str:
-        name = f"carpool_runner_review_{next(_names)}"
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source), encoding="utf-8")
-        written.append(name)
-        return name
-
-    yield make
-    for name in written:
-        sys.modules.pop(name, None)
 
 
 def _save_onnx(path: Path, nodes: list[Any], inputs: list[Any], outputs: list[Any]) -> Path:
