@@ -36,10 +36,13 @@ def build_repository(config: ServeConfig, *, file: str | None = None) -> ModelRe
         except ConfigError as error:
             if error.file is not None:
                 raise
-            raise ConfigError(
-                f"models[{i}].{error.field}", error.value, error.expected, file=file
-            ) from error
+            raise _keyed(error, f"models[{i}]", file) from error
     return ModelRepository(models)
+
+
+def _keyed(error: ConfigError, key: str, file: str | None) -> ConfigError:
+    """``error`` with its field under the model's ``key``, in ``file``."""
+    return ConfigError(f"{key}.{error.field}", error.value, error.expected, file=file)
 
 
 def build_model(
@@ -200,9 +203,7 @@ def _naming_key(factory: Callable[[str], Any], key: str, file: str | None) -> Ca
         except ConfigError as error:
             if error.file is not None:
                 raise
-            raise ConfigError(
-                f"{key}.{error.field}", error.value, error.expected, file=file
-            ) from error
+            raise _keyed(error, key, file) from error
 
     return make
 
