@@ -217,6 +217,14 @@ class BatchPolicy:
             )
         return dataclasses.replace(self, **changes)
 
+    def max_queued(self, name: str | None) -> int | None:
+        """The most requests of class ``name`` (the default class for ``None``) that can
+        wait at once: the smaller of the model's and the class's queue bounds (an unknown
+        class: the model's), None when neither is set."""
+        limits = self.limits.get(self.default_class if name is None else name)
+        bounds = (self.max_queue_size, limits.max_queue_size if limits is not None else None)
+        return min((b for b in bounds if b is not None), default=None)
+
     def class_limits(self, name: str | None) -> ClassLimits:
         """Resolved limits of class ``name`` (the default class for ``None``)."""
         try:

@@ -144,10 +144,7 @@ class EmbeddingService:
             )
         # Each text is its own queued request: past a queue bound the call could never be
         # admitted, and QueueFull (429, retry later) would have clients retry it for ever.
-        policy = self.batcher.policy
-        limits = policy.limits.get(priority if isinstance(priority, str) else policy.default_class)
-        bounds = (policy.max_queue_size, limits.max_queue_size if limits is not None else None)
-        bound = min((b for b in bounds if b is not None), default=None)
+        bound = self.batcher.policy.max_queued(priority if isinstance(priority, str) else None)
         if bound is not None and count > bound:
             raise InvalidInput(
                 f"input holds {count} texts, more than the {bound} this model's queue holds "

@@ -270,3 +270,12 @@ def test_policy_is_frozen() -> None:
     policy = BatchPolicy()
     with pytest.raises(AttributeError):
         policy.max_batch_size = 3  # type: ignore[misc]
+
+
+def test_max_queued_is_the_smaller_of_the_model_and_class_bounds() -> None:
+    classes = (ClassPolicy("interactive", max_queue_size=3), ClassPolicy("normal"))
+    policy = BatchPolicy(max_queue_size=10, classes=classes, default_class="normal")
+    assert policy.max_queued("interactive") == 3
+    assert policy.max_queued(None) == policy.max_queued("normal") == 10
+    assert policy.max_queued("unknown") == 10  # refused later, at admission
+    assert BatchPolicy(classes=(ClassPolicy("normal"),)).max_queued(None) is None
