@@ -94,7 +94,7 @@ class EmbeddingService:
                 "max_batch_tokens",
                 budget,
                 f"at least {self.encoder.max_length} (the most tokens one text of "
-                f"{self.folder.name!r} takes)",
+                f"{self.name!r} takes)",
             )
 
     @property

@@ -251,7 +251,9 @@ async def _submit_one(batcher: Batcher, payload: Any) -> int:
 
 class ServerRunner:
     """Tunes a model on a running carpool server through ``POST /v2/models/{m}/policy``,
-    driving load with KServe v2 JSON infer requests (one row each) over httpx."""
+    driving load with KServe v2 JSON infer requests (one row each) over httpx. ``close``
+    gives the model back the policy it had at ``connect``: the recommendation goes to a
+    file, never left on the server as whatever the last trial set."""
 
     def __init__(self, base_url: str, model: str, load: LoadSpec) -> None:
         import httpx
@@ -264,6 +266,8 @@ class ServerRunner:
         self._driver: LoadDriver | None = None
         self._body: bytes | None = None
         self.metadata: dict[str, Any] = {}
+        self._starting_policy: dict[str, Any] | None = None
+        self._changed: set[str] = set()  # fields the trials set, restored by close()
 
     def _path(self, action: str = "") -> str:
         return f"/v2/models/{self.model}" + (f"/{action}" if action else "")
@@ -274,6 +278,8 @@ class ServerRunner:
         if response.status_code != 200:
             raise ConfigError("target", self.base_url, f"a server with model {self.model!r}")
         self.metadata = response.json()
+        if self._starting_policy is None:
+            self._starting_policy = await self.policy()
         inputs = []
         for spec in self.metadata["inputs"]:
             shape = [1, *(d if d > 0 else 1 for d in spec["shape"][1:])]
@@ -298,12 +304,13 @@ class ServerRunner:
                 changes["num_replicas"],
                 "no replica changes on a running server (tune it in-process, or restart per value)",
             )
+        if self._body is None:
+            await self.connect()  # also notes the starting policy, before the first change
+        self._changed.update(changes)
         response = await self._client.post(self._path("policy"), content=orjson.dumps(changes))
         if response.status_code == 400:
             raise ConfigError("policy", changes, response.json().get("error", "a valid policy"))
         response.raise_for_status()
-        if self._body is None:
-            await self.connect()
         body = self._body
         client, path = self._client, self._path("infer")
         headers = {"content-type": "application/json"}
@@ -334,5 +341,15 @@ class ServerRunner:
             self._driver = None
 
     async def close(self) -> None:
+        import httpx
+
         await self.end_trial()
-        await self._client.aclose()
+        starting = self._starting_policy or {}
+        restore = {name: starting[name] for name in sorted(self._changed) if name in starting}
+        try:
+            if restore:
+                await self._client.post(self._path("policy"), content=orjson.dumps(restore))
+        except httpx.HTTPError:
+            pass  # the server went away: there is no policy left to give back
+        finally:
+            await self._client.aclose()
