@@ -71,15 +71,17 @@ class Histogram:
         return self._ring[: min(self._pos, RING_SIZE)]
 
     @staticmethod
-    def merged(histograms: list[Histogram]) -> LatencyStats:
-        """Stats over several histograms with the same bounds, as if they were one."""
+    def merged(histograms: list[Histogram], *, quantiles: bool = True) -> LatencyStats:
+        """Stats over several histograms with the same bounds, as if they were one; with
+        ``quantiles`` false, their recent samples are neither gathered nor sorted."""
         total = Histogram(histograms[0].bounds if histograms else LATENCY_BUCKETS_S)
         for h in histograms:
             total.counts = [a + b for a, b in zip(total.counts, h.counts, strict=True)]
             total.count += h.count
             total.total += h.total
-        samples = [v for h in histograms for v in h.recent()]
-        return total.stats(samples)
+        if not quantiles:
+            return total.stats(quantiles=False)
+        return total.stats([v for h in histograms for v in h.recent()])
 
     def stats(self, samples: list[float] | None = None, *, quantiles: bool = True) -> LatencyStats:
         """Counts, buckets and sum; with ``quantiles`` also the percentiles and max of the
@@ -415,7 +417,9 @@ class Telemetry:
             ),
             replica_balance=_balance(fractions),
             memory=self._memory_stats(),
-            latency=Histogram.merged([c.latency for c in self._classes.values()]),
+            latency=Histogram.merged(
+                [c.latency for c in self._classes.values()], quantiles=quantiles
+            ),
         )
 
     def _class_stats(

@@ -7,6 +7,7 @@ read once, JSON goes through orjson. Endpoints::
     GET  /v2                                             server metadata
     GET  /v2/models/{m}[/versions/{v}]                   model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready | /config | /stats
+    POST /v2/repository/index                            every model and its state
     POST /v2/models/{m}[/versions/{v}]/infer             JSON and binary tensors
     GET | POST /v2/models/{m}[/versions/{v}]/policy      batch policy; POST changes fields
     POST /v1/embeddings | GET /v1/models                 OpenAI-compatible (server/openai.py)
@@ -30,7 +31,7 @@ from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
 from carpool.server import completions, openai
 from carpool.server.encoding import inflate
-from carpool.server.errors import MethodNotAllowed, NotFound, PayloadTooLarge
+from carpool.server.errors import MethodNotAllowed, NotFound, NotSupported, PayloadTooLarge
 from carpool.server.infer import InferPlans, error_response, infer_response, prepare_infer
 from carpool.server.metrics import Metrics
 from carpool.server.repository import ModelRepository, ServedModel
@@ -42,7 +43,21 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+# Triton's extension names for what carpool serves: schedule_policy is the priority and
+# timeout request parameters. Not served, each endpoint a 501 naming it (_UNSERVED), each
+# request parameter a 400: model_repository (only its index is answered), shared memory,
+# trace, logging, sequence, classification.
+EXTENSIONS = [
+    "binary_tensor_data", "model_configuration", "statistics", "parameters", "schedule_policy"
+]  # fmt: skip
+# /v2/{first segment} of the extensions' endpoints carpool does not implement.
+_UNSERVED = {
+    "repository": ("model repository load/unload", "model_repository"),
+    "systemsharedmemory": ("system shared memory", "system_shared_memory"),
+    "cudasharedmemory": ("CUDA shared memory", "cuda_shared_memory"),
+    "trace": ("trace settings", "trace"),
+    "logging": ("log settings", "logging"),
+}
 _JSON = (b"content-type", b"application/json")
 
 
@@ -92,8 +107,12 @@ class KServeApp:
         parts = [p for p in scope["path"].split("/") if p]
         if parts == ["metrics"]:
             _allow(method, scope["path"], "GET")
-            body, content_type = self.metrics.render(_header(scope, b"accept"))
-            return await _respond(send, 200, body, ((b"content-type", content_type),))
+            body, headers = self.metrics.answer(
+                _header(scope, b"accept"),
+                _header(scope, b"accept-encoding"),
+                scope.get("query_string", b""),
+            )
+            return await _respond(send, 200, body, headers)
         if parts[:1] == ["v1"]:
             return await self._openai(method, parts[1:], scope, receive, send)
         if not parts or parts[0] != "v2":
@@ -110,6 +129,15 @@ class KServeApp:
         if rest == ["models", "stats"]:  # every model's statistics, as Triton's extension
             _allow(method, path, "GET")
             return await _json(send, {"model_stats": [model_stats(m) for m in self.repository]})
+        if rest == ["repository", "index"]:
+            _allow(method, path, "POST")
+            is_ready_only = _index_ready(await self._read_body(scope, receive))
+            index = self.repository.index(is_ready_only=is_ready_only)
+            return await _respond(send, 200, orjson.dumps(index), (_JSON,))
+        if rest[0] in _UNSERVED:
+            raise NotSupported(*_UNSERVED[rest[0]])
+        if rest[0] == "models" and rest[-2:] == ["trace", "setting"]:
+            raise NotSupported(*_UNSERVED["trace"])
         if len(rest) < 2 or rest[0] != "models":
             raise NotFound(f"path {path!r}", ["/v2/models/{model}/..."])
         name, version, action = _model_path(rest[1:], path)
@@ -260,6 +288,22 @@ def _model_path(parts: list[str], path: str) -> tuple[str, str | None, str | Non
     if len(rest) > 1:
         raise NotFound(f"path {path!r}", ["ready", "config", "stats", "infer"])
     return name, version, (rest[0] if rest else None)
+
+
+def _index_ready(body: bytes) -> bool:
+    """A repository index body: empty (what ``tritonclient`` sends) or a JSON object with
+    an optional boolean ``ready`` (only the models ready for inference)."""
+    try:
+        request = orjson.loads(body) if body.strip() else {}
+    except orjson.JSONDecodeError as error:
+        raise InvalidInput(f"repository index body: expected a JSON object ({error})") from None
+    ready = request.get("ready", False) if isinstance(request, dict) else None
+    if not isinstance(ready, bool):
+        raise InvalidInput(
+            f"repository index body {body[:100]!r}: expected a JSON object whose optional "
+            f"'ready' is true or false"
+        )
+    return ready
 
 
 def _policy_changes(body: bytes) -> dict[str, Any]:

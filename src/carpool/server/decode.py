@@ -23,12 +23,14 @@ from carpool.errors import InvalidInput
 from carpool.server.tensors import (
     DATATYPE_NAMES,
     DATATYPES,
+    UNSUPPORTED_OUTPUT_PARAMETERS,
     WIRE_DTYPES,
     InferRequest,
     InputTensor,
     RequestedOutput,
     check_empty_shape,
     deserialize_bytes_tensor,
+    unsupported_output_parameter,
 )
 
 __all__ = [
@@ -541,9 +543,9 @@ def _requested_outputs(
             raise InvalidInput(f"{where}: name appears more than once in 'outputs'")
         seen.add(name)
         parameters = _optional_dict(entry, "parameters", where)
-        for unsupported in ("classification", "shared_memory_region"):
+        for unsupported in UNSUPPORTED_OUTPUT_PARAMETERS:
             if parameters.get(unsupported):
-                raise InvalidInput(f"{where}: parameters.{unsupported} is not supported")
+                raise unsupported_output_parameter(where, unsupported, parameters[unsupported])
         is_binary = parameters.get("binary_data", is_binary_default)
         if not isinstance(is_binary, bool):
             raise InvalidInput(

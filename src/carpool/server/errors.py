@@ -7,6 +7,7 @@ error              HTTP  gRPC                why
 InvalidInput       400   INVALID_ARGUMENT    the client sent something unusable
 NotFound           404   NOT_FOUND           unknown model or version
 MethodNotAllowed   405   UNIMPLEMENTED       a known path, another method (``Allow``)
+NotSupported       501   UNIMPLEMENTED       a Triton extension carpool does not implement
 PayloadTooLarge    413   RESOURCE_EXHAUSTED  body over the configured limit
 QueueFull          429   UNAVAILABLE         admission refused; ``Retry-After`` tells when
 DeadlineExceeded   503   UNAVAILABLE         the deadline passed while queued
@@ -56,6 +57,20 @@ class MethodNotAllowed(Exception):
         super().__init__(f"{method} {path!r} is not allowed; expected {' or '.join(allowed)}")
 
 
+class NotSupported(Exception):
+    """An endpoint of a Triton extension that carpool does not implement (repository
+    load/unload, shared memory, tracing, log settings). Triton answers a feature it does
+    not support with ``TRITONSERVER_ERROR_UNSUPPORTED``: HTTP 501, gRPC UNIMPLEMENTED."""
+
+    def __init__(self, feature: str, extension: str) -> None:
+        self.feature = feature
+        self.extension = extension
+        super().__init__(
+            f"{feature} is not supported by carpool (Triton's {extension!r} extension; "
+            "GET /v2 lists the extensions carpool serves)"
+        )
+
+
 class PortInUse(Exception):
     """A port the server was told to listen on cannot be bound."""
 
@@ -79,6 +94,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (ConfigError, 400),
     (NotFound, 404),
     (MethodNotAllowed, 405),
+    (NotSupported, 501),
     (PayloadTooLarge, 413),
     (QueueFull, 429),
     (DeadlineExceeded, 503),
@@ -94,6 +110,7 @@ _GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
     (ConfigError, "INVALID_ARGUMENT"),
     (NotFound, "NOT_FOUND"),
     (MethodNotAllowed, "UNIMPLEMENTED"),
+    (NotSupported, "UNIMPLEMENTED"),
     (PayloadTooLarge, "RESOURCE_EXHAUSTED"),
     (QueueFull, "UNAVAILABLE"),  # as Triton; gRPC maps HTTP 429 to it too
     (DeadlineExceeded, "UNAVAILABLE"),
@@ -103,7 +120,7 @@ _GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
 
 def error_message(exc: BaseException) -> str:
     """The message either wire answers ``exc`` with."""
-    if isinstance(exc, CarpoolError | NotFound | MethodNotAllowed | PayloadTooLarge):
+    if isinstance(exc, CarpoolError | NotFound | MethodNotAllowed | NotSupported | PayloadTooLarge):
         return str(exc)
     return f"internal error: {type(exc).__name__}: {exc}"
 

@@ -43,12 +43,14 @@ from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.stats import model_stats
 from carpool.server.tensors import (
     DATATYPES,
+    UNSUPPORTED_OUTPUT_PARAMETERS,
     InferRequest,
     InputTensor,
     RequestedOutput,
     check_empty_shape,
     deserialize_bytes_tensor,
     tensor_bytes,  # the REST codec's raw encoding, so both wires send identical bytes
+    unsupported_output_parameter,
 )
 
 __all__ = [
@@ -63,7 +65,8 @@ __all__ = [
     "start_grpc_server",
 ]
 
-EXTENSIONS = ["model_configuration", "statistics", "parameters"]
+# REST's (server/app.py) but binary_tensor_data, which is HTTP's.
+EXTENSIONS = ["model_configuration", "statistics", "parameters", "schedule_policy"]
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # requests, as the REST body limit
 # Responses, as Triton's server and tritonclient's channel: a protobuf message's ceiling. A
 # smaller limit would fail an answer after its model ran (REST bounds no response).
@@ -203,9 +206,14 @@ def _requested_outputs(request: pb.ModelInferRequest) -> tuple[RequestedOutput, 
         if output.name in seen:
             raise InvalidInput(f"{where}: name appears more than once in 'outputs'")
         seen.add(output.name)
-        for unsupported in ("classification", "shared_memory_region"):
-            if unsupported in output.parameters and _parameter(output.parameters[unsupported]):
-                raise InvalidInput(f"{where}: parameters.{unsupported} is not supported")
+        for unsupported in UNSUPPORTED_OUTPUT_PARAMETERS:
+            value = (
+                _parameter(output.parameters[unsupported])
+                if unsupported in output.parameters
+                else None
+            )
+            if value:
+                raise unsupported_output_parameter(where, unsupported, value)
         requested.append(RequestedOutput(output.name, is_binary=True))
     return tuple(requested)
 
@@ -369,11 +377,8 @@ class InferenceServicer:
         self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RepositoryIndexResponse:
         index = pb.RepositoryIndexResponse()
-        for model in self.repository:
-            is_ready = model.batcher.is_running
-            if is_ready or not request.ready:
-                state = "READY" if is_ready else "UNAVAILABLE"
-                index.models.add(name=model.name, version=model.version, state=state)
+        for entry in self.repository.index(is_ready_only=request.ready):
+            index.models.add(**entry)
         return index
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:

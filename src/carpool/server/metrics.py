@@ -4,13 +4,17 @@ A custom collector reads each batcher's :class:`TelemetrySnapshot` at scrape tim
 the hot path records nothing twice. Names start with ``carpool_``; labels are ``model``
 (the name the repository serves it under, as ``/v2/models/{m}/stats`` has it) and
 ``class`` (plus ``reason`` and ``replica`` where they apply). The text format 0.0.4 is
-served unless the scraper's ``Accept`` asks for OpenMetrics, as Prometheus does.
+served unless the scraper's ``Accept`` asks for OpenMetrics, as Prometheus does; as
+prometheus_client's own handler, the body is gzipped when ``Accept-Encoding`` allows it,
+and ``?name[]=...`` keeps only the samples so named.
 """
 
 from __future__ import annotations
 
+import gzip
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
+from urllib.parse import parse_qs
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -19,9 +23,10 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector
 
+from carpool.core.policy import BatchPolicy
 from carpool.core.telemetry import REJECTION_REASONS, LatencyStats, TelemetrySnapshot
 from carpool.generation.engine import GenerationSnapshot
 from carpool.server.generation import generation_models
@@ -30,16 +35,31 @@ from carpool.server.repository import ModelRepository
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 BATCH_SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
-Named = tuple[str, TelemetrySnapshot]  # (served model name, its batcher's snapshot)
+# (served model name, its batcher's snapshot, its batch-size bucket bounds)
+Named = tuple[str, TelemetrySnapshot, tuple[int, ...]]
+
+
+def batch_size_bounds(policy: BatchPolicy) -> tuple[int, ...]:
+    """The batch-size buckets of a model under ``policy``: powers of two from 1 up to
+    its largest max batch size, and each max batch size (the model's and its classes')
+    with the size one below it, so ``le=max`` minus ``le=max-1`` counts the full batches;
+    its preferred batch sizes too."""
+    maxes = {policy.max_batch_size} | {
+        c.max_batch_size for c in policy.classes if c.max_batch_size is not None
+    }
+    bounds = {*BATCH_SIZE_BOUNDS, *policy.preferred_batch_sizes}
+    power = 1
+    while power < max(maxes):
+        power *= 2
+        bounds.add(power)
+    bounds |= maxes | {m - 1 for m in maxes if m > 1}
+    return tuple(sorted(bounds))
 
 
 def _le(bound: float) -> str:
     """A bucket bound as OpenMetrics' canonical number (``1.0``, not ``1``; ``+Inf``), as
     prometheus_client's own histograms write it and Prometheus 3 stores it."""
     return "+Inf" if bound == math.inf else repr(float(bound))
-
-
-_BATCH_SIZE_LE = tuple(_le(b) for b in BATCH_SIZE_BOUNDS)
 
 
 def _buckets(stats: LatencyStats) -> list[tuple[str, float]]:
@@ -58,14 +78,21 @@ class TelemetryCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         # Labelled by the repository's (unique) names: a batcher's own name defaults to
-        # its function's, which two models may share.
-        snapshots = [(m.name, m.batcher.snapshot(quantiles=False)) for m in self._repository]
+        # its function's, which two models may share. A generation model's batcher only
+        # starts and stops its engine (it is never given a request): its series would
+        # read 0 requests, 0 batches and an idle replica while the engine serves, so it
+        # has only the carpool_generation_* ones.
+        services = generation_models(self._repository)
+        snapshots = [
+            (m.name, m.batcher.snapshot(quantiles=False), batch_size_bounds(m.batcher.policy))
+            for m in self._repository
+            if m.name not in services
+        ]
         yield from _class_metrics(snapshots)
         yield from _batch_metrics(snapshots)
         yield from _replica_metrics(snapshots)
-        services = generation_models(self._repository).items()
         yield from _generation_metrics(
-            [(name, g.engine.snapshot(quantiles=False)) for name, g in services]
+            [(name, g.engine.snapshot(quantiles=False)) for name, g in services.items()]
         )
 
 
@@ -88,15 +115,22 @@ def _class_metrics(snapshots: list[Named]) -> Iterator[Metric]:
         "carpool_pending_requests", "Requests waiting in queue.", labels=labels
     )
     slo = GaugeMetricFamily(
-        "carpool_slo_attainment", "Share of requests answered within the class SLO.", labels=labels
+        "carpool_slo_attainment",
+        "Share (0 to 1) of answered and expired requests answered within the class SLO, "
+        "since start.",
+        labels=labels,
     )
     latency = HistogramMetricFamily(
-        "carpool_request_latency_seconds", "End-to-end latency of answered requests.", labels=labels
+        "carpool_request_latency_seconds",
+        "End-to-end latency of answered requests, in seconds.",
+        labels=labels,
     )
     queue = HistogramMetricFamily(
-        "carpool_queue_wait_seconds", "Time from arrival to batch close.", labels=labels
+        "carpool_queue_wait_seconds",
+        "Time from arrival to batch close of answered requests, in seconds.",
+        labels=labels,
     )
-    for model, snap in snapshots:
+    for model, snap, *_ in snapshots:
         for name, c in snap.classes.items():
             key = [model, name]
             requests.add_metric(key, c.num_requests)
@@ -115,18 +149,21 @@ def _class_metrics(snapshots: list[Named]) -> Iterator[Metric]:
 
 def _batch_metrics(snapshots: list[Named]) -> Iterator[Metric]:
     batches = CounterMetricFamily("carpool_batches", "Batches run.", labels=["model"])
-    sizes = HistogramMetricFamily("carpool_batch_size", "Items per batch.", labels=["model"])
+    sizes = HistogramMetricFamily(
+        "carpool_batch_size", "Items per batch (rows, or texts).", labels=["model"]
+    )
     compute = HistogramMetricFamily(
-        "carpool_batch_compute_seconds", "Model time per batch.", labels=["model"]
+        "carpool_batch_compute_seconds", "Model time per batch, in seconds.", labels=["model"]
     )
     fill = GaugeMetricFamily(
         "carpool_fill_ratio",
-        "Mean over batches of batch size / its max batch size.",
+        "Mean over batches of batch size / its max batch size (0 to 1), since start.",
         labels=["model"],
     )
     effective = GaugeMetricFamily(
         "carpool_effective_compute_ratio",
-        "Compute time / (compute time + time replicas held a batch open to fill).",
+        "Compute time / (compute time + time replicas held a batch open to fill), 0 to 1, "
+        "since start.",
         labels=["model"],
     )
     tokens = CounterMetricFamily(
@@ -141,20 +178,19 @@ def _batch_metrics(snapshots: list[Named]) -> Iterator[Metric]:
     )
     waste = GaugeMetricFamily(
         "carpool_padding_waste_ratio",
-        "Padded slots / all slots computed (0 when packed).",
+        "Padded slots / all slots computed, 0 to 1 (0 when packed).",
         labels=["model"],
     )
-    for model, snap in snapshots:
+    for model, snap, bounds in snapshots:
         b = snap.batches
         tokens.add_metric([model], b.num_tokens)
         padded.add_metric([model], b.num_padded_slots)
         waste.add_metric([model], b.padding_waste)
         batches.add_metric([model], b.num_batches)
-        cumulative = []
-        for bound, le in zip(BATCH_SIZE_BOUNDS, _BATCH_SIZE_LE, strict=True):
-            cumulative.append(
-                (le, float(sum(n for s, n in b.size_histogram.items() if s <= bound)))
-            )
+        cumulative = [
+            (_le(bound), float(sum(n for s, n in b.size_histogram.items() if s <= bound)))
+            for bound in bounds
+        ]
         cumulative.append(("+Inf", float(b.num_batches)))
         sizes.add_metric([model], cumulative, float(b.num_items))
         compute.add_metric([model], _buckets(b.compute), _histogram_sum(b.compute))
@@ -166,26 +202,41 @@ def _batch_metrics(snapshots: list[Named]) -> Iterator[Metric]:
 def _replica_metrics(snapshots: list[Named]) -> Iterator[Metric]:
     busy = GaugeMetricFamily(
         "carpool_replica_busy_fraction",
-        "Share of uptime a replica computed.",
+        "Share (0 to 1) of its uptime a replica computed, since start.",
+        labels=["model", "replica"],
+    )
+    # The seconds behind the since-start ratios, so that rate() gives them over a window:
+    # rate(busy) is the busy fraction, rate(busy) / (rate(busy) + rate(fill_wait)) the
+    # effective compute ratio.
+    busy_s = CounterMetricFamily(
+        "carpool_replica_busy_seconds",
+        "Seconds a replica computed batches.",
+        labels=["model", "replica"],
+    )
+    fill_wait_s = CounterMetricFamily(
+        "carpool_replica_fill_wait_seconds",
+        "Seconds a replica idled holding a batch open to fill.",
         labels=["model", "replica"],
     )
     balance = GaugeMetricFamily(
         "carpool_replica_balance",
-        "Least busy replica over most busy (1 is even).",
+        "Busy fraction of the least busy replica over the most busy one (1 is even).",
         labels=["model"],
     )
     memory = GaugeMetricFamily(
         "carpool_memory_volatility",
-        "(peak - trough) / total memory reported by the runner.",
+        "(peak - trough) / total memory reported by the runner, 0 to 1.",
         labels=["model"],
     )
-    for model, snap in snapshots:
+    for model, snap, *_ in snapshots:
         for r in snap.replicas:
             busy.add_metric([model, str(r.replica_id)], r.busy_fraction)
+            busy_s.add_metric([model, str(r.replica_id)], r.busy_s)
+            fill_wait_s.add_metric([model, str(r.replica_id)], r.fill_wait_s)
         balance.add_metric([model], snap.replica_balance)
         if snap.memory is not None:
             memory.add_metric([model], snap.memory.volatility)
-    yield from (busy, balance, memory)
+    yield from (busy, busy_s, fill_wait_s, balance, memory)
 
 
 def _generation_metrics(snapshots: list[tuple[str, GenerationSnapshot]]) -> Iterator[Metric]:
@@ -199,7 +250,9 @@ def _generation_metrics(snapshots: list[tuple[str, GenerationSnapshot]]) -> Iter
         "carpool_generation_requests_waiting", "Requests waiting to run.", labels=model
     )
     kv = GaugeMetricFamily(
-        "carpool_generation_kv_cache_usage_ratio", "KV-cache blocks in use / all.", labels=model
+        "carpool_generation_kv_cache_usage_ratio",
+        "KV-cache blocks in use / all blocks, 0 to 1.",
+        labels=model,
     )
     queries = CounterMetricFamily(
         "carpool_generation_prefix_cache_queries", "Prompt tokens looked up.", labels=model
@@ -220,10 +273,13 @@ def _generation_metrics(snapshots: list[tuple[str, GenerationSnapshot]]) -> Iter
         labels=[*model, "finished_reason"],
     )
     histograms = {
-        "time_to_first_token": ("Arrival to first token.", "time_to_first_token"),
-        "inter_token_latency": ("Between tokens of one request.", "inter_token_latency"),
-        "e2e_request_latency": ("Arrival to last token.", "e2e_latency"),
-        "request_queue_time": ("Arrival to first scheduled.", "queue_time"),
+        "time_to_first_token": ("Arrival to first token, in seconds.", "time_to_first_token"),
+        "inter_token_latency": (
+            "Between tokens of one request, in seconds.",
+            "inter_token_latency",
+        ),
+        "e2e_request_latency": ("Arrival to last token, in seconds.", "e2e_latency"),
+        "request_queue_time": ("Arrival to first scheduled, in seconds.", "queue_time"),
     }
     families = {
         name: HistogramMetricFamily(f"carpool_generation_{name}_seconds", text, labels=model)
@@ -248,6 +304,23 @@ def _generation_metrics(snapshots: list[tuple[str, GenerationSnapshot]]) -> Iter
     yield from families.values()
 
 
+class _Restricted(Collector):
+    """Only the samples named in ``names``, as prometheus_client's ``name[]`` (whose
+    ``restricted_registry`` sees no collector that does not describe itself)."""
+
+    def __init__(self, registry: CollectorRegistry, names: Collection[str]) -> None:
+        self._registry = registry
+        self._names = set(names)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            samples = [s for s in metric.samples if s.name in self._names]
+            if samples:
+                kept = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+                kept.samples = samples
+                yield kept
+
+
 class Metrics:
     """A private registry holding the collector; ``render()`` is the scrape body."""
 
@@ -255,10 +328,29 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(TelemetryCollector(repository))
 
-    def render(self, accept: bytes | None = None) -> tuple[bytes, bytes]:
+    def render(
+        self, accept: bytes | None = None, names: Collection[str] = ()
+    ) -> tuple[bytes, bytes]:
         """The scrape body and its content type: OpenMetrics when ``accept`` (the
-        request's ``Accept`` header) asks for it, else the text format 0.0.4."""
+        request's ``Accept`` header) asks for it, else the text format 0.0.4. With
+        ``names``, only the samples so named (``carpool_batch_size_bucket``, not the
+        family's ``carpool_batch_size``), as prometheus_client's ``name[]``."""
+        registry: Collector = _Restricted(self.registry, names) if names else self.registry
         if accept is None or b"openmetrics" not in accept:
-            return generate_latest(self.registry), CONTENT_TYPE
+            return generate_latest(registry), CONTENT_TYPE
         encode, content_type = choose_encoder(accept.decode("latin-1"))
-        return encode(self.registry), content_type.encode()
+        return encode(registry), content_type.encode()
+
+    def answer(
+        self, accept: bytes | None, accept_encoding: bytes | None, query: bytes
+    ) -> tuple[bytes, tuple[tuple[bytes, bytes], ...]]:
+        """A scrape's body and headers, as prometheus_client's handler makes them:
+        ``query`` (the URL's query string) may restrict it with ``name[]``, and it is
+        gzipped when ``accept_encoding`` allows (Prometheus asks for gzip)."""
+        names: Iterable[str] = parse_qs(query.decode("latin-1")).get("name[]", ())
+        body, content_type = self.render(accept, tuple(names))
+        headers = [(b"content-type", content_type)]
+        if accept_encoding is not None and gzip_accepted(accept_encoding.decode("latin-1")):
+            body = gzip.compress(body)
+            headers.append((b"content-encoding", b"gzip"))
+        return body, tuple(headers)

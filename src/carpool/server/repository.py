@@ -171,8 +171,10 @@ class ServedModel:
         is in microseconds, 0 meaning none of its own (``tritonserver.h``).
 
         Raises:
-            InvalidInput: a negative or non-integer priority, or a negative timeout.
+            InvalidInput: a negative or non-integer priority, a negative timeout, or a
+                request that is part of a sequence (see :func:`_check_no_sequence`).
         """
+        _check_no_sequence(request.parameters)
         options: dict[str, Any] = {}
         priority = request.parameters.get("priority")
         if isinstance(priority, str):
@@ -195,6 +197,32 @@ class ServedModel:
                 )
             options["timeout_s"] = timeout * TIMEOUT_PARAMETER_UNIT_S
         return options
+
+
+def _check_no_sequence(parameters: dict[str, Any]) -> None:
+    """Refuse a request of a sequence (Triton's sequence extension: ``sequence_id``,
+    ``sequence_start``, ``sequence_end``). carpool's models are stateless and batch any
+    requests together: answering as if the flags were absent would drop the state the
+    client counts on. An id of 0 or "" with no flag set is no sequence, as the extension
+    says, and passes."""
+    sequence_id = parameters.get("sequence_id")
+    is_start = parameters.get("sequence_start") not in (None, False)
+    is_end = parameters.get("sequence_end") not in (None, False)
+    if (
+        sequence_id in (None, 0, "")
+        and not isinstance(sequence_id, bool)
+        and not (is_start or is_end)
+    ):
+        return
+    given = {k: parameters[k] for k in SEQUENCE_PARAMETERS if k in parameters}
+    raise InvalidInput(
+        f"parameters {given}: sequences (stateful models, Triton's 'sequence' extension) "
+        "are not supported: carpool's models are stateless; send the request without "
+        "sequence_id, sequence_start and sequence_end"
+    )
+
+
+SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
 
 
 def _instance_groups(devices: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -262,3 +290,16 @@ class ModelRepository:
     @property
     def is_ready(self) -> bool:
         return all(m.batcher.is_running for m in self._models.values())
+
+    def index(self, *, is_ready_only: bool = False) -> list[dict[str, str]]:
+        """Triton's repository index: every model (only the ready ones when
+        ``is_ready_only``) with its version and state, ``READY`` or ``UNAVAILABLE``."""
+        entries = []
+        for model in self._models.values():
+            is_model_ready = model.batcher.is_running
+            if is_model_ready or not is_ready_only:
+                state = "READY" if is_model_ready else "UNAVAILABLE"
+                entries.append(
+                    {"name": model.name, "version": model.version, "state": state, "reason": ""}
+                )
+        return entries

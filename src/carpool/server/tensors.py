@@ -30,6 +30,7 @@ from carpool.errors import InvalidInput
 __all__ = [
     "DATATYPES",
     "DATATYPE_NAMES",
+    "UNSUPPORTED_OUTPUT_PARAMETERS",
     "WIRE_DTYPES",
     "InferRequest",
     "InputTensor",
@@ -41,6 +42,7 @@ __all__ = [
     "encode_infer_response",
     "serialize_bytes_tensor",
     "tensor_bytes",
+    "unsupported_output_parameter",
 ]
 
 DATATYPES: dict[str, np.dtype[Any]] = {
@@ -93,6 +95,25 @@ def datatype_of(array: npt.NDArray[Any]) -> str:
             f"array dtype {dtype} has no KServe datatype; expected one of {DATATYPE_NAMES}"
         )
     return name
+
+
+# Requested-output parameters of Triton extensions carpool does not implement.
+UNSUPPORTED_OUTPUT_PARAMETERS = ("classification", "shared_memory_region")
+
+
+def unsupported_output_parameter(where: str, name: str, value: object) -> InvalidInput:
+    """The error for a requested output asking for ``name``, one of
+    UNSUPPORTED_OUTPUT_PARAMETERS, named as Triton's extension and ``tritonclient`` name it."""
+    if name == "classification":
+        return InvalidInput(
+            f"{where}: parameters.classification={value!r} (tritonclient's class_count) is "
+            "not supported: carpool has no classification extension; ask for the output "
+            "itself and take its top classes on the client"
+        )
+    return InvalidInput(
+        f"{where}: parameters.{name} is not supported: carpool has no shared memory "
+        "extension; the output comes back in the answer"
+    )
 
 
 def check_empty_shape(where: str, datatype: str, shape: tuple[int, ...]) -> None:
