@@ -17,9 +17,10 @@
         max_num_seqs: 64          # GENERATION_FIELDS: block_size, num_blocks or
         max_model_len: 2048       # kv_cache_memory_mb, max_num_batched_tokens, ...
 
-File paths in ``source`` are relative to the config file's folder. Every error is a
-:class:`~carpool.errors.ConfigError` naming the file, the key path (``models[0].max_delay_s``)
-and what was expected.
+File paths in ``source`` and an output's ``label_filename`` (its class labels, one per
+line, for Triton's classification extension) are relative to the config file's folder.
+Every error is a :class:`~carpool.errors.ConfigError` naming the file, the key path
+(``models[0].max_delay_s``) and what was expected.
 """
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ class TensorConfig(_Strict):
     shape: list[int]
     # Requests may differ in this input's first dimension; the model gets it packed.
     ragged: bool = False
+    # An output's class labels, one per line, for Triton's classification extension
+    # (server/classification.py); relative to the config file's folder.
+    label_filename: str | None = Field(None, min_length=1)
 
     @field_validator("shape")
     @classmethod
@@ -358,6 +362,10 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
                 )
             if key == "inputs" and model.kind == "onnx" and any(t.ragged for t in tensors or []):
                 yield (f"{at}.inputs", "ragged: true", "no ragged inputs for onnx models")
+            for j, tensor in enumerate(tensors or []):
+                if key == "inputs" and tensor.label_filename is not None:
+                    where = f"{at}.inputs[{j}].label_filename"
+                    yield (where, tensor.label_filename, "nothing: only outputs take class labels")
             names = [t.name for t in tensors or []]
             for j, name in enumerate(names):
                 if name in names[:j]:

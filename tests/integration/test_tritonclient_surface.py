@@ -44,10 +44,10 @@ models:
     executor: thread             # it blocks while gated: never on the event loop
 """
 # What carpool serves, as Triton names its extensions; and what it does not.
-SERVED = {"binary_tensor_data", "model_configuration", "statistics", "parameters",
-          "schedule_policy"}  # fmt: skip
+SERVED = {"binary_tensor_data", "classification", "model_configuration", "statistics",
+          "parameters", "schedule_policy"}  # fmt: skip
 NOT_SERVED = {"model_repository", "system_shared_memory", "cuda_shared_memory", "trace",
-              "logging", "sequence", "classification"}  # fmt: skip
+              "logging", "sequence"}  # fmt: skip
 # No query string: the HTTP infer fast path; a query string: the ASGI path.
 PATHS = [None, {"via": "asgi"}]
 PATH_IDS = ["fast", "asgi"]
@@ -435,25 +435,44 @@ def test_sequence_id_zero_without_flags_means_no_sequence(served: Served) -> Non
 
 
 @pytest.mark.parametrize("query", PATHS, ids=PATH_IDS)
-def test_http_class_count_is_refused_naming_the_extension(
+def test_http_class_count_is_answered_as_top_classes(
     http: httpclient.InferenceServerClient, query: dict[str, str] | None
 ) -> None:
+    # The classification extension (tests/integration/test_classification.py in full).
     output = httpclient.InferRequestedOutput("OUTPUT0", class_count=2)
+    result = http.infer("doubler", [_row(httpclient, 1.0)], outputs=[output], query_params=query)
+    assert result.as_numpy("OUTPUT0").tolist() == [[b"2.000000:0", b"-2.000000:1"]]
+
+
+def test_grpc_class_count_is_answered_as_top_classes(
+    grpc: grpcclient.InferenceServerClient,
+) -> None:
+    output = grpcclient.InferRequestedOutput("OUTPUT0", class_count=1)
+    result = grpc.infer("doubler", [_row(grpcclient, 1.0)], outputs=[output])
+    assert result.as_numpy("OUTPUT0").tolist() == [[b"2.000000:0"]]
+
+
+@pytest.mark.parametrize("query", PATHS, ids=PATH_IDS)
+def test_http_output_in_shared_memory_is_refused_naming_the_extension(
+    http: httpclient.InferenceServerClient, query: dict[str, str] | None
+) -> None:
+    output = httpclient.InferRequestedOutput("OUTPUT0")
+    output.set_shared_memory("region", 8)
     with pytest.raises(InferenceServerException) as caught:
         http.infer("doubler", [_row(httpclient, 1.0)], outputs=[output], query_params=query)
     assert caught.value.status() == "400"
-    assert "class_count" in caught.value.message()
-    assert "classification" in caught.value.message()
+    assert "shared memory" in caught.value.message()
 
 
-def test_grpc_class_count_is_refused_naming_the_extension(
+def test_grpc_output_in_shared_memory_is_refused_naming_the_extension(
     grpc: grpcclient.InferenceServerClient,
 ) -> None:
-    output = grpcclient.InferRequestedOutput("OUTPUT0", class_count=2)
+    output = grpcclient.InferRequestedOutput("OUTPUT0")
+    output.set_shared_memory("region", 8)
     with pytest.raises(InferenceServerException) as caught:
         grpc.infer("doubler", [_row(grpcclient, 1.0)], outputs=[output])
     assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
-    assert "class_count" in caught.value.message()
+    assert "shared memory" in caught.value.message()
 
 
 def test_listed_extensions_are_exactly_those_served(

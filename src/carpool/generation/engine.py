@@ -25,6 +25,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import time
 from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -124,8 +125,28 @@ class GenerationEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestTotals:
+    """Requests that ended one way, and their seconds summed: ``e2e_s`` from arrival to
+    the end, ``queue_s`` from arrival to the first step that scheduled them (0 for one
+    never scheduled)."""
+
+    count: int = 0
+    e2e_s: float = 0.0
+    queue_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepTotals:
+    """Forward passes of one size (sequences in the step) that ran, and their seconds."""
+
+    count: int = 0
+    compute_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationSnapshot:
-    """Everything measured so far; :mod:`carpool.server.metrics` exports it."""
+    """Everything measured so far; :mod:`carpool.server.metrics` and
+    :mod:`carpool.server.stats` export it."""
 
     model: str
     scheduler: SchedulerStats
@@ -136,6 +157,11 @@ class GenerationSnapshot:
     inter_token_latency: LatencyStats
     e2e_latency: LatencyStats
     queue_time: LatencyStats
+    succeeded: RequestTotals  # finished by stop or length
+    failed: RequestTotals  # finished by abort (left early, stopped) or error
+    last_succeeded_unix_s: float | None  # wall time the last one succeeded
+    num_steps: int  # forward passes that ran (their tokens were delivered)
+    steps_by_size: dict[int, StepTotals]  # the same, by sequences in the step
 
 
 class _Stream:
@@ -345,12 +371,15 @@ class GenerationEngine:
                 await self._idle()  # nothing can run until a request joins or leaves
                 continue
             self._mark_scheduled(step)
+            started_s = self._clock.now()
             try:
                 output = await loop.run_in_executor(self._executor, self._runner.execute, step)
+                compute_s = self._clock.now() - started_s
                 updates = self._scheduler.update(step, output)
             except Exception as error:
                 self._fail(step.chunks, error)
                 continue
+            self._telemetry.step(len(step.chunks), compute_s)
             now = self._clock.now()
             for update in updates:
                 try:
@@ -484,6 +513,16 @@ class _Telemetry:
         self.inter_token_latency = Histogram(TOKEN_LATENCY_BUCKETS_S)
         self.e2e_latency = Histogram(REQUEST_LATENCY_BUCKETS_S)
         self.queue_time = Histogram(REQUEST_LATENCY_BUCKETS_S)
+        self.succeeded = RequestTotals()
+        self.failed = RequestTotals()
+        self.last_succeeded_unix_s: float | None = None
+        self.num_steps = 0
+        self.steps_by_size: dict[int, StepTotals] = {}
+
+    def step(self, num_seqs: int, compute_s: float) -> None:
+        self.num_steps += 1
+        totals = self.steps_by_size.get(num_seqs, StepTotals())
+        self.steps_by_size[num_seqs] = StepTotals(totals.count + 1, totals.compute_s + compute_s)
 
     def tokens(self, stream: _Stream, count: int, now: float) -> None:
         if stream.first_token_s is None:
@@ -498,7 +537,14 @@ class _Telemetry:
 
     def finished(self, stream: _Stream, reason: str, now: float) -> None:
         self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
-        self.e2e_latency.observe(now - stream.arrival_s)
+        e2e_s = now - stream.arrival_s
+        self.e2e_latency.observe(e2e_s)
+        queue_s = 0.0 if stream.scheduled_s is None else stream.scheduled_s - stream.arrival_s
+        if reason in (FinishReason.STOP.value, FinishReason.LENGTH.value):
+            self.succeeded = _add(self.succeeded, e2e_s, queue_s)
+            self.last_succeeded_unix_s = time.time()  # once per request: wall time for stats
+        else:
+            self.failed = _add(self.failed, e2e_s, queue_s)
 
     def snapshot(
         self, model: str, scheduler: SchedulerStats, quantiles: bool = True
@@ -513,4 +559,13 @@ class _Telemetry:
             inter_token_latency=self.inter_token_latency.stats(quantiles=quantiles),
             e2e_latency=self.e2e_latency.stats(quantiles=quantiles),
             queue_time=self.queue_time.stats(quantiles=quantiles),
+            succeeded=self.succeeded,
+            failed=self.failed,
+            last_succeeded_unix_s=self.last_succeeded_unix_s,
+            num_steps=self.num_steps,
+            steps_by_size=dict(self.steps_by_size),
         )
+
+
+def _add(totals: RequestTotals, e2e_s: float, queue_s: float) -> RequestTotals:
+    return RequestTotals(totals.count + 1, totals.e2e_s + e2e_s, totals.queue_s + queue_s)

@@ -44,11 +44,12 @@ Send = Callable[[Message], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 # Triton's extension names for what carpool serves: schedule_policy is the priority and
-# timeout request parameters. Not served, each endpoint a 501 naming it (_UNSERVED), each
-# request parameter a 400: model_repository (only its index is answered), shared memory,
-# trace, logging, sequence, classification.
+# timeout request parameters; classification is server/classification.py. Not served, each
+# endpoint a 501 naming it (_UNSERVED), each request parameter a 400: model_repository
+# (only its index is answered), shared memory, trace, logging, sequence.
 EXTENSIONS = [
-    "binary_tensor_data", "model_configuration", "statistics", "parameters", "schedule_policy"
+    "binary_tensor_data", "classification", "model_configuration", "statistics", "parameters",
+    "schedule_policy",
 ]  # fmt: skip
 # /v2/{first segment} of the extensions' endpoints carpool does not implement.
 _UNSERVED = {
@@ -147,6 +148,8 @@ class KServeApp:
             return await self._infer(model, scope, receive, send)
         if action == "policy":
             _allow(method, path, "GET", "POST")
+            if model.engine is not None:  # GET and POST alike: no batch policy to show or set
+                raise model.engine.no_batch_policy(model.name)
             if method == "POST":
                 model.batcher.update_policy(
                     **_policy_changes(await self._read_body(scope, receive))

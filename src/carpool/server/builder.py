@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from carpool.config import GENERATION_FIELDS, ModelConfig, ServeConfig, TensorConfig
 from carpool.core.batcher import Batcher
 from carpool.core.collate import RaggedDictCollator
 from carpool.errors import ConfigError
+from carpool.server.classification import read_labels
 from carpool.server.generation import GenerationSettings
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.tensors import DATATYPES
@@ -52,6 +56,8 @@ def build_model(
 
     With ``key`` (``models[i]``), a :class:`ConfigError` raised as a replica loads the
     model (a bad device, a file or factory that fails) names ``key.<field>`` and ``file``.
+    An output's ``label_filename`` is read here, relative to ``file``'s folder (else the
+    working one).
     """
     if model.kind == "embeddings":
         from carpool.server.embeddings import EmbeddingService
@@ -72,7 +78,8 @@ def build_model(
         return GenerationService.from_folder(
             model.name, model.source, generation_settings(model)
         ).served_model()
-    inputs, outputs = _specs(model)
+    base_dir = Path(file).resolve().parent if file is not None else Path.cwd()
+    inputs, outputs = _specs(model, base_dir)
     fn_factory = _fn_factory(model, inputs, outputs)
     batcher = Batcher(
         fn_factory=fn_factory if key is None else _naming_key(fn_factory, key, file),
@@ -110,12 +117,50 @@ def _tensors(tensors: list[TensorConfig]) -> tuple[TensorSpec, ...]:
     return tuple(TensorSpec(t.name, t.datatype, tuple(t.shape), t.ragged) for t in tensors)
 
 
-def _specs(model: ModelConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+def _outputs(tensors: list[TensorConfig], base_dir: Path) -> tuple[TensorSpec, ...]:
+    """The declared outputs, each with the labels of its ``label_filename``, if any."""
+    specs = []
+    for j, (spec, tensor) in enumerate(zip(_tensors(tensors), tensors, strict=True)):
+        name = tensor.label_filename
+        if name is not None:
+            labels = _labels(f"outputs[{j}].label_filename", name, base_dir / name, spec)
+            spec = replace(spec, label_filename=name, labels=labels)
+        specs.append(spec)
+    return tuple(specs)
+
+
+def _labels(key: str, name: str, path: Path, spec: TensorSpec) -> tuple[str, ...]:
+    """The labels in ``path``: at least one per class when the output's shape is fixed.
+
+    Raises:
+        ConfigError: naming ``key``: the file cannot be read, is not UTF-8 or is short.
+    """
+    expected = "a UTF-8 text file of class labels, one per line, relative to the config file"
+    try:
+        labels = read_labels(path)
+    except OSError as error:
+        raise ConfigError(key, name, f"{expected}; {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(key, name, f"{expected}; {path} is not UTF-8") from None
+    num_classes = math.prod(spec.shape)  # every element of a row is a class
+    if -1 not in spec.shape and len(labels) < num_classes:
+        raise ConfigError(
+            key,
+            name,
+            f"{expected}: at least {num_classes}, one per class of output {spec.name!r} "
+            f"(shape {list(spec.shape)}); {path} has {len(labels)} line(s)",
+        )
+    return labels
+
+
+def _specs(
+    model: ModelConfig, base_dir: Path
+) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     if model.kind != "onnx":
         if model.inputs is None or model.outputs is None:  # a hand-built config may lack them
             missing = "inputs" if model.inputs is None else "outputs"
             raise ConfigError(missing, None, f"the {missing} of a {model.kind} model")
-        return _tensors(model.inputs), _tensors(model.outputs)
+        return _tensors(model.inputs), _outputs(model.outputs, base_dir)
     from carpool.models.onnx import read_tensors
 
     # Read even when both are declared: a bad file then fails here, before serving starts.
@@ -126,7 +171,7 @@ def _specs(model: ModelConfig) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec
         else tuple(_spec(t.spec(model.source)) for t in file_inputs)
     )
     outputs = (
-        _tensors(model.outputs)
+        _outputs(model.outputs, base_dir)
         if model.outputs is not None
         else tuple(_spec(t.spec(model.source, is_output=True)) for t in file_outputs)
     )

@@ -20,6 +20,7 @@ import numpy.typing as npt
 import orjson
 
 from carpool.errors import InvalidInput
+from carpool.server.classification import class_count_of
 from carpool.server.tensors import (
     DATATYPE_NAMES,
     DATATYPES,
@@ -551,5 +552,7 @@ def _requested_outputs(
             raise InvalidInput(
                 f"{where}: parameters.binary_data must be true or false, got {is_binary!r}"
             )
-        requested.append(RequestedOutput(name, is_binary))
+        count = parameters.get("classification")
+        class_count = 0 if count is None else class_count_of(where, count)
+        requested.append(RequestedOutput(name, is_binary, class_count))
     return tuple(requested)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,7 @@ from carpool.errors import ConfigError, InvalidInput
 from carpool.generation.engine import GenerationEngine, SchedulerStats, SeqUpdate
 from carpool.generation.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from carpool.generation.types import SamplingParams, StepInput, StepOutput
-from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
+from carpool.server.repository import EngineScheduling, ModelRepository, ServedModel, TensorSpec
 
 if TYPE_CHECKING:
     from carpool.generation.scheduler import Scheduler
@@ -121,11 +121,13 @@ class GenerationService:
         name: str,
         engine: GenerationEngine,
         *,
+        settings: GenerationSettings,
         owned_by: str = "carpool",
         classes: tuple[str, ...] = PRIORITY_CLASSES,
     ) -> None:
         self.name = name
         self.engine = engine
+        self.settings = settings  # as the engine was built from them (see _resolve)
         self.classes = classes  # the scheduler's priority classes, highest first
         self.tokenizer: Tokenizer = engine.tokenizer
         self.owned_by = owned_by
@@ -154,7 +156,8 @@ class GenerationService:
             raise ConfigError(
                 "source", str(path), f"a llama or gpt2 model folder ({error})"
             ) from None
-        return cls(name, _engine(name, model, tokenizer, settings))
+        resolved = _resolve(model, settings)
+        return cls(name, _engine(name, model, tokenizer, resolved), settings=resolved)
 
     @classmethod
     def tiny_random(
@@ -166,9 +169,11 @@ class GenerationService:
 
         tokenizer = ByteTokenizer()
         model = random_llama({**TINY_LLAMA, "vocab_size": tokenizer.vocab_size}, seed=0)
-        settings = settings or GenerationSettings(num_blocks=512, max_model_len=1024)
-        engine = _engine(name, model, tokenizer, settings)
-        return cls(name, engine, owned_by=RANDOM_WEIGHTS_LABEL)
+        resolved = _resolve(
+            model, settings or GenerationSettings(num_blocks=512, max_model_len=1024)
+        )
+        engine = _engine(name, model, tokenizer, resolved)
+        return cls(name, engine, owned_by=RANDOM_WEIGHTS_LABEL, settings=resolved)
 
     async def infer(self, payload: dict[str, np.ndarray], options: dict[str, Any]) -> Any:
         """The KServe face: ``TEXT`` rows in, each row's greedy continuation
@@ -204,6 +209,21 @@ class GenerationService:
             outputs=(TensorSpec("TEXT", "BYTES", ()),),
             batcher=self.batcher,
             infer=self.infer,
+            engine=self.scheduling(),
+        )
+
+    def scheduling(self) -> EngineScheduling:
+        """The engine settings that stand in for a batch policy (``/config``, ``/policy``)."""
+        s = self.settings
+        return EngineScheduling(
+            {
+                "max_num_seqs": s.max_num_seqs,
+                "max_num_batched_tokens": s.max_num_batched_tokens,
+                "block_size": s.block_size,
+                "num_blocks": s.num_blocks or 0,  # resolved: never None here
+                "max_model_len": self.max_model_len,
+                "device": s.device,
+            }
         )
 
 
@@ -230,12 +250,7 @@ class EngineBatcher(Batcher):
         """Refused: the engine schedules by its own settings, so a batch policy set here
         would be answered as applied and change nothing (``POST .../policy`` is a 400,
         and ``carpool tune`` is told so instead of measuring noise)."""
-        raise ConfigError(
-            "policy",
-            self.service.name,
-            "a batched model: a generation model is scheduled by its engine settings "
-            "(max_num_seqs, max_num_batched_tokens, num_blocks in its config entry)",
-        )
+        raise self.service.scheduling().no_batch_policy(self.service.name)
 
 
 def generation_models(repository: ModelRepository) -> dict[str, GenerationService]:
@@ -243,15 +258,17 @@ def generation_models(repository: ModelRepository) -> dict[str, GenerationServic
     return {m.name: m.batcher.service for m in repository if isinstance(m.batcher, EngineBatcher)}
 
 
-def _engine(
-    name: str, model: Any, tokenizer: Tokenizer, settings: GenerationSettings
-) -> GenerationEngine:
+def _resolve(model: Any, settings: GenerationSettings) -> GenerationSettings:
+    """``settings`` as the engine runs them: ``max_model_len`` capped by the model,
+    ``num_blocks`` sized, ``max_num_batched_tokens`` at least ``max_num_seqs``.
+
+    Raises:
+        ConfigError: naming ``num_blocks`` when the pool cannot hold one sequence.
+    """
     import torch
 
     from carpool.generation.block_pool import BlockPool
-    from carpool.generation.kv_cache import KVCacheManager
     from carpool.generation.runner import ModelRunner
-    from carpool.generation.scheduler import Scheduler, SchedulerConfig
 
     dtype = getattr(torch, settings.dtype)
     config = model.config
@@ -273,13 +290,35 @@ def _engine(
             f"at least {-(-max_model_len // settings.block_size)} blocks of "
             f"{settings.block_size} tokens: one sequence of max_model_len={max_model_len}",
         )
+    return replace(
+        settings,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
+    )
+
+
+def _engine(
+    name: str, model: Any, tokenizer: Tokenizer, settings: GenerationSettings
+) -> GenerationEngine:
+    """The engine for ``settings`` as :func:`_resolve` gives them."""
+    import torch
+
+    from carpool.generation.block_pool import BlockPool
+    from carpool.generation.kv_cache import KVCacheManager
+    from carpool.generation.runner import ModelRunner
+    from carpool.generation.scheduler import Scheduler, SchedulerConfig
+
+    assert settings.num_blocks is not None and settings.max_model_len is not None, "resolved"
+    dtype = getattr(torch, settings.dtype)
+    num_blocks, max_model_len = settings.num_blocks, settings.max_model_len
     runner = ModelRunner(
         model, num_blocks, settings.block_size, settings.device, dtype, seed=settings.seed
     )
     pool = BlockPool(num_blocks, settings.block_size)
     eos = tokenizer.eos_token_ids
     limits = SchedulerConfig(
-        max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
+        max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
         eos_token_id=eos[0] if eos else None,
     )

@@ -37,6 +37,7 @@ from google.protobuf import json_format  # type: ignore[import-untyped]  # no st
 
 from carpool import __version__
 from carpool.errors import InvalidInput
+from carpool.server.classification import class_count_of, class_counts, classify
 from carpool.server.errors import NotFound, PortInUse, error_message, grpc_status
 from carpool.server.proto import grpc_service_pb2 as pb
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
@@ -66,7 +67,9 @@ __all__ = [
 ]
 
 # REST's (server/app.py) but binary_tensor_data, which is HTTP's.
-EXTENSIONS = ["model_configuration", "statistics", "parameters", "schedule_policy"]
+EXTENSIONS = [
+    "classification", "model_configuration", "statistics", "parameters", "schedule_policy"
+]  # fmt: skip
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # requests, as the REST body limit
 # Responses, as Triton's server and tritonclient's channel: a protobuf message's ceiling. A
 # smaller limit would fail an answer after its model ran (REST bounds no response).
@@ -214,8 +217,23 @@ def _requested_outputs(request: pb.ModelInferRequest) -> tuple[RequestedOutput, 
             )
             if value:
                 raise unsupported_output_parameter(where, unsupported, value)
-        requested.append(RequestedOutput(output.name, is_binary=True))
+        class_count = 0
+        if "classification" in output.parameters:
+            class_count = _class_count(where, output.parameters["classification"])
+        requested.append(RequestedOutput(output.name, True, class_count))
     return tuple(requested)
+
+
+def _class_count(where: str, value: pb.InferParameter) -> int:
+    """A ``classification`` parameter: an int64_param >= 1, as Triton reads it."""
+    choice = value.WhichOneof("parameter_choice")
+    if choice != "int64_param":
+        given = "no value" if choice is None else f"{choice} {_parameter(value)!r}"
+        raise InvalidInput(
+            f"{where}: parameters.classification is {given}; expected an int64_param >= 1 "
+            "(tritonclient's class_count), the number of top classes to return"
+        )
+    return class_count_of(where, value.int64_param)
 
 
 # ---------------------------------------------------------------------------------------
@@ -227,15 +245,21 @@ def encode_infer_response(
     request_id: str | None,
     wanted: list[TensorSpec],
     result: dict[str, npt.NDArray[Any]],
+    classes: dict[str, int] | None = None,
 ) -> pb.ModelInferResponse:
-    """The response carrying ``wanted`` outputs of ``result`` as raw contents."""
+    """The response carrying ``wanted`` outputs of ``result`` as raw contents; those named
+    in ``classes`` as their top classes (BYTES, see :mod:`carpool.server.classification`)."""
     response = pb.ModelInferResponse(
         model_name=model.name, model_version=model.version, id=request_id or ""
     )
     for spec in wanted:
         array = np.asarray(result[spec.name])
-        response.outputs.add(name=spec.name, datatype=spec.datatype, shape=array.shape)
-        response.raw_output_contents.append(tensor_bytes(spec.datatype, array))
+        datatype = spec.datatype
+        if classes is not None and spec.name in classes:
+            array = classify(array, datatype, classes[spec.name], spec.labels)
+            datatype = "BYTES"
+        response.outputs.add(name=spec.name, datatype=datatype, shape=array.shape)
+        response.raw_output_contents.append(tensor_bytes(datatype, array))
     return response
 
 
@@ -387,8 +411,9 @@ class InferenceServicer:
         payload = model.payload(infer)
         options = model.submit_options(infer)
         wanted = wanted_outputs(model, infer)
+        classes = class_counts(infer.outputs, wanted)
         result = await model.run(payload, options)
-        return encode_infer_response(model, infer.request_id, wanted, result)
+        return encode_infer_response(model, infer.request_id, wanted, result, classes)
 
     async def _stream_answer(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
         try:

@@ -22,6 +22,7 @@ import orjson
 
 from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
+from carpool.server.classification import class_counts, classified_outputs
 from carpool.server.decode import (
     InferHeader,
     decode_json_with_header,
@@ -52,6 +53,8 @@ class InferPlan:
 
     ``answers`` keeps the answer's JSON header by the output shapes (only when every
     output goes back as fixed-size binary data, whose header then depends on nothing else).
+    ``classes`` names the outputs asked as their top classes (Triton's classification
+    extension) and how many, None when there is none.
     """
 
     header: InferHeader
@@ -60,6 +63,7 @@ class InferPlan:
     binary: set[str]
     policy: BatchPolicy  # the one ``options`` were resolved under (its priority classes)
     answers: dict[tuple[tuple[int, ...], ...], bytes] | None = field(default_factory=dict)
+    classes: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,11 +169,14 @@ def _first_call(model: ServedModel, header: InferHeader, request: InferRequest) 
     """The call and its new plan: the model's checks of the request's inputs and outputs."""
     payload = model.payload(request)
     wanted = _wanted_outputs(model, request)
+    classes = class_counts(request.outputs, wanted)
     options = model.submit_options(request)
     policy = model.batcher.policy
-    plan = InferPlan(header, options, wanted, _binary(request, wanted), policy)
-    if plan.binary != {spec.name for spec in wanted} or any(
-        spec.datatype == "BYTES" for spec in wanted
+    plan = InferPlan(header, options, wanted, _binary(request, wanted), policy, classes=classes)
+    if (
+        classes is not None
+        or plan.binary != {spec.name for spec in wanted}
+        or any(spec.datatype == "BYTES" for spec in wanted)
     ):
         plan.answers = None  # JSON or variable-size outputs: encoded in full each time
     return InferCall(request, payload, plan)
@@ -186,7 +193,10 @@ def infer_response(model: ServedModel, call: InferCall, result: dict[str, Any]) 
         if json_header is not None:
             chunks = [tensor_bytes(s.datatype, a) for s, a in zip(plan.wanted, arrays, strict=True)]
             return 200, b"".join([json_header, *chunks]), _binary_headers(len(json_header))
-    outputs = [OutputTensor(spec.name, result[spec.name], spec.datatype) for spec in plan.wanted]
+    if plan.classes is None:
+        outputs = [OutputTensor(s.name, result[s.name], s.datatype) for s in plan.wanted]
+    else:
+        outputs = classified_outputs(plan.wanted, result, plan.classes)
     data, json_length = encode_infer_response(
         model.name, model.version, call.request.request_id, outputs, plan.binary
     )

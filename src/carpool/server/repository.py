@@ -27,12 +27,18 @@ TIMEOUT_PARAMETER_UNIT_S = 1e-6  # Triton's "timeout" request parameter is in mi
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """A declared tensor: ``shape`` without the batch dimension, ``-1`` for any length."""
+    """A declared tensor: ``shape`` without the batch dimension, ``-1`` for any length.
+
+    An output may have ``labels``, one per class, read from ``label_filename`` (as given in
+    the config) for Triton's classification extension (server/classification.py).
+    """
 
     name: str
     datatype: str
     shape: tuple[int, ...]
     ragged: bool = False  # requests may differ in the first dimension; the model gets a Packed
+    label_filename: str | None = None
+    labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.datatype not in DATATYPES:
@@ -56,12 +62,33 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineScheduling:
+    """How a model whose own engine schedules its requests (generation) runs them, in
+    place of a batch policy: ``settings`` by their config keys, ``max_num_seqs`` and
+    ``device`` among them."""
+
+    settings: dict[str, int | str]
+
+    def no_batch_policy(self, model: str) -> ConfigError:
+        """What ``GET`` and ``POST .../policy`` answer for such a model (a 400)."""
+        named = ", ".join(f"{k}={v}" for k, v in self.settings.items())
+        return ConfigError(
+            "policy",
+            model,
+            f"a batched model: a generation model has no batch policy; its engine schedules "
+            f"by its engine settings ({named}), set in its config entry",
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class ServedModel:
     """One model behind one batcher.
 
     ``infer``, when given, answers KServe requests instead of submitting the payload to
     the batcher as one request (an embeddings model tokenizes first). ``embeddings`` is
-    set for models that also answer OpenAI's ``/v1/embeddings``.
+    set for models that also answer OpenAI's ``/v1/embeddings``. ``engine`` is set for a
+    model whose engine schedules its requests (generation): its batcher slot only starts
+    and stops the engine, and holds no batch policy.
     """
 
     name: str
@@ -72,6 +99,7 @@ class ServedModel:
     batcher: Batcher
     infer: Callable[[dict[str, np.ndarray], dict[str, Any]], Awaitable[Any]] | None = None
     embeddings: EmbeddingService | None = None
+    engine: EngineScheduling | None = None
 
     async def run(self, payload: dict[str, np.ndarray], options: dict[str, Any]) -> Any:
         """The outputs ``{name: array}`` for a checked payload (see :meth:`payload`)."""
@@ -110,7 +138,20 @@ class ServedModel:
         }
 
     def config(self) -> dict[str, Any]:
-        """Triton-style model configuration (what ``get_model_config`` returns)."""
+        """Triton-style model configuration (what ``get_model_config`` returns). A model
+        its engine schedules (generation) has no ``dynamic_batching``: requests join and
+        leave its batch at every step; ``max_batch_size`` is the most sequences a step
+        runs (``max_num_seqs``), as Triton's TensorRT-LLM models declare it."""
+        if self.engine is not None:
+            settings = self.engine.settings
+            return {
+                "name": self.name,
+                "platform": self.platform,
+                "max_batch_size": settings["max_num_seqs"],
+                "input": [_config_tensor(t) for t in self.inputs],
+                "output": [_config_tensor(t) for t in self.outputs],
+                "instance_group": _instance_groups((str(settings["device"]),)),
+            }
         policy = self.batcher.policy
         return {
             "name": self.name,
@@ -257,6 +298,8 @@ def _config_tensor(spec: TensorSpec) -> dict[str, Any]:
     }
     if spec.ragged:
         config["allow_ragged_batch"] = True
+    if spec.label_filename is not None:
+        config["label_filename"] = spec.label_filename
     return config
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from carpool.core.telemetry import LatencyStats
+from carpool.generation.engine import GenerationEngine
+from carpool.server.generation import EngineBatcher
 from carpool.server.repository import ServedModel
 
 
@@ -22,7 +24,10 @@ def model_stats(model: ServedModel) -> dict[str, Any]:
     a call's input and output handling inside ``compute_infer``, so ``compute_input`` and
     ``compute_output`` carry the counts with 0 ns (not measured apart). carpool has no
     response cache: ``cache_hit`` and ``cache_miss``, which Triton always writes, are
-    zero."""
+    zero. A generation model reports its engine's requests instead (see
+    :func:`_generation_stats`)."""
+    if isinstance(model.batcher, EngineBatcher):
+        return _generation_stats(model, model.batcher.service.engine)
     snap = model.batcher.snapshot()
     completed = sum(c.num_completed for c in snap.classes.values())
     failed = sum(c.num_failed + sum(c.rejections.values()) for c in snap.classes.values())
@@ -60,5 +65,51 @@ def model_stats(model: ServedModel) -> dict[str, Any]:
                 "compute_output": {"count": count, "ns": 0},
             }
             for size, count in batches.completed_size_histogram.items()
+        ],
+    }
+
+
+def _ns(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
+def _generation_stats(model: ServedModel, engine: GenerationEngine) -> dict[str, Any]:
+    """A generation model's statistics from its engine, whose requests never pass its
+    batcher slot. A request is one sequence the engine generated (a KServe row, an OpenAI
+    completion); as Triton's vLLM backend counts them, ``inference_count`` is the
+    successful ones. ``success``: those that ended by ``stop`` or ``length``, ns from
+    arrival at the engine to the last token; ``fail``: those that ended by ``abort`` (the
+    client left, or the server stopped without draining) or ``error``, with their ns.
+    ``queue``: each successful one's arrival to its first step; ``compute_infer``: the
+    rest, its first step to its end (vLLM's ``request_inference_time``, waits after a
+    preemption included). ``execution_count`` and ``batch_stats`` are the engine's forward
+    passes (steps), by the sequences each ran, with their compute time."""
+    snap = engine.snapshot(quantiles=False)
+    ok, failed = snap.succeeded, snap.failed
+    last = snap.last_succeeded_unix_s
+    return {
+        "name": model.name,
+        "version": model.version,
+        "last_inference": 0 if last is None else int(last * 1e3),  # ms since the epoch
+        "inference_count": ok.count,
+        "execution_count": snap.num_steps,
+        "inference_stats": {
+            "success": {"count": ok.count, "ns": _ns(ok.e2e_s)},
+            "fail": {"count": failed.count, "ns": _ns(failed.e2e_s)},
+            "queue": {"count": ok.count, "ns": _ns(ok.queue_s)},
+            "compute_input": {"count": ok.count, "ns": 0},
+            "compute_infer": {"count": ok.count, "ns": _ns(ok.e2e_s - ok.queue_s)},
+            "compute_output": {"count": ok.count, "ns": 0},
+            "cache_hit": {"count": 0, "ns": 0},
+            "cache_miss": {"count": 0, "ns": 0},
+        },
+        "batch_stats": [
+            {
+                "batch_size": size,
+                "compute_input": {"count": steps.count, "ns": 0},
+                "compute_infer": {"count": steps.count, "ns": _ns(steps.compute_s)},
+                "compute_output": {"count": steps.count, "ns": 0},
+            }
+            for size, steps in sorted(snap.steps_by_size.items())
         ],
     }

@@ -97,19 +97,14 @@ def datatype_of(array: npt.NDArray[Any]) -> str:
     return name
 
 
-# Requested-output parameters of Triton extensions carpool does not implement.
-UNSUPPORTED_OUTPUT_PARAMETERS = ("classification", "shared_memory_region")
+# Requested-output parameters of Triton extensions carpool does not implement (its
+# classification extension is served: carpool.server.classification).
+UNSUPPORTED_OUTPUT_PARAMETERS = ("shared_memory_region",)
 
 
 def unsupported_output_parameter(where: str, name: str, value: object) -> InvalidInput:
     """The error for a requested output asking for ``name``, one of
-    UNSUPPORTED_OUTPUT_PARAMETERS, named as Triton's extension and ``tritonclient`` name it."""
-    if name == "classification":
-        return InvalidInput(
-            f"{where}: parameters.classification={value!r} (tritonclient's class_count) is "
-            "not supported: carpool has no classification extension; ask for the output "
-            "itself and take its top classes on the client"
-        )
+    UNSUPPORTED_OUTPUT_PARAMETERS, named as Triton's extension names it."""
     return InvalidInput(
         f"{where}: parameters.{name} is not supported: carpool has no shared memory "
         "extension; the output comes back in the answer"
@@ -155,10 +150,12 @@ class InputTensor:
 
 @dataclass(frozen=True, slots=True)
 class RequestedOutput:
-    """An output the client asked for, and whether it wants it as binary data."""
+    """An output the client asked for, whether it wants it as binary data, and how many
+    top classes it wants instead of the tensor (``parameters.classification``; 0: none)."""
 
     name: str
     is_binary: bool
+    class_count: int = 0
 
 
 @dataclass(frozen=True, slots=True)

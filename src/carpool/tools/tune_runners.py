@@ -291,7 +291,16 @@ class ServerRunner:
         return self.metadata
 
     async def policy(self) -> dict[str, Any]:
+        """The model's batch policy; a model without one (a generation model, whose
+        engine schedules its requests) is a ConfigError carrying the server's reason."""
         response = await self._client.get(self._path("policy"))
+        if response.status_code == 400:
+            reason = response.json().get("error", "")
+            raise ConfigError(
+                "target",
+                f"{self.base_url}{self._path()}",
+                f"a model with a batch policy ({reason})",
+            )
         response.raise_for_status()
         result: dict[str, Any] = response.json()
         return result

@@ -382,6 +382,24 @@ async def test_telemetry_counts_tokens_and_times_steps(engine, runner):
     assert snap.scheduler.num_running == 0
 
 
+async def test_telemetry_totals_requests_by_outcome_and_steps_by_size(engine, runner):
+    """What ``/v2/models/{m}/stats`` reports for a generation model (server/stats.py)."""
+    runner.fail_next = True
+    with pytest.raises(ModelError):
+        await _collect(engine, _prompt("q"))  # its one step failed: not counted as a step
+    runner.scripts[1] = list(b"abc")
+    await _collect(engine, _prompt("hi"), max_tokens=3)
+    snap = engine.snapshot(quantiles=False)
+    assert (snap.failed.count, snap.failed.e2e_s) == (1, pytest.approx(0.01))
+    assert snap.succeeded.count == 1
+    assert (snap.succeeded.e2e_s, snap.succeeded.queue_s) == (pytest.approx(0.03), 0.0)
+    assert snap.last_succeeded_unix_s is not None
+    assert snap.num_steps == 3
+    assert list(snap.steps_by_size) == [1]
+    assert snap.steps_by_size[1].count == 3
+    assert snap.steps_by_size[1].compute_s == pytest.approx(0.03)
+
+
 async def test_request_latency_buckets_reach_past_a_minute_and_scrapes_skip_quantiles(
     engine, runner
 ):
