@@ -166,6 +166,8 @@ class Batcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._idle: deque[asyncio.Future[None]] = deque()
         self._request_ids = itertools.count()
+        # Each launched batch's note of cancellations, by batch id, until it lands.
+        self._cancels: dict[int, _Cancels] = {}
         self._started_s = math.nan
         self._oom = OomCap()
         self._settler = Settler(self._telemetry, self._clock, self._oom)
@@ -337,6 +339,7 @@ class Batcher:
             )
         self._idle.clear()
         self._closing = None
+        self._cancels.clear()
         self._queues.replicas_gone()
         now = self._clock.now()
         for queue in self._queues.ordered:
@@ -417,10 +420,20 @@ class Batcher:
 
     def cancel(self, request: Request) -> None:
         """Withdraw a request from :meth:`enqueue_many`: dropped unanswered if still
-        queued (the model never sees it), its result ignored if already running."""
+        queued (the model never sees it), also if its batch still waits for the replica
+        (behind the batch the replica computes); its result ignored if already running."""
         request.future.cancel()
+        self._withdraw(request)
+
+    def _withdraw(self, request: Request) -> None:
+        """Take out a request whose future its caller cancelled."""
         if request.state is _QUEUED:
             self._drop(request, Outcome.CANCELLED)
+        elif request.state is RequestState.RUNNING:
+            # Launched: its model call is asked, when its turn comes, whether to run.
+            cancels = self._cancels.get(request.batch_id)
+            if cancels is not None:
+                cancels.seen = True
 
     async def _submit(
         self,
@@ -442,8 +455,7 @@ class Batcher:
         try:
             return await request.future
         except asyncio.CancelledError:
-            if request.state is _QUEUED:
-                self._drop(request, Outcome.CANCELLED)
+            self._withdraw(request)
             raise
 
     def _make_request(
@@ -601,12 +613,18 @@ class Batcher:
             replica.counters.fill_wait_s += max(0.0, now - max(idle_since, oldest))
         batch.start(replica.replica_id, now, idle_since)
         groups = by_signature(batch.requests)
-        return _InFlight(batch, groups, [self._start(replica, g) for g in groups], now)
+        cancels = self._cancels[batch.batch_id] = _Cancels()
+        attempts = [self._start(replica, g, cancels) for g in groups]
+        return _InFlight(batch, groups, attempts, now, cancels)
 
-    def _starter(self, replica: Replica) -> Callable[[list[Request]], Awaitable[RunOutput]]:
-        return lambda requests: self._start(replica, requests)
+    def _starter(
+        self, replica: Replica, cancels: _Cancels
+    ) -> Callable[[list[Request]], Awaitable[RunOutput]]:
+        return lambda requests: self._start(replica, requests, cancels)
 
-    def _start(self, replica: Replica, requests: list[Request]) -> Awaitable[RunOutput]:
+    def _start(
+        self, replica: Replica, requests: list[Request], cancels: _Cancels
+    ) -> Awaitable[RunOutput]:
         collator = self._intake.collator
         assert collator is not None, "a request was admitted, so the collator is known"
         deadlines = [r.deadline_s for r in requests if r.deadline_s is not None]
@@ -616,6 +634,7 @@ class Batcher:
             [r.is_many for r in requests],
             [r.num_items for r in requests],
             min(deadlines) if deadlines else None,
+            lambda: cancels.seen and any(r.future.cancelled() for r in requests),
         )
 
     async def _land(self, replica: Replica, inflight: _InFlight, holds_replica: bool) -> None:
@@ -627,13 +646,16 @@ class Batcher:
             for i, (group, attempt) in enumerate(
                 zip(inflight.groups, inflight.attempts, strict=True)
             ):
-                output = await self._settler.settle(group, attempt, self._starter(replica))
+                output = await self._settler.settle(
+                    group, attempt, self._starter(replica, inflight.cancels)
+                )
                 if i == 0 and output is not None:
                     started_s = output.started_s
         finally:
             for attempt in inflight.attempts:
                 if inspect.iscoroutine(attempt):
                     attempt.close()  # never started if an earlier group was cancelled
+            self._cancels.pop(batch.batch_id, None)
             end = self._clock.now()
             replica.last_landed_s = end
             self._telemetry.batch_done(batch, replica.counters, max(0.0, end - started_s))
@@ -728,6 +750,19 @@ class _InFlight:
     groups: list[list[Request]]
     attempts: list[Awaitable[RunOutput]]
     launched_s: float
+    cancels: _Cancels
+
+
+class _Cancels:
+    """Whether a caller cancelled a request of a launched batch. Set on the loop, read by
+    the replica's thread when one of the batch's model calls reaches its turn: only then
+    are the call's requests looked at, so a batch nobody cancels pays one attribute read
+    per call."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen = False
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

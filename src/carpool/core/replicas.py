@@ -166,7 +166,18 @@ class StartedLate(Exception):
         self.started_s = started_s
 
 
+class Withdrawn(Exception):
+    """A model call reached its turn with some of its requests cancelled by their callers
+    (a batch that waited behind a busy replica, or a later group or bisection half of
+    one): it did not run, so the others can run without them."""
+
+    def __init__(self, started_s: float) -> None:
+        super().__init__(f"the call reached its turn at {started_s:.6f} with requests cancelled")
+        self.started_s = started_s
+
+
 _LATE = object()  # what a replica thread returns for a call it did not run
+_WITHDRAWN = object()  # ... for a call it did not run because requests were cancelled
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +195,10 @@ class Replica:
     A synchronous replica takes up to ``pipeline_depth`` = 2 batches: while one computes,
     the next *full* batch may already wait on its thread, so the thread goes from one to
     the next without a round trip through the event loop. Batches that could still grow
-    are never queued this way; they close only when the replica is free.
+    are never queued this way; they close only when the replica is free. A request of a
+    waiting batch that expires or is cancelled meanwhile is still withdrawn: the thread
+    asks when the batch's turn comes (``deadline_s``, ``withdrawn``), and skips a call
+    that holds one; the loop runs the rest of it again without them.
     """
 
     def __init__(
@@ -262,12 +276,15 @@ class Replica:
         is_many: list[bool],
         counts: list[int],
         deadline_s: float | None = None,
+        withdrawn: Callable[[], bool] | None = None,
     ) -> Awaitable[RunOutput]:
         """Begin collate → model → split; the future holds one result per payload.
 
         ``deadline_s``, the earliest deadline of the call's requests, is checked when the
         model's turn comes (a call may wait behind the replica's previous one): past it the
-        model is not called and the awaitable raises :class:`StartedLate`."""
+        model is not called and the awaitable raises :class:`StartedLate`. ``withdrawn``
+        is asked then too: when it says some of the call's requests were cancelled, the
+        model is not called and the awaitable raises :class:`Withdrawn`."""
         fn = self._fn
         assert fn is not None, "a replica runs only after load()"
         now = self._now
@@ -277,6 +294,8 @@ class Replica:
                 started = now()
                 if deadline_s is not None and started >= deadline_s:
                     raise StartedLate(started)
+                if withdrawn is not None and withdrawn():
+                    raise Withdrawn(started)
                 outputs = await fn(collator.collate(payloads, is_many))
                 return RunOutput(collator.split(outputs, counts, is_many), started, now())
 
@@ -295,6 +314,8 @@ class Replica:
                 started = now()
                 if deadline_s is not None and started >= deadline_s:
                     raise StartedLate(started)
+                if withdrawn is not None and withdrawn():
+                    raise Withdrawn(started)
                 cpu_started = thread_cpu_s()
                 outputs = fn(batch)
                 ended = now()
@@ -308,6 +329,8 @@ class Replica:
             started = now()
             if deadline_s is not None and started >= deadline_s:
                 return _LATE, started, started
+            if withdrawn is not None and withdrawn():  # read on this thread: see Batcher
+                return _WITHDRAWN, started, started
             outputs = fn(batch)
             return outputs, started, now()
 
@@ -317,6 +340,8 @@ class Replica:
             outputs, started, ended = await running
             if outputs is _LATE:
                 raise StartedLate(started)
+            if outputs is _WITHDRAWN:
+                raise Withdrawn(started)
             return RunOutput(collator.split(outputs, counts, is_many), started, ended)
 
         return finish()

@@ -10,7 +10,9 @@ out of memory. One request too large for memory fails alone without dragging the
 everyone else down to 1. A model that returns the wrong number of outputs fails the whole
 call (every request gets a :class:`ModelError` saying both numbers). A call whose turn
 comes after a request's deadline (it waited behind the replica's previous batch) does not
-run: the expired requests get :class:`DeadlineExceeded`, the others run without them.
+run: the expired requests get :class:`DeadlineExceeded`, the others run without them; so
+does a call that reaches its turn holding requests their callers cancelled meanwhile (the
+cancelled ones are counted as such, never computed).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from carpool.core.admission import OomCap
 from carpool.core.clock import Clock
 from carpool.core.collate import OutputCountMismatch
-from carpool.core.replicas import RunOutput, StartedLate, is_out_of_memory
+from carpool.core.replicas import RunOutput, StartedLate, Withdrawn, is_out_of_memory
 from carpool.core.request import Outcome, Request, RequestState
 from carpool.core.telemetry import Telemetry
 from carpool.errors import CapacityError, CarpoolError, DeadlineExceeded, ModelError
@@ -69,6 +71,14 @@ class Settler:
             for request in requests:
                 if request.deadline_s is not None and request.deadline_s <= late.started_s:
                     self.expire(request)
+            rest = [r for r in requests if r.state is RequestState.RUNNING]
+            if not rest:
+                return None, False
+            return await self._settle(rest, start(rest), start, is_split)
+        except Withdrawn:
+            for request in requests:
+                if request.future.cancelled():
+                    self.withdraw(request)
             rest = [r for r in requests if r.state is RequestState.RUNNING]
             if not rest:
                 return None, False
@@ -140,6 +150,13 @@ class Settler:
                 )
             )
         self._telemetry.answered(request, Outcome.EXPIRED, now)
+
+    def withdraw(self, request: Request) -> None:
+        """Count a request whose caller cancelled it before its model call's turn came:
+        it never computed (its future is already cancelled)."""
+        request.state = RequestState.CANCELLED
+        request.compute_start_s = math.nan
+        self._telemetry.answered(request, Outcome.CANCELLED, self._clock.now())
 
     def fail(self, request: Request, error: CarpoolError, cause: BaseException) -> None:
         now = self._clock.now()

@@ -292,10 +292,11 @@ class Telemetry:
             counters.rejections[reason] += 1
 
     def batch_done(self, batch: Batch, replica: ReplicaCounters, compute_s: float) -> None:
-        # Requests whose call came past their deadline never reached the model (settle.py):
-        # the batch ran without them, or, when they were all of it, did not run at all.
+        # Requests whose call came past their deadline, or after their callers cancelled
+        # them, never reached the model (settle.py): the batch ran without them, or, when
+        # they were all of it, did not run at all.
         num_items = batch.num_items - sum(
-            r.num_items for r in batch.requests if r.state is RequestState.EXPIRED
+            r.num_items for r in batch.requests if r.state >= RequestState.EXPIRED
         )
         if num_items == 0:
             return
