@@ -26,6 +26,7 @@ import asyncio
 import functools
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from carpool.core.request import Request
@@ -42,6 +43,18 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # request would reach the model for nobody.
 READ_AHEAD_REQUESTS = 16
 READ_AHEAD_BYTES = 1024 * 1024
+# A request's head (request line and header fields, trailers included) is held in memory
+# until it is complete: past these it is refused (414, 431) and the connection closed.
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADER_FIELDS = 256
+
+
+class _Refused(Exception):
+    """Raised from a parser callback: answer ``status`` with ``message`` and close."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def protocol_for(app: KServeApp) -> type[HttpToolsProtocol]:
@@ -117,19 +130,134 @@ class InferProtocol(HttpToolsProtocol):
         self._inflight: _FastCycle | None = None
         self._held: tuple[_FastCycle, bytes, int] | None = None  # waiting for resume_writing
         self._asgi: Any = None  # the ASGI cycle last started (its task may still run)
+        # What guards the connection against clients that send too much or too little:
+        self._receiving = False  # between a request's first byte and its last
+        self._head_done = False  # the request being received has its head complete
+        self._head_size = 0  # bytes of its request line and header fields so far
+        self._head_fields = 0  # its header fields (and trailer fields) so far
+        self._progress = False  # data_received's feed completed a head, body or message
+        self._stalled_bytes = 0  # bytes received since the parser last made progress
+
+    # -- connection limits: head size, timeouts -----------------------------------------
+    #
+    # uvicorn's httptools protocol buffers a request head for as long as it grows, and times
+    # nothing but the keep-alive wait after an answer. Here a connection must progress:
+    # while no request of it is being answered, the head of the next one must be complete
+    # within timeout_keep_alive of the wait's start (connecting counts as an answer), and
+    # a body must not stall for longer than that between two reads.
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_timeout()  # a connection that never sends a request is closed
+
+    def data_received(self, data: bytes) -> None:
+        self._progress = False
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # as uvicorn's data_received
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as error:
+            refused = error.__context__
+            if isinstance(refused, _Refused):
+                self.logger.warning("Refused HTTP request: %s", refused)
+                self._refuse(refused.status, str(refused))
+            else:
+                self.logger.warning("Invalid HTTP request received: %s", error)
+                self._refuse(400, f"invalid HTTP/1.1 request: {error}")
+            return
+        if self._progress:
+            self._stalled_bytes = 0
+        elif self._receiving:
+            # A head, chunk framing or trailer fields growing without an end: httptools
+            # keeps a field's name and value whole until it ends.
+            self._stalled_bytes += len(data)
+            if self._stalled_bytes > MAX_HEAD_BYTES:
+                message = self._too_large_message(self._stalled_bytes, 0)
+                self.logger.warning("Refused HTTP request: %s", message)
+                self._refuse(431, message)
+                return
+        if self._receiving and self._head_done and not self.transport.is_closing():
+            self._arm_timeout()  # a body: the client must go on sending it
+
+    def _too_large_message(self, size: int, fields: int) -> str:
+        what = "trailer fields" if self._head_done else "request line and header fields"
+        if fields > MAX_HEADER_FIELDS:
+            return f"{what}: over {MAX_HEADER_FIELDS} fields, the limit"
+        return f"{what} of over {size} bytes exceed the limit of {MAX_HEAD_BYTES} bytes"
+
+    def on_url(self, url: bytes) -> None:
+        self._head_size += len(url)
+        if self._head_size > MAX_HEAD_BYTES:
+            raise _Refused(
+                414, f"request target of over {self._head_size} bytes exceeds the limit of "
+                f"{MAX_HEAD_BYTES} bytes"
+            )  # fmt: skip
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4  # ": " and CRLF
+        self._head_fields += 1
+        if self._head_size > MAX_HEAD_BYTES or self._head_fields > MAX_HEADER_FIELDS:
+            raise _Refused(431, self._too_large_message(self._head_size, self._head_fields))
+        if not self._head_done:  # a trailer field is not merged into the head (RFC 9110 6.5.1)
+            super().on_header(name, value)
+
+    def _arm_timeout(self) -> None:
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def _is_answering(self) -> bool:
+        """A request is received in full and not yet answered: the server's turn."""
+        cycle: Any = self.cycle
+        if self.pipeline:
+            return True
+        return cycle is not None and not cycle.response_complete and not cycle.more_body
+
+    def timeout_keep_alive_handler(self) -> None:
+        self.timeout_keep_alive_task = None
+        if self.transport.is_closing() or self._is_answering() or self.flow.read_paused:
+            return  # the answer's on_response_complete arms the timer again
+        if not self._receiving:
+            self.transport.close()  # idle: closed without a word, as uvicorn does
+            return
+        what = "body" if self._head_done else "head"
+        self._refuse(
+            408, f"the request {what} did not arrive in full within {self.timeout_keep_alive} s"
+        )
+
+    def _refuse(self, status: int, message: str) -> None:
+        """An error answer about the connection's bytes, then close it: what follows in
+        the stream cannot be trusted to start a request."""
+        body = b'{"error":"' + message.replace('"', "'").encode("ascii", "replace") + b'"}'
+        parts = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts += (b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body))
+        parts += (b"connection: close\r\n\r\n", body)
+        if not self.transport.is_closing():
+            self.transport.write(b"".join(parts))
+            self.transport.close()
 
     # -- parser callbacks: the fork between the fast path and uvicorn's -----------------
 
     def on_message_begin(self) -> None:
-        # A request answered inside data_received armed the keep-alive timer; the parser
-        # may go on to the next request of the same read: it is not idle.
-        self._unset_keepalive_if_required()
+        # The keep-alive timer, if armed, stays: it is now the deadline for this head.
+        self._receiving, self._head_done = True, False
+        self._head_size = self._head_fields = 0
         # The ASGI scope is built only for requests that take the ASGI path.
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
 
     def on_headers_complete(self) -> None:
+        self._head_done = self._progress = True
+        self._unset_keepalive_if_required()  # the request is read on (or answered)
         model = self._fast_model()
         header_length = None
         if model is not None:
@@ -169,6 +297,7 @@ class InferProtocol(HttpToolsProtocol):
             self._limit_read_ahead()
 
     def on_body(self, body: bytes) -> None:
+        self._progress = True
         cycle = self.cycle
         if not isinstance(cycle, _FastCycle):
             super().on_body(body)
@@ -191,6 +320,8 @@ class InferProtocol(HttpToolsProtocol):
                 self._answer_too_large(cycle)
 
     def on_message_complete(self) -> None:
+        self._receiving, self._progress = False, True
+        self._unset_keepalive_if_required()  # an answer arms it again (on_response_complete)
         cycle = self.cycle
         if not isinstance(cycle, _FastCycle):
             super().on_message_complete()
