@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -73,6 +74,11 @@ def serve(
     from carpool.server.errors import PortInUse
     from carpool.server.run import serve as run_server
 
+    if port != 0 and port == grpc_port:
+        raise typer.BadParameter(
+            f"{grpc_port} is the HTTP port (--port) too; give gRPC another port, or 0 for none",
+            param_hint="'--grpc-port'",
+        )
     repository = _repository(config)
     try:
         run_server(repository, host=host, port=port, grpc_port=grpc_port, log_level=log_level.value)
@@ -104,6 +110,7 @@ def bench(ctx: typer.Context) -> None:
     """Load a server (or a module:attr batched function) and report (--help for options)."""
     from carpool.tools.bench import main as bench_main
 
+    _import_from(Path.cwd())  # a module:attr target in the working directory
     bench_main(list(ctx.args))
 
 
@@ -115,6 +122,7 @@ def tune(ctx: typer.Context) -> None:
     """Search batching settings for the most throughput under a p99 SLO (--help for options)."""
     from carpool.tools.tune_cli import main as tune_main
 
+    _import_from(Path.cwd())  # a module:attr target in the working directory
     tune_main(list(ctx.args))
 
 
@@ -126,6 +134,7 @@ def doctor(ctx: typer.Context) -> None:
     """Measure a model offline: throughput knee, memory, batch invariance (--help for options)."""
     from carpool.tools.doctor import main as doctor_main
 
+    _import_from(Path.cwd())  # a module:attr target in the working directory
     doctor_main(list(ctx.args))
 
 
@@ -141,11 +150,22 @@ def _repository(config_path: str | None) -> ModelRepository:
     from carpool.errors import ConfigError
     from carpool.server.builder import build_repository
 
+    _import_from(Path(config_path).resolve().parent, Path.cwd())
     try:
         return build_repository(load_config(config_path), file=config_path)
     except ConfigError as error:
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _import_from(*folders: Path) -> None:
+    """Let ``module:attr`` sources import from ``folders`` first: the config file's folder
+    (where its file paths are relative to), then the working directory, which the
+    ``carpool`` script, unlike ``python -m carpool.cli``, does not put on ``sys.path``
+    (uvicorn puts it there for ``module:app`` the same way)."""
+    for folder in reversed(folders):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -96,6 +97,13 @@ class _Missing:
 
 MISSING = _Missing()
 
+# A model's name and version appear in URL paths (/v2/models/{name}/versions/{version}).
+URL_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+_URL_NAME_EXPECTED = (
+    "a name that can appear in a URL path: letters, digits, '_', '.' and '-', "
+    "starting with a letter or digit"
+)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -116,8 +124,9 @@ class TensorConfig(_Strict):
     @field_validator("shape")
     @classmethod
     def _dims(cls, shape: list[int]) -> list[int]:
-        if any(d < -1 for d in shape):
-            raise ValueError("dimensions >= -1 (-1: any size)")
+        # As Triton: a dimension of 0 would admit only empty tensors.
+        if any(d < 1 and d != -1 for d in shape):
+            raise ValueError("dimensions >= 1, or -1 for any size")
         return shape
 
 
@@ -140,10 +149,10 @@ class ClassConfig(_Strict):
 class ModelConfig(_Strict):
     """One served model: where it comes from, its tensors, how it is batched and placed."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str = Field(pattern=URL_NAME)
     kind: Kind
     source: str = Field(min_length=1)
-    version: str = "1"
+    version: str = Field("1", pattern=URL_NAME)
     inputs: list[TensorConfig] | None = Field(None, min_length=1)
     outputs: list[TensorConfig] | None = Field(None, min_length=1)
     # BatchPolicy, field by field; defaults are BatchPolicy's.
@@ -242,6 +251,9 @@ def load_config(path: str | Path) -> ServeConfig:
         data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as error:
         raise _yaml_error(error, file) from None
+    if data is None:
+        expected = "a mapping with a models list; the file is empty (or only comments)"
+        raise ConfigError("(top level)", MISSING, expected, file=file)
     return parse_config(data, file=file, base_dir=Path(path).resolve().parent)
 
 
@@ -251,7 +263,13 @@ def parse_config(data: Any, *, file: str = "<config>", base_dir: Path | None = N
         config = ServeConfig.model_validate(data)
     except ValidationError as error:
         errors = error.errors(include_url=False)
-        raise _pydantic_error(errors[0], file, num_more=len(errors) - 1) from None
+        first, key = errors[0], _key_loc(tuple(errors[0]["loc"]))
+        union = []  # the other members of a union (list[int] | 'auto') that failed on key
+        if key != tuple(first["loc"]) and first["type"] != "extra_forbidden":
+            union = [e for e in errors[1:] if _key_loc(tuple(e["loc"])) == key]
+            first = {**first, "loc": key}
+        num_more = len(errors) - 1 - len(union)
+        raise _pydantic_error(first, file, num_more=num_more, union=union) from None
     problems = list(_semantic_problems(config, base_dir or Path.cwd()))
     if problems:
         key, value, expected = problems[0]
@@ -271,7 +289,9 @@ def key_path(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
-def _pydantic_error(error: ErrorDetails, file: str, *, num_more: int) -> ConfigError:
+def _pydantic_error(
+    error: ErrorDetails, file: str, *, num_more: int, union: list[ErrorDetails] | None = None
+) -> ConfigError:
     loc = tuple(error["loc"])
     kind = error["type"]
     if kind == "extra_forbidden":
@@ -280,12 +300,41 @@ def _pydantic_error(error: ErrorDetails, file: str, *, num_more: int) -> ConfigE
     elif kind == "missing":
         expected, value = "a value (the key is required)", MISSING
     else:
-        message = error["msg"].removeprefix("Value error, ")
-        expected = message.removeprefix("Input should be ").removeprefix("input should be ")
+        expected = " or ".join(dict.fromkeys(_expected(e) for e in [error, *(union or [])]))
         value = error["input"]
     if num_more:
         expected += f" (and {num_more} more problem(s))"
     return ConfigError(key_path(loc), value, expected, file=file)
+
+
+def _expected(error: ErrorDetails) -> str:
+    """What pydantic's ``error`` says was expected, in the config's words (no class names,
+    no regular expressions)."""
+    kind, ctx = error["type"], error.get("ctx", {})
+    if kind in ("model_type", "dict_type"):
+        return "a mapping (key: value)"
+    if kind == "string_pattern_mismatch" and ctx.get("pattern") == URL_NAME:
+        return _URL_NAME_EXPECTED
+    if kind == "string_too_short":
+        return "a non-empty string"
+    if kind == "too_short":
+        return f"a list of at least {ctx.get('min_length', 1)} item(s)"
+    message = error["msg"].removeprefix("Value error, ")
+    return message.removeprefix("Input should be ").removeprefix("input should be ")
+
+
+def _key_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """``loc`` up to the first part that is no key: pydantic's tag of a union member
+    (``("models", 0, "length_buckets", "list[int]")``)."""
+    out: list[int | str] = []
+    model: type[BaseModel] | None = ServeConfig
+    for part in loc:
+        if isinstance(part, str):
+            if model is None or part not in model.model_fields:
+                break
+            model = _NESTED.get((model, part))
+        out.append(part)
+    return tuple(out)
 
 
 def _known_keys(loc: tuple[int | str, ...]) -> list[str]:
@@ -322,6 +371,13 @@ def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -
 
 _StrictLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates
+)
+# YAML 1.2 reads 1e-3 and 2E5 as numbers; PyYAML (YAML 1.1, which needs a dot: 1.0e-3)
+# reads them as strings, and `max_delay_s: 1e-3` would be refused as "not a number".
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
 )
 
 

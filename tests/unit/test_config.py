@@ -154,7 +154,7 @@ def test_config_datatypes_are_the_server_datatypes() -> None:
         (
             VALID.replace("shape: [-1]}]\n    outputs", "shape: [-2]}]\n    outputs"),
             "models[0].inputs[0].shape",
-            ">= -1",
+            "dimensions >= 1, or -1",
         ),
         (
             VALID.replace("preferred_batch_sizes: [16, 32]", "preferred_batch_sizes: [128]"),
@@ -189,7 +189,7 @@ def test_config_datatypes_are_the_server_datatypes() -> None:
         (_with_model_line("max_batch_tokens: 0"), "models[0].max_batch_tokens", "greater than"),
         (_with_model_line("executor: process"), "models[0].executor", "'thread'"),
         ("models: []\n", "models", "at least 1 item"),
-        ("", "(top level)", "dictionary"),
+        ("", "(top level)", "the file is empty"),
         ("models:\n  - name: [\n", "line 3", "valid YAML"),
     ],
     ids=lambda v: v if isinstance(v, str) and len(v) < 40 and "\n" not in v else "",

@@ -59,8 +59,10 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MAX_RESPONSE_BYTES",
     "InferenceServicer",
+    "bind_grpc_server",
     "decode_infer_request",
     "encode_infer_response",
+    "host_port",
     "model_config",
     "model_statistics",
     "start_grpc_server",
@@ -459,6 +461,19 @@ async def start_grpc_server(repository: ModelRepository, host: str, port: int) -
     Raises:
         PortInUse: the address cannot be bound.
     """
+    server = bind_grpc_server(repository, host, port)
+    await server.start()
+    return server
+
+
+def bind_grpc_server(repository: ModelRepository, host: str, port: int) -> grpc.aio.Server:
+    """A gRPC server for ``repository`` bound to ``host:port``, not yet started (``carpool
+    serve`` binds before its models load, so that a taken port fails at once).
+
+    Raises:
+        PortInUse: the address cannot be bound.
+    """
+    address = host_port(host, port)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -470,13 +485,18 @@ async def start_grpc_server(repository: ModelRepository, host: str, port: int) -
     )
     add_servicer(server, InferenceServicer(repository))
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_insecure_port(address)
     except RuntimeError:  # grpcio raises when the address is taken
         bound = 0
     if bound == 0:  # older grpcio: 0 instead of raising
-        raise PortInUse(f"gRPC port {host}:{port}: could not bind (address in use?)")
-    await server.start()
+        raise PortInUse(f"gRPC port {address}: could not bind (address in use?)")
     return server
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets (``[::1]:8001``), as gRPC and URLs
+    write it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def add_servicer(server: grpc.aio.Server, servicer: InferenceServicer) -> None:

@@ -3,15 +3,24 @@
 
 Lifecycle, owned here rather than by the ASGI lifespan so both wires follow it::
 
-    start batchers -> bind gRPC -> bind HTTP ... SIGTERM/SIGINT ... stop accepting on both
-    -> finish the accepted HTTP and gRPC requests -> drain batchers -> exit 0
+    bind gRPC and HTTP -> load the models, start batchers -> start gRPC -> listen on HTTP
+    ... SIGTERM/SIGINT ... stop accepting on both -> finish the accepted HTTP and gRPC
+    requests -> drain batchers -> exit 0
+
+Both ports are bound before the models load, so a taken port fails at once rather than
+after minutes of loading (vLLM binds its port first for the same reason). A signal while
+the models load exits at once, with status 0: no request was accepted yet.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import logging
+import os
+import signal
 import socket
+import sys
 from collections.abc import Callable
 from types import FrameType
 
@@ -20,8 +29,9 @@ import uvloop
 
 from carpool.server.app import KServeApp
 from carpool.server.banner import logger, ready_lines, use_default_logging
+from carpool.server.errors import PortInUse
 from carpool.server.fasthttp import protocol_for
-from carpool.server.grpc import start_grpc_server
+from carpool.server.grpc import bind_grpc_server, host_port
 from carpool.server.repository import ModelRepository
 
 SHUTDOWN_GRACE_S = 30
@@ -68,7 +78,11 @@ def serve(
     log_level: str = "warning",
 ) -> None:
     """Serve HTTP on ``port`` and gRPC on ``grpc_port`` (None or <= 0: no gRPC) until
-    SIGINT/SIGTERM; then stop accepting, drain every batcher, return (exit status 0)."""
+    SIGINT/SIGTERM; then stop accepting, drain every batcher, return (exit status 0).
+
+    Raises:
+        PortInUse: ``port`` or ``grpc_port`` cannot be bound (before any model loads).
+    """
     use_default_logging()
     app = KServeApp(repository)
     config = uvicorn.Config(
@@ -105,16 +119,86 @@ def _freeze_startup_heap() -> None:
     gc.set_threshold(YOUNG_GC_THRESHOLD, older, oldest)
 
 
+def _bind_http(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound (not yet listening) to every address ``host`` names, as
+    ``loop.create_server`` binds them; uvicorn listens on them once the models are loaded.
+
+    Raises:
+        PortInUse: naming the address and the system's reason.
+    """
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as error:
+        for sock in sockets:
+            sock.close()
+        why = error.strerror or str(error)
+        raise PortInUse(f"HTTP port {host_port(host, port)}: could not bind ({why})") from None
+    return sockets
+
+
+def _exit_on_signal_while_loading(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+    """Until the returned function is called, SIGINT and SIGTERM end the process at once
+    with status 0: the models are loading, nothing listens and no request was accepted,
+    and a model's loading thread cannot be interrupted (waiting for it could take
+    minutes)."""
+
+    def exit_now(name: str) -> None:
+        logger.info(f"stopping: {name} while the models were loading; nothing was served")
+        for handler in [*logger.handlers, *logging.getLogger().handlers]:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for signum in signals:
+        loop.add_signal_handler(signum, exit_now, signal.Signals(signum).name)
+
+    def restore() -> None:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+
+    return restore
+
+
 async def _serve(
     repository: ModelRepository, config: uvicorn.Config, host: str, grpc_port: int | None
 ) -> None:
     loop = asyncio.get_running_loop()
-    await repository.start()
+    grpc_server = None
+    if grpc_port is not None and grpc_port > 0:
+        grpc_server = bind_grpc_server(repository, host, grpc_port)
+    try:
+        sockets = _bind_http(config.host, config.port)
+    except PortInUse:
+        if grpc_server is not None:
+            await grpc_server.stop(None)
+        raise
+    restore_signals = _exit_on_signal_while_loading(loop)
+    try:
+        await repository.start()
+    except BaseException:  # a model failed to load: serve nothing
+        for sock in sockets:
+            sock.close()
+        if grpc_server is not None:
+            await grpc_server.stop(None)
+        raise
+    finally:
+        restore_signals()
     _freeze_startup_heap()
     try:
-        grpc_server = None
-        if grpc_port is not None and grpc_port > 0:
-            grpc_server = await start_grpc_server(repository, host, grpc_port)
+        if grpc_server is not None:
+            await grpc_server.start()
         grpc_stopped: asyncio.Future[None] | None = None
 
         def stop_grpc() -> None:  # stop accepting; let accepted RPCs finish within the grace
@@ -127,14 +211,14 @@ async def _serve(
             stop_grpc()
 
         # The signal handler may run outside a loop callback: hop onto the loop.
-        grpc_address = f"{host}:{grpc_port}" if grpc_server is not None else None
+        grpc_address = host_port(host, grpc_port or 0) if grpc_server is not None else None
         http = _DrainingServer(
             config,
             on_exit=lambda: loop.call_soon_threadsafe(on_exit),
             on_started=lambda server: _announce(server, repository, grpc_address),
         )
         try:
-            await http.serve()
+            await http.serve(sockets)
         finally:
             stop_grpc()
             if grpc_stopped is not None:
@@ -147,5 +231,5 @@ async def _serve(
 def _announce(http: uvicorn.Server, repository: ModelRepository, grpc: str | None) -> None:
     """The ready lines, with the address uvicorn bound (port 0 included)."""
     host, port = http.servers[0].sockets[0].getsockname()[:2]
-    for line in ready_lines(repository, f"{host}:{port}", grpc):
+    for line in ready_lines(repository, host_port(host, port), grpc):
         logger.info(line)

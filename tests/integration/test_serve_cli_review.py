@@ -1,0 +1,347 @@
+"""`carpool serve` as a Triton/vLLM user runs it, found in review: each test was a bug a
+person would hit (a message in pydantic's words, a config the CLI refused or accepted
+wrongly, a module beside the config that did not import, a taken port found only after
+the models loaded, a signal while loading ending by the signal) and failed before its fix.
+Every process binds 127.0.0.1 (or ::1), is bounded in time, and is stopped here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import free_port, wait_until
+
+RUN_LIMIT_S = 60.0  # a net against a hung process, never a timing assertion
+CARPOOL = Path(sys.executable).parent / "carpool"  # the console script users run
+
+# A python model whose replica factory, written beside the config, says it started
+# loading (the file $CARPOOL_TEST_LOADING) and then loads while $CARPOOL_TEST_GATE exists.
+GATED_LOADER = """\
+import os, time
+
+
+def factory(device):
+    open(os.environ["CARPOOL_TEST_LOADING"], "w").close()
+    limit = time.monotonic() + 30
+    while os.path.exists(os.environ["CARPOOL_TEST_GATE"]) and time.monotonic() < limit:
+        time.sleep(0.01)
+    return lambda inputs: {"Y": inputs["X"]}
+"""
+GATED_CONFIG = """\
+models:
+  - name: m
+    kind: python
+    source: gatedloader:factory
+    inputs: [{name: X, datatype: INT64, shape: [1]}]
+    outputs: [{name: Y, datatype: INT64, shape: [1]}]
+"""
+MODEL = """\
+models:
+  - name: m
+    kind: python
+    source: numpy:negative
+    inputs: [{name: INPUT0, datatype: FP32, shape: [4]}]
+    outputs: [{name: OUTPUT0, datatype: FP32, shape: [4]}]
+"""
+
+
+class Gated:
+    """A folder with the gated-loading model and its config; ``loading`` appears once a
+    replica starts loading, which goes on while ``gate`` exists."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.config = folder / "serve.yaml"
+        self.loading = folder / "loading"
+        self.gate = folder / "gate"
+        (folder / "gatedloader.py").write_text(GATED_LOADER)
+        self.config.write_text(GATED_CONFIG)
+        self.gate.touch()
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "CARPOOL_TEST_LOADING": str(self.loading),
+            "CARPOOL_TEST_GATE": str(self.gate),
+            # (not what the import-beside-the-config test checks)
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(folder), os.environ.get("PYTHONPATH")) if p
+            ),
+        }
+
+
+@pytest.fixture
+def gated(tmp_path: Path) -> Iterator[Gated]:
+    folder = tmp_path / "gated"
+    folder.mkdir()
+    yield Gated(folder)
+    folder.joinpath("gate").unlink(missing_ok=True)
+
+
+def _serve(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``carpool serve ARGS`` run to its end (it must end by itself)."""
+    return subprocess.run(
+        [str(CARPOOL), "serve", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=RUN_LIMIT_S,
+    )
+
+
+def _start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(CARPOOL), "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def _finish(process: subprocess.Popen[str], signum: int | None = signal.SIGTERM) -> str:
+    """Signal ``process`` (unless None), wait for its end; its output."""
+    if signum is not None and process.poll() is None:
+        process.send_signal(signum)
+    try:
+        out, _ = process.communicate(timeout=RUN_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, _ = process.communicate()
+        pytest.fail(f"carpool serve did not exit:\n{out}")
+    return out
+
+
+def _is_ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v2/health/ready", timeout=1.0).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in done.stderr, done.stderr
+    ours = [line for line in done.stderr.splitlines() if line.startswith("carpool serve: ")]
+    assert len(ours) == 1, done.stderr
+    return ours[0]
+
+
+# -- the config file ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "says", "not_said"),
+    [
+        ("# nothing yet\n", "the file is empty", "ServeConfig"),
+        ("models:\n  - doubler\n", "models[0]='doubler': expected a mapping", "ModelConfig"),
+        (
+            MODEL.replace("name: m", "name: my/model"),
+            "models[0].name='my/model': expected a name that can appear in a URL path",
+            "^[A-Za-z0-9]",
+        ),
+        (MODEL + "    version: v1/beta\n", "models[0].version='v1/beta'", "match pattern"),
+        (MODEL + "    version: ''\n", "models[0].version=''", "match pattern"),
+        (
+            MODEL.replace("shape: [4]}]\n    outputs", "shape: [0]}]\n    outputs"),
+            "models[0].inputs[0].shape=[0]: expected dimensions >= 1, or -1",
+            "ready",
+        ),
+        (
+            MODEL + "    length_buckets: some\n",
+            "models[0].length_buckets='some': expected a valid list or 'auto'",
+            "list[int]",
+        ),
+        (
+            MODEL + "    devices: []\n",
+            "models[0].devices=[]: expected a list of at least 1 item",
+            "after validation",
+        ),
+    ],
+    ids=["empty", "entry", "name", "version", "empty-version", "dim-0", "union", "too-short"],
+)
+def test_config_errors_say_what_was_expected_in_the_configs_words(
+    tmp_path: Path, text: str, says: str, not_said: str
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(text)
+    done = _serve(str(config), "--port", "0", "--grpc-port", "0", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    line = _one_line_error(done)
+    assert line.startswith(f"carpool serve: {config}: invalid ")
+    assert says in line and not_said not in line, line
+
+
+def test_exponent_numbers_read_as_numbers(tmp_path: Path) -> None:
+    # PyYAML (YAML 1.1) reads 1e-3 as the string '1e-3': "expected a valid number".
+    config = tmp_path / "serve.yaml"
+    config.write_text(MODEL + "    max_delay_s: 1e-3\n")
+    port = free_port()
+    process = _start(str(config), "--port", str(port), "--grpc-port", "0", cwd=tmp_path)
+    try:
+        wait_until(
+            lambda: process.poll() is not None or _is_ready(f"http://127.0.0.1:{port}"),
+            "the server to be ready or to exit",
+        )
+        assert process.poll() is None, _finish(process, None)
+        answer = httpx.get(f"http://127.0.0.1:{port}/v2/models/m/config", timeout=5).json()
+        assert answer["dynamic_batching"]["max_queue_delay_microseconds"] == 1000
+    finally:
+        out = _finish(process)
+    assert process.returncode == 0, out
+
+
+def test_max_batch_size_in_exponent_form_is_refused_as_a_float(tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(MODEL + "    max_batch_size: 1e3\n")
+    done = _serve(str(config), cwd=tmp_path)
+    assert done.returncode == 2
+    assert "models[0].max_batch_size=1000.0: expected a valid integer" in _one_line_error(done)
+
+
+def test_a_module_beside_the_config_imports_with_the_carpool_script(tmp_path: Path) -> None:
+    # `carpool serve` (the console script) put neither the config's folder nor the working
+    # directory on sys.path: `source: mymodel:fn` failed there, and worked with python -m.
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "beside.py").write_text("def fn(inputs):\n    return {'Y': inputs['X']}\n")
+    (project / "serve.yaml").write_text(GATED_CONFIG.replace("gatedloader:factory", "beside:fn"))
+    port = free_port()
+    args = ("project/serve.yaml", "--port", str(port), "--grpc-port", "0")
+    process = _start(*args, cwd=tmp_path)  # run from the folder above
+    try:
+        wait_until(
+            lambda: process.poll() is not None or _is_ready(f"http://127.0.0.1:{port}"),
+            "the server to be ready or to exit",
+        )
+        assert process.poll() is None, _finish(process, None)
+    finally:
+        out = _finish(process)
+    assert process.returncode == 0, out
+
+
+@pytest.mark.parametrize("command", ["bench", "doctor"])
+def test_a_module_target_in_the_working_directory_imports_with_the_carpool_script(
+    tmp_path: Path, command: str
+) -> None:
+    # The same for the tools' module:attr targets: `carpool bench beside:fn` failed with
+    # "No module named 'beside'" where `python -m carpool.cli bench` worked.
+    (tmp_path / "beside.py").write_text("def fn(batch):\n    return batch * 2\n")
+    args = {
+        "bench": ["--input-shape", "1,4", "--duration", "0.3s", "--concurrency", "2"],
+        "doctor": ["--shape", "4", "--max-batch", "4", "--repeats", "1", "--warmup", "0"],
+    }[command]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [str(CARPOOL), command, "beside:fn", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=RUN_LIMIT_S,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "No module named" not in done.stderr
+
+
+# -- ports ---------------------------------------------------------------------------------------
+
+
+def test_same_http_and_grpc_port_is_a_usage_error(tmp_path: Path) -> None:
+    # It loaded the models, bound gRPC, then died with uvicorn's own "[Errno 98]" line.
+    config = tmp_path / "serve.yaml"
+    config.write_text(MODEL)
+    port = str(free_port())
+    done = _serve(str(config), "--port", port, "--grpc-port", port, cwd=tmp_path)
+    assert done.returncode == 2
+    assert "--grpc-port" in done.stderr and "is the HTTP port" in done.stderr, done.stderr
+    assert "ready" not in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("which", ["--port", "--grpc-port"])
+def test_a_taken_port_fails_before_any_model_loads(gated: Gated, which: str) -> None:
+    # The ports were bound after every model had loaded (minutes, for a large one), and a
+    # taken HTTP port was uvicorn's "ERROR: [Errno 98] ..." line, not carpool's.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = str(busy.getsockname()[1])
+        other = str(free_port())
+        ports = {"--port": other, "--grpc-port": other, which: taken}
+        flags = [arg for flag, port in ports.items() for arg in (flag, port)]
+        done = _serve(str(gated.config), *flags, cwd=gated.folder, env=gated.env)
+    assert done.returncode == 3, done.stderr
+    line = _one_line_error(done)
+    wire = "HTTP" if which == "--port" else "gRPC"
+    assert line.startswith(f"carpool serve: {wire} port 127.0.0.1:{taken}: could not bind")
+    assert not gated.loading.exists(), "a model started loading before the port was bound"
+    assert "ERROR:" not in done.stderr
+
+
+def test_ipv6_loopback_serves_both_wires_with_bracketed_addresses(tmp_path: Path) -> None:
+    # gRPC was bound as "::1:PORT" (grpcio: "Misformatted domain name"), reported as
+    # "could not bind (address in use?)"; the ready line said http://::1:PORT.
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    config = tmp_path / "serve.yaml"
+    config.write_text(MODEL)
+    port, grpc_port = free_port(), free_port()
+    args = ("--host", "::1", "--port", str(port), "--grpc-port", str(grpc_port))
+    process = _start(str(config), *args, cwd=tmp_path)
+    try:
+        wait_until(
+            lambda: process.poll() is not None or _is_ready(f"http://[::1]:{port}"),
+            "the server to be ready or to exit",
+        )
+        assert process.poll() is None, _finish(process, None)
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(f"[::1]:{grpc_port}")
+        try:
+            wait_until(lambda: client.is_server_ready(client_timeout=5.0), "gRPC readiness")
+        finally:
+            client.close()
+    finally:
+        out = _finish(process)
+    assert process.returncode == 0, out
+    assert f"http://[::1]:{port}" in out and f"gRPC  [::1]:{grpc_port}" in out, out
+
+
+# -- lifecycle -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_loading_exits_0_at_once_saying_so(gated: Gated, signum: int) -> None:
+    # SIGTERM killed the process by the signal (status -15, no line); SIGINT waited for the
+    # load to end and exited 130 without a word.
+    port = free_port()
+    process = _start(
+        str(gated.config), "--port", str(port), "--grpc-port", "0",
+        cwd=gated.folder, env=gated.env,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: gated.loading.exists() or process.poll() is not None, "loading")
+        assert not _is_ready(f"http://127.0.0.1:{port}")  # nothing listens while loading
+        process.send_signal(signum)
+        out = _finish(process, None)  # the gate stays: the load never ends by itself
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, out
+    name = signal.Signals(signum).name
+    assert f"stopping: {name} while the models were loading" in out, out
+    assert "model(s) ready" not in out and "Traceback" not in out, out
