@@ -213,6 +213,18 @@ class InferProtocol(HttpToolsProtocol):
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
 
+    def on_response_complete(self) -> None:
+        HttpToolsProtocol.on_response_complete(self)  # once per answer: no super() lookup
+        # uvicorn's cancels the timer a body's read armed, and arms none when it starts a
+        # pipelined request: a body still arriving must go on arriving all the same.
+        if (
+            self._receiving
+            and self._head_done
+            and self.timeout_keep_alive_task is None
+            and not self.transport.is_closing()
+        ):
+            self._arm_timeout()
+
     def _is_answering(self) -> bool:
         """A request is received in full and not yet answered: the server's turn."""
         cycle: Any = self.cycle

@@ -75,6 +75,17 @@ class TelemetryCollector(Collector):
 
     def __init__(self, repository: ModelRepository) -> None:
         self._repository = repository
+        # Each model's batch-size buckets: every bound any of its policies has had. A live
+        # policy change (carpool tune makes them) adds its bounds and takes none away, so
+        # no bucket series disappears under a rate() or histogram_quantile() window.
+        self._bounds: dict[str, tuple[int, ...]] = {}
+
+    def _bounds_of(self, name: str, policy: BatchPolicy) -> tuple[int, ...]:
+        bounds = batch_size_bounds(policy)
+        known = self._bounds.get(name)
+        if known != bounds and (known is None or not set(bounds) <= set(known)):
+            self._bounds[name] = tuple(sorted({*bounds, *(known or ())}))
+        return self._bounds[name]
 
     def collect(self) -> Iterator[Metric]:
         # Labelled by the repository's (unique) names: a batcher's own name defaults to
@@ -84,7 +95,7 @@ class TelemetryCollector(Collector):
         # has only the carpool_generation_* ones.
         services = generation_models(self._repository)
         snapshots = [
-            (m.name, m.batcher.snapshot(quantiles=False), batch_size_bounds(m.batcher.policy))
+            (m.name, m.batcher.snapshot(quantiles=False), self._bounds_of(m.name, m.batcher.policy))
             for m in self._repository
             if m.name not in services
         ]

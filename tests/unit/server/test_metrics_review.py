@@ -74,3 +74,24 @@ def test_batch_size_buckets_cover_every_max_and_preferred_size() -> None:
     assert bounds[0] == 1 and list(bounds) == sorted(set(bounds))
     assert {24, 47, 48, 2048, 2999, 3000, 4096} <= set(bounds)
     assert bounds[-1] == 4096  # powers of two stop at the first one past the largest max
+
+
+async def test_a_live_policy_change_adds_batch_size_buckets_and_removes_none() -> None:
+    # The buckets followed the policy in force at each scrape: a tune trial's max of 5
+    # dropped le="3.0" and le="2.0", so a rate() over a window spanning the change read
+    # buckets that vanished mid-window.
+    batcher = Batcher(double, BatchPolicy(max_batch_size=3, max_delay_s=0.0), collate="dict")
+    spec = (TensorSpec("x", "FP32", (2,)),)
+    served = ServedModel("m", "1", "python", spec, (TensorSpec("y", "FP32", (2,)),), batcher)
+    metrics = Metrics(ModelRepository([served]))
+    await batcher.start()
+    try:
+        await batcher.submit_many({"x": np.ones((3, 2), np.float32)})
+        before = _bucket_counts(metrics.render()[0], "m")
+        batcher.update_policy(max_batch_size=5)
+        after = _bucket_counts(metrics.render()[0], "m")
+    finally:
+        await batcher.stop()
+    assert {"2.0", "3.0"} <= set(before)
+    assert set(before) | {"5.0"} <= set(after)  # the new max is a bucket too
+    assert all(after[le] == count for le, count in before.items())
