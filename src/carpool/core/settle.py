@@ -67,17 +67,14 @@ class Settler:
                 # turns into CancelledError on the way back from the thread): a model
                 # error like any other, not the end of this replica.
                 raise _RaisedByModel(exc) from exc
-        except StartedLate as late:
+        except (StartedLate, Withdrawn) as skipped:
+            # The call did not run: its expired (or cancelled) requests leave it, the rest
+            # run again without them.
             for request in requests:
-                if request.deadline_s is not None and request.deadline_s <= late.started_s:
-                    self.expire(request)
-            rest = [r for r in requests if r.state is RequestState.RUNNING]
-            if not rest:
-                return None, False
-            return await self._settle(rest, start(rest), start, is_split)
-        except Withdrawn:
-            for request in requests:
-                if request.future.cancelled():
+                if isinstance(skipped, StartedLate):
+                    if request.deadline_s is not None and request.deadline_s <= skipped.started_s:
+                        self.expire(request)
+                elif request.future.cancelled():
                     self.withdraw(request)
             rest = [r for r in requests if r.state is RequestState.RUNNING]
             if not rest:

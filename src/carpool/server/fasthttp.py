@@ -27,6 +27,7 @@ import functools
 from typing import Any
 
 import httptools
+import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from carpool.core.request import Request
@@ -247,7 +248,7 @@ class InferProtocol(HttpToolsProtocol):
     def _refuse(self, status: int, message: str) -> None:
         """An error answer about the connection's bytes, then close it: what follows in
         the stream cannot be trusted to start a request."""
-        body = b'{"error":"' + message.replace('"', "'").encode("ascii", "replace") + b'"}'
+        body = orjson.dumps({"error": message})
         parts = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             parts += (name, b": ", value, b"\r\n")
