@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
 import grpc  # type: ignore[import-untyped]  # grpcio ships no type hints
 import numpy as np
 import numpy.typing as npt
 from google.protobuf import json_format  # type: ignore[import-untyped]  # no stubs installed
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from carpool import __version__
 from carpool.errors import InvalidInput
@@ -58,6 +59,7 @@ __all__ = [
     "EXTENSIONS",
     "MAX_MESSAGE_BYTES",
     "MAX_RESPONSE_BYTES",
+    "MAX_STREAM_UNANSWERED",
     "InferenceServicer",
     "bind_grpc_server",
     "decode_infer_request",
@@ -76,6 +78,12 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # requests, as the REST body limit
 # Responses, as Triton's server and tritonclient's channel: a protobuf message's ceiling. A
 # smaller limit would fail an answer after its model ran (REST bounds no response).
 MAX_RESPONSE_BYTES = 2**31 - 1
+# Requests one ModelStreamInfer stream may have read and not yet answered. Past it the
+# stream stops reading, so HTTP/2 flow control holds the client's further sends back:
+# without a bound a client that never read its answers made the server read, run and
+# keep answers for as long as it sent (700 MB of RSS in 25 s). Several batches' worth, so
+# that one busy stream still fills batches while its earlier answers go out.
+MAX_STREAM_UNANSWERED = 256
 
 _KNOWN = ", ".join(DATATYPES)
 # The InferTensorContents field of each datatype; FP16 and BF16 have none (raw only).
@@ -296,6 +304,17 @@ class InferenceServicer:
 
     def __init__(self, repository: ModelRepository) -> None:
         self.repository = repository
+        self.is_draining = False
+        self._stream_readers: set[asyncio.Task[None]] = set()
+
+    def drain(self) -> None:
+        """The server is shutting down: every open ModelStreamInfer stream stops reading,
+        answers the requests it has read and ends (UNAVAILABLE, unless its client had
+        half-closed), so that an idle stream does not hold the shutdown for its whole
+        grace. New calls are grpcio's to refuse (``server.stop``)."""
+        self.is_draining = True
+        for reader in self._stream_readers:
+            reader.cancel()
 
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -353,11 +372,16 @@ class InferenceServicer:
         """Answer the stream's requests in the order they came, as Triton answers a
         model that is not decoupled; each is submitted as soon as it arrives, so requests
         of one stream still share batches. A failed request is an ``error_message``
-        answer and the stream goes on. The stream ends once the client has half-closed
-        and every request is answered; when the client cancels, requests still queued are
-        taken out of their batchers."""
+        answer and the stream goes on. Once ``MAX_STREAM_UNANSWERED`` requests await
+        their answers, reading pauses until the next answer is sent (sending waits for
+        the client to read: HTTP/2 flow control). The stream ends once the client has
+        half-closed and every request is answered; a message that is not a
+        ``ModelInferRequest`` ends it with INVALID_ARGUMENT, and :meth:`drain` with
+        UNAVAILABLE, after the answers owed before. When the client cancels, requests
+        still queued are taken out of their batchers."""
         owed: asyncio.Queue[asyncio.Task[pb.ModelStreamInferResponse] | None] = asyncio.Queue()
         running: set[asyncio.Task[pb.ModelStreamInferResponse]] = set()
+        room = asyncio.Semaphore(MAX_STREAM_UNANSWERED)
 
         async def read() -> None:
             try:
@@ -366,14 +390,29 @@ class InferenceServicer:
                     running.add(task)
                     task.add_done_callback(running.discard)
                     owed.put_nowait(task)
+                    await room.acquire()  # released once an answer is sent
             finally:
                 owed.put_nowait(None)  # also when reading fails: the writer must stop
 
         reader = asyncio.create_task(read())
+        self._stream_readers.add(reader)
+        reader.add_done_callback(self._stream_readers.discard)
+        if self.is_draining:
+            reader.cancel()
         try:
             while (task := await owed.get()) is not None:
                 yield await task
-            await reader  # re-raises a failed read, which ends the RPC with its status
+                room.release()
+            if reader.cancelled():  # by drain(): what the client sends next is not read
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the server is shutting down: this stream's earlier requests are "
+                    "answered, later ones were not read; send them again on a new stream",
+                )
+            try:
+                await reader  # re-raises a failed read, which ends the RPC with its status
+            except InvalidInput as exc:  # a message that did not parse (_strict_parser)
+                await _abort(context, exc)
         finally:
             for pending in (reader, *running):
                 pending.cancel()
@@ -466,9 +505,16 @@ async def start_grpc_server(repository: ModelRepository, host: str, port: int) -
     return server
 
 
-def bind_grpc_server(repository: ModelRepository, host: str, port: int) -> grpc.aio.Server:
-    """A gRPC server for ``repository`` bound to ``host:port``, not yet started (``carpool
-    serve`` binds before its models load, so that a taken port fails at once).
+def bind_grpc_server(
+    repository: ModelRepository,
+    host: str,
+    port: int,
+    servicer: InferenceServicer | None = None,
+) -> grpc.aio.Server:
+    """A gRPC server for ``repository`` (through ``servicer``, whose :meth:`drain
+    <InferenceServicer.drain>` the caller calls on shutdown) bound to ``host:port``, not
+    yet started (``carpool serve`` binds before its models load, so that a taken port
+    fails at once).
 
     Raises:
         PortInUse: the address cannot be bound.
@@ -483,7 +529,7 @@ def bind_grpc_server(repository: ModelRepository, host: str, port: int) -> grpc.
             ("grpc.so_reuseport", 0),
         ]
     )
-    add_servicer(server, InferenceServicer(repository))
+    add_servicer(server, servicer or InferenceServicer(repository))
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError:  # grpcio raises when the address is taken
@@ -511,19 +557,57 @@ def add_servicer(server: grpc.aio.Server, servicer: InferenceServicer) -> None:
             getattr(pb, method.input_type.name),
             getattr(pb, method.output_type.name),
         )
-        make = (
-            grpc.stream_stream_rpc_method_handler
-            if method.client_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
-        handlers[method.name] = make(
-            getattr(servicer, method.name),
-            request_deserializer=request.FromString,
-            response_serializer=response.SerializeToString,
-        )
+        behavior = getattr(servicer, method.name)
+        if method.client_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                behavior,
+                request_deserializer=_strict_parser(request),
+                response_serializer=response.SerializeToString,
+            )
+        else:  # parsed in the handler, where a failure can be answered INVALID_ARGUMENT
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _parsing(behavior, request), response_serializer=response.SerializeToString
+            )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers), _NotServed())
     )
+
+
+def _not_parsed(message: type[Any], error: DecodeError) -> InvalidInput:
+    name = message.DESCRIPTOR.full_name
+    return InvalidInput(
+        f"the request message is not a valid {name} protobuf ({error}); send a serialized "
+        f"{name}, as tritonclient.grpc does"
+    )
+
+
+def _parsing(behavior: Callable[[Any, Any], Awaitable[Any]], message: type[Any]) -> Any:
+    """A unary handler that parses its request itself: grpcio answers a request that its
+    deserializer cannot parse with UNKNOWN and the exception's repr."""
+    parse = message.FromString
+
+    async def handle(data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            request = parse(data)
+        except DecodeError as error:
+            await _abort(context, _not_parsed(message, error))
+        return await behavior(request, context)
+
+    return handle
+
+
+def _strict_parser(message: type[Any]) -> Callable[[bytes], Any]:
+    """A stream's deserializer: a message that does not parse raises InvalidInput, which
+    the stream's reader hands on (ModelStreamInfer ends the stream INVALID_ARGUMENT)."""
+    parse = message.FromString
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as error:
+            raise _not_parsed(message, error) from None
+
+    return deserialize
 
 
 class _NotServed(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpcio has no hints

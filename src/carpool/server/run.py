@@ -21,9 +21,11 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from types import FrameType
 
+import grpc  # type: ignore[import-untyped]  # grpcio ships no type hints
 import uvicorn
 import uvloop
 
@@ -31,7 +33,7 @@ from carpool.server.app import KServeApp
 from carpool.server.banner import logger, ready_lines, use_default_logging
 from carpool.server.errors import PortInUse
 from carpool.server.fasthttp import protocol_for
-from carpool.server.grpc import bind_grpc_server, host_port
+from carpool.server.grpc import InferenceServicer, bind_grpc_server, host_port
 from carpool.server.repository import ModelRepository
 
 SHUTDOWN_GRACE_S = 30
@@ -150,7 +152,10 @@ def _exit_on_signal_while_loading(loop: asyncio.AbstractEventLoop) -> Callable[[
     """Until the returned function is called, SIGINT and SIGTERM end the process at once
     with status 0: the models are loading, nothing listens and no request was accepted,
     and a model's loading thread cannot be interrupted (waiting for it could take
-    minutes)."""
+    minutes). On another thread than the main one, where no signal reaches a handler
+    (uvicorn then serves without its own), nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
 
     def exit_now(name: str) -> None:
         logger.info(f"stopping: {name} while the models were loading; nothing was served")
@@ -171,31 +176,42 @@ def _exit_on_signal_while_loading(loop: asyncio.AbstractEventLoop) -> Callable[[
     return restore
 
 
+async def _close_unstarted(grpc_server: grpc.aio.Server) -> None:
+    """Release the port of a gRPC server bound but never started: gRPC's core keeps it
+    (listening) through a ``stop`` that comes before ``start`` (grpc/grpc#23390), so it is
+    started here to be stopped at once; a client that connected meanwhile is cut off."""
+    await grpc_server.start()
+    await grpc_server.stop(None)
+
+
 async def _serve(
     repository: ModelRepository, config: uvicorn.Config, host: str, grpc_port: int | None
 ) -> None:
     loop = asyncio.get_running_loop()
     grpc_server = None
+    servicer = InferenceServicer(repository)
     if grpc_port is not None and grpc_port > 0:
-        grpc_server = bind_grpc_server(repository, host, grpc_port)
+        grpc_server = bind_grpc_server(repository, host, grpc_port, servicer)
     try:
         sockets = _bind_http(config.host, config.port)
     except PortInUse:
         if grpc_server is not None:
-            await grpc_server.stop(None)
+            await _close_unstarted(grpc_server)
         raise
     restore_signals = _exit_on_signal_while_loading(loop)
     try:
         await repository.start()
+        # A full collection over the models' heap takes a while: still nothing accepted,
+        # so a signal meanwhile still exits at once (not with the default handler's -15).
+        _freeze_startup_heap()
     except BaseException:  # a model failed to load: serve nothing
         for sock in sockets:
             sock.close()
         if grpc_server is not None:
-            await grpc_server.stop(None)
+            await _close_unstarted(grpc_server)
         raise
     finally:
         restore_signals()
-    _freeze_startup_heap()
     try:
         if grpc_server is not None:
             await grpc_server.start()
@@ -205,6 +221,7 @@ async def _serve(
             nonlocal grpc_stopped
             if grpc_server is not None and grpc_stopped is None:
                 grpc_stopped = asyncio.ensure_future(grpc_server.stop(SHUTDOWN_GRACE_S))
+                servicer.drain()  # open streams end once answered, not at the grace's end
 
         def on_exit() -> None:
             logger.info("stopping: no new requests; answering the accepted ones")
