@@ -43,6 +43,14 @@ def _tritonclient_http_collected_on_any_thread() -> Iterator[None]:
     httpclient.InferenceServerClient.__del__ = original  # type: ignore[method-assign]
 
 
+def rss_kb(pid: int) -> int:
+    """A process's resident memory (VmRSS), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS in /proc/{pid}/status")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -23,7 +23,7 @@ import pytest
 
 from carpool.server.fasthttp import MAX_HEAD_BYTES, MAX_HEADER_FIELDS
 
-from .conftest import ServedProcess, StartServer, start_served_process, wait_until
+from .conftest import ServedProcess, StartServer, rss_kb, start_served_process, wait_until
 
 CONFIG = """\
 models:
@@ -56,13 +56,6 @@ def _request(i: int, *, path: bytes = INFER, extra: bytes = b"") -> bytes:
     body = _body(i)
     head = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n" % (path, len(body))
     return head + extra + b"\r\n" + body
-
-
-def _rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def _connect(url: str) -> socket.socket:
@@ -159,7 +152,7 @@ def test_a_head_that_keeps_growing_is_refused_before_memory_follows(
     """Was: uvicorn's httptools protocol (and httptools itself, for one field) buffered a
     head as long as it grew: 200 MB of one header value took the server to 300 MB of RSS,
     20 million small headers to 2.4 GB, and the loop stalled for seconds."""
-    before = _rss_kb(served.process.pid)
+    before = rss_kb(served.process.pid)
     sock = _connect(served.http_url)
     sent = 0
     with sock:
@@ -175,7 +168,7 @@ def test_a_head_that_keeps_growing_is_refused_before_memory_follows(
     got, message = _error(answer)
     assert got == status
     assert fragment in message and "the limit" in message
-    assert _rss_kb(served.process.pid) - before < MEMORY_SLACK_KB
+    assert rss_kb(served.process.pid) - before < MEMORY_SLACK_KB
 
 
 def test_too_many_header_fields_and_a_1mb_header_are_refused(
@@ -377,7 +370,7 @@ def test_a_client_that_pipelines_without_reading_is_held_back(
 ) -> None:
     """The answers nobody reads stay bounded: reading pauses, so the client's own send
     blocks, and the server's memory does not follow what it tries to send."""
-    before = _rss_kb(served.process.pid)
+    before = rss_kb(served.process.pid)
     batch = b"".join(_request(i) for i in range(1000))  # about 170 KB
     sent = 0
     host, port = served.http_url.split(":")
@@ -397,7 +390,7 @@ def test_a_client_that_pipelines_without_reading_is_held_back(
             pass
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     assert sent < 256 * 1024 * 1024, "the server read 256 MiB nobody took answers for"
-    assert _rss_kb(served.process.pid) - before < MEMORY_SLACK_KB
+    assert rss_kb(served.process.pid) - before < MEMORY_SLACK_KB
 
 
 def test_thousands_of_pipelined_requests_in_one_write_are_answered_in_order(

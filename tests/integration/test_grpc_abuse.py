@@ -28,7 +28,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from carpool.server.grpc import MAX_MESSAGE_BYTES, MAX_STREAM_UNANSWERED
 
-from .conftest import ServedProcess, StartServer, start_served_process, wait_until
+from .conftest import ServedProcess, StartServer, rss_kb, start_served_process, wait_until
 
 CONFIG = """\
 models:
@@ -72,13 +72,6 @@ def _request(i: int, *, width: int = 2, model: str = "doubler") -> pb.ModelInfer
 
 def _doubled(response: pb.ModelInferResponse) -> list[float]:
     return np.frombuffer(response.raw_output_contents[0], dtype="<f4").tolist()
-
-
-def _rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 class Steady:
@@ -187,12 +180,12 @@ def test_a_request_just_over_the_receive_limit_is_resource_exhausted(
 ) -> None:
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
     big = _request(1, width=MAX_MESSAGE_BYTES // 4 + 1)
-    before = _rss_kb(served.process.pid)
+    before = rss_kb(served.process.pid)
     with pytest.raises(grpc.RpcError) as caught:
         stub.ModelInfer(big, timeout=LIMIT_S)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"larger than max ({big.ByteSize()} vs. {MAX_MESSAGE_BYTES})" in caught.value.details()
-    assert _rss_kb(served.process.pid) - before < MEMORY_SLACK_KB
+    assert rss_kb(served.process.pid) - before < MEMORY_SLACK_KB
     assert _doubled(stub.ModelInfer(_request(3), timeout=LIMIT_S)) == [6.0, 6.0]
 
 
@@ -264,7 +257,7 @@ def test_a_stream_whose_answers_are_never_read_is_held_back(
             counted[0] = next(sent)
             yield _request(i, width=1024)
 
-    before = _rss_kb(served.process.pid)
+    before = rss_kb(served.process.pid)
     with grpc.insecure_channel(served.grpc_url) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         call = stub.ModelStreamInfer(requests())  # never read
@@ -279,7 +272,7 @@ def test_a_stream_whose_answers_are_never_read_is_held_back(
             return False
 
         wait_until(is_held_back, "the client's sends to stop or run out")
-        grown_kb = _rss_kb(served.process.pid) - before
+        grown_kb = rss_kb(served.process.pid) - before
         call.cancel()
     assert counted[0] < limit - 1, "the server read 80 MB of requests nobody read answers for"
     assert counted[0] > MAX_STREAM_UNANSWERED
