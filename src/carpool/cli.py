@@ -72,6 +72,7 @@ def serve(
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
     from carpool.server.errors import PortInUse
+    from carpool.server.run import check_ports, exit_on_signal_while_building
     from carpool.server.run import serve as run_server
 
     if port != 0 and port == grpc_port:
@@ -79,8 +80,10 @@ def serve(
             f"{grpc_port} is the HTTP port (--port) too; give gRPC another port, or 0 for none",
             param_hint="'--grpc-port'",
         )
-    repository = _repository(config)
     try:
+        check_ports(host, port, grpc_port)  # before a config's models load their weights
+        with exit_on_signal_while_building():
+            repository = _repository(config)
         run_server(repository, host=host, port=port, grpc_port=grpc_port, log_level=log_level.value)
     except PortInUse as error:
         print(f"carpool serve: {error}", file=sys.stderr)

@@ -35,11 +35,26 @@ def factory(device):
         time.sleep(0.01)
     return lambda inputs: {"Y": inputs["X"]}
 """
+# The same wait at import time: building the models (before the ports are bound for
+# good) imports a python model's module, as it loads a generation or embeddings model's
+# weights.
+GATED_IMPORT = """\
+import os, time
+
+open(os.environ["CARPOOL_TEST_LOADING"], "w").close()
+_limit = time.monotonic() + 30
+while os.path.exists(os.environ["CARPOOL_TEST_GATE"]) and time.monotonic() < _limit:
+    time.sleep(0.01)
+
+
+def fn(inputs):
+    return {"Y": inputs["X"]}
+"""
 GATED_CONFIG = """\
 models:
   - name: m
     kind: python
-    source: gatedloader:factory
+    source: SOURCE
     inputs: [{name: X, datatype: INT64, shape: [1]}]
     outputs: [{name: Y, datatype: INT64, shape: [1]}]
 """
@@ -55,15 +70,18 @@ models:
 
 class Gated:
     """A folder with the gated-loading model and its config; ``loading`` appears once a
-    replica starts loading, which goes on while ``gate`` exists."""
+    replica starts loading (``at="replica"``) or the models are built (``at="build"``),
+    which goes on while ``gate`` exists."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, at: str = "replica") -> None:
         self.folder = folder
         self.config = folder / "serve.yaml"
         self.loading = folder / "loading"
         self.gate = folder / "gate"
         (folder / "gatedloader.py").write_text(GATED_LOADER)
-        self.config.write_text(GATED_CONFIG)
+        (folder / "gatedimport.py").write_text(GATED_IMPORT)
+        source = {"replica": "gatedloader:factory", "build": "gatedimport:fn"}[at]
+        self.config.write_text(GATED_CONFIG.replace("SOURCE", source))
         self.gate.touch()
         self.env = {
             **os.environ,
@@ -77,11 +95,13 @@ class Gated:
         }
 
 
-@pytest.fixture
-def gated(tmp_path: Path) -> Iterator[Gated]:
+@pytest.fixture(params=["replica", "build"])
+def gated(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Gated]:
+    # A taken port and a signal were handled while the replicas loaded, but not while a
+    # config's models were built (a generation or embeddings model's weights load then).
     folder = tmp_path / "gated"
     folder.mkdir()
-    yield Gated(folder)
+    yield Gated(folder, request.param)
     folder.joinpath("gate").unlink(missing_ok=True)
 
 
@@ -215,7 +235,7 @@ def test_a_module_beside_the_config_imports_with_the_carpool_script(tmp_path: Pa
     project = tmp_path / "project"
     project.mkdir()
     (project / "beside.py").write_text("def fn(inputs):\n    return {'Y': inputs['X']}\n")
-    (project / "serve.yaml").write_text(GATED_CONFIG.replace("gatedloader:factory", "beside:fn"))
+    (project / "serve.yaml").write_text(GATED_CONFIG.replace("SOURCE", "beside:fn"))
     port = free_port()
     args = ("project/serve.yaml", "--port", str(port), "--grpc-port", "0")
     process = _start(*args, cwd=tmp_path)  # run from the folder above

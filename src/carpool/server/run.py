@@ -15,6 +15,7 @@ the models load exits at once, with status 0: no request was accepted yet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -22,7 +23,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import grpc  # type: ignore[import-untyped]  # grpcio ships no type hints
@@ -121,12 +122,58 @@ def _freeze_startup_heap() -> None:
     gc.set_threshold(YOUNG_GC_THRESHOLD, older, oldest)
 
 
-def _bind_http(host: str, port: int) -> list[socket.socket]:
+def check_ports(host: str, port: int, grpc_port: int | None) -> None:
+    """Fail now if a port cannot be bound, before a config's models are built: building
+    already loads a generation or embeddings model's weights (minutes for a large one).
+    The ports are bound for good later, in :func:`serve`; one taken in between fails
+    there, as a taken port did before this check.
+
+    Raises:
+        PortInUse: naming the wire, the address and the system's reason.
+    """
+    for sock in _bind_http(host, port):
+        sock.close()
+    if grpc_port is not None and grpc_port > 0:
+        for sock in _bind_http(host, grpc_port, wire="gRPC"):
+            sock.close()
+
+
+@contextlib.contextmanager
+def exit_on_signal_while_building() -> Iterator[None]:
+    """Around building the models, before the event loop runs: SIGINT and SIGTERM end
+    the process at once with status 0, as while the replicas load (nothing listens yet).
+    On another thread than the main one nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    use_default_logging()  # so the line saying why reaches stderr
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.getsignal(signum) for signum in signals}
+    for signum in signals:
+        signal.signal(signum, lambda number, _: _exit_now(signal.Signals(number).name))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _exit_now(name: str) -> None:
+    """End the process at once, status 0, saying that a signal came while loading."""
+    logger.info(f"stopping: {name} while the models were loading; nothing was served")
+    for handler in [*logger.handlers, *logging.getLogger().handlers]:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _bind_http(host: str, port: int, *, wire: str = "HTTP") -> list[socket.socket]:
     """Sockets bound (not yet listening) to every address ``host`` names, as
     ``loop.create_server`` binds them; uvicorn listens on them once the models are loaded.
 
     Raises:
-        PortInUse: naming the address and the system's reason.
+        PortInUse: naming ``wire``, the address and the system's reason.
     """
     sockets: list[socket.socket] = []
     try:
@@ -144,7 +191,7 @@ def _bind_http(host: str, port: int) -> list[socket.socket]:
         for sock in sockets:
             sock.close()
         why = error.strerror or str(error)
-        raise PortInUse(f"HTTP port {host_port(host, port)}: could not bind ({why})") from None
+        raise PortInUse(f"{wire} port {host_port(host, port)}: could not bind ({why})") from None
     return sockets
 
 
@@ -156,18 +203,9 @@ def _exit_on_signal_while_loading(loop: asyncio.AbstractEventLoop) -> Callable[[
     (uvicorn then serves without its own), nothing is installed."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-
-    def exit_now(name: str) -> None:
-        logger.info(f"stopping: {name} while the models were loading; nothing was served")
-        for handler in [*logger.handlers, *logging.getLogger().handlers]:
-            handler.flush()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
     signals = (signal.SIGINT, signal.SIGTERM)
     for signum in signals:
-        loop.add_signal_handler(signum, exit_now, signal.Signals(signum).name)
+        loop.add_signal_handler(signum, _exit_now, signal.Signals(signum).name)
 
     def restore() -> None:
         for signum in signals:
