@@ -216,6 +216,10 @@ class InferProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         HttpToolsProtocol.on_response_complete(self)  # once per answer: no super() lookup
+        # uvicorn's resumes reading after every answer: with READ_AHEAD_REQUESTS still
+        # waiting, each answer let another read's worth of requests (thousands) in.
+        if self.pipeline:
+            self._limit_read_ahead()
         # uvicorn's cancels the timer a body's read armed, and arms none when it starts a
         # pipelined request: a body still arriving must go on arriving all the same.
         if (
@@ -351,10 +355,16 @@ class InferProtocol(HttpToolsProtocol):
 
     def _limit_read_ahead(self) -> None:
         """Pause reading once the pipelined requests waiting hold READ_AHEAD_REQUESTS or
-        READ_AHEAD_BYTES; uvicorn resumes it after each answer."""
-        waiting: list[Any] = [c for c, _ in self.pipeline]
+        READ_AHEAD_BYTES. Constant time: it runs for every request a read brings, and one
+        read can bring thousands (a scan of the pipeline each time stalled the loop for
+        seconds, long enough for other connections' keep-alive timers to fire)."""
+        pipeline = self.pipeline
+        if len(pipeline) >= READ_AHEAD_REQUESTS:
+            self.flow.pause_reading()
+            return
+        waiting: list[Any] = [c for c, _ in pipeline]  # fewer than READ_AHEAD_REQUESTS
         size = sum(c.size for c in waiting if isinstance(c, _FastCycle))
-        if len(waiting) >= READ_AHEAD_REQUESTS or size >= READ_AHEAD_BYTES:
+        if size >= READ_AHEAD_BYTES:
             self.flow.pause_reading()
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
