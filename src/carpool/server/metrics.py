@@ -81,11 +81,11 @@ class TelemetryCollector(Collector):
         self._bounds: dict[str, tuple[int, ...]] = {}
 
     def _bounds_of(self, name: str, policy: BatchPolicy) -> tuple[int, ...]:
+        known = self._bounds.get(name, ())
         bounds = batch_size_bounds(policy)
-        known = self._bounds.get(name)
-        if known != bounds and (known is None or not set(bounds) <= set(known)):
-            self._bounds[name] = tuple(sorted({*bounds, *(known or ())}))
-        return self._bounds[name]
+        if not set(bounds) <= set(known):
+            self._bounds[name] = known = tuple(sorted({*bounds, *known}))
+        return known
 
     def collect(self) -> Iterator[Metric]:
         # Labelled by the repository's (unique) names: a batcher's own name defaults to
