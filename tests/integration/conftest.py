@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,6 +42,46 @@ def _tritonclient_http_collected_on_any_thread() -> Iterator[None]:
     httpclient.InferenceServerClient.__del__ = finalize  # type: ignore[method-assign]
     yield
     httpclient.InferenceServerClient.__del__ = original  # type: ignore[method-assign]
+
+
+SendOne = Callable[[int], "str | None"]
+
+
+class Steady:
+    """Good requests one after the other on a thread while a test abuses the server,
+    until ``check``, which asserts every one was answered right. ``session`` opens the
+    clients and gives the function that sends request ``i``: None when its answer is
+    right, else what was wrong (an exception it raises counts as wrong too)."""
+
+    def __init__(self, session: Callable[[], contextlib.AbstractContextManager[SendOne]]) -> None:
+        self.answered = 0
+        self.failures: list[str] = []
+        self._session = session
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with self._session() as send:
+            i = 0
+            while not self._stop.is_set():
+                i += 1
+                try:
+                    wrong = send(i)
+                except Exception as error:
+                    wrong = repr(error)
+                if wrong is None:
+                    self.answered += 1
+                else:
+                    self.failures.append(wrong)
+                self._stop.wait(0.005)  # a steady trickle, not a timing check
+
+    def check(self) -> None:
+        start = self.answered
+        wait_until(lambda: self.answered > start + 3, "good requests to go on being answered")
+        self._stop.set()
+        self._thread.join(timeout=60)
+        assert not self.failures, self.failures[:5]
 
 
 def rss_kb(pid: int) -> int:

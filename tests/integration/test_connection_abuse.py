@@ -23,7 +23,15 @@ import pytest
 
 from carpool.server.fasthttp import MAX_HEAD_BYTES, MAX_HEADER_FIELDS
 
-from .conftest import ServedProcess, StartServer, rss_kb, start_served_process, wait_until
+from .conftest import (
+    SendOne,
+    ServedProcess,
+    StartServer,
+    Steady,
+    rss_kb,
+    start_served_process,
+    wait_until,
+)
 
 CONFIG = """\
 models:
@@ -81,40 +89,19 @@ def _error(answer: bytes) -> tuple[int, str]:
     return int(head.split()[1]), orjson.loads(body)["error"]
 
 
-class Steady:
-    """Good infer requests, one after the other on a keep-alive connection, until
-    ``check`` (which asserts every one was answered right)."""
+@contextlib.contextmanager
+def _keep_alive_session(url: str) -> Iterator[SendOne]:
+    """Good infer requests over one keep-alive connection (Steady's session)."""
+    with httpx.Client(timeout=60) as client:
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.answered = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        def send(i: int) -> str | None:
+            response = client.post(f"http://{url}{INFER.decode()}", content=_body(i))
+            data = response.json()["outputs"][0]["data"]
+            if response.status_code != 200 or data != [2 * i, -2 * i]:
+                return f"{response.status_code} {response.text[:200]}"
+            return None
 
-    def _run(self) -> None:
-        with httpx.Client(timeout=60) as client:
-            i = 0
-            while not self._stop.is_set():
-                i += 1
-                try:
-                    response = client.post(f"http://{self.url}{INFER.decode()}", content=_body(i))
-                    data = response.json()["outputs"][0]["data"]
-                    if response.status_code != 200 or data != [2 * i, -2 * i]:
-                        self.failures.append(f"{response.status_code} {response.text[:200]}")
-                    else:
-                        self.answered += 1
-                except (httpx.HTTPError, KeyError, ValueError) as error:
-                    self.failures.append(repr(error))
-                self._stop.wait(0.005)  # a steady trickle, not a timing check
-
-    def check(self) -> None:
-        start = self.answered
-        wait_until(lambda: self.answered > start + 3, "good requests to go on being answered")
-        self._stop.set()
-        self._thread.join(timeout=60)
-        assert not self.failures, self.failures[:5]
+        yield send
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +116,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
 
 @pytest.fixture
 def steady(served: ServedProcess) -> Iterator[Steady]:
-    stream = Steady(served.http_url)
+    stream = Steady(lambda: _keep_alive_session(served.http_url))
     yield stream
     stream.check()
 
@@ -346,7 +333,7 @@ def test_a_full_file_descriptor_table_recovers_once_idle_sockets_are_closed(
     idle: list[socket.socket] = []
     try:
         resource.prlimit(server.process.pid, resource.RLIMIT_NOFILE, (256, 256))
-        stream = Steady(server.http_url)
+        stream = Steady(lambda: _keep_alive_session(server.http_url))
         wait_until(lambda: stream.answered > 0, "the steady client to connect")
         idle += [_connect(server.http_url) for _ in range(400)]  # past the limit
         for sock in idle:

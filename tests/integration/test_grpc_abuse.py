@@ -10,6 +10,7 @@ The tests whose docstrings start "Was:" failed before the fixes they name."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import signal
@@ -28,7 +29,15 @@ from tritonclient.grpc import service_pb2_grpc
 
 from carpool.server.grpc import MAX_MESSAGE_BYTES, MAX_STREAM_UNANSWERED
 
-from .conftest import ServedProcess, StartServer, rss_kb, start_served_process, wait_until
+from .conftest import (
+    SendOne,
+    ServedProcess,
+    StartServer,
+    Steady,
+    rss_kb,
+    start_served_process,
+    wait_until,
+)
 
 CONFIG = """\
 models:
@@ -74,50 +83,26 @@ def _doubled(response: pb.ModelInferResponse) -> list[float]:
     return np.frombuffer(response.raw_output_contents[0], dtype="<f4").tolist()
 
 
-class Steady:
-    """Good requests one after the other, over gRPC (its own channel) and HTTP, until
-    ``check`` (which asserts every one was answered right)."""
+@contextlib.contextmanager
+def _grpc_and_http_session(served: ServedProcess) -> Iterator[SendOne]:
+    """Good requests over gRPC (its own channel) and HTTP, each i on both (Steady's)."""
+    assert served.grpc_url is not None
+    url = f"http://{served.http_url}/v2/models/doubler/infer"
+    with grpc.insecure_channel(served.grpc_url) as channel, httpx.Client(timeout=60) as http:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
-    def __init__(self, served: ServedProcess) -> None:
-        assert served.grpc_url is not None
-        self.served = served
-        self.answered = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        def send(i: int) -> str | None:
+            answer = stub.ModelInfer(_request(i), timeout=60)
+            body = {"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32"}]}
+            body["inputs"][0]["data"] = [i]
+            over_http = http.post(url, json=body)
+            if _doubled(answer) != [2 * i, 2 * i] or answer.id != str(i):
+                return f"gRPC {answer}"
+            if over_http.json()["outputs"][0]["data"] != [2 * i]:
+                return f"HTTP {over_http.status_code} {over_http.text}"
+            return None
 
-    def _run(self) -> None:
-        url = f"http://{self.served.http_url}/v2/models/doubler/infer"
-        with (
-            grpc.insecure_channel(self.served.grpc_url) as channel,
-            httpx.Client(timeout=60) as http,
-        ):
-            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-            i = 0
-            while not self._stop.is_set():
-                i += 1
-                try:
-                    answer = stub.ModelInfer(_request(i), timeout=60)
-                    body = {"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32"}]}
-                    body["inputs"][0]["data"] = [i]
-                    over_http = http.post(url, json=body)
-                    if _doubled(answer) != [2 * i, 2 * i] or answer.id != str(i):
-                        self.failures.append(f"gRPC {answer}")
-                    elif over_http.json()["outputs"][0]["data"] != [2 * i]:
-                        self.failures.append(f"HTTP {over_http.status_code} {over_http.text}")
-                    else:
-                        self.answered += 1
-                except (grpc.RpcError, httpx.HTTPError, KeyError, ValueError) as error:
-                    self.failures.append(repr(error))
-                self._stop.wait(0.005)  # a steady trickle, not a timing check
-
-    def check(self) -> None:
-        start = self.answered
-        wait_until(lambda: self.answered > start + 3, "good requests to go on being answered")
-        self._stop.set()
-        self._thread.join(timeout=60)
-        assert not self.failures, self.failures[:5]
+        yield send
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +117,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
 
 @pytest.fixture
 def steady(served: ServedProcess) -> Iterator[Steady]:
-    stream = Steady(served)
+    stream = Steady(lambda: _grpc_and_http_session(served))
     yield stream
     stream.check()
 
