@@ -30,9 +30,15 @@ from carpool.config import POLICY_FIELDS
 from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
 from carpool.server import completions, openai
-from carpool.server.encoding import inflate
+from carpool.server.encoding import inflate, response_encoding
 from carpool.server.errors import MethodNotAllowed, NotFound, NotSupported, PayloadTooLarge
-from carpool.server.infer import InferPlans, error_response, infer_response, prepare_infer
+from carpool.server.infer import (
+    InferPlans,
+    compressed,
+    error_response,
+    infer_response,
+    prepare_infer,
+)
 from carpool.server.metrics import Metrics
 from carpool.server.repository import ModelRepository, ServedModel
 from carpool.server.stats import model_stats
@@ -201,7 +207,9 @@ class KServeApp:
         header_length = _header(scope, b"inference-header-content-length")
         call = prepare_infer(model, body, header_length, self.plans)
         result = await _unless_disconnected(model.run(call.payload, call.options), receive)
-        await _respond(send, *infer_response(model, call, result))
+        accept = _header(scope, b"accept-encoding")
+        encoding = None if accept is None else response_encoding(accept)
+        await _respond(send, *compressed(infer_response(model, call, result), encoding))
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         """The request body, inflated when it came with ``Content-Encoding: gzip`` or

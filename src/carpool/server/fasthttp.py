@@ -32,12 +32,21 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from carpool.core.request import Request
 from carpool.server.app import KServeApp
+from carpool.server.encoding import response_encoding
 from carpool.server.errors import NotFound, PayloadTooLarge
-from carpool.server.infer import Headers, InferCall, error_response, infer_response, prepare_infer
+from carpool.server.infer import (
+    Headers,
+    InferCall,
+    compressed,
+    error_response,
+    infer_response,
+    prepare_infer,
+)
 from carpool.server.repository import ServedModel
 
 _HEADER_LENGTH = b"inference-header-content-length"
 _CONTENT_ENCODING = b"content-encoding"
+_ACCEPT_ENCODING = b"accept-encoding"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # Pipelined requests read ahead of the one being answered before reading pauses. Reading
 # on is how a hang-up is seen: a paused transport never reports one, and the queued
@@ -80,6 +89,7 @@ class _FastCycle:
         "call",
         "chunks",
         "disconnected",
+        "encoding",
         "header_length",
         "http_version",
         "keep_alive",
@@ -101,6 +111,7 @@ class _FastCycle:
         model: ServedModel,
         path: str,
         header_length: bytes | None,
+        encoding: bytes | None,
         http_version: str,
         keep_alive: bool,
         expect_continue: bool,
@@ -109,6 +120,7 @@ class _FastCycle:
         self.model = model
         self.path = path
         self.header_length = header_length
+        self.encoding = encoding  # the answer's Content-Encoding, None: identity
         self.http_version = http_version
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = expect_continue
@@ -281,12 +293,15 @@ class InferProtocol(HttpToolsProtocol):
         if self.timeout_keep_alive_task is not None:  # the request is read on (or answered)
             self._unset_keepalive_if_required()
         model = self._fast_model()
-        header_length = None
+        header_length = accept = None
         if model is not None:
             for name, value in self.headers:
                 if name == _HEADER_LENGTH:
                     if header_length is None:  # the first, as the ASGI path reads it
                         header_length = value
+                elif name == _ACCEPT_ENCODING:
+                    if accept is None:  # the first, as the ASGI path reads it
+                        accept = value
                 elif name == _CONTENT_ENCODING:  # compressed: the ASGI path inflates it
                     model = None
                     break
@@ -306,6 +321,7 @@ class InferProtocol(HttpToolsProtocol):
             model,
             self.url.decode("latin-1"),  # as _fast_model matched it
             header_length,
+            None if accept is None else response_encoding(accept),
             version,
             keep_alive,
             self.expect_100_continue,
@@ -469,6 +485,8 @@ class InferProtocol(HttpToolsProtocol):
             answer = infer_response(model, call, model.outputs_of(future.result()))
         except Exception as exc:
             answer = error_response(exc)
+        if cycle.encoding is not None:
+            answer = compressed(answer, cycle.encoding)
         self._answer(cycle, *answer)
 
     def _answer(self, cycle: _FastCycle, status: int, body: bytes, headers: Headers) -> None:

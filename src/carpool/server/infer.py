@@ -33,6 +33,7 @@ from carpool.server.decode import (
     parse_json_document,
     split_infer_body,
 )
+from carpool.server.encoding import MIN_COMPRESSED_BYTES, compress
 from carpool.server.errors import http_error, openai_error
 from carpool.server.repository import ServedModel, TensorSpec
 from carpool.server.tensors import InferRequest, OutputTensor, encode_infer_response, tensor_bytes
@@ -205,6 +206,17 @@ def infer_response(model: ServedModel, call: InferCall, result: dict[str, Any]) 
     if answers is not None and len(answers) < ANSWER_HEADERS_PER_PLAN:
         answers[tuple(o.array.shape for o in outputs)] = data[:json_length]
     return 200, data, _binary_headers(json_length)
+
+
+def compressed(answer: Answer, encoding: bytes | None) -> Answer:
+    """A successful ``answer`` compressed in ``encoding`` (what the client's
+    ``Accept-Encoding`` chose, None: as it is), when it is large enough to gain. A binary
+    answer's Inference-Header-Content-Length keeps counting its uncompressed JSON, as
+    Triton's does: the client inflates the body before it splits it."""
+    status, body, headers = answer
+    if encoding is None or status != 200 or len(body) < MIN_COMPRESSED_BYTES:
+        return answer
+    return status, compress(body, encoding), (*headers, (b"content-encoding", encoding))
 
 
 def error_response(exc: Exception, *, is_openai: bool = False) -> Answer:
