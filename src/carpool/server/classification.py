@@ -48,16 +48,20 @@ CLASSIFIABLE_DATATYPES = (
 )  # fmt: skip
 
 
-def class_count_of(where: str, value: object) -> int:
-    """The number of classes a ``classification`` parameter asks for.
+def class_count_of(where: str, value: object, *, minimum: int = 1) -> int:
+    """The number of classes a ``classification`` parameter asks for. Triton's REST
+    endpoint reads 0 as the tensor itself (its default count; ``minimum=0``), its gRPC
+    endpoint refuses it.
 
     Raises:
-        InvalidInput: ``value`` is not an integer >= 1; ``where`` starts the message.
+        InvalidInput: ``value`` is not an integer >= ``minimum``; ``where`` starts the
+            message.
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        tensor = " (0: the tensor itself)" if minimum == 0 else ""
         raise InvalidInput(
             f"{where}: parameters.classification={value!r} (tritonclient's class_count): "
-            "expected an integer >= 1, the number of top classes to return"
+            f"expected an integer >= {minimum}, the number of top classes to return{tensor}"
         )
     return value
 

@@ -553,6 +553,6 @@ def _requested_outputs(
                 f"{where}: parameters.binary_data must be true or false, got {is_binary!r}"
             )
         count = parameters.get("classification")
-        class_count = 0 if count is None else class_count_of(where, count)
+        class_count = 0 if count is None else class_count_of(where, count, minimum=0)
         requested.append(RequestedOutput(name, is_binary, class_count))
     return tuple(requested)
