@@ -272,9 +272,7 @@ def test_http_classification_and_plain_requests_alternate_on_one_plan(
 
 
 @pytest.mark.parametrize("query", ["", "?via=asgi"], ids=PATH_IDS)
-def test_http_class_count_zero_answers_the_tensor_itself(
-    served: ServedProcess, query: str
-) -> None:
+def test_http_class_count_zero_answers_the_tensor_itself(served: ServedProcess, query: str) -> None:
     # Triton's REST endpoint reads an explicit 0 as its default count: no classification.
     row = [0.5, 2.0, -1.0, 4.0, 3.0]
     body = {
