@@ -343,6 +343,47 @@ def test_ipv6_loopback_serves_both_wires_with_bracketed_addresses(tmp_path: Path
 # -- lifecycle -----------------------------------------------------------------------------------
 
 
+def test_grpc_is_refused_at_once_while_loading_and_its_port_held(tmp_path: Path) -> None:
+    # gRPC listened from the moment its port was bound, before the models loaded: a call
+    # then waited for the whole load (here DEADLINE_EXCEEDED after client_timeout) where
+    # HTTP refused the connection. Triton starts both endpoints after its models load.
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    folder = tmp_path / "gated"
+    folder.mkdir()
+    gated = Gated(folder, "replica")
+    port, grpc_port = free_port(), free_port()
+    process = _start(
+        str(gated.config), "--port", str(port), "--grpc-port", str(grpc_port),
+        cwd=folder, env=gated.env,
+    )  # fmt: skip
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    try:
+        wait_until(lambda: gated.loading.exists() or process.poll() is not None, "loading")
+        with pytest.raises(InferenceServerException) as caught:
+            client.is_server_live(client_timeout=10.0)
+        assert caught.value.status() == "StatusCode.UNAVAILABLE", caught.value
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", grpc_port))  # held for carpool while loading
+        gated.gate.unlink()
+        wait_until(lambda: _is_ready(f"http://127.0.0.1:{port}"), "ready")
+        # A new channel, of its own: the refused one backs off before it connects again
+        # (as against Triton while it loads), and gRPC shares subchannels by default.
+        ready = grpcclient.InferenceServerClient(
+            f"127.0.0.1:{grpc_port}", channel_args=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        try:
+            assert ready.is_server_ready()
+            assert ready.is_model_ready("m")
+        finally:
+            ready.close()
+    finally:
+        client.close()
+        out = _finish(process)
+    assert process.returncode == 0, out
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_while_loading_exits_0_at_once_saying_so(gated: Gated, signum: int) -> None:
     # SIGTERM killed the process by the signal (status -15, no line); SIGINT waited for the

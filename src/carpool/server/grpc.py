@@ -513,8 +513,8 @@ def bind_grpc_server(
 ) -> grpc.aio.Server:
     """A gRPC server for ``repository`` (through ``servicer``, whose :meth:`drain
     <InferenceServicer.drain>` the caller calls on shutdown) bound to ``host:port``, not
-    yet started (``carpool serve`` binds before its models load, so that a taken port
-    fails at once).
+    yet started. grpcio listens as soon as it binds: ``carpool serve`` binds it once the
+    models are loaded, holding the port with a plain socket until then.
 
     Raises:
         PortInUse: the address cannot be bound.

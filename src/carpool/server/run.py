@@ -3,13 +3,14 @@
 
 Lifecycle, owned here rather than by the ASGI lifespan so both wires follow it::
 
-    bind gRPC and HTTP -> load the models, start batchers -> start gRPC -> listen on HTTP
-    ... SIGTERM/SIGINT ... stop accepting on both -> finish the accepted HTTP and gRPC
-    requests -> drain batchers -> exit 0
+    bind both ports -> load the models, start batchers -> bind and start gRPC -> listen
+    on HTTP ... SIGTERM/SIGINT ... stop accepting on both -> finish the accepted HTTP and
+    gRPC requests -> drain batchers -> exit 0
 
 Both ports are bound before the models load, so a taken port fails at once rather than
-after minutes of loading (vLLM binds its port first for the same reason). A signal while
-the models load exits at once, with status 0: no request was accepted yet.
+after minutes of loading (vLLM binds its port first for the same reason); neither listens
+until the models are loaded, so clients are refused meanwhile rather than left waiting.
+A signal while the models load exits at once, with status 0: no request was accepted yet.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
 
-import grpc  # type: ignore[import-untyped]  # grpcio ships no type hints
 import uvicorn
 import uvloop
 
@@ -195,6 +195,11 @@ def _bind_http(host: str, port: int, *, wire: str = "HTTP") -> list[socket.socke
     return sockets
 
 
+def _close(sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        sock.close()
+
+
 def _exit_on_signal_while_loading(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
     """Until the returned function is called, SIGINT and SIGTERM end the process at once
     with status 0: the models are loading, nothing listens and no request was accepted,
@@ -214,27 +219,20 @@ def _exit_on_signal_while_loading(loop: asyncio.AbstractEventLoop) -> Callable[[
     return restore
 
 
-async def _close_unstarted(grpc_server: grpc.aio.Server) -> None:
-    """Release the port of a gRPC server bound but never started: gRPC's core keeps it
-    (listening) through a ``stop`` that comes before ``start`` (grpc/grpc#23390), so it is
-    started here to be stopped at once; a client that connected meanwhile is cut off."""
-    await grpc_server.start()
-    await grpc_server.stop(None)
-
-
 async def _serve(
     repository: ModelRepository, config: uvicorn.Config, host: str, grpc_port: int | None
 ) -> None:
     loop = asyncio.get_running_loop()
-    grpc_server = None
-    servicer = InferenceServicer(repository)
-    if grpc_port is not None and grpc_port > 0:
-        grpc_server = bind_grpc_server(repository, host, grpc_port, servicer)
+    wants_grpc = grpc_port is not None and grpc_port > 0
+    # Both ports are held while the models load, bound but not listening: a client of
+    # either wire is refused at once (gRPC: UNAVAILABLE) instead of waiting on a server
+    # that is not started. grpcio cannot bind without listening, so its port is held by
+    # a plain socket until the gRPC server binds it, once the models are loaded.
+    held = _bind_http(host, grpc_port or 0, wire="gRPC") if wants_grpc else []
     try:
         sockets = _bind_http(config.host, config.port)
     except PortInUse:
-        if grpc_server is not None:
-            await _close_unstarted(grpc_server)
+        _close(held)
         raise
     restore_signals = _exit_on_signal_while_loading(loop)
     try:
@@ -243,15 +241,21 @@ async def _serve(
         # so a signal meanwhile still exits at once (not with the default handler's -15).
         _freeze_startup_heap()
     except BaseException:  # a model failed to load: serve nothing
-        for sock in sockets:
-            sock.close()
-        if grpc_server is not None:
-            await _close_unstarted(grpc_server)
+        _close(sockets)
+        _close(held)
         raise
     finally:
         restore_signals()
+    grpc_server = None
+    servicer = InferenceServicer(repository)
     try:
-        if grpc_server is not None:
+        if wants_grpc:
+            _close(held)
+            try:
+                grpc_server = bind_grpc_server(repository, host, grpc_port or 0, servicer)
+            except PortInUse:  # taken in the instant between: nothing was served
+                _close(sockets)
+                raise
             await grpc_server.start()
         grpc_stopped: asyncio.Future[None] | None = None
 
