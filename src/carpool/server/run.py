@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -172,6 +173,12 @@ def _bind_http(host: str, port: int, *, wire: str = "HTTP") -> list[socket.socke
     """Sockets bound (not yet listening) to every address ``host`` names, as
     ``loop.create_server`` binds them; uvicorn listens on them once the models are loaded.
 
+    Bound without SO_REUSEADDR where the port allows it: Linux lets any socket with
+    SO_REUSEADDR (uvicorn's, grpcio's, a second ``carpool serve``'s) bind a port that
+    sockets with it hold without listening, so a port held that way while the models
+    load would be taken over meanwhile. With SO_REUSEADDR only when that bind fails,
+    which a previous server's connections in TIME_WAIT make it do on a restart.
+
     Raises:
         PortInUse: naming ``wire``, the address and the system's reason.
     """
@@ -183,10 +190,15 @@ def _bind_http(host: str, port: int, *, wire: str = "HTTP") -> list[socket.socke
         for family, kind, proto, _, address in dict.fromkeys(infos):
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
+            try:
+                sock.bind(address)
+            except OSError as error:
+                if error.errno != errno.EADDRINUSE:
+                    raise
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(address)
     except OSError as error:
         for sock in sockets:
             sock.close()
