@@ -82,6 +82,9 @@ def deadline(now: float, timeout_s: float | None, limits: ClassLimits) -> float 
     return now + float(timeout_s)
 
 
+_COLLATOR_METHODS = ("signature", "num_items", "collate", "split")
+
+
 class Intake:
     """The batcher's collator and what it knows of item lengths (token budgets, buckets).
 
@@ -99,8 +102,15 @@ class Intake:
             named = collator_for(collate, None)  # validates the name now, not on the first request
             if collate != "auto":  # a named one is known now: adopted with the policy
                 self.collator = named
-        else:
+        elif all(callable(getattr(collate, m, None)) for m in _COLLATOR_METHODS):
             self.collator = collate
+        else:  # refused now, not as every request's "payload cannot be batched"
+            raise ConfigError(
+                "collate",
+                collate,
+                'a collator name ("auto", "numpy", ...) or a Collator: an object with '
+                f"methods {', '.join(_COLLATOR_METHODS)}",
+            )
         self.has_lengths = False
         self.pads = False
         self._buckets: LengthBuckets | None = None

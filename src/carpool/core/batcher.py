@@ -104,7 +104,9 @@ class Batcher:
             cannot serve (a token budget smaller than one item the model may take).
 
     Raises:
-        ConfigError: when the arguments contradict each other.
+        ConfigError: naming an argument of the wrong kind (a policy that is not a
+            BatchPolicy, a hook that is not callable, devices not a list of strings), or
+            arguments that contradict each other.
     """
 
     def __init__(
@@ -128,6 +130,17 @@ class Batcher:
     ) -> None:
         if (fn is None) == (fn_factory is None):
             raise ConfigError("fn", fn, "exactly one of fn or fn_factory")
+        _check_options(
+            policy,
+            name,
+            clock,
+            slow_request_s,
+            fn,
+            fn_factory,
+            on_trace,
+            memory_probe,
+            policy_check,
+        )
         self._policy_check = policy_check
         self._fn = fn
         self._fn_factory = fn_factory
@@ -712,9 +725,11 @@ class Batcher:
         """Replace the policy while running; takes effect at the next batch.
 
         Raises:
-            ConfigError: a token budget the collator in use cannot measure, or what the
-                batcher's ``policy_check`` refuses.
+            ConfigError: not a BatchPolicy, a token budget the collator in use cannot
+                measure, or what the batcher's ``policy_check`` refuses.
         """
+        if not isinstance(policy, BatchPolicy):
+            raise ConfigError("policy", policy, "a BatchPolicy")
         if self._policy_check is not None:
             self._policy_check(policy)
         self._intake.check(policy)
@@ -763,6 +778,42 @@ class _Cancels:
 
     def __init__(self) -> None:
         self.seen = False
+
+
+def _check_options(
+    policy: object,
+    name: object,
+    clock: object,
+    slow_request_s: object,
+    *hooks: object,
+) -> None:
+    """Refuse a Batcher argument of the wrong kind when it is built: otherwise a hook that
+    is not callable fails every batch (logged and skipped) and a policy dict fails with an
+    AttributeError far from the call that passed it."""
+    if policy is not None and not isinstance(policy, BatchPolicy):
+        raise ConfigError(
+            "policy", policy, "a BatchPolicy, as Batcher(fn, BatchPolicy(max_batch_size=64))"
+        )
+    if name is not None and not isinstance(name, str):
+        raise ConfigError("name", name, "a string or None")
+    if clock is not None and not all(callable(getattr(clock, m, None)) for m in ("now", "call_at")):
+        raise ConfigError("clock", clock, "a Clock: an object with now() and call_at()")
+    if slow_request_s is not None and not (
+        isinstance(slow_request_s, int | float)
+        and not isinstance(slow_request_s, bool)
+        and 0 <= slow_request_s < math.inf
+    ):
+        raise ConfigError("slow_request_s", slow_request_s, "a finite number of seconds >= 0")
+    expected = (
+        ("fn", "a callable taking one batch"),
+        ("fn_factory", "a callable taking a device string and returning the model"),
+        ("on_trace", "a callable taking a RequestTrace, or None"),
+        ("memory_probe", "a callable returning (used_bytes, total_bytes), or None"),
+        ("policy_check", "a callable taking a BatchPolicy, or None"),
+    )
+    for (hook_name, what), hook in zip(expected, hooks, strict=True):
+        if hook is not None and not callable(hook):
+            raise ConfigError(hook_name, hook, what)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

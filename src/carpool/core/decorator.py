@@ -13,6 +13,11 @@ from carpool.core.policy import DEFAULT_CLASS, DEFAULT_CLASSES, BatchPolicy, Cla
 from carpool.core.replicas import BatchFn
 from carpool.core.telemetry import TelemetrySnapshot, TraceHook
 
+# What ``@batched`` decorates: a batched function ``fn(batch)``, or a method
+# ``fn(self, batch)`` (bound per instance on access). ``BatchFn`` alone would refuse the
+# method form under mypy, though the docs show it.
+BatchTarget = Callable[..., Any]
+
 
 class BatchedFunction:
     """Call it with one item and await that item's output; the batch forms behind it.
@@ -27,7 +32,7 @@ class BatchedFunction:
     """
 
     def __init__(
-        self, fn: BatchFn, batcher: Batcher, make_batcher: Callable[[BatchFn], Batcher]
+        self, fn: BatchTarget, batcher: Batcher, make_batcher: Callable[[BatchFn], Batcher]
     ) -> None:
         functools.update_wrapper(self, fn)
         self.batcher = batcher
@@ -63,6 +68,9 @@ class BatchedFunction:
         timeout_s: float | None = None,
         cost: float | None = None,
     ) -> Any:
+        """Run one item in some batch and return its own output (starting the batcher on
+        the first call). The keywords and errors are :meth:`Batcher.submit`'s: InvalidInput,
+        QueueFull, DeadlineExceeded, ModelError, CapacityError, Closed."""
         return await self.batcher.submit(item, priority=priority, timeout_s=timeout_s, cost=cost)
 
     async def many(
@@ -79,9 +87,12 @@ class BatchedFunction:
         )
 
     async def start(self) -> None:
+        """Load the replicas and start batching (:meth:`Batcher.start`). Idempotent."""
         await self.batcher.start()
 
     async def stop(self, drain: bool = True) -> None:
+        """Stop accepting; with ``drain`` answer every accepted request first, without it
+        fail the queued ones with Closed (:meth:`Batcher.stop`)."""
         await self.batcher.stop(drain=drain)
 
     async def __aenter__(self) -> BatchedFunction:
@@ -92,14 +103,17 @@ class BatchedFunction:
         await self.batcher.stop(drain=True)
 
     def snapshot(self) -> TelemetrySnapshot:
+        """Everything measured so far (:meth:`Batcher.snapshot`)."""
         return self.batcher.snapshot()
 
     def update_policy(self, **changes: Any) -> BatchPolicy:
+        """Change policy fields while running; returns the new policy. Raises ConfigError
+        naming a bad field (:meth:`Batcher.update_policy`)."""
         return self.batcher.update_policy(**changes)
 
 
 @overload
-def batched(fn: BatchFn, /) -> BatchedFunction: ...
+def batched(fn: BatchTarget, /) -> BatchedFunction: ...
 
 
 @overload
@@ -130,11 +144,11 @@ def batched(
     memory_probe: MemoryProbe | None = ...,
     switch_interval_s: float | None = ...,
     executor: str = ...,
-) -> Callable[[BatchFn], BatchedFunction]: ...
+) -> Callable[[BatchTarget], BatchedFunction]: ...
 
 
 def batched(
-    fn: BatchFn | None = None,
+    fn: BatchTarget | None = None,
     /,
     *,
     max_batch_size: int = 32,
@@ -160,7 +174,7 @@ def batched(
     memory_probe: MemoryProbe | None = None,
     switch_interval_s: float | None = 0.0005,
     executor: str = "auto",
-) -> BatchedFunction | Callable[[BatchFn], BatchedFunction]:
+) -> BatchedFunction | Callable[[BatchTarget], BatchedFunction]:
     """Decorate a batched function: ``await f(x)`` then runs ``x`` inside some batch.
 
     Used bare (``@batched``) or with policy keywords (``@batched(max_batch_size=64,
@@ -199,7 +213,7 @@ def batched(
             executor=executor,
         )
 
-    def wrap(target: BatchFn) -> BatchedFunction:
+    def wrap(target: BatchTarget) -> BatchedFunction:
         return BatchedFunction(target, make_batcher(target), make_batcher)
 
     return wrap if fn is None else wrap(fn)

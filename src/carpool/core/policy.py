@@ -164,6 +164,10 @@ class BatchPolicy:
             raise ConfigError("fill_from_lower", self.fill_from_lower, "True or False")
         buckets = self.length_buckets
         if buckets is not None:
+            if not isinstance(buckets, str | list | tuple):
+                raise ConfigError(
+                    "length_buckets", buckets, '"auto" or a list of ascending integer edges'
+                )
             buckets = buckets if isinstance(buckets, str) else tuple(buckets)
             LengthBuckets(buckets)  # validates the edges
             object.__setattr__(self, "length_buckets", buckets)

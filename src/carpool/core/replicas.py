@@ -69,11 +69,18 @@ def replica_devices(num_replicas: int | None, devices: list[str] | None) -> list
     """One device string per replica: ``devices``, else ``num_replicas`` (1) CPU ones.
 
     Raises:
-        ConfigError: no devices, a count that disagrees with them, or not an int >= 1.
+        ConfigError: devices that are not a list of strings, none, a count that disagrees
+            with them, or not an int >= 1.
     """
     if devices is not None:
+        # A bare "cuda:0" would otherwise read as six replicas on devices "c", "u", ...
+        if not isinstance(devices, list | tuple):
+            raise ConfigError("devices", devices, 'a list of device strings, as ["cuda:0"]')
         if not devices:
             raise ConfigError("devices", devices, "at least one device string")
+        for device in devices:
+            if not isinstance(device, str) or not device:
+                raise ConfigError("devices[]", device, 'a device string, as "cpu" or "cuda:0"')
         if num_replicas is not None and num_replicas != len(devices):
             raise ConfigError("num_replicas", num_replicas, f"{len(devices)}, one per device")
         return list(devices)
@@ -90,7 +97,9 @@ def check_threading(switch_interval_s: float | None, executor: str) -> None:
         ConfigError: naming the argument and what it may be.
     """
     if switch_interval_s is not None and not (
-        isinstance(switch_interval_s, int | float) and 0 < switch_interval_s <= 1
+        isinstance(switch_interval_s, int | float)
+        and not isinstance(switch_interval_s, bool)
+        and 0 < switch_interval_s <= 1
     ):
         raise ConfigError("switch_interval_s", switch_interval_s, "seconds in (0, 1] or None")
     if executor not in EXECUTORS:
