@@ -505,7 +505,7 @@ def test_rejects_shared_memory_inputs() -> None:
         ([{}], ("outputs[0]", "'name'")),
         ([{"name": "y"}, {"name": "y"}], ("output 'y'", "more than once")),
         ([{"name": "y", "parameters": {"binary_data": 1}}], ("output 'y'", "binary_data")),
-        ([{"name": "y", "parameters": {"classification": 0}}], ("output 'y'", "classification")),
+        ([{"name": "y", "parameters": {"classification": -1}}], ("output 'y'", "classification")),
     ],
 )
 def test_rejects_malformed_outputs(outputs: object, fragments: tuple[str, ...]) -> None:
