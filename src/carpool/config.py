@@ -156,7 +156,7 @@ class ModelConfig(_Strict):
     inputs: list[TensorConfig] | None = Field(None, min_length=1)
     outputs: list[TensorConfig] | None = Field(None, min_length=1)
     # BatchPolicy, field by field; defaults are BatchPolicy's.
-    max_batch_size: int = Field(_POLICY_DEFAULTS["max_batch_size"], ge=1)
+    max_batch_size: int = _POLICY_DEFAULTS["max_batch_size"]
     max_delay_s: float = Field(_POLICY_DEFAULTS["max_delay_s"], ge=0, allow_inf_nan=False)
     preferred_batch_sizes: list[int] = Field(default_factory=list)
     max_batch_cost: float | None = Field(None, gt=0, allow_inf_nan=False)
@@ -189,6 +189,18 @@ class ModelConfig(_Strict):
     @classmethod
     def _version_from_int(cls, value: Any) -> Any:
         return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("max_batch_size")
+    @classmethod
+    def _max_batch_size(cls, size: int) -> int:
+        # Triton's max_batch_size: 0 (a model with no batch dimension) is the likely
+        # reason for a 0 here: say what carpool does instead.
+        if size < 1:
+            raise ValueError(
+                "at least 1: every model takes a first (batch) dimension that `shape` leaves "
+                "out; for Triton's 0 (no batching) give 1, and clients send that dimension as 1"
+            )
+        return size
 
     @field_validator("preferred_batch_sizes")
     @classmethod
@@ -457,6 +469,24 @@ def _source_problems(model: ModelConfig, at: str, base_dir: Path) -> Any:
     if not _is_file_source(model):
         if not is_import_ref(source):
             yield (f"{at}.source", source, "module:attr (an importable module and a name in it)")
+            return
+        # A file named as if it were a module would fail to import as "No module named ...":
+        # say what the file is instead.
+        module, _, attr = source.partition(":")
+        if (base_dir / module).is_file():
+            if module.endswith(".py"):
+                yield (
+                    f"{at}.source",
+                    source,
+                    f"module:attr, the module's name: {module[:-3]}:{attr}",
+                )
+            elif model.kind == "torch":
+                yield (
+                    f"{at}.source",
+                    source,
+                    f"the model file's path alone, {module} (a TorchScript or .pt2 file takes "
+                    "no ':attr'), or module:factory",
+                )
         return
     path = base_dir / source
     if model.kind in ("embeddings", "generation"):

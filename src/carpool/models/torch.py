@@ -17,7 +17,10 @@ dtypes.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 import threading
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ class TorchRunner:
         device: str = "cpu",
         dtype: str | None = None,
         output_dtypes: Sequence[np.dtype[Any] | None] | None = None,
+        ragged_inputs: Sequence[str] = (),
     ) -> None:
         import torch
 
@@ -53,6 +57,7 @@ class TorchRunner:
         self.device = torch_device(device)
         self.dtype = getattr(torch, dtype) if dtype is not None else None
         self.input_names = list(input_names)
+        _check_arity(module, self.input_names, set(ragged_inputs))
         self.output_names = list(output_names)
         self._output_dtypes = list(output_dtypes or [None] * len(self.output_names))
         with contextlib.suppress(NotImplementedError):  # torch.export modules refuse eval()
@@ -115,6 +120,89 @@ class TorchRunner:
         return array if dtype is None else array.astype(dtype, copy=False)
 
 
+def _check_arity(module: Any, input_names: list[str], ragged: set[str]) -> None:
+    """The declared inputs against the positional parameters of ``module``'s forward, as
+    Triton's PyTorch backend checks them at load: a mismatch would pass every request's
+    checks and then fail each one inside the model with a 500. A forward whose parameters
+    cannot be read (or that takes ``*args``) is taken as it comes.
+
+    Raises:
+        ConfigError: on field ``inputs``, naming the forward's parameters.
+    """
+    params = _forward_params(module)
+    if params is None:
+        return
+    required, names = params
+    given = len(input_names) + len(ragged & set(input_names))  # a ragged input: two args
+    if required <= given <= len(names):
+        return
+    ragged_note = " (a ragged input counts as two: its data, then cu_seqlens)" if ragged else ""
+    count = str(len(names)) if required == len(names) else f"{required} to {len(names)}"
+    raise ConfigError(
+        "inputs",
+        input_names,
+        f"{count} input(s), as the model's forward takes ({', '.join(names)}); the config "
+        f"gives {given} argument(s){ragged_note}",
+    )
+
+
+def _forward_params(module: Any) -> tuple[int, list[str]] | None:
+    """(how many are required, the names) of ``module.forward``'s positional parameters,
+    or None when they cannot be told (``*args``, no readable signature)."""
+    schema = getattr(getattr(module, "forward", None), "schema", None)
+    if schema is not None:  # TorchScript: a schema, no Python signature; [0] is self
+        arguments = [a for a in schema.arguments[1:] if not a.kwarg_only]
+        required = sum(1 for a in arguments if not a.has_default_value())
+        return required, [a.name for a in arguments]
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError, AttributeError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    parameters = list(signature.parameters.values())
+    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        return None
+    parameters = [p for p in parameters if p.kind in positional]
+    required = sum(1 for p in parameters if p.default is inspect.Parameter.empty)
+    return required, [p.name for p in parameters]
+
+
+class _KeepRecords(logging.Filter):
+    """Holds back the records of a logger (see :func:`load_module`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+def _load_export(path: Path) -> Any:
+    """``torch.export.load(path).module()``. On a file it cannot read, torch.export logs
+    the first error with its traceback, then tries an older format and raises that
+    attempt's error (``BadZipFile``); held back here, the first error becomes the reason,
+    so that ``carpool serve`` says it in one line."""
+    import torch
+
+    logger = logging.getLogger("torch.export")
+    kept = _KeepRecords()
+    logger.addFilter(kept)
+    try:
+        return torch.export.load(str(path)).module()
+    except Exception as error:
+        first = next((r.exc_info[1] for r in kept.records if r.exc_info), None)
+        if first is None:
+            raise
+        raise first from error
+    finally:
+        logger.removeFilter(kept)
+        for record in kept.records:
+            if not record.exc_info:  # a deprecation note on a file that loaded: let it out
+                logger.handle(record)
+
+
 def torch_device(device: str) -> Any:
     """``device`` as a ``torch.device`` this process can place a model on.
 
@@ -163,13 +251,39 @@ def load_module(source: str, device: str = "cpu") -> Any:
     try:
         with _FILE_LOAD_LOCK:
             if path.suffix == ".pt2":
-                return torch.export.load(str(path)).module()
+                return _load_export(path)
             return torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
     except Exception as error:  # a corrupt or foreign file: say which and why
         what = "a torch.export .pt2" if path.suffix == ".pt2" else "a TorchScript"
-        raise ConfigError(
-            "source", source, f"{what} file ({type(error).__name__}: {error})"
-        ) from error
+        reason = _misnamed(path) or f"{type(error).__name__}: {str(error).split(_MINIZ_NOTE)[0]}"
+        raise ConfigError("source", source, f"{what} file ({reason})") from error
+
+
+# torch's advice after any zip reading error, that the file is likely corrupt: not so for a
+# torch.save checkpoint, and long on one line.
+_MINIZ_NOTE = " This is an internal miniz error."
+
+
+def _misnamed(path: Path) -> str | None:
+    """Why ``path`` is a torch zip of another kind than its suffix says (the suffix picks
+    the loader), or None: a ``torch.save`` checkpoint (``data.pkl`` only), TorchScript
+    (``constants.pkl``) in a .pt2, torch.export's archive (``archive_format``) in another."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = {name.rpartition("/")[2] for name in archive.namelist()}
+    except (OSError, zipfile.BadZipFile):
+        return None
+    if "archive_format" in names:
+        return None if path.suffix == ".pt2" else "it is a torch.export program: name it .pt2"
+    if "constants.pkl" in names:
+        return "it is a TorchScript file: name it .pt, only .pt2 is read as torch.export"
+    if "data.pkl" in names:
+        return (
+            "it is a torch.save checkpoint (weights or a pickled module), which holds no "
+            "model code: save torch.jit.script(model) with torch.jit.save, or a "
+            "torch.export program with torch.export.save, or serve module:factory"
+        )
+    return None
 
 
 def torch_factory(
@@ -179,6 +293,7 @@ def torch_factory(
     output_names: Sequence[str],
     dtype: str | None = None,
     output_dtypes: Sequence[np.dtype[Any] | None] | None = None,
+    ragged_inputs: Sequence[str] = (),
 ) -> Callable[[str], TorchRunner]:
     """A per-replica factory for ``Batcher(fn_factory=...)``: each replica loads its own copy.
 
@@ -196,6 +311,7 @@ def torch_factory(
             device=device,
             dtype=dtype,
             output_dtypes=output_dtypes,
+            ragged_inputs=ragged_inputs,
         )
 
     return make

@@ -270,6 +270,7 @@ def _fn_factory(
             input_names=input_names,
             output_names=output_names,
             dtype=model.dtype,
+            ragged_inputs=[t.name for t in inputs if t.ragged],
             output_dtypes=[
                 None if t.datatype in ("BYTES", "BF16") else DATATYPES[t.datatype] for t in outputs
             ],
