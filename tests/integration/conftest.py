@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -90,6 +91,26 @@ def rss_kb(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError(f"no VmRSS in /proc/{pid}/status")
+
+
+def serve_on_thread(repository: Any, **kwargs: Any) -> BaseException | None:
+    """Run ``carpool.server.run.serve(repository, **kwargs)`` on a thread (no signal
+    handlers there) to its end; what it raised, None if it returned. Fails after 60 s."""
+    from carpool.server.run import serve
+
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve(repository, **kwargs)
+        except BaseException as error:  # whatever it is, the test shows it
+            raised.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "serve() did not return within 60 s"
+    return raised[0] if raised else None
 
 
 def free_port() -> int:

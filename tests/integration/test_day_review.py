@@ -5,7 +5,6 @@ The tests whose docstrings start "Was:" failed before the fixes they name."""
 from __future__ import annotations
 
 import socket
-import threading
 
 import pytest
 
@@ -15,7 +14,7 @@ from carpool.server.errors import PortInUse
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.run import serve
 
-from .conftest import free_port
+from .conftest import free_port, serve_on_thread
 
 
 def _failing_load(device: str) -> object:
@@ -34,19 +33,8 @@ def test_serve_on_a_thread_reports_the_model_load_error_and_frees_its_ports() ->
     ports were bound, and left the HTTP socket open. It now loads the models there as
     well: their error comes back, and both ports are free again."""
     port, grpc_port = free_port(), free_port()
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            serve(_repository_that_fails_to_load(), port=port, grpc_port=grpc_port)
-        except BaseException as error:  # whatever it is, the test shows it
-            raised.append(error)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout=60)
-    assert not thread.is_alive()
-    assert len(raised) == 1 and isinstance(raised[0], ConfigError), raised
+    raised = serve_on_thread(_repository_that_fails_to_load(), port=port, grpc_port=grpc_port)
+    assert isinstance(raised, ConfigError), raised
     for free in (port, grpc_port):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", free))  # raises when a socket still holds it

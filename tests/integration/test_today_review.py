@@ -6,14 +6,12 @@ The tests whose docstrings start "Was:" failed before the fixes they name."""
 from __future__ import annotations
 
 import socket
-import threading
 from pathlib import Path
 
 from carpool.server.errors import PortInUse
 from carpool.server.repository import ModelRepository
-from carpool.server.run import serve
 
-from .conftest import free_port, wait_until
+from .conftest import free_port, serve_on_thread, wait_until
 from .test_serve_cli_review import MODEL, Gated, _finish, _is_ready, _start
 
 
@@ -62,19 +60,8 @@ def test_serve_with_one_port_for_both_wires_fails_at_once_naming_it() -> None:
     listen on P and then crashed with AttributeError when uvicorn could not listen.
     Before the gRPC port was held by a plain socket it was PortInUse at once."""
     port = free_port()
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            serve(ModelRepository([]), port=port, grpc_port=port)
-        except BaseException as error:  # whatever it is, the test shows it
-            raised.append(error)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout=60)
-    assert not thread.is_alive()
-    assert len(raised) == 1 and isinstance(raised[0], PortInUse), raised
-    assert f"HTTP port 127.0.0.1:{port}: could not bind" in str(raised[0])
+    raised = serve_on_thread(ModelRepository([]), port=port, grpc_port=port)
+    assert isinstance(raised, PortInUse), raised
+    assert f"HTTP port 127.0.0.1:{port}: could not bind" in str(raised)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))  # raises when a socket still holds it
