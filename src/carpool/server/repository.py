@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from carpool.core.admission import is_timeout
 from carpool.core.batcher import Batcher
 from carpool.errors import ConfigError, InvalidInput, ModelError
 from carpool.server.errors import NotFound
@@ -212,7 +211,7 @@ class ServedModel:
         is in microseconds, 0 meaning none of its own (``tritonserver.h``).
 
         Raises:
-            InvalidInput: a negative or non-integer priority, a negative timeout, or a
+            InvalidInput: a negative or non-integer priority or timeout, or a
                 request that is part of a sequence (see :func:`_check_no_sequence`).
         """
         _check_no_sequence(request.parameters)
@@ -231,12 +230,16 @@ class ServedModel:
                 f"or a class name {names}"
             )
         timeout = request.parameters.get("timeout")
-        if timeout is not None and (timeout != 0 or isinstance(timeout, bool)):
-            if not is_timeout(timeout):
+        if timeout is not None:
+            # An integer, as Triton reads it (REST: an unsigned integer; gRPC: int64_param
+            # or uint64_param): 1.5 or a double_param is refused, not taken as 1.5 µs.
+            if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0:
                 raise InvalidInput(
-                    f"parameter 'timeout'={timeout!r}: expected microseconds >= 0 (0: none)"
+                    f"parameter 'timeout'={timeout!r}: expected an integer number of "
+                    "microseconds >= 0 (0: none of its own)"
                 )
-            options["timeout_s"] = timeout * TIMEOUT_PARAMETER_UNIT_S
+            if timeout:
+                options["timeout_s"] = timeout * TIMEOUT_PARAMETER_UNIT_S
         return options
 
 
