@@ -96,8 +96,8 @@ class DeadlineExceeded(CarpoolError, TimeoutError):
         self.waited_s = waited_s
         super().__init__(
             f"request {request_id} waited {waited_s * 1e3:.1f} ms, past its timeout of "
-            f"{timeout_s * 1e3:.1f} ms, and was dropped before it ran; raise timeout_s "
-            "or add capacity"
+            f"{timeout_s * 1e3:.1f} ms, and was dropped before it ran; raise the timeout "
+            "(timeout_s, or KServe's timeout parameter in µs) or add capacity"
         )
 
     def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:

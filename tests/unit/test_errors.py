@@ -115,7 +115,7 @@ def test_deadline_exceeded_reports_timeout_and_wait_in_milliseconds() -> None:
     assert "request 7" in message
     assert "waited 62.5 ms" in message
     assert "timeout of 50.0 ms" in message
-    assert "raise timeout_s or add capacity" in message
+    assert "raise the timeout (timeout_s, or KServe's timeout parameter in µs)" in message
 
 
 def test_model_error_names_request_and_keeps_cause() -> None:
