@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from carpool.core.batcher import Batcher
+from carpool.core.policy import BatchPolicy
 from carpool.errors import ConfigError, InvalidInput, ModelError
 from carpool.server.errors import NotFound
 from carpool.server.tensors import DATATYPES, InferRequest
@@ -164,6 +165,11 @@ class ServedModel:
                 "priority_levels": len(policy.classes),
                 "default_priority_level": 1
                 + [c.name for c in policy.classes].index(policy.default_class),
+                "default_queue_policy": _queue_policy(policy, policy.default_class),
+                "priority_queue_policy": {
+                    str(level): _queue_policy(policy, c.name)
+                    for level, c in enumerate(policy.classes, start=1)
+                },
             },
             "instance_group": _instance_groups(self.batcher.devices),
         }
@@ -291,6 +297,20 @@ def _instance_groups(devices: tuple[str, ...]) -> list[dict[str, Any]]:
 
 
 _CONFIG_TYPES = {"BYTES": "STRING"}  # Triton's config names BYTES as TYPE_STRING
+
+
+def _queue_policy(policy: BatchPolicy, name: str) -> dict[str, Any]:
+    """Class ``name``'s queue as Triton's ``ModelQueuePolicy``: its deadline and the most
+    of its requests that may wait (the smaller of its own bound and the model's, which
+    all classes share; 0: none). Expired requests are rejected, never run late; a
+    request's own ``timeout`` replaces the default, longer or shorter."""
+    timeout_s = policy.class_limits(name).timeout_s
+    return {
+        "timeout_action": "REJECT",
+        "default_timeout_microseconds": 0 if timeout_s is None else round(timeout_s * 1e6),
+        "allow_timeout_override": True,
+        "max_queue_size": policy.max_queued(name) or 0,
+    }
 
 
 def _config_tensor(spec: TensorSpec) -> dict[str, Any]:

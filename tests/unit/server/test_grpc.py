@@ -198,6 +198,7 @@ def test_every_enum_value_is_tritons() -> None:
     assert {e.full_name for e in enums} == {
         "inference.DataType",
         "inference.ModelInstanceGroup.Kind",
+        "inference.ModelQueuePolicy.TimeoutAction",
     }
     for enum in enums:
         theirs = triton.FindEnumTypeByName(enum.full_name)
@@ -286,6 +287,52 @@ def test_model_config_carries_every_key_of_the_rest_config() -> None:
     assert (batching.priority_levels, batching.default_priority_level) == (3, 2)
     (group,) = config.instance_group
     assert (group.count, group.kind) == (2, pb.ModelInstanceGroup.KIND_CPU)
+
+
+def test_model_config_shows_each_class_queue_as_tritons_queue_policy() -> None:
+    # A Triton user reads a model's queue bounds and timeouts from dynamic_batching's
+    # default_queue_policy / priority_queue_policy; carpool's classes are its levels.
+    policy = BatchPolicy(
+        max_batch_size=8,
+        max_queue_size=100,  # shared by every class
+        timeout_s=2.0,
+        classes=(
+            ClassPolicy("interactive", max_queue_size=10, timeout_s=0.05),
+            ClassPolicy("normal"),
+            ClassPolicy("background", max_queue_size=500),
+        ),
+        default_class="normal",
+    )
+    batcher = Batcher(lambda inputs: inputs, policy, collate="dict")
+    spec = TensorSpec("x", "FP32", (2,))
+    served = ServedModel("m", "1", "python", (spec,), (spec,), batcher)
+    rest = served.config()["dynamic_batching"]
+    expected = {
+        "1": {"max_queue_size": 10, "default_timeout_microseconds": 50_000},
+        "2": {"max_queue_size": 100, "default_timeout_microseconds": 2_000_000},
+        "3": {"max_queue_size": 100, "default_timeout_microseconds": 2_000_000},
+    }
+    for level, values in expected.items():
+        queue = rest["priority_queue_policy"][level]
+        assert {k: queue[k] for k in values} == values, level
+        assert (queue["timeout_action"], queue["allow_timeout_override"]) == ("REJECT", True)
+    assert rest["default_queue_policy"] == rest["priority_queue_policy"]["2"]
+    batching = model_config(served).dynamic_batching
+    assert batching.priority_queue_policy[1].max_queue_size == 10
+    assert batching.priority_queue_policy[1].default_timeout_microseconds == 50_000
+    assert batching.default_queue_policy.max_queue_size == 100
+    assert batching.default_queue_policy.timeout_action == pb.ModelQueuePolicy.REJECT
+
+
+def test_model_config_of_a_model_without_bounds_has_unbounded_queues() -> None:
+    batcher = Batcher(lambda inputs: inputs, BatchPolicy(max_batch_size=4), collate="dict")
+    spec = TensorSpec("x", "FP32", (2,))
+    served = ServedModel("m", "1", "python", (spec,), (spec,), batcher)
+    batching = served.config()["dynamic_batching"]
+    levels = batching["priority_queue_policy"]
+    assert sorted(levels) == ["1", "2", "3"]  # the default classes
+    for level in levels.values():
+        assert (level["max_queue_size"], level["default_timeout_microseconds"]) == (0, 0)
 
 
 async def test_model_statistics_carry_every_key_of_the_rest_stats() -> None:

@@ -398,17 +398,46 @@ class ModelOutput(_message.Message):
     label_filename: str
     def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ..., label_filename: _Optional[str] = ...) -> None: ...
 
+class ModelQueuePolicy(_message.Message):
+    __slots__ = ("timeout_action", "default_timeout_microseconds", "allow_timeout_override", "max_queue_size")
+    class TimeoutAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REJECT: _ClassVar[ModelQueuePolicy.TimeoutAction]
+        DELAY: _ClassVar[ModelQueuePolicy.TimeoutAction]
+    REJECT: ModelQueuePolicy.TimeoutAction
+    DELAY: ModelQueuePolicy.TimeoutAction
+    TIMEOUT_ACTION_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TIMEOUT_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_TIMEOUT_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    timeout_action: ModelQueuePolicy.TimeoutAction
+    default_timeout_microseconds: int
+    allow_timeout_override: bool
+    max_queue_size: int
+    def __init__(self, timeout_action: _Optional[_Union[ModelQueuePolicy.TimeoutAction, str]] = ..., default_timeout_microseconds: _Optional[int] = ..., allow_timeout_override: _Optional[bool] = ..., max_queue_size: _Optional[int] = ...) -> None: ...
+
 class ModelDynamicBatching(_message.Message):
-    __slots__ = ("preferred_batch_size", "max_queue_delay_microseconds", "priority_levels", "default_priority_level")
+    __slots__ = ("preferred_batch_size", "max_queue_delay_microseconds", "priority_levels", "default_priority_level", "default_queue_policy", "priority_queue_policy")
+    class PriorityQueuePolicyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: ModelQueuePolicy
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[ModelQueuePolicy, _Mapping]] = ...) -> None: ...
     PREFERRED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_DELAY_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_LEVELS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_PRIORITY_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_QUEUE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_QUEUE_POLICY_FIELD_NUMBER: _ClassVar[int]
     preferred_batch_size: _containers.RepeatedScalarFieldContainer[int]
     max_queue_delay_microseconds: int
     priority_levels: int
     default_priority_level: int
-    def __init__(self, preferred_batch_size: _Optional[_Iterable[int]] = ..., max_queue_delay_microseconds: _Optional[int] = ..., priority_levels: _Optional[int] = ..., default_priority_level: _Optional[int] = ...) -> None: ...
+    default_queue_policy: ModelQueuePolicy
+    priority_queue_policy: _containers.MessageMap[int, ModelQueuePolicy]
+    def __init__(self, preferred_batch_size: _Optional[_Iterable[int]] = ..., max_queue_delay_microseconds: _Optional[int] = ..., priority_levels: _Optional[int] = ..., default_priority_level: _Optional[int] = ..., default_queue_policy: _Optional[_Union[ModelQueuePolicy, _Mapping]] = ..., priority_queue_policy: _Optional[_Mapping[int, ModelQueuePolicy]] = ...) -> None: ...
 
 class ModelInstanceGroup(_message.Message):
     __slots__ = ("name", "count", "kind")
