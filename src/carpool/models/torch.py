@@ -148,14 +148,18 @@ def _check_arity(module: Any, input_names: list[str], ragged: set[str]) -> None:
 
 def _forward_params(module: Any) -> tuple[int, list[str]] | None:
     """(how many are required, the names) of ``module.forward``'s positional parameters,
-    or None when they cannot be told (``*args``, no readable signature)."""
+    or None when they cannot be told (``*args``, no readable signature). A decorated
+    forward is read as the decorator's wrapper, which is what the call reaches: a wrapper
+    made with ``functools.wraps`` may take other arguments than the function it wraps
+    (one that supplies an argument itself, or ``*args``), so its ``__wrapped__`` is not
+    followed."""
     schema = getattr(getattr(module, "forward", None), "schema", None)
     if schema is not None:  # TorchScript: a schema, no Python signature; [0] is self
         arguments = [a for a in schema.arguments[1:] if not a.kwarg_only]
         required = sum(1 for a in arguments if not a.has_default_value())
         return required, [a.name for a in arguments]
     try:
-        signature = inspect.signature(module.forward)
+        signature = inspect.signature(module.forward, follow_wrapped=False)
     except (TypeError, ValueError, AttributeError):
         return None
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)

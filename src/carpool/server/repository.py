@@ -160,7 +160,7 @@ class ServedModel:
             "input": [_config_tensor(t) for t in self.inputs],
             "output": [_config_tensor(t) for t in self.outputs],
             "dynamic_batching": {
-                "max_queue_delay_microseconds": round(policy.max_delay_s * 1e6),
+                "max_queue_delay_microseconds": min(round(policy.max_delay_s * 1e6), _UINT64_MAX),
                 "preferred_batch_size": list(policy.preferred_batch_sizes),
                 "priority_levels": len(policy.classes),
                 "default_priority_level": 1
@@ -307,10 +307,22 @@ def _queue_policy(policy: BatchPolicy, name: str) -> dict[str, Any]:
     timeout_s = policy.class_limits(name).timeout_s
     return {
         "timeout_action": "REJECT",
-        "default_timeout_microseconds": 0 if timeout_s is None else round(timeout_s * 1e6),
+        "default_timeout_microseconds": 0 if timeout_s is None else _microseconds(timeout_s),
         "allow_timeout_override": True,
-        "max_queue_size": policy.max_queued(name) or 0,
+        # Triton's field is a uint32: a larger bound is shown as the largest it holds.
+        "max_queue_size": min(policy.max_queued(name) or 0, _UINT32_MAX),
     }
+
+
+_UINT32_MAX = 2**32 - 1
+_UINT64_MAX = 2**64 - 1
+
+
+def _microseconds(seconds: float) -> int:
+    """A timeout as Triton's uint64 microseconds, where 0 means none: at least 1 (a
+    timeout under half a microsecond is not none) and at most the largest uint64 (a
+    config may give 1e20 s; gRPC's ModelConfig could not carry it and the call failed)."""
+    return min(max(1, round(seconds * 1e6)), _UINT64_MAX)
 
 
 def _config_tensor(spec: TensorSpec) -> dict[str, Any]:
