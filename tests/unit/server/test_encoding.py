@@ -7,6 +7,8 @@ import gzip
 import zlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from carpool.server.encoding import compress, response_encoding
 from carpool.server.infer import compressed
@@ -70,3 +72,44 @@ def test_compressed_leaves_small_failed_and_unasked_answers_as_they_are() -> Non
     assert status == 200
     assert gzip.decompress(body) == big
     assert new_headers == (*headers, (b"content-encoding", b"gzip"))
+
+
+# -- properties ---------------------------------------------------------------------------
+
+_TOKENS = st.sampled_from(
+    [b"gzip", b"x-gzip", b"deflate", b"identity", b"*", b"br", b"zstd", b"GZIP", b""]
+)
+_WEIGHTS = st.one_of(
+    st.just(b""),
+    st.floats(allow_nan=True, allow_infinity=True).map(lambda q: b";q=%r" % q),
+    st.binary(max_size=6).map(lambda raw: b";q=" + raw),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(_TOKENS, _WEIGHTS), max_size=6), st.binary(max_size=64))
+def test_response_encoding_never_raises_and_only_picks_what_was_named_or_starred(
+    items: list[tuple[bytes, bytes]], noise: bytes
+) -> None:
+    # A header is client input: whatever it holds, the answer is a coding carpool can
+    # write (or none), and never one the client did not name or cover with "*".
+    for accept in (b", ".join(name + weight for name, weight in items), noise):
+        chosen = response_encoding(accept)
+        assert chosen in (None, b"gzip", b"deflate")
+        if chosen is not None:
+            named = accept.lower()
+            assert chosen in named or (chosen == b"gzip" and b"x-gzip" in named) or b"*" in named
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.binary(max_size=20_000), st.sampled_from([b"gzip", b"deflate"]))
+def test_compressed_answers_always_inflate_to_the_plain_one(body: bytes, encoding: bytes) -> None:
+    headers = ((b"content-type", b"application/json"),)
+    status, packed, new_headers = compressed((200, body, headers), encoding)
+    assert status == 200
+    if len(body) < 1024:
+        assert (packed, new_headers) == (body, headers)
+    else:
+        inflate = gzip.decompress if encoding == b"gzip" else zlib.decompress
+        assert inflate(packed) == body
+        assert new_headers[-1] == (b"content-encoding", encoding)
