@@ -87,6 +87,17 @@ class QueueFull(CarpoolError):
         return (self.queue, self.limit), {}
 
 
+def _duration(seconds: float) -> str:
+    """Milliseconds to 0.1 ms, or whole microseconds below that.
+
+    KServe's ``timeout`` parameter is given in microseconds: a 1 µs timeout shown as
+    ``0.0 ms`` would read as no timeout at all.
+    """
+    if seconds < 1e-4:
+        return f"{seconds * 1e6:.0f} µs"
+    return f"{seconds * 1e3:.1f} ms"
+
+
 class DeadlineExceeded(CarpoolError, TimeoutError):
     """The request's deadline passed while it waited; it never ran."""
 
@@ -95,8 +106,8 @@ class DeadlineExceeded(CarpoolError, TimeoutError):
         self.timeout_s = timeout_s
         self.waited_s = waited_s
         super().__init__(
-            f"request {request_id} waited {waited_s * 1e3:.1f} ms, past its timeout of "
-            f"{timeout_s * 1e3:.1f} ms, and was dropped before it ran; raise the timeout "
+            f"request {request_id} waited {_duration(waited_s)}, past its timeout of "
+            f"{_duration(timeout_s)}, and was dropped before it ran; raise the timeout "
             "(timeout_s, or KServe's timeout parameter in µs) or add capacity"
         )
 
