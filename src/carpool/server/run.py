@@ -132,11 +132,9 @@ def check_ports(host: str, port: int, grpc_port: int | None) -> None:
     Raises:
         PortInUse: naming the wire, the address and the system's reason.
     """
-    for sock in _bind_http(host, port):
-        sock.close()
+    _close(_bind_port(host, port))
     if grpc_port is not None and grpc_port > 0:
-        for sock in _bind_http(host, grpc_port, wire="gRPC"):
-            sock.close()
+        _close(_bind_port(host, grpc_port, wire="gRPC"))
 
 
 @contextlib.contextmanager
@@ -169,9 +167,10 @@ def _exit_now(name: str) -> None:
     os._exit(0)
 
 
-def _bind_http(host: str, port: int, *, wire: str = "HTTP") -> list[socket.socket]:
+def _bind_port(host: str, port: int, *, wire: str = "HTTP") -> list[socket.socket]:
     """Sockets bound (not yet listening) to every address ``host`` names, as
-    ``loop.create_server`` binds them; uvicorn listens on them once the models are loaded.
+    ``loop.create_server`` binds them: for HTTP, uvicorn listens on them once the models
+    are loaded; for gRPC, they hold the port until grpcio binds it (see :func:`_serve`).
 
     Bound without SO_REUSEADDR where the port allows it: Linux lets any socket with
     SO_REUSEADDR (uvicorn's, grpcio's, a second ``carpool serve``'s) bind a port that
@@ -240,9 +239,9 @@ async def _serve(
     # either wire is refused at once (gRPC: UNAVAILABLE) instead of waiting on a server
     # that is not started. grpcio cannot bind without listening, so its port is held by
     # a plain socket until the gRPC server binds it, once the models are loaded.
-    held = _bind_http(host, grpc_port or 0, wire="gRPC") if wants_grpc else []
+    held = _bind_port(host, grpc_port or 0, wire="gRPC") if wants_grpc else []
     try:
-        sockets = _bind_http(config.host, config.port)
+        sockets = _bind_port(config.host, config.port)
     except PortInUse:
         _close(held)
         raise
