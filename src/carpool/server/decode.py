@@ -179,12 +179,20 @@ def parse_json_document(body: bytes) -> tuple[dict[str, Any], bool]:
 def _with_non_finite_numbers(body: bytes, error: orjson.JSONDecodeError) -> Any:
     """``body`` read as JSON with NaN and infinities, or the error orjson gave."""
     try:
-        document = json.loads(body)
+        document = json.loads(body, parse_int=_int_as_orjson_reads)
         orjson.dumps(document)  # what else the standard library lets through: lone
         # surrogates, nesting deeper than the answer could be written with
     except (ValueError, RecursionError, orjson.JSONEncodeError):
         raise InvalidInput(f"request body is not valid JSON: {error}") from None
     return document
+
+
+def _int_as_orjson_reads(text: str) -> int | float:
+    """A JSON integer as orjson reads it: past 64 bits, a float; so that a document with
+    NaN and such an integer is checked as one without NaN is, not refused as invalid
+    JSON at the NaN."""
+    value = int(text)
+    return value if -(2**63) <= value < 2**64 else float(text)
 
 
 def header_of(request: dict[str, Any]) -> InferHeader:
