@@ -37,20 +37,53 @@ def model_stats(model: ServedModel) -> dict[str, Any]:
         if c.queue_wait.count
     )
     batches = snap.batches
-    last = batches.last_completed_unix_s
+    return _document(
+        model,
+        batches.last_completed_unix_s,
+        inference_count=batches.num_completed_items,
+        execution_count=batches.num_completed_batches,
+        success=_duration(completed, snap.latency),
+        fail=(failed, 0),
+        queue_ns=round(queue_ns * 1e9),
+        compute_infer_ns=round(batches.completed_compute_s * 1e9),
+        batch_stats=[
+            (size, count, round(batches.completed_size_compute_s.get(size, 0.0) * 1e9))
+            for size, count in batches.completed_size_histogram.items()
+        ],
+    )
+
+
+def _document(
+    model: ServedModel,
+    last_unix_s: float | None,
+    *,
+    inference_count: int,
+    execution_count: int,
+    success: dict[str, int],
+    fail: tuple[int, int],
+    queue_ns: int,
+    compute_infer_ns: int,
+    batch_stats: list[tuple[int, int, int]],
+) -> dict[str, Any]:
+    """Triton's statistics document for ``model``: ``queue`` and the ``compute_*``
+    durations count the successful requests (``success``'s count); ``fail`` is (count,
+    ns); ``batch_stats`` are (size, executions, compute ns). Input and output handling
+    are timed inside ``compute_infer`` (0 ns apart); there is no response cache."""
+    ok = success["count"]
     return {
         "name": model.name,
         "version": model.version,
-        "last_inference": 0 if last is None else int(last * 1e3),  # ms since the epoch
-        "inference_count": batches.num_completed_items,
-        "execution_count": batches.num_completed_batches,
+        # ms since the epoch
+        "last_inference": 0 if last_unix_s is None else int(last_unix_s * 1e3),
+        "inference_count": inference_count,
+        "execution_count": execution_count,
         "inference_stats": {
-            "success": _duration(completed, snap.latency),
-            "fail": {"count": failed, "ns": 0},
-            "queue": {"count": completed, "ns": round(queue_ns * 1e9)},
-            "compute_input": {"count": completed, "ns": 0},
-            "compute_infer": {"count": completed, "ns": round(batches.completed_compute_s * 1e9)},
-            "compute_output": {"count": completed, "ns": 0},
+            "success": success,
+            "fail": {"count": fail[0], "ns": fail[1]},
+            "queue": {"count": ok, "ns": queue_ns},
+            "compute_input": {"count": ok, "ns": 0},
+            "compute_infer": {"count": ok, "ns": compute_infer_ns},
+            "compute_output": {"count": ok, "ns": 0},
             "cache_hit": {"count": 0, "ns": 0},
             "cache_miss": {"count": 0, "ns": 0},
         },
@@ -58,13 +91,10 @@ def model_stats(model: ServedModel) -> dict[str, Any]:
             {
                 "batch_size": size,
                 "compute_input": {"count": count, "ns": 0},
-                "compute_infer": {
-                    "count": count,
-                    "ns": round(batches.completed_size_compute_s.get(size, 0.0) * 1e9),
-                },
+                "compute_infer": {"count": count, "ns": ns},
                 "compute_output": {"count": count, "ns": 0},
             }
-            for size, count in batches.completed_size_histogram.items()
+            for size, count, ns in batch_stats
         ],
     }
 
@@ -86,30 +116,17 @@ def _generation_stats(model: ServedModel, engine: GenerationEngine) -> dict[str,
     passes (steps), by the sequences each ran, with their compute time."""
     snap = engine.snapshot(quantiles=False)
     ok, failed = snap.succeeded, snap.failed
-    last = snap.last_succeeded_unix_s
-    return {
-        "name": model.name,
-        "version": model.version,
-        "last_inference": 0 if last is None else int(last * 1e3),  # ms since the epoch
-        "inference_count": ok.count,
-        "execution_count": snap.num_steps,
-        "inference_stats": {
-            "success": {"count": ok.count, "ns": _ns(ok.e2e_s)},
-            "fail": {"count": failed.count, "ns": _ns(failed.e2e_s)},
-            "queue": {"count": ok.count, "ns": _ns(ok.queue_s)},
-            "compute_input": {"count": ok.count, "ns": 0},
-            "compute_infer": {"count": ok.count, "ns": _ns(ok.e2e_s - ok.queue_s)},
-            "compute_output": {"count": ok.count, "ns": 0},
-            "cache_hit": {"count": 0, "ns": 0},
-            "cache_miss": {"count": 0, "ns": 0},
-        },
-        "batch_stats": [
-            {
-                "batch_size": size,
-                "compute_input": {"count": steps.count, "ns": 0},
-                "compute_infer": {"count": steps.count, "ns": _ns(steps.compute_s)},
-                "compute_output": {"count": steps.count, "ns": 0},
-            }
+    return _document(
+        model,
+        snap.last_succeeded_unix_s,
+        inference_count=ok.count,
+        execution_count=snap.num_steps,
+        success={"count": ok.count, "ns": _ns(ok.e2e_s)},
+        fail=(failed.count, _ns(failed.e2e_s)),
+        queue_ns=_ns(ok.queue_s),
+        compute_infer_ns=_ns(ok.e2e_s - ok.queue_s),
+        batch_stats=[
+            (size, steps.count, _ns(steps.compute_s))
             for size, steps in sorted(snap.steps_by_size.items())
         ],
-    }
+    )
