@@ -199,8 +199,7 @@ def _bind_port(host: str, port: int, *, wire: str = "HTTP") -> list[socket.socke
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 sock.bind(address)
     except OSError as error:
-        for sock in sockets:
-            sock.close()
+        _close(sockets)
         why = error.strerror or str(error)
         raise PortInUse(f"{wire} port {host_port(host, port)}: could not bind ({why})") from None
     return sockets
