@@ -214,7 +214,8 @@ class ServedModel:
         """``priority`` and ``timeout`` request parameters as batcher keywords, read as
         Triton reads them: priority 1 is the highest level, and 0 or a level beyond the
         model's levels is the default one (``InferenceRequest::SetPriority``); a timeout
-        is in microseconds, 0 meaning none of its own (``tritonserver.h``).
+        is in microseconds, 0 meaning none of its own (``tritonserver.h``), and shortens
+        the class's deadline but never lengthens it (``allow_timeout_override``).
 
         Raises:
             InvalidInput: a negative or non-integer priority or timeout, or a
@@ -245,8 +246,21 @@ class ServedModel:
                     "microseconds >= 0 (0: none of its own)"
                 )
             if timeout:
-                options["timeout_s"] = timeout * TIMEOUT_PARAMETER_UNIT_S
+                timeout_s = timeout * TIMEOUT_PARAMETER_UNIT_S
+                class_timeout_s = self._class_timeout_s(options.get("priority"))
+                if class_timeout_s is None or timeout_s < class_timeout_s:
+                    options["timeout_s"] = timeout_s
         return options
+
+    def _class_timeout_s(self, name: str | None) -> float | None:
+        """The deadline of class ``name`` (None: the default class), which a request's
+        own ``timeout`` may shorten and never lengthen, as Triton's
+        ``allow_timeout_override``; None for no deadline or a class the batcher will
+        refuse by name."""
+        policy = self.batcher.policy
+        if name is not None and name not in policy.limits:
+            return None
+        return policy.class_limits(name).timeout_s
 
 
 def _check_no_sequence(parameters: dict[str, Any]) -> None:
@@ -303,7 +317,7 @@ def _queue_policy(policy: BatchPolicy, name: str) -> dict[str, Any]:
     """Class ``name``'s queue as Triton's ``ModelQueuePolicy``: its deadline and the most
     of its requests that may wait (the smaller of its own bound and the model's, which
     all classes share; 0: none). Expired requests are rejected, never run late; a
-    request's own ``timeout`` replaces the default, longer or shorter."""
+    request's own ``timeout`` may shorten the default, never lengthen it."""
     timeout_s = policy.class_limits(name).timeout_s
     return {
         "timeout_action": "REJECT",

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import numpy as np
 import pytest
 
-from carpool import Batcher, BatchPolicy, ConfigError, InvalidInput
+from carpool import Batcher, BatchPolicy, ClassPolicy, ConfigError, DeadlineExceeded, InvalidInput
 from carpool.server.errors import NotFound, http_error
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.tensors import InferRequest, InputTensor
@@ -81,6 +85,81 @@ def test_priority_and_timeout_parameters_map_to_classes_and_deadlines(
     parameters: dict[str, object], expected: dict[str, object]
 ) -> None:
     assert _model().submit_options(_request(**parameters)) == pytest.approx(expected)
+
+
+def _model_with_class_deadlines() -> ServedModel:
+    model = _model()
+    model.batcher.update_policy(
+        classes=(
+            ClassPolicy("interactive", timeout_s=0.1),
+            ClassPolicy("normal", timeout_s=1.0),
+            ClassPolicy("background"),
+        ),
+        default_class="normal",
+    )
+    return model
+
+
+@pytest.mark.parametrize(
+    ("parameters", "expected"),
+    [
+        ({"timeout": 200_000}, {"timeout_s": 0.2}),  # shorter than the class's 1 s
+        ({"timeout": 5_000_000}, {}),  # longer: the class's 1 s applies
+        ({"timeout": 1_000_000}, {}),  # equal: the class's own
+        ({"priority": 1, "timeout": 50_000}, {"priority": "interactive", "timeout_s": 0.05}),
+        ({"priority": 1, "timeout": 200_000}, {"priority": "interactive"}),
+        ({"priority": 3, "timeout": 5_000_000}, {"priority": "background", "timeout_s": 5.0}),
+        ({"priority": "gold", "timeout": 5_000_000}, {"priority": "gold", "timeout_s": 5.0}),
+    ],
+)
+def test_a_requests_timeout_shortens_its_class_deadline_and_never_lengthens_it(
+    parameters: dict[str, object], expected: dict[str, object]
+) -> None:
+    """Was: a request's ``timeout`` replaced its class's ``timeout_s``, so a client could
+    keep a request queued past the deadline the operator set, while ``/config`` said
+    ``allow_timeout_override: true``, which in Triton only shortens. A class with no
+    deadline takes any timeout; an unknown class name is left for the batcher to refuse."""
+    options = _model_with_class_deadlines().submit_options(_request(**parameters))
+    assert options == pytest.approx(expected)
+
+
+def test_a_longer_timeout_expires_at_the_class_deadline() -> None:
+    """End to end in the batcher: the request asks for 5 s, its class allows 0.1 s, and it
+    expires while the only replica is busy."""
+    gate = threading.Event()
+
+    def model(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        gate.wait(5.0)
+        return {"y": inputs["x"]}
+
+    served = ServedModel(
+        name="m",
+        version="1",
+        platform="python",
+        inputs=(TensorSpec("x", "FP32", (-1, 4)),),
+        outputs=(TensorSpec("y", "FP32", (-1, 4)),),
+        batcher=Batcher(
+            model,
+            BatchPolicy(max_batch_size=1, classes=(ClassPolicy("normal", timeout_s=0.1),)),
+            collate="dict",
+            executor="thread",
+        ),
+    )
+    x = np.zeros((1, 4), np.float32)
+
+    async def run() -> None:
+        async with served.batcher:
+            blocker = asyncio.ensure_future(served.batcher.submit({"x": x}))
+            await asyncio.sleep(0.05)
+            options = served.submit_options(_request(timeout=5_000_000))
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                await served.batcher.submit({"x": x}, **options)
+            assert time.monotonic() - started < 2.0
+            gate.set()
+            await blocker
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize(
