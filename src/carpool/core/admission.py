@@ -21,14 +21,31 @@ from carpool.errors import ConfigError, InvalidInput
 
 def inspect_payload(collator: Collator, payload: Any, is_many: bool) -> tuple[int, Hashable]:
     """The payload's item count and the signature that must match to share a batch."""
+    num_items = _num_items(collator, payload) if is_many else 1
     try:
-        num_items = collator.num_items(payload) if is_many else 1
         signature = collator.signature(payload, is_many)
     except (TypeError, ValueError, IndexError, AttributeError) as exc:
         raise InvalidInput(f"payload cannot be batched ({type(exc).__name__}: {exc})") from exc
     if num_items < 1:
         raise InvalidInput("submit_many got 0 items; expected at least one along axis 0")
     return num_items, signature
+
+
+def _num_items(collator: Collator, payload: Any) -> int:
+    """How many items a ``submit_many`` payload carries along axis 0; a payload with no
+    axis 0 (a number, None, a 0-d array) is refused naming what it was and ``submit``."""
+    try:
+        return collator.num_items(payload)
+    except (TypeError, ValueError, IndexError, AttributeError) as exc:
+        if hasattr(payload, "__len__") and getattr(payload, "ndim", 1) != 0:
+            raise InvalidInput(f"payload cannot be batched ({type(exc).__name__}: {exc})") from exc
+        shown = repr(payload)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise InvalidInput(
+            f"submit_many got {type(payload).__name__} {shown}: expected k items along "
+            "axis 0 (a list, a tuple, an array or a dict of arrays with a batch dimension); "
+            f"for one item use submit() ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def request_cost(

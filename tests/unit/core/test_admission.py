@@ -21,8 +21,29 @@ def test_inspect_counts_items_along_axis_0_and_signs_by_trailing_shape() -> None
 def test_inspect_refuses_zero_items_and_unbatchable_payloads() -> None:
     with pytest.raises(InvalidInput, match="0 items"):
         inspect_payload(ListCollator(), [], True)
-    with pytest.raises(InvalidInput, match="cannot be batched"):
-        inspect_payload(ListCollator(), 5, True)  # len(5)
+    with pytest.raises(InvalidInput, match=r"cannot be batched.*inhomogeneous"):
+        inspect_payload(NumpyCollator(), [[1], [2, 3]], True)  # ragged rows
+
+
+@pytest.mark.parametrize(
+    ("collator", "payload", "shown"),
+    [
+        (ListCollator(), 5, "int 5"),
+        (ListCollator(), None, "NoneType None"),
+        (NumpyCollator(), np.float32(3), "float32"),
+        (NumpyCollator(), np.array(2.0), "ndarray array(2.)"),
+    ],
+)
+def test_submit_many_without_an_axis_0_names_the_payload_and_submit(
+    collator: object, payload: object, shown: str
+) -> None:
+    """Was: "payload cannot be batched (TypeError: object of type 'int' has no len())",
+    which names neither the call, the payload nor what it expects."""
+    with pytest.raises(InvalidInput) as caught:
+        inspect_payload(collator, payload, True)  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert message.startswith(f"submit_many got {shown}")
+    assert "expected k items along axis 0" in message and "use submit()" in message
 
 
 def test_cost_defaults_to_items_then_cost_fn_then_the_keyword() -> None:
