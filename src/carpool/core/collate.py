@@ -24,7 +24,13 @@ from carpool.core.layout import Packed, Padded
 from carpool.errors import ConfigError
 
 
-class OutputCountMismatch(Exception):
+class MalformedOutput(Exception):
+    """The model's result for a whole call is malformed (a count, a shape, a type that
+    contradicts what it must return): every request of the call fails with it, rather
+    than the call being bisected to run the model again on each half."""
+
+
+class OutputCountMismatch(MalformedOutput):
     """The model returned a number of outputs different from the number of items."""
 
     def __init__(self, expected: int, got: int, where: str = "", kind: str = "") -> None:

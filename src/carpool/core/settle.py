@@ -7,8 +7,9 @@ batch size for a while; a request that runs out of memory alone gets a
 :class:`CapacityError`. Only evidence about the batch size lowers the cap: the batch the
 scheduler formed (when it has more than one item), and a split whose two halves both ran
 out of memory. One request too large for memory fails alone without dragging the cap of
-everyone else down to 1. A model that returns the wrong number of outputs fails the whole
-call (every request gets a :class:`ModelError` saying both numbers). A call whose turn
+everyone else down to 1. A model that returns the wrong number of outputs, or any other
+:class:`MalformedOutput`, fails the whole call (every request gets a :class:`ModelError`
+saying what came and what was expected). A call whose turn
 comes after a request's deadline (it waited behind the replica's previous batch) does not
 run: the expired requests get :class:`DeadlineExceeded`, the others run without them; so
 does a call that reaches its turn holding requests their callers cancelled meanwhile (the
@@ -24,7 +25,7 @@ from collections.abc import Awaitable, Callable, Hashable
 
 from carpool.core.admission import OomCap
 from carpool.core.clock import Clock
-from carpool.core.collate import OutputCountMismatch
+from carpool.core.collate import MalformedOutput
 from carpool.core.replicas import RunOutput, StartedLate, Withdrawn, is_out_of_memory
 from carpool.core.request import Outcome, Request, RequestState
 from carpool.core.telemetry import Telemetry
@@ -80,7 +81,7 @@ class Settler:
             if not rest:
                 return None, False
             return await self._settle(rest, start(rest), start, is_split)
-        except OutputCountMismatch as exc:
+        except MalformedOutput as exc:
             for request in requests:
                 self.fail(request, ModelError(str(exc), request_id=request.request_id), exc)
             return None, False

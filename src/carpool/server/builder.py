@@ -14,6 +14,7 @@ from carpool.core.collate import RaggedDictCollator
 from carpool.errors import ConfigError
 from carpool.server.classification import read_labels
 from carpool.server.generation import GenerationSettings
+from carpool.server.outputs import checking_outputs
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.tensors import DATATYPES
 
@@ -80,7 +81,7 @@ def build_model(
         ).served_model()
     base_dir = Path(file).resolve().parent if file is not None else Path.cwd()
     inputs, outputs = _specs(model, base_dir)
-    fn_factory = _fn_factory(model, inputs, outputs)
+    fn_factory = checking_outputs(_fn_factory(model, inputs, outputs), outputs)
     batcher = Batcher(
         fn_factory=fn_factory if key is None else _naming_key(fn_factory, key, file),
         policy=model.policy(),

@@ -1,0 +1,129 @@
+"""A served model's outputs checked against the ones it declares, once per batch.
+
+The server answers with the declared outputs: their names, datatypes and shapes are what
+``GET /v2/models/{m}`` tells clients, and each output is cast to its declared datatype on
+the wire. A model that returns something else (an output missing, another shape, floats
+where integers are declared) would be answered wrongly without a word: values truncated
+by the cast, a shape that contradicts the metadata. As Triton's backends do ("unexpected
+shape for output ..."), such a batch fails instead, with a message naming the output,
+what was declared and what came; its requests get a 500 and the server goes on serving.
+
+Checked per batch, not per request: one look at each output of the batch's result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from carpool.core.collate import MalformedOutput
+from carpool.core.layout import Packed
+from carpool.core.replicas import is_async_callable
+from carpool.server.repository import TensorSpec
+
+BatchFn = Callable[[Any], Any]
+
+# Array kinds (numpy's dtype.kind) each declared datatype takes without losing values
+# in the cast to the wire: integers into floats, bools into integers, not the reverse.
+_FLOAT_KINDS = frozenset("fiub")
+_KINDS: dict[str, frozenset[str]] = {
+    "BOOL": frozenset("b"),
+    "BYTES": frozenset("OSU"),
+    **{f"UINT{bits}": frozenset("iub") for bits in (8, 16, 32, 64)},
+    **{f"INT{bits}": frozenset("iub") for bits in (8, 16, 32, 64)},
+    **{name: _FLOAT_KINDS for name in ("FP16", "FP32", "FP64", "BF16")},
+}
+
+
+class OutputMismatch(MalformedOutput):
+    """The model's result does not match the outputs it declares: the whole batch fails
+    (not bisected: the model would only run again on each half)."""
+
+
+def checking_outputs(
+    fn_factory: Callable[[str], BatchFn], outputs: tuple[TensorSpec, ...]
+) -> Callable[[str], BatchFn]:
+    """``fn_factory`` whose batch functions check their result against ``outputs``."""
+
+    def make(device: str) -> BatchFn:
+        fn = fn_factory(device)
+        if is_async_callable(fn):
+
+            async def checked_async(inputs: Any) -> Any:
+                return check_outputs(await fn(inputs), outputs)
+
+            return checked_async
+
+        def checked(inputs: Any) -> Any:
+            return check_outputs(fn(inputs), outputs)
+
+        return checked
+
+    return make
+
+
+def check_outputs(result: Any, outputs: tuple[TensorSpec, ...]) -> Any:
+    """``result`` unchanged when it carries every declared output in its declared shape
+    (batch dimension first) and a datatype that casts to the declared one losslessly in
+    kind.
+
+    Raises:
+        OutputMismatch: naming the output, what was declared and what the model returned.
+    """
+    if not isinstance(result, Mapping):
+        raise OutputMismatch(
+            f"the model returned {type(result).__name__}; expected a dict of its outputs "
+            f"{[spec.name for spec in outputs]}, each an array with the batch along axis 0"
+        )
+    for spec in outputs:
+        try:
+            value = result[spec.name]
+        except KeyError:
+            raise OutputMismatch(
+                f"the model returned no output {spec.name!r} (it returned "
+                f"{sorted(map(str, result))}); it declares {[s.name for s in outputs]}"
+            ) from None
+        if isinstance(value, Packed):  # ragged rows: the data is (tokens, *trailing)
+            value, declared = value.data, _packed_spec(spec)
+        else:
+            declared = spec
+        shape = getattr(value, "shape", None)
+        if shape is None:
+            raise OutputMismatch(
+                f"output {spec.name!r}: the model returned {type(value).__name__}; expected "
+                f"an array of shape {[-1, *spec.shape]}"
+            )
+        if not declared.accepts(tuple(shape)):
+            packed = " (packed: all rows' items along axis 0)" if declared is not spec else ""
+            raise OutputMismatch(
+                f"output {spec.name!r}: the model returned shape {list(shape)}{packed}, "
+                f"declared {[-1, *spec.shape]} (-1: any size; the first dimension is the batch)"
+            )
+        _check_kind(spec, value)
+    return result
+
+
+def _packed_spec(spec: TensorSpec) -> TensorSpec:
+    """What a packed output's data must fit: the declared dims after the ragged one."""
+    return TensorSpec(spec.name, spec.datatype, spec.shape[1:])
+
+
+def _check_kind(spec: TensorSpec, value: Any) -> None:
+    dtype: Any = getattr(value, "dtype", None)
+    kind = getattr(dtype, "kind", None)  # a NumPy dtype; a torch tensor's has none
+    if not isinstance(kind, str) or (spec.datatype == "BF16" and dtype.name == "bfloat16"):
+        return
+    if kind not in _KINDS.get(spec.datatype, frozenset(kind)):
+        raise OutputMismatch(
+            f"output {spec.name!r}: the model returned {dtype}, which the declared "
+            f"{spec.datatype} cannot carry without losing values; return "
+            f"{_RETURN[spec.datatype]} or declare the output's datatype as it is"
+        )
+
+
+_RETURN = {
+    "BOOL": "booleans",
+    "BYTES": "bytes or str objects",
+    **{name: "integers" for name in _KINDS if "INT" in name},
+    **{name: "numbers" for name in ("FP16", "FP32", "FP64", "BF16")},
+}

@@ -1,0 +1,114 @@
+"""A served model's result checked against its declared outputs, once per batch.
+
+Was: an output of another shape was answered as it came (contradicting the model's
+metadata), and floats where integers are declared were truncated by the cast to the wire,
+without a word. Now the batch fails with a message naming the output, as Triton's
+backends refuse "unexpected shape for output"."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from carpool.core.layout import Packed
+from carpool.server.outputs import OutputMismatch, check_outputs, checking_outputs
+from carpool.server.repository import TensorSpec
+
+OUTPUTS = (TensorSpec("Y", "FP32", (-1, 4)), TensorSpec("N", "INT64", (1,)))
+
+
+def _result(**overrides: Any) -> dict[str, Any]:
+    result = {"Y": np.zeros((3, 5, 4), np.float32), "N": np.zeros((3, 1), np.int64)}
+    result.update(overrides)
+    return result
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        _result(),
+        _result(Y=np.zeros((3, 0, 4), np.float64)),  # float64 into FP32: same kind
+        _result(Y=np.zeros((3, 2, 4), np.int32)),  # integers into FP32: no value lost
+        _result(N=np.zeros((3, 1), np.uint8)),
+        _result(N=np.zeros((3, 1), bool)),
+        {**_result(), "extra": "ignored"},
+    ],
+)
+def test_results_that_fit_the_declared_outputs_pass_unchanged(result: dict[str, Any]) -> None:
+    assert check_outputs(result, OUTPUTS) is result
+
+
+@pytest.mark.parametrize(
+    ("result", "fragments"),
+    [
+        (_result(Y=np.zeros((3, 5), np.float32)), ["'Y'", "shape [3, 5]", "declared [-1, -1, 4]"]),
+        (_result(Y=np.zeros((3, 5, 3), np.float32)), ["'Y'", "shape [3, 5, 3]"]),
+        (_result(N=np.zeros((3, 2), np.int64)), ["'N'", "shape [3, 2]", "declared [-1, 1]"]),
+        (_result(N=np.full((3, 1), 0.5)), ["'N'", "float64", "INT64", "return integers"]),
+        (_result(Y=np.zeros((3, 1, 4), complex)), ["'Y'", "complex128", "FP32"]),
+        (_result(Y=np.zeros((3, 1, 4), object)), ["'Y'", "object", "FP32"]),
+        ({"Y": np.zeros((3, 1, 4), np.float32)}, ["no output 'N'", "['Y']", "['Y', 'N']"]),
+        (_result(N=[[1], [2], [3]]), ["'N'", "list", "[-1, 1]"]),
+        (np.zeros((3, 4)), ["ndarray", "a dict of its outputs ['Y', 'N']"]),
+    ],
+)
+def test_a_result_that_contradicts_the_declared_outputs_names_the_output(
+    result: Any, fragments: list[str]
+) -> None:
+    with pytest.raises(OutputMismatch) as caught:
+        check_outputs(result, OUTPUTS)
+    for fragment in fragments:
+        assert fragment in str(caught.value), caught.value
+
+
+@pytest.mark.parametrize(
+    ("datatype", "good", "bad"),
+    [
+        ("BOOL", np.array([[True]]), np.array([[1]])),
+        ("BYTES", np.array([[b"a"]], object), np.array([[1.0]])),
+        ("UINT8", np.array([[1]], np.uint8), np.array([[1.5]])),
+        ("FP16", np.array([[1]], np.float16), np.array([["a"]])),
+    ],
+)
+def test_each_datatype_takes_the_kinds_it_carries_without_loss(
+    datatype: str, good: np.ndarray, bad: np.ndarray
+) -> None:
+    outputs = (TensorSpec("Y", datatype, (1,)),)
+    check_outputs({"Y": good}, outputs)
+    with pytest.raises(OutputMismatch, match=datatype):
+        check_outputs({"Y": bad}, outputs)
+
+
+def test_the_wrapper_keeps_a_model_sync_or_async() -> None:
+    specs = (TensorSpec("Y", "FP32", (-1,)),)
+
+    def sync_model(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"Y": inputs["X"]}
+
+    async def async_model(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"Y": inputs["X"][:, :1, None]}
+
+    x = {"X": np.ones((2, 3), np.float32)}
+    checked = checking_outputs(lambda device: sync_model, specs)("cpu")
+    assert not asyncio.iscoroutinefunction(checked)
+    assert checked(x)["Y"].shape == (2, 3)
+    checked_async = checking_outputs(lambda device: async_model, specs)("cpu")
+    assert asyncio.iscoroutinefunction(checked_async)
+    with pytest.raises(OutputMismatch, match=r"shape \[2, 1, 1\]"):
+        asyncio.run(checked_async(x))
+
+
+def test_a_packed_output_is_checked_by_its_data_after_the_ragged_dimension() -> None:
+    """Ragged rows come back packed: (all rows' tokens, *trailing), which must fit the
+    declared dims after the ragged one."""
+    outputs = (TensorSpec("T", "FP32", (-1, 3)),)
+    lengths = np.array([2, 5])
+    good = Packed.from_lengths(np.zeros((7, 3), np.float32), lengths)
+    check_outputs({"T": good}, outputs)
+    with pytest.raises(OutputMismatch, match=r"shape \[7, 4\] \(packed"):
+        check_outputs({"T": Packed.from_lengths(np.zeros((7, 4), np.float32), lengths)}, outputs)
+    with pytest.raises(OutputMismatch, match=r"float32.*INT64"):
+        check_outputs({"T": good}, (TensorSpec("T", "INT64", (-1, 3)),))
