@@ -157,7 +157,7 @@ async def test_keep_alive_timer_is_not_armed_while_a_pipelined_request_runs(
     s.model.open.clear()
     protocol, _ = s.connect()
     protocol.data_received(BAD + _binary_request(3.0))
-    assert protocol.timeout_keep_alive_task is None, "timer armed with a request in flight"
+    assert protocol._wait_deadline is None, "timer armed with a request in flight"
 
 
 async def test_keep_alive_timeout_does_not_close_under_a_running_request(
