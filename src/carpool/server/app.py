@@ -79,6 +79,9 @@ class KServeApp:
         self.max_body_bytes = max_body_bytes
         self.metrics = Metrics(repository)
         self.plans = InferPlans()
+        # The fast path's infer URLs, each with the model it names (fasthttp.py): at most
+        # two a model (with and without its version), as only the served ones are kept.
+        self.infer_routes: dict[bytes, ServedModel] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

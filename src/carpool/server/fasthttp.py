@@ -449,10 +449,22 @@ class InferProtocol(HttpToolsProtocol):
 
     def _fast_model(self) -> ServedModel | None:
         """The model when this request is an infer call its batcher answers, else None."""
-        url = self.url
-        if self.parser.get_method() != b"POST" or b"?" in url or b"%" in url:
+        if self.parser.get_method() != b"POST" or self.parser.should_upgrade():
             return None
-        if self.parser.should_upgrade():
+        url = self.url
+        routes = self.kserve.infer_routes
+        model = routes.get(url)
+        if model is None:
+            model = self._route(url)
+            if model is None:
+                return None
+            routes[url] = model
+        return model if model.infer is None and model.batcher.is_running else None
+
+    def _route(self, url: bytes) -> ServedModel | None:
+        """The served model an infer URL names, without a query or escapes (those, and
+        what is not found, take the ASGI path)."""
+        if b"?" in url or b"%" in url:
             return None
         parts = url.decode("latin-1").split("/")
         # ["", "v2", "models", name, "infer"] or [..., name, "versions", v, "infer"]
@@ -465,10 +477,9 @@ class InferProtocol(HttpToolsProtocol):
         if parts[1] != "v2" or parts[2] != "models" or parts[-1] != "infer" or "" in parts[3:]:
             return None  # an empty segment: the ASGI path's router decides (404)
         try:
-            model = self.kserve.repository.get(parts[3], version)
+            return self.kserve.repository.get(parts[3], version)
         except NotFound:
             return None  # the ASGI path answers 404 with its message
-        return model if model.infer is None and model.batcher.is_running else None
 
     def _begin(self, cycle: _FastCycle) -> None:
         if self.transport.is_closing():

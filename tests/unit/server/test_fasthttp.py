@@ -253,6 +253,33 @@ async def test_other_routes_and_models_go_through_the_asgi_app(server: Server) -
     np.testing.assert_array_equal(_binary_output(answers["query"]), [[2, 2]])
 
 
+async def test_infer_routes_are_remembered_only_for_served_models(server: Server) -> None:
+    """The fast path keeps each infer URL it served with its model, so a later request
+    skips parsing the path. Answers are the same the second time round, and URLs that
+    name no served model (any client can send thousands) are never kept."""
+    app, connect, _ = server
+    paths = [b"/v2/models/nope-%d/infer" % i for i in range(100)]
+    paths += [b"/v2/models/m/versions/%d/infer" % i for i in range(2, 100)]
+    paths += [b"/v2/models/m/infer", b"/v2/models/m/versions/1/infer"]
+    paths += [b"/v2/models/custom/infer", b"/v2/models/m/infer?x=1", b"/v2/models/m//infer"]
+    rounds = []
+    for _ in range(2):
+        transports = []
+        for path in paths:
+            protocol, transport = connect()
+            protocol.data_received(_binary_request(1.0, path=path))
+            transports.append(transport)
+        await _until(lambda: all(t.data for t in transports))  # noqa: B023
+        rounds.append([Responses(bytes(t.data)).items[0][0] for t in transports])
+    assert rounds[0] == rounds[1]
+    assert rounds[0][:198] == [404] * 198 and rounds[0][198:202] == [200] * 4
+    assert set(app.infer_routes) <= {
+        b"/v2/models/m/infer",
+        b"/v2/models/m/versions/1/infer",
+        b"/v2/models/custom/infer",
+    }
+
+
 async def test_pipelined_requests_are_answered_in_order(server: Server) -> None:
     _, connect, _ = server
     protocol, transport = connect()
