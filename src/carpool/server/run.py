@@ -170,7 +170,8 @@ def _exit_now(name: str) -> None:
 def _bind_port(host: str, port: int, *, wire: str = "HTTP") -> list[socket.socket]:
     """Sockets bound (not yet listening) to every address ``host`` names, as
     ``loop.create_server`` binds them: for HTTP, uvicorn listens on them once the models
-    are loaded; for gRPC, they hold the port until grpcio binds it (see :func:`_serve`).
+    are loaded; for gRPC, they hold the port until grpcio binds it (see :func:`_serve`),
+    an IPv6 one for both families, as grpcio binds it.
 
     Bound without SO_REUSEADDR where the port allows it: Linux lets any socket with
     SO_REUSEADDR (uvicorn's, grpcio's, a second ``carpool serve``'s) bind a port that
@@ -190,7 +191,9 @@ def _bind_port(host: str, port: int, *, wire: str = "HTTP") -> list[socket.socke
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                # HTTP: IPv6 only, as asyncio binds it for uvicorn. gRPC: both families,
+                # as grpcio binds "[::]:port", so "--host ::" holds its IPv4 side too.
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, wire != "gRPC")
             try:
                 sock.bind(address)
             except OSError as error:
