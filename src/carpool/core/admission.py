@@ -39,7 +39,10 @@ def _num_items(collator: Collator, payload: Any) -> int:
     except (TypeError, ValueError, IndexError, AttributeError) as exc:
         if hasattr(payload, "__len__") and getattr(payload, "ndim", 1) != 0:
             raise InvalidInput(f"payload cannot be batched ({type(exc).__name__}: {exc})") from exc
-        shown = repr(payload)
+        try:
+            shown = repr(payload)
+        except Exception:  # a payload's own __repr__ failing must not hide the message
+            shown = "(no repr)"
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
         raise InvalidInput(
             f"submit_many got {type(payload).__name__} {shown}: expected k items along "

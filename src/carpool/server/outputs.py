@@ -83,24 +83,37 @@ def check_outputs(result: Any, outputs: tuple[TensorSpec, ...]) -> Any:
                 f"the model returned no output {spec.name!r} (it returned "
                 f"{sorted(map(str, result))}); it declares {[s.name for s in outputs]}"
             ) from None
+        if isinstance(value, list | tuple):  # one output per row, stacked per request
+            for row in value:
+                if getattr(row, "shape", None) is not None:  # str and bytes rows: BYTES
+                    _check_array(spec, spec, row, (1, *row.shape), " (one row of a list)")
+            continue
         if isinstance(value, Packed):  # ragged rows: the data is (tokens, *trailing)
-            value, declared = value.data, _packed_spec(spec)
+            value, declared, note = value.data, _packed_spec(spec), _PACKED
         else:
-            declared = spec
+            declared, note = spec, ""
         shape = getattr(value, "shape", None)
         if shape is None:
             raise OutputMismatch(
                 f"output {spec.name!r}: the model returned {type(value).__name__}; expected "
-                f"an array of shape {[-1, *spec.shape]}"
+                f"an array of shape {[-1, *spec.shape]}, or a list of one row per item"
             )
-        if not declared.accepts(tuple(shape)):
-            packed = " (packed: all rows' items along axis 0)" if declared is not spec else ""
-            raise OutputMismatch(
-                f"output {spec.name!r}: the model returned shape {list(shape)}{packed}, "
-                f"declared {[-1, *spec.shape]} (-1: any size; the first dimension is the batch)"
-            )
-        _check_kind(spec, value)
+        _check_array(spec, declared, value, tuple(shape), note)
     return result
+
+
+_PACKED = " (packed: all rows' items along axis 0)"
+
+
+def _check_array(
+    spec: TensorSpec, declared: TensorSpec, value: Any, shape: tuple[int, ...], note: str
+) -> None:
+    if not declared.accepts(shape):
+        raise OutputMismatch(
+            f"output {spec.name!r}: the model returned shape {list(shape)}{note}, "
+            f"declared {[-1, *spec.shape]} (-1: any size; the first dimension is the batch)"
+        )
+    _check_kind(spec, value)
 
 
 def _packed_spec(spec: TensorSpec) -> TensorSpec:
@@ -111,8 +124,10 @@ def _packed_spec(spec: TensorSpec) -> TensorSpec:
 def _check_kind(spec: TensorSpec, value: Any) -> None:
     dtype: Any = getattr(value, "dtype", None)
     kind = getattr(dtype, "kind", None)  # a NumPy dtype; a torch tensor's has none
-    if not isinstance(kind, str) or (spec.datatype == "BF16" and dtype.name == "bfloat16"):
+    if not isinstance(kind, str):
         return
+    if getattr(dtype, "name", None) == "bfloat16":  # ml_dtypes' kind is "V": a float
+        kind = "f"
     if kind not in _KINDS.get(spec.datatype, frozenset(kind)):
         raise OutputMismatch(
             f"output {spec.name!r}: the model returned {dtype}, which the declared "
