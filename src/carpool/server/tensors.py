@@ -268,7 +268,6 @@ def encode_infer_response(
         header["id"] = request_id
     entries: list[dict[str, Any]] = []
     chunks: list[bytes] = []
-    is_finite = True
     for output in outputs:
         datatype = output.datatype or datatype_of(output.array)
         if datatype not in DATATYPES:
@@ -285,18 +284,25 @@ def encode_infer_response(
             entry["parameters"] = {"binary_data_size": len(chunk)}
             chunks.append(chunk)
         else:
-            data = entry["data"] = _to_json_data(output.name, datatype, output.array)
-            if isinstance(data, np.ndarray) and data.dtype.kind == "f":
-                is_finite = is_finite and bool(np.isfinite(data).all())
+            entry["data"] = _to_json_data(output.name, datatype, output.array)
         entries.append(entry)
     header["outputs"] = entries
-    if is_finite:
-        json_header = orjson.dumps(header, option=_JSON_OPTIONS)
-    else:
+    json_header = orjson.dumps(header, option=_JSON_OPTIONS)
+    # orjson writes NaN and infinities as null, which an answer holds nowhere else but in
+    # strings: only then are the arrays looked at (cheaper than np.isfinite on each).
+    if b"null" in json_header and not _all_finite(entries):
         json_header = _dumps_non_finite(header)
     if not chunks:
         return json_header, None
     return b"".join([json_header, *chunks]), len(json_header)
+
+
+def _all_finite(entries: list[dict[str, Any]]) -> bool:
+    for entry in entries:
+        data = entry.get("data")
+        if isinstance(data, np.ndarray) and data.dtype.kind == "f" and not np.isfinite(data).all():
+            return False
+    return True
 
 
 def _dumps_non_finite(header: dict[str, Any]) -> bytes:

@@ -7,6 +7,7 @@ every malformed input, each error naming the input and the field.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import ml_dtypes
@@ -16,6 +17,8 @@ import orjson
 import pytest
 import tritonclient.http as triton
 import tritonclient.utils as triton_utils
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
 from carpool.errors import InvalidInput
@@ -763,3 +766,31 @@ def test_the_header_cache_is_bounded() -> None:
     for i in range(decode._HeaderCache.SIZE + 50):
         decode_infer_request(*_binary_body(f"id-{i}", [1.0]))
     assert len(decode._HEADERS._entries) <= decode._HeaderCache.SIZE
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(
+        st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=1, max_size=12
+    ),
+    name=st.sampled_from(["mlp", "null", "nullish", "m-1"]),
+    request_id=st.sampled_from([None, "", "null", "[null", ",null]", "x"]),
+    datatype=st.sampled_from(["FP16", "FP32", "FP64"]),
+)
+def test_json_answers_carry_non_finite_floats_as_triton_writes_them(
+    values: list[float], name: str, request_id: str | None, datatype: str
+) -> None:
+    """Non-finite outputs are found by looking for orjson's null in the answer, then at the
+    arrays: whatever the names and ids around them hold, the answer reads back (as
+    tritonclient reads it, NaN and Infinity allowed) to the values sent."""
+    dtype = {"FP16": np.float16, "FP32": np.float32, "FP64": np.float64}[datatype]
+    with np.errstate(over="ignore"):
+        array = np.array(values, dtype=np.float64).astype(dtype).reshape(1, -1)
+    body, length = encode_infer_response(
+        name, "1", request_id, [OutputTensor("Y", array, datatype)], set()
+    )
+    assert length is None
+    document = json.loads(body)
+    assert document["model_name"] == name
+    got = np.array(document["outputs"][0]["data"], dtype=np.float64).astype(dtype)
+    np.testing.assert_array_equal(got, array.reshape(-1))  # shortest repr of each width
