@@ -113,6 +113,17 @@ def serve_on_thread(repository: Any, **kwargs: Any) -> BaseException | None:
     return raised[0] if raised else None
 
 
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (a reset counts as closed)."""
+    data = bytearray()
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return bytes(data)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -28,6 +28,7 @@ from .conftest import (
     ServedProcess,
     StartServer,
     Steady,
+    read_until_closed,
     rss_kb,
     start_served_process,
     wait_until,
@@ -69,17 +70,6 @@ def _request(i: int, *, path: bytes = INFER, extra: bytes = b"") -> bytes:
 def _connect(url: str) -> socket.socket:
     host, port = url.split(":")
     return socket.create_connection((host, int(port)), timeout=30)
-
-
-def _read_until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes (a reset counts as closed)."""
-    data = bytearray()
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return bytes(data)
 
 
 def _error(answer: bytes) -> tuple[int, str]:
@@ -150,7 +140,7 @@ def test_a_head_that_keeps_growing_is_refused_before_memory_follows(
                 sent += len(piece)
         except (BrokenPipeError, ConnectionResetError):
             pass
-        answer = _read_until_closed(sock)
+        answer = read_until_closed(sock)
     assert sent < 64 * 1024 * 1024, "the server took 64 MiB of a head"
     got, message = _error(answer)
     assert got == status
@@ -169,7 +159,7 @@ def test_too_many_header_fields_and_a_1mb_header_are_refused(
         with _connect(served.http_url) as sock:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendall(_request(1, extra=extra))  # refused before it is all sent
-            status, message = _error(_read_until_closed(sock))
+            status, message = _error(read_until_closed(sock))
         assert status == 431
         assert "header fields" in message and fragment in message
 
@@ -194,7 +184,7 @@ def test_bad_framing_gets_a_400_naming_what_is_wrong(
     nothing; now a JSON error as every other answer, with the parser's reason."""
     with _connect(served.http_url) as sock:
         sock.sendall(raw)
-        status, message = _error(_read_until_closed(sock))
+        status, message = _error(read_until_closed(sock))
     assert status == 400
     assert message.startswith("invalid HTTP/1.1 request") and fragment in message
 
@@ -253,7 +243,7 @@ def test_a_chunked_body_over_the_limit_gets_413(served: ServedProcess, steady: S
                 sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         except (BrokenPipeError, ConnectionResetError):
             pass
-        status, message = _error(_read_until_closed(sock))
+        status, message = _error(read_until_closed(sock))
     assert status == 413 and "exceeds the limit" in message
 
 
@@ -263,7 +253,7 @@ def test_http10_without_keep_alive_is_answered_and_closed(
     body = _body(5)
     with _connect(served.http_url) as sock:
         sock.sendall(b"POST %s HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (INFER, len(body), body))
-        answer = _read_until_closed(sock)  # closed by the server: this returns
+        answer = read_until_closed(sock)  # closed by the server: this returns
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and b"connection: close" in head
     assert orjson.loads(body)["outputs"][0]["data"] == [10, -10]
@@ -285,7 +275,7 @@ def test_idle_slowloris_and_stalled_body_connections_are_closed(
     for kind, data in kinds.items():
         for sock in sockets[kind]:
             sock.sendall(data)
-    answers = {kind: [_read_until_closed(s) for s in socks] for kind, socks in sockets.items()}
+    answers = {kind: [read_until_closed(s) for s in socks] for kind, socks in sockets.items()}
     for socks in sockets.values():
         for sock in socks:
             sock.close()
@@ -304,7 +294,7 @@ def test_a_slowloris_that_drips_bytes_is_closed_all_the_same(served: ServedProce
     answer: list[bytes] = []
 
     def read() -> None:
-        answer.append(_read_until_closed(sock))
+        answer.append(read_until_closed(sock))
         closed.set()
 
     reader = threading.Thread(target=read, daemon=True)
@@ -337,7 +327,7 @@ def test_a_full_file_descriptor_table_recovers_once_idle_sockets_are_closed(
         wait_until(lambda: stream.answered > 0, "the steady client to connect")
         idle += [_connect(server.http_url) for _ in range(400)]  # past the limit
         for sock in idle:
-            assert _read_until_closed(sock) == b""  # dropped, or closed once idle
+            assert read_until_closed(sock) == b""  # dropped, or closed once idle
         late = httpx.post(f"http://{server.http_url}{INFER.decode()}", content=_body(7))
         assert late.status_code == 200 and late.json()["outputs"][0]["data"] == [14, -14]
         stream.check()
@@ -402,7 +392,7 @@ def test_a_half_closed_client_is_taken_as_gone(served: ServedProcess, steady: St
     with _connect(served.http_url) as sock:
         sock.sendall(_request(8))
         sock.shutdown(socket.SHUT_WR)
-        answer = _read_until_closed(sock)  # closed by the server: this returns
+        answer = read_until_closed(sock)  # closed by the server: this returns
     assert answer == b"" or answer.startswith(b"HTTP/1.1 200")
 
 
@@ -452,7 +442,7 @@ def test_sigterm_with_abusive_connections_open_exits_0_and_answers_the_accepted(
     server.process.send_signal(signal.SIGTERM)
     server.stopped = True
     with accepted:
-        answer = _read_until_closed(accepted)
+        answer = read_until_closed(accepted)
     assert answer.startswith(b"HTTP/1.1 200"), answer
     assert orjson.loads(answer.partition(b"\r\n\r\n")[2])["outputs"][0]["data"] == [42]
     assert server.process.wait(timeout=60) == 0, server.output()

@@ -34,6 +34,7 @@ from .conftest import (
     ServedProcess,
     StartServer,
     Steady,
+    read_until_closed,
     rss_kb,
     start_served_process,
     wait_until,
@@ -343,12 +344,7 @@ def test_http11_on_the_grpc_port_is_closed_without_harm(
     host, port = served.grpc_url.split(":")
     with socket.create_connection((host, int(port)), timeout=LIMIT_S) as sock:
         sock.sendall(b"POST /v2/models/doubler/infer HTTP/1.1\r\nHost: t\r\n\r\n")
-        answer = bytearray()
-        try:
-            while chunk := sock.recv(65536):
-                answer += chunk
-        except ConnectionResetError:
-            pass
+        answer = read_until_closed(sock)
     assert not answer.startswith(b"HTTP/1.1")  # HTTP/2 frames (SETTINGS, GOAWAY), then a close
 
 

@@ -20,7 +20,7 @@ from carpool.server.infer import InferPlans, prepare_infer
 from carpool.server.outputs import OutputMismatch, check_outputs
 from carpool.server.repository import ServedModel, TensorSpec
 
-from .conftest import ServedProcess, start_served_process
+from .conftest import ServedProcess, read_until_closed, start_served_process
 
 MODELS = '''\
 """The models of test_review_today_dec4."""
@@ -270,16 +270,6 @@ def _read_answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
     return answers
 
 
-def _read_until_closed(sock: socket.socket) -> bytes:
-    data = bytearray()
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return bytes(data)
-
-
 def test_a_head_stalled_after_answers_gets_408(served: ServedProcess) -> None:
     """The wait after the last answer is the deadline for the next head: the timer armed
     at connect catches up with it, and a half request line then gets its 408."""
@@ -288,7 +278,7 @@ def test_a_head_stalled_after_answers_gets_408(served: ServedProcess) -> None:
             sock.sendall(_good_request())
             assert [status for status, _ in _read_answers(sock, 1)] == [200]
         sock.sendall(b"POST /v2/mod")
-        answer = _read_until_closed(sock)
+        answer = read_until_closed(sock)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.split()[1] == b"408", answer
     message = orjson.loads(body)["error"]
@@ -310,7 +300,7 @@ def test_pipelined_fast_and_asgi_requests_then_a_stalled_body_gets_408(
         statuses = [status for status, _ in _read_answers(sock, 4)]
         assert statuses == [200, 200, 200, 200]
         sock.sendall(stalled + body)
-        answer = _read_until_closed(sock)
+        answer = read_until_closed(sock)
     head, _, error = answer.partition(b"\r\n\r\n")
     assert head.split()[1] == b"408", answer
     assert "request body did not arrive in full" in orjson.loads(error)["error"]
@@ -329,7 +319,7 @@ def test_an_answer_longer_than_the_keep_alive_wait_keeps_its_connection(
         assert [status for status, _ in _read_answers(sock, 1)] == [200]
         sock.sendall(_good_request())
         assert [status for status, _ in _read_answers(sock, 1)] == [200]
-        assert _read_until_closed(sock) == b""  # idle: closed without a word
+        assert read_until_closed(sock) == b""  # idle: closed without a word
 
 
 def test_versioned_and_wrong_version_urls_are_routed_each_time(served: ServedProcess) -> None:
