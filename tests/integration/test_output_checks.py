@@ -23,9 +23,10 @@ MODELS = '''\
 
 
 def narrow(inputs):
-    """Declared Y [-1, 4]; returns 3 columns for a batch of one row, 4 otherwise."""
+    """Declared Y [-1, 4]; returns 3 columns for a batch holding a negative value (a bad
+    request's marker, whatever batch it rides in), 4 otherwise."""
     x = inputs["X"]
-    return {"Y": x[:, :3] if len(x) == 1 else x}
+    return {"Y": x[:, :3] if (x < 0).any() else x}
 
 
 def halves(inputs):
@@ -70,9 +71,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
         process.stop()
 
 
-def _infer(url: str, model: str, rows: int) -> np.ndarray:
+def _infer(url: str, model: str, rows: int, sign: int = 1) -> np.ndarray:
     client = httpclient.InferenceServerClient(url)
-    x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) + 1
+    x = (np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) + 1) * sign
     tensor = httpclient.InferInput("X", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)
     result = client.infer(model, [tensor])
@@ -84,7 +85,7 @@ def test_a_wrong_output_shape_is_a_500_naming_it_and_the_server_goes_on(
     served: ServedProcess,
 ) -> None:
     with pytest.raises(InferenceServerException) as caught:
-        _infer(served.http_url, "narrow", 1)
+        _infer(served.http_url, "narrow", 1, -1)
     assert caught.value.status() == "500"
     message = caught.value.message()
     assert "output 'Y'" in message and "shape [1, 3]" in message, message
@@ -93,7 +94,7 @@ def test_a_wrong_output_shape_is_a_500_naming_it_and_the_server_goes_on(
     assert _infer(served.http_url, "narrow", 2).shape == (2, 4)
     with ThreadPoolExecutor(8) as pool:
         goods = [pool.submit(_infer, served.http_url, "good", 2) for _ in range(8)]
-        bads = [pool.submit(_infer, served.http_url, "narrow", 1) for _ in range(4)]
+        bads = [pool.submit(_infer, served.http_url, "narrow", 1, -1) for _ in range(4)]
         for future in goods:
             np.testing.assert_array_equal(future.result()[0], [2, 4, 6, 8])
         for future in bads:
