@@ -238,16 +238,25 @@ def json_shape_key(request: dict[str, Any]) -> bytes | None:
         return None
 
 
+def json_payload(header: InferHeader, request: dict[str, Any]) -> dict[str, npt.NDArray[Any]]:
+    """``{input name: array}`` decoded from the ``data`` of ``request``, a document with
+    the same :func:`json_shape_key` as the one ``header`` was made from."""
+    return {
+        spec.name: _from_json(spec, entry["data"]).reshape(spec.shape)
+        for spec, entry in zip(header.specs, request["inputs"], strict=True)
+    }
+
+
 def decode_json_with_header(header: InferHeader, request: dict[str, Any]) -> InferRequest:
-    """The request of ``header`` with its inputs decoded from the ``data`` of ``request``,
-    a document with the same :func:`json_shape_key` as the one ``header`` was made from."""
-    tensors = []
-    for spec, entry in zip(header.specs, request["inputs"], strict=True):
-        flat = _from_json(spec, entry["data"])
-        tensors.append(InputTensor(spec.name, spec.datatype, spec.shape, flat.reshape(spec.shape)))
+    """The request of ``header`` with its inputs decoded as :func:`json_payload` decodes
+    them."""
+    payload = json_payload(header, request)
     return InferRequest(
         request_id=header.request_id,
-        inputs=tuple(tensors),
+        inputs=tuple(
+            InputTensor(spec.name, spec.datatype, spec.shape, payload[spec.name])
+            for spec in header.specs
+        ),
         outputs=header.outputs,
         parameters=dict(header.parameters) if header.parameters else {},
         is_binary_output_default=header.is_binary_output_default,
@@ -354,6 +363,46 @@ def _shape(where: str, shape: object) -> tuple[int, ...]:
     ):
         raise InvalidInput(f"{where}: shape must be a list of integers >= 0, got {shape!r}")
     return tuple(shape)
+
+
+@dataclass(frozen=True, slots=True)
+class BinaryLayout:
+    """Where each input of a header lies in the binary data after it, for headers whose
+    inputs are all fixed-size binary numbers: a planned request's payload is then read
+    straight from its bytes (:func:`binary_payload`), without the request's objects."""
+
+    specs: tuple[_InputSpec, ...]
+    total: int
+    inputs: tuple[tuple[str, np.dtype[Any], np.dtype[Any], int, tuple[int, ...], int], ...]
+
+
+def binary_layout(header: InferHeader) -> BinaryLayout | None:
+    """The layout of ``header``'s binary inputs; None when an input is JSON, BYTES or BF16
+    (those take :func:`decode_with_header`)."""
+    inputs = []
+    offset = 0
+    for spec in header.specs:
+        if spec.data is not None or spec.datatype in ("BYTES", "BF16"):
+            return None
+        wire, dtype = WIRE_DTYPES[spec.datatype], DATATYPES[spec.datatype]
+        inputs.append((spec.name, wire, dtype, spec.num_elements, spec.shape, offset))
+        offset += spec.binary_size_bytes
+    return BinaryLayout(header.specs, offset, tuple(inputs))
+
+
+def binary_payload(layout: BinaryLayout, binary: memoryview) -> dict[str, npt.NDArray[Any]]:
+    """``{input name: array}`` read from ``binary`` as :func:`decode_with_header` reads it
+    (each array a copy: the body is immutable and its offsets unaligned).
+
+    Raises:
+        InvalidInput: the binary data's size is not what the header declares.
+    """
+    if len(binary) != layout.total:
+        _check_binary_total(layout.specs, len(binary))
+    return {
+        name: np.frombuffer(binary, wire, count, offset).astype(dtype).reshape(shape)
+        for name, wire, dtype, count, shape, offset in layout.inputs
+    }
 
 
 def _check_binary_total(specs: tuple[_InputSpec, ...], num_binary_bytes: int) -> None:

@@ -24,11 +24,15 @@ from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
 from carpool.server.classification import class_counts, classified_outputs
 from carpool.server.decode import (
+    BinaryLayout,
     InferHeader,
+    binary_layout,
+    binary_payload,
     decode_json_with_header,
     decode_with_header,
     header_of,
     infer_header,
+    json_payload,
     json_shape_key,
     parse_json_document,
     split_infer_body,
@@ -65,13 +69,16 @@ class InferPlan:
     policy: BatchPolicy  # the one ``options`` were resolved under (its priority classes)
     answers: dict[tuple[tuple[int, ...], ...], bytes] | None = field(default_factory=dict)
     classes: dict[str, int] | None = None
+    # Where a binary header's inputs lie in the body: its requests' payloads are read
+    # straight from their bytes (None: JSON, BYTES or BF16 inputs, decoded in full).
+    layout: BinaryLayout | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class InferCall:
     """A decoded, checked KServe inference request, ready for its model."""
 
-    request: InferRequest
+    request_id: str | None
     payload: dict[str, np.ndarray]
     plan: InferPlan
 
@@ -129,11 +136,15 @@ def prepare_infer(
         return _prepare_json(model, header_bytes, plans)
     plan = plans.get(model, header_bytes)
     if plan is not None:  # the same header as an earlier request: checked then
+        layout = plan.layout
+        if layout is not None and plan.policy is model.batcher.policy:
+            return InferCall(plan.header.request_id, binary_payload(layout, binary), plan)
         request = decode_with_header(plan.header, binary)
         return _planned_call(model, plan, request)
     header = infer_header(header_bytes)
     call = _first_call(model, header, decode_with_header(header, binary))
     if header.is_cacheable:
+        call.plan.layout = binary_layout(header)
         plans.put(model, header_bytes, call.plan)
     return call
 
@@ -146,6 +157,8 @@ def _prepare_json(model: ServedModel, body: bytes, plans: InferPlans) -> InferCa
     key = json_shape_key(document) if is_strict else None
     plan = plans.get(model, key, is_json=True) if key is not None else None
     if plan is not None:
+        if plan.policy is model.batcher.policy:  # the request's objects are not needed
+            return InferCall(plan.header.request_id, json_payload(plan.header, document), plan)
         request = decode_json_with_header(plan.header, document)
         return _planned_call(model, plan, request)
     header = header_of(document)
@@ -163,7 +176,7 @@ def _planned_call(model: ServedModel, plan: InferPlan, request: InferRequest) ->
     policy = model.batcher.policy
     if plan.policy is not policy:
         plan.options, plan.policy = model.submit_options(request), policy
-    return InferCall(request, {t.name: t.array for t in request.inputs}, plan)
+    return InferCall(request.request_id, {t.name: t.array for t in request.inputs}, plan)
 
 
 def _first_call(model: ServedModel, header: InferHeader, request: InferRequest) -> InferCall:
@@ -180,7 +193,7 @@ def _first_call(model: ServedModel, header: InferHeader, request: InferRequest) 
         or any(spec.datatype == "BYTES" for spec in wanted)
     ):
         plan.answers = None  # JSON or variable-size outputs: encoded in full each time
-    return InferCall(request, payload, plan)
+    return InferCall(request.request_id, payload, plan)
 
 
 def infer_response(model: ServedModel, call: InferCall, result: dict[str, Any]) -> Answer:
@@ -199,7 +212,7 @@ def infer_response(model: ServedModel, call: InferCall, result: dict[str, Any]) 
     else:
         outputs = classified_outputs(plan.wanted, result, plan.classes)
     data, json_length = encode_infer_response(
-        model.name, model.version, call.request.request_id, outputs, plan.binary
+        model.name, model.version, call.request_id, outputs, plan.binary
     )
     if json_length is None:
         return 200, data, JSON_HEADERS

@@ -125,7 +125,7 @@ def test_python_model_missing_a_declared_output_names_it(user_module: str) -> No
     (model,) = build_repository(_python_config(f"{user_module}:wrong_name"))
     request = _request(np.ones((1, 3), np.float32))
     payload = model.payload(request)
-    call = InferCall(request, payload, InferPlan(None, {}, list(model.outputs), set(), None))  # type: ignore[arg-type]
+    call = InferCall(None, payload, InferPlan(None, {}, list(model.outputs), set(), None))  # type: ignore[arg-type]
     try:
         status, body, _ = infer_response(model, call, _run(model, payload))
     except Exception as exc:
