@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import httptools
@@ -60,6 +61,11 @@ READ_AHEAD_BYTES = 1024 * 1024
 # to MAX_HEADER_FIELDS. Trailer fields are never kept.
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADER_FIELDS = 256
+# A client sends the same head (request line and header fields) for every request of one
+# shape: the head of the connection's last fast-path request, up to this size, is kept
+# with what it parsed to, and a request starting with those bytes is taken without the
+# parser (see _Repeat).
+MAX_REPEAT_HEAD_BYTES = 4096
 
 
 class _Refused(Exception):
@@ -136,6 +142,25 @@ class _FastCycle:
         self.call: InferCall | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Repeat:
+    """A fast-path request's head, byte for byte, and what the parser made of it.
+
+    A head's parse depends on its bytes alone, so a later request on the connection whose
+    bytes start with ``head`` (the parser between two messages) has this request line and
+    these header fields; its body is the ``size`` bytes after them, as the head's
+    Content-Length said. Kept only for heads that need nothing the parser tracks past the
+    head: a Content-Length body, keep-alive, no ``Expect``, no upgrade.
+    """
+
+    head: bytes
+    size: int  # the body's Content-Length
+    url: bytes
+    header_length: bytes | None
+    encoding: bytes | None
+    http_version: str
+
+
 class InferProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol; ``POST .../infer`` for batched models skips ASGI."""
 
@@ -155,6 +180,12 @@ class InferProtocol(HttpToolsProtocol):
         # server's turn); one loop timer, _wait_timer, catches up with it (_arm_timeout).
         self._wait_deadline: float | None = None
         self._wait_timer: asyncio.TimerHandle | None = None
+        # Heads taken without the parser: the last fast-path head of this connection;
+        # _chunk, a read fed to the parser between two messages, and _first, that read
+        # while its first message is parsed, the one whose head can be kept.
+        self._repeat: _Repeat | None = None
+        self._chunk: bytes | None = None
+        self._first: bytes | None = None
 
     # -- connection limits: head size, timeouts -----------------------------------------
     #
@@ -169,7 +200,13 @@ class InferProtocol(HttpToolsProtocol):
         self._arm_timeout()  # a connection that never sends a request is closed
 
     def data_received(self, data: bytes) -> None:
+        repeat = self._repeat
+        if repeat is not None and not self._receiving and data.startswith(repeat.head):
+            data = self._take_repeats(repeat, data)
+            if not data:
+                return
         self._progress = False
+        self._chunk = None if self._receiving else data
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # as uvicorn's data_received
@@ -306,6 +343,7 @@ class InferProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         # The keep-alive timer, if armed, stays: it is now the deadline for this head.
         self._receiving, self._head_done = True, False
+        self._first, self._chunk = self._chunk, None  # the read's first message only
         # The ASGI scope is built only for requests that take the ASGI path.
         self.url = b""
         self.expect_100_continue = False
@@ -339,18 +377,36 @@ class InferProtocol(HttpToolsProtocol):
             super().on_headers_complete()
             return
         if self.transport.is_closing():
+            self._first = None
             return  # after a 413 or connection: close, the rest of the read is ignored
         parser = self.parser
         version = parser.get_http_version()
         keep_alive = version != "1.0" and parser.should_keep_alive()
+        encoding = None if accept is None else response_encoding(accept)
+        expect = self.expect_100_continue
+        self._start_fast(model, header_length, encoding, version, keep_alive, expect)
+        if not keep_alive or expect:
+            self._first = None  # not kept: the parser tracks what such heads ask
+
+    def _start_fast(
+        self,
+        model: ServedModel,
+        header_length: bytes | None,
+        encoding: bytes | None,
+        version: str,
+        keep_alive: bool,
+        expect_continue: bool,
+    ) -> None:
+        """A fast-path request whose head is complete: answered now, or queued behind
+        the request being answered."""
         cycle = _FastCycle(
             model,
             self.url.decode("latin-1"),  # as _fast_model matched it
             header_length,
-            None if accept is None else response_encoding(accept),
+            encoding,
             version,
             keep_alive,
-            self.expect_100_continue,
+            expect_continue,
             self.on_response_complete,
         )
         existing, self.cycle = self.cycle, cycle  # type: ignore[assignment]
@@ -391,8 +447,63 @@ class InferProtocol(HttpToolsProtocol):
             super().on_message_complete()
             return
         cycle.more_body = False
+        first, self._first = self._first, None
+        if first is not None and not cycle.oversize:
+            self._keep_head(first, cycle)
         if cycle.started and not cycle.response_complete and not cycle.oversize:
             self._dispatch(cycle)
+
+    # -- repeated heads -----------------------------------------------------------------
+
+    def _keep_head(self, chunk: bytes, cycle: _FastCycle) -> None:
+        """Keep the head of ``cycle``, the first message parsed from ``chunk``, if its
+        parse is all in its bytes: a Content-Length body, the message whole in the read,
+        the head ending where the parser ended it (its body follows it byte for byte)."""
+        size = cycle.size
+        lengths = [value for name, value in self.headers if name == b"content-length"]
+        if lengths != [b"%d" % size] or any(n == b"transfer-encoding" for n, _ in self.headers):
+            return
+        end = chunk.find(b"\r\n\r\n") + 4
+        if end < 4 or end > MAX_REPEAT_HEAD_BYTES or end + size > len(chunk):
+            return
+        head, url = chunk[:end], self.url
+        # Lines that all end in CRLF (the parser takes a bare LF too), the first of them
+        # this request's: the head ends at the first empty line, as the parser ended it.
+        if not head.startswith(b"POST %s HTTP/" % url) or head.count(b"\n") != head.count(b"\r\n"):
+            return
+        if chunk[end : end + size] != b"".join(cycle.chunks):
+            return
+        self._repeat = _Repeat(
+            head, size, url, cycle.header_length, cycle.encoding, cycle.http_version
+        )
+
+    def _take_repeats(self, repeat: _Repeat, data: bytes) -> bytes:
+        """Take the whole requests at the start of ``data`` that repeat ``repeat``'s head,
+        as the parser's callbacks would; what is left is for the parser (a request cut
+        short by the read, or another one)."""
+        head, size = repeat.head, repeat.size
+        start, length = 0, len(data)
+        while True:
+            end = start + len(head) + size
+            if end > length or not data.startswith(head, start):
+                break
+            model = self.kserve.infer_routes.get(repeat.url)
+            if model is None or model.infer is not None or not model.batcher.is_running:
+                break  # the parser's path decides, as for the first such request
+            if self.transport.is_closing():
+                return b""  # after a 413: the rest of the read is ignored
+            self._receiving = self._head_done = True
+            self._wait_deadline, self._first = None, None
+            self.url, self.headers, self.expect_100_continue = repeat.url, [], False
+            header_length, encoding = repeat.header_length, repeat.encoding
+            self._start_fast(model, header_length, encoding, repeat.http_version, True, False)
+            if size:
+                self.on_body(data[end - size : end])
+            self.on_message_complete()
+            start = end
+        if start:
+            self._stalled_bytes = 0
+        return data[start:] if start else data
 
     def _limit_read_ahead(self) -> None:
         """Pause reading once the pipelined requests waiting hold READ_AHEAD_REQUESTS or

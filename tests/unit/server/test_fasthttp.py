@@ -7,6 +7,7 @@ path answers without an ASGI task; everything else must still reach the app).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -107,6 +108,13 @@ def connector(
 
 @pytest.fixture
 async def server() -> AsyncIterator[Server]:
+    async with serving() as served:
+        yield served
+
+
+@contextlib.asynccontextmanager
+async def serving() -> AsyncIterator[Server]:
+    """A doubling model "m" served by the fast path, and "custom" (its own infer)."""
     model = Recorder()
     batcher = Batcher(model, BatchPolicy(max_batch_size=10_000, max_delay_s=0.001), collate="dict")
     spec_in, spec_out = TensorSpec("x", "FP32", (2,)), TensorSpec("y", "FP32", (2,))

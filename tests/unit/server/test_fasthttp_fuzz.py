@@ -462,6 +462,9 @@ class Run:
     max_delay_s: float
     high_water_bytes: int | None = None
     read_ahead_bytes: int = READ_AHEAD_BYTES
+    # Reads of whole requests (1-3 a read), as a client waiting for each answer sends
+    # them: a read then starts with a head the connection had before (fasthttp._Repeat).
+    by_requests: bool = False
 
 
 @st.composite
@@ -486,6 +489,7 @@ def runs(
         max_delay_s=draw(st.sampled_from([0.0, 0.001])),
         high_water_bytes=draw(st.sampled_from([0, 300, 2000])) if write_flow else None,
         read_ahead_bytes=draw(st.sampled_from([READ_AHEAD_BYTES, 300, 3000])),
+        by_requests=draw(st.booleans()),
     )
 
 
@@ -494,6 +498,17 @@ def _cut(stream: bytes, sizes: list[int]) -> list[bytes]:
     while start < len(stream):
         chunks.append(stream[start : start + sizes[i % len(sizes)]])
         start += sizes[i % len(sizes)]
+        i += 1
+    return chunks
+
+
+def _group(raws: list[bytes], sizes: list[int]) -> list[bytes]:
+    """Reads of 1-3 whole requests each (by ``sizes``)."""
+    chunks, start, i = [], 0, 0
+    while start < len(raws):
+        count = sizes[i % len(sizes)] % 3 + 1
+        chunks.append(b"".join(raws[start : start + count]))
+        start += count
         i += 1
     return chunks
 
@@ -513,7 +528,10 @@ class Outcome:
 
 async def _drive(server: Server, run: Run, values: list[float]) -> Outcome:
     raws = [build(spec, value) for spec, value in zip(run.specs, values, strict=True)]
-    chunks = _cut(b"".join(raws), run.chunk_sizes)
+    if run.by_requests:
+        chunks = _group(raws, run.chunk_sizes)
+    else:
+        chunks = _cut(b"".join(raws), run.chunk_sizes)
     model, batcher = server.model, server.batcher
     model.holds = run.holds
     protocol, transport = server.connect(run.high_water_bytes)
