@@ -66,6 +66,7 @@ MAX_HEADER_FIELDS = 256
 # with what it parsed to, and a request starting with those bytes is taken without the
 # parser (see _Repeat).
 MAX_REPEAT_HEAD_BYTES = 4096
+MAX_ANSWER_HEADS = 256
 
 
 class _Refused(Exception):
@@ -78,7 +79,7 @@ class _Refused(Exception):
 
 def protocol_for(app: KServeApp) -> type[HttpToolsProtocol]:
     """The uvicorn ``http`` protocol class serving ``app`` with the infer fast path."""
-    return type("InferProtocol", (InferProtocol,), {"kserve": app})
+    return type("InferProtocol", (InferProtocol,), {"kserve": app, "answer_heads": {}})
 
 
 class _NoEvent:
@@ -165,6 +166,10 @@ class InferProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol; ``POST .../infer`` for batched models skips ASGI."""
 
     kserve: KServeApp  # set by protocol_for
+    # An answer's status line and header fields by (status, headers, body length,
+    # keep-alive), with the server's default headers they were written with (uvicorn
+    # replaces those, the date among them, every second). Shared by the connections.
+    answer_heads: dict[tuple[int, Headers, int, bool], tuple[object, bytes]]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -644,17 +649,33 @@ class InferProtocol(HttpToolsProtocol):
         response: close, or keep alive and start the next pipelined request."""
         if self._inflight is cycle:
             self._inflight = None
-        parts = [STATUS_LINE[status]]
-        for name, value in (*self.server_state.default_headers, *headers):
-            parts += (name, b": ", value, b"\r\n")
-        parts += (b"content-length: ", b"%d" % len(body), b"\r\n")
-        if not cycle.keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts += (b"\r\n", body)
+        data = self._answer_head(status, headers, len(body), cycle.keep_alive) + body
         if self.flow.write_paused:  # the client is not reading: hold it, read no more
-            self._held = (cycle, b"".join(parts), status)
+            self._held = (cycle, data, status)
             return
-        self._finish(cycle, b"".join(parts), status)
+        self._finish(cycle, data, status)
+
+    def _answer_head(self, status: int, headers: Headers, length: int, keep_alive: bool) -> bytes:
+        """The status line and header fields of an answer (answers of one shape share
+        them: kept in ``answer_heads`` while the server's default headers stay)."""
+        defaults = self.server_state.default_headers
+        key = (status, headers, length, keep_alive)
+        heads = self.answer_heads
+        kept = heads.get(key)
+        if kept is not None and kept[0] is defaults:
+            return kept[1]
+        parts = [STATUS_LINE[status]]
+        for name, value in (*defaults, *headers):
+            parts += (name, b": ", value, b"\r\n")
+        parts += (b"content-length: ", b"%d" % length, b"\r\n")
+        if not keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        head = b"".join(parts)
+        if len(heads) >= MAX_ANSWER_HEADS:
+            heads.clear()  # a new second (a new date) or many shapes: started again
+        heads[key] = (defaults, head)
+        return head
 
     def _finish(self, cycle: _FastCycle, data: bytes, status: int) -> None:
         self.transport.write(data)

@@ -363,3 +363,30 @@ async def test_a_client_that_leaves_withdraws_its_queued_request(server: Server)
     assert transport.data == b""
     rejections = batcher.snapshot().classes["normal"].rejections
     assert rejections["cancelled"] == 1
+
+
+async def test_answer_heads_are_shared_until_the_default_headers_change(server: Server) -> None:
+    """Answers of one shape share their status line and header fields; uvicorn replaces
+    its default headers (the date) every second, and the next answer carries the new."""
+    _, connect, _ = server
+    protocol, transport = connect()
+    state = protocol.server_state
+    state.default_headers = [(b"date", b"Mon, 01 Jan 2026 00:00:00 GMT")]
+    for value in (1.0, 2.0):
+        protocol.data_received(_binary_request(value))
+        await _until(lambda: len(Responses(bytes(transport.data)).items) == int(value))  # noqa: B023
+    state.default_headers = [(b"date", b"Mon, 01 Jan 2026 00:00:01 GMT"), (b"server", b"x")]
+    protocol.data_received(_binary_request(3.0))
+    protocol.data_received(_binary_request(4.0, extra=b"Connection: close\r\n"))
+    await _until(lambda: len(Responses(bytes(transport.data)).items) == 4)
+    items = Responses(bytes(transport.data)).items
+    assert [item[1][b"date"] for item in items] == [
+        b"Mon, 01 Jan 2026 00:00:00 GMT",
+        b"Mon, 01 Jan 2026 00:00:00 GMT",
+        b"Mon, 01 Jan 2026 00:00:01 GMT",
+        b"Mon, 01 Jan 2026 00:00:01 GMT",
+    ]
+    assert b"server" not in items[1][1] and items[2][1][b"server"] == b"x"
+    assert b"connection" not in items[2][1] and items[3][1][b"connection"] == b"close"
+    assert [_binary_output(item)[0, 0] for item in items] == [2.0, 4.0, 6.0, 8.0]
+    assert transport.closed
