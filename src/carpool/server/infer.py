@@ -40,7 +40,14 @@ from carpool.server.decode import (
 from carpool.server.encoding import MIN_COMPRESSED_BYTES, compress
 from carpool.server.errors import http_error, openai_error
 from carpool.server.repository import ServedModel, TensorSpec
-from carpool.server.tensors import InferRequest, OutputTensor, encode_infer_response, tensor_bytes
+from carpool.server.tensors import (
+    InferRequest,
+    OutputTensor,
+    encode_infer_response,
+    fill_json_answer,
+    json_answer_parts,
+    tensor_bytes,
+)
 
 Headers = tuple[tuple[bytes, bytes], ...]
 Answer = tuple[int, bytes, Headers]
@@ -68,6 +75,8 @@ class InferPlan:
     binary: set[str]
     policy: BatchPolicy  # the one ``options`` were resolved under (its priority classes)
     answers: dict[tuple[tuple[int, ...], ...], bytes] | None = field(default_factory=dict)
+    # Answers all in JSON: the answer cut where each output's data goes, by output shapes.
+    json_answers: dict[tuple[tuple[int, ...], ...], tuple[bytes, ...]] | None = None
     classes: dict[str, int] | None = None
     # Where a binary header's inputs lie in the body: its requests' payloads are read
     # straight from their bytes (None: JSON, BYTES or BF16 inputs, decoded in full).
@@ -193,6 +202,8 @@ def _first_call(model: ServedModel, header: InferHeader, request: InferRequest) 
         or any(spec.datatype == "BYTES" for spec in wanted)
     ):
         plan.answers = None  # JSON or variable-size outputs: encoded in full each time
+        if classes is None and not plan.binary:
+            plan.json_answers = {}
     return InferCall(request.request_id, payload, plan)
 
 
@@ -207,6 +218,26 @@ def infer_response(model: ServedModel, call: InferCall, result: dict[str, Any]) 
         if json_header is not None:
             chunks = [tensor_bytes(s.datatype, a) for s, a in zip(plan.wanted, arrays, strict=True)]
             return 200, b"".join([json_header, *chunks]), _binary_headers(len(json_header))
+    json_answers = plan.json_answers
+    if json_answers is not None:
+        arrays = [result[spec.name] for spec in plan.wanted]
+        if all(type(array) is np.ndarray for array in arrays):
+            shapes = tuple(array.shape for array in arrays)
+            parts = json_answers.get(shapes)
+            if parts is None and len(json_answers) < ANSWER_HEADERS_PER_PLAN:
+                described = [
+                    (s.name, s.datatype, a.shape) for s, a in zip(plan.wanted, arrays, strict=True)
+                ]
+                parts = json_answer_parts(model.name, model.version, call.request_id, described)
+                if parts is not None:
+                    json_answers[shapes] = parts
+        else:
+            parts = None
+        if parts is not None:
+            datatypes = [spec.datatype for spec in plan.wanted]
+            body = fill_json_answer(parts, datatypes, arrays)
+            if body is not None:
+                return 200, body, JSON_HEADERS
     if plan.classes is None:
         outputs = [OutputTensor(s.name, result[s.name], s.datatype) for s in plan.wanted]
     else:

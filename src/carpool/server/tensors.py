@@ -261,11 +261,7 @@ def encode_infer_response(
         InvalidInput: an output's dtype has no KServe datatype, a JSON BYTES output is not
             valid UTF-8, or a BF16 output was asked for as JSON.
     """
-    header: dict[str, Any] = {"model_name": model_name}
-    if model_version is not None:
-        header["model_version"] = model_version
-    if request_id:  # an empty id is left out, as Triton leaves it out
-        header["id"] = request_id
+    header = _response_header(model_name, model_version, request_id)
     entries: list[dict[str, Any]] = []
     chunks: list[bytes] = []
     for output in outputs:
@@ -295,6 +291,62 @@ def encode_infer_response(
     if not chunks:
         return json_header, None
     return b"".join([json_header, *chunks]), len(json_header)
+
+
+def _response_header(
+    model_name: str, model_version: str | None, request_id: str | None
+) -> dict[str, Any]:
+    header: dict[str, Any] = {"model_name": model_name}
+    if model_version is not None:
+        header["model_version"] = model_version
+    if request_id:  # an empty id is left out, as Triton leaves it out
+        header["id"] = request_id
+    return header
+
+
+_DATA_HOLE = b'"data":[]'
+
+
+def json_answer_parts(
+    model_name: str,
+    model_version: str | None,
+    request_id: str | None,
+    outputs: list[tuple[str, str, tuple[int, ...]]],
+) -> tuple[bytes, ...] | None:
+    """The JSON answer :func:`encode_infer_response` writes for outputs of these
+    ``(name, datatype, shape)``, all as JSON ``data``, cut where each output's data goes
+    (:func:`fill_json_answer`). None for BYTES or BF16 outputs."""
+    if any(datatype in ("BYTES", "BF16") for _, datatype, _ in outputs):
+        return None
+    header = _response_header(model_name, model_version, request_id)
+    header["outputs"] = [
+        {"name": name, "datatype": datatype, "shape": list(shape), "data": []}
+        for name, datatype, shape in outputs
+    ]
+    # A quote inside a JSON string is escaped: '"data":[]' is only ever the key and value
+    # written here.
+    pieces = orjson.dumps(header).split(_DATA_HOLE)
+    if len(pieces) != len(outputs) + 1:
+        return None
+    return (*(piece + b'"data":' for piece in pieces[:-1]), pieces[-1])
+
+
+def fill_json_answer(
+    parts: tuple[bytes, ...], datatypes: list[str], arrays: list[npt.NDArray[Any]]
+) -> bytes | None:
+    """The answer of :func:`json_answer_parts` with each array as its data, as
+    :func:`encode_infer_response` writes it; None when an array holds NaN or an infinity
+    (that path writes those)."""
+    chunks = [parts[0]]
+    for part, datatype, array in zip(parts[1:], datatypes, arrays, strict=True):
+        data = orjson.dumps(
+            np.ascontiguousarray(array, dtype=DATATYPES[datatype]).reshape(-1),
+            option=_JSON_OPTIONS,
+        )
+        if b"null" in data:
+            return None
+        chunks += (data, part)
+    return b"".join(chunks)
 
 
 def _all_finite(entries: list[dict[str, Any]]) -> bool:

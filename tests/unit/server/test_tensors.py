@@ -31,6 +31,8 @@ from carpool.server.tensors import (
     datatype_of,
     deserialize_bytes_tensor,
     encode_infer_response,
+    fill_json_answer,
+    json_answer_parts,
     serialize_bytes_tensor,
 )
 
@@ -794,3 +796,61 @@ def test_json_answers_carry_non_finite_floats_as_triton_writes_them(
     assert document["model_name"] == name
     got = np.array(document["outputs"][0]["data"], dtype=np.float64).astype(dtype)
     np.testing.assert_array_equal(got, array.reshape(-1))  # shortest repr of each width
+
+
+JSON_OUTPUT_TYPES = ["BOOL", *NUMERIC]
+
+
+@st.composite
+def json_outputs(draw: st.DrawFn) -> list[OutputTensor]:
+    outputs = []
+    names = draw(st.lists(st.text(max_size=8), min_size=1, max_size=3, unique=True))
+    for name in names:
+        datatype = draw(st.sampled_from(JSON_OUTPUT_TYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 3), min_size=1, max_size=3)))
+        count = int(np.prod(shape))
+        if datatype == "BOOL":
+            values: list[Any] = draw(st.lists(st.booleans(), min_size=count, max_size=count))
+            array = np.array(values, dtype=bool).reshape(shape)
+        elif datatype.startswith("FP"):
+            floats = st.floats(width=16 if datatype == "FP16" else 32)  # NaN, infinities
+            values = draw(st.lists(floats, min_size=count, max_size=count))
+            array = np.array(values, dtype=DATATYPES[datatype]).reshape(shape)
+        else:
+            info = np.iinfo(DATATYPES[datatype])
+            ints = st.integers(int(info.min), int(info.max))
+            values = draw(st.lists(ints, min_size=count, max_size=count))
+            array = np.array(values, dtype=DATATYPES[datatype]).reshape(shape)
+        outputs.append(OutputTensor(name, array, datatype))
+    return outputs
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    outputs=json_outputs(),
+    name=st.sampled_from(["mlp", 'da"ta', '"data":[]', "null"]),
+    request_id=st.one_of(st.none(), st.text(max_size=12), st.just('"data":[]')),
+    version=st.sampled_from([None, "1"]),
+)
+def test_json_answers_cut_where_the_data_goes_are_the_answers_written_in_full(
+    outputs: list[OutputTensor], name: str, request_id: str | None, version: str | None
+) -> None:
+    """A planned JSON answer fills the parts of an answer written once: byte for byte
+    what encode_infer_response writes, whatever the names and ids hold; NaN and the
+    infinities are left to encode_infer_response."""
+    described = [(o.name, o.datatype, o.array.shape) for o in outputs]
+    parts = json_answer_parts(name, version, request_id, described)
+    assert parts is not None
+    filled = fill_json_answer(parts, [o.datatype for o in outputs], [o.array for o in outputs])
+    full, length = encode_infer_response(name, version, request_id, outputs, set())
+    assert length is None
+    is_finite = all(np.isfinite(o.array).all() for o in outputs if o.array.dtype.kind == "f")
+    if is_finite:
+        assert filled == full
+    else:
+        assert filled is None
+
+
+def test_no_json_answer_parts_for_bytes_or_bf16_outputs() -> None:
+    for datatype in ("BYTES", "BF16"):
+        assert json_answer_parts("m", "1", None, [("y", datatype, (1,))]) is None
