@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import httptools
@@ -35,6 +34,7 @@ from carpool.core.request import Request
 from carpool.server.app import KServeApp
 from carpool.server.encoding import response_encoding
 from carpool.server.errors import NotFound, PayloadTooLarge
+from carpool.server.heads import AnswerHeads, RepeatedHead, repeated_head
 from carpool.server.infer import (
     Headers,
     InferCall,
@@ -61,12 +61,6 @@ READ_AHEAD_BYTES = 1024 * 1024
 # to MAX_HEADER_FIELDS. Trailer fields are never kept.
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADER_FIELDS = 256
-# A client sends the same head (request line and header fields) for every request of one
-# shape: the head of the connection's last fast-path request, up to this size, is kept
-# with what it parsed to, and a request starting with those bytes is taken without the
-# parser (see _Repeat).
-MAX_REPEAT_HEAD_BYTES = 4096
-MAX_ANSWER_HEADS = 256
 
 
 class _Refused(Exception):
@@ -79,7 +73,7 @@ class _Refused(Exception):
 
 def protocol_for(app: KServeApp) -> type[HttpToolsProtocol]:
     """The uvicorn ``http`` protocol class serving ``app`` with the infer fast path."""
-    return type("InferProtocol", (InferProtocol,), {"kserve": app, "answer_heads": {}})
+    return type("InferProtocol", (InferProtocol,), {"kserve": app, "answer_heads": AnswerHeads()})
 
 
 class _NoEvent:
@@ -143,33 +137,11 @@ class _FastCycle:
         self.call: InferCall | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class _Repeat:
-    """A fast-path request's head, byte for byte, and what the parser made of it.
-
-    A head's parse depends on its bytes alone, so a later request on the connection whose
-    bytes start with ``head`` (the parser between two messages) has this request line and
-    these header fields; its body is the ``size`` bytes after them, as the head's
-    Content-Length said. Kept only for heads that need nothing the parser tracks past the
-    head: a Content-Length body, keep-alive, no ``Expect``, no upgrade.
-    """
-
-    head: bytes
-    size: int  # the body's Content-Length
-    url: bytes
-    header_length: bytes | None
-    encoding: bytes | None
-    http_version: str
-
-
 class InferProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol; ``POST .../infer`` for batched models skips ASGI."""
 
     kserve: KServeApp  # set by protocol_for
-    # An answer's status line and header fields by (status, headers, body length,
-    # keep-alive), with the server's default headers they were written with (uvicorn
-    # replaces those, the date among them, every second). Shared by the connections.
-    answer_heads: dict[tuple[int, Headers, int, bool], tuple[object, bytes]]
+    answer_heads: AnswerHeads  # shared by the connections, set by protocol_for
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -185,10 +157,10 @@ class InferProtocol(HttpToolsProtocol):
         # server's turn); one loop timer, _wait_timer, catches up with it (_arm_timeout).
         self._wait_deadline: float | None = None
         self._wait_timer: asyncio.TimerHandle | None = None
-        # Heads taken without the parser: the last fast-path head of this connection;
-        # _chunk, a read fed to the parser between two messages, and _first, that read
-        # while its first message is parsed, the one whose head can be kept.
-        self._repeat: _Repeat | None = None
+        # Heads taken without the parser (carpool.server.heads): the last fast-path head
+        # of this connection; _chunk, a read fed to the parser between two messages, and
+        # _first, that read while its first message is parsed, the one whose head is kept.
+        self._repeat: RepeatedHead | None = None
         self._chunk: bytes | None = None
         self._first: bytes | None = None
 
@@ -461,28 +433,15 @@ class InferProtocol(HttpToolsProtocol):
     # -- repeated heads -----------------------------------------------------------------
 
     def _keep_head(self, chunk: bytes, cycle: _FastCycle) -> None:
-        """Keep the head of ``cycle``, the first message parsed from ``chunk``, if its
-        parse is all in its bytes: a Content-Length body, the message whole in the read,
-        the head ending where the parser ended it (its body follows it byte for byte)."""
-        size = cycle.size
-        lengths = [value for name, value in self.headers if name == b"content-length"]
-        if lengths != [b"%d" % size] or any(n == b"transfer-encoding" for n, _ in self.headers):
-            return
-        end = chunk.find(b"\r\n\r\n") + 4
-        if end < 4 or end > MAX_REPEAT_HEAD_BYTES or end + size > len(chunk):
-            return
-        head, url = chunk[:end], self.url
-        # Lines that all end in CRLF (the parser takes a bare LF too), the first of them
-        # this request's: the head ends at the first empty line, as the parser ended it.
-        if not head.startswith(b"POST %s HTTP/" % url) or head.count(b"\n") != head.count(b"\r\n"):
-            return
-        if chunk[end : end + size] != b"".join(cycle.chunks):
-            return
-        self._repeat = _Repeat(
-            head, size, url, cycle.header_length, cycle.encoding, cycle.http_version
-        )
+        """Keep the head of ``cycle``, the first message parsed from ``chunk``, when it
+        can be taken again without the parser."""
+        body, url, headers = b"".join(cycle.chunks), self.url, self.headers
+        encoding, version = cycle.encoding, cycle.http_version
+        repeat = repeated_head(chunk, url, headers, body, cycle.header_length, encoding, version)
+        if repeat is not None:
+            self._repeat = repeat
 
-    def _take_repeats(self, repeat: _Repeat, data: bytes) -> bytes:
+    def _take_repeats(self, repeat: RepeatedHead, data: bytes) -> bytes:
         """Take the whole requests at the start of ``data`` that repeat ``repeat``'s head,
         as the parser's callbacks would; what is left is for the parser (a request cut
         short by the read, or another one)."""
@@ -649,33 +608,13 @@ class InferProtocol(HttpToolsProtocol):
         response: close, or keep alive and start the next pipelined request."""
         if self._inflight is cycle:
             self._inflight = None
-        data = self._answer_head(status, headers, len(body), cycle.keep_alive) + body
+        defaults = self.server_state.default_headers
+        head = self.answer_heads.head(defaults, status, headers, len(body), cycle.keep_alive)
+        data = head + body
         if self.flow.write_paused:  # the client is not reading: hold it, read no more
             self._held = (cycle, data, status)
             return
         self._finish(cycle, data, status)
-
-    def _answer_head(self, status: int, headers: Headers, length: int, keep_alive: bool) -> bytes:
-        """The status line and header fields of an answer (answers of one shape share
-        them: kept in ``answer_heads`` while the server's default headers stay)."""
-        defaults = self.server_state.default_headers
-        key = (status, headers, length, keep_alive)
-        heads = self.answer_heads
-        kept = heads.get(key)
-        if kept is not None and kept[0] is defaults:
-            return kept[1]
-        parts = [STATUS_LINE[status]]
-        for name, value in (*defaults, *headers):
-            parts += (name, b": ", value, b"\r\n")
-        parts += (b"content-length: ", b"%d" % length, b"\r\n")
-        if not keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts.append(b"\r\n")
-        head = b"".join(parts)
-        if len(heads) >= MAX_ANSWER_HEADS:
-            heads.clear()  # a new second (a new date) or many shapes: started again
-        heads[key] = (defaults, head)
-        return head
 
     def _finish(self, cycle: _FastCycle, data: bytes, status: int) -> None:
         self.transport.write(data)

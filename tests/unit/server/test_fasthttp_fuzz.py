@@ -463,7 +463,7 @@ class Run:
     high_water_bytes: int | None = None
     read_ahead_bytes: int = READ_AHEAD_BYTES
     # Reads of whole requests (1-3 a read), as a client waiting for each answer sends
-    # them: a read then starts with a head the connection had before (fasthttp._Repeat).
+    # them: a read then starts with a head the connection had before (carpool.server.heads).
     by_requests: bool = False
 
 

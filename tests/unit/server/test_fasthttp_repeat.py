@@ -1,4 +1,4 @@
-"""Repeated heads (`fasthttp._Repeat`): a request whose bytes start with the head of the
+"""Repeated heads (`carpool.server.heads`): a request whose bytes start with the head of the
 connection's last fast-path request is taken without the parser. Each test holds the
 answers to what the parser's path gives, and checks when the parser is, and is not,
 skipped."""
