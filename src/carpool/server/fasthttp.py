@@ -177,12 +177,12 @@ class InferProtocol(HttpToolsProtocol):
         self._arm_timeout()  # a connection that never sends a request is closed
 
     def data_received(self, data: bytes) -> None:
+        self._progress = False  # the repeats taken are progress, as parsed messages are
         repeat = self._repeat
         if repeat is not None and not self._receiving and data.startswith(repeat.head):
             data = self._take_repeats(repeat, data)
             if not data:
                 return
-        self._progress = False
         self._chunk = None if self._receiving else data
         try:
             self.parser.feed_data(data)
