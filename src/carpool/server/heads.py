@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
-Headers = tuple[tuple[bytes, bytes], ...]
+from carpool.server.infer import Headers
 
 MAX_REPEATED_HEAD_BYTES = 4096
 MAX_ANSWER_HEADS = 256

@@ -202,8 +202,8 @@ def _first_call(model: ServedModel, header: InferHeader, request: InferRequest) 
         or any(spec.datatype == "BYTES" for spec in wanted)
     ):
         plan.answers = None  # JSON or variable-size outputs: encoded in full each time
-        if classes is None and not plan.binary:
-            plan.json_answers = {}
+        if classes is None and not plan.binary and _has_fixed_size_numbers(wanted):
+            plan.json_answers = {}  # all JSON numbers: cut where each output's data goes
     return InferCall(request.request_id, payload, plan)
 
 
@@ -218,26 +218,10 @@ def infer_response(model: ServedModel, call: InferCall, result: dict[str, Any]) 
         if json_header is not None:
             chunks = [tensor_bytes(s.datatype, a) for s, a in zip(plan.wanted, arrays, strict=True)]
             return 200, b"".join([json_header, *chunks]), _binary_headers(len(json_header))
-    json_answers = plan.json_answers
-    if json_answers is not None:
-        arrays = [result[spec.name] for spec in plan.wanted]
-        if all(type(array) is np.ndarray for array in arrays):
-            shapes = tuple(array.shape for array in arrays)
-            parts = json_answers.get(shapes)
-            if parts is None and len(json_answers) < ANSWER_HEADERS_PER_PLAN:
-                described = [
-                    (s.name, s.datatype, a.shape) for s, a in zip(plan.wanted, arrays, strict=True)
-                ]
-                parts = json_answer_parts(model.name, model.version, call.request_id, described)
-                if parts is not None:
-                    json_answers[shapes] = parts
-        else:
-            parts = None
-        if parts is not None:
-            datatypes = [spec.datatype for spec in plan.wanted]
-            body = fill_json_answer(parts, datatypes, arrays)
-            if body is not None:
-                return 200, body, JSON_HEADERS
+    if plan.json_answers is not None:
+        body = _planned_json_answer(model, call, result)
+        if body is not None:
+            return 200, body, JSON_HEADERS
     if plan.classes is None:
         outputs = [OutputTensor(s.name, result[s.name], s.datatype) for s in plan.wanted]
     else:
@@ -250,6 +234,38 @@ def infer_response(model: ServedModel, call: InferCall, result: dict[str, Any]) 
     if answers is not None and len(answers) < ANSWER_HEADERS_PER_PLAN:
         answers[tuple(o.array.shape for o in outputs)] = data[:json_length]
     return 200, data, _binary_headers(json_length)
+
+
+def _planned_json_answer(
+    model: ServedModel, call: InferCall, result: dict[str, Any]
+) -> bytes | None:
+    """The answer of a plan answered all in JSON, filled into the parts kept for its
+    output shapes; None when the full encoder must write it (outputs that are not arrays,
+    NaN or infinities, more shapes than a plan keeps)."""
+    plan = call.plan
+    answers = plan.json_answers
+    assert answers is not None
+    arrays = [result[spec.name] for spec in plan.wanted]
+    if not all(type(array) is np.ndarray for array in arrays):
+        return None
+    shapes = tuple(array.shape for array in arrays)
+    parts = answers.get(shapes)
+    if parts is None:
+        if len(answers) >= ANSWER_HEADERS_PER_PLAN:
+            return None
+        described = [
+            (s.name, s.datatype, a.shape) for s, a in zip(plan.wanted, arrays, strict=True)
+        ]
+        parts = json_answer_parts(model.name, model.version, call.request_id, described)
+        if parts is None:
+            return None
+        answers[shapes] = parts
+    return fill_json_answer(parts, [spec.datatype for spec in plan.wanted], arrays)
+
+
+def _has_fixed_size_numbers(wanted: list[TensorSpec]) -> bool:
+    """Whether every output is a number type JSON can carry (not BYTES, not BF16)."""
+    return not any(spec.datatype in ("BYTES", "BF16") for spec in wanted)
 
 
 def compressed(answer: Answer, encoding: bytes | None) -> Answer:

@@ -339,10 +339,7 @@ def fill_json_answer(
     (that path writes those)."""
     chunks = [parts[0]]
     for part, datatype, array in zip(parts[1:], datatypes, arrays, strict=True):
-        data = orjson.dumps(
-            np.ascontiguousarray(array, dtype=DATATYPES[datatype]).reshape(-1),
-            option=_JSON_OPTIONS,
-        )
+        data = orjson.dumps(_json_numbers(datatype, array), option=_JSON_OPTIONS)
         if b"null" in data:
             return None
         chunks += (data, part)
@@ -394,6 +391,10 @@ def _to_json_data(name: str, datatype: str, array: npt.NDArray[Any]) -> Any:
         )
     if datatype == "BYTES":
         return [_json_string(name, element) for element in array.ravel(order="C").tolist()]
+    return _json_numbers(datatype, array)
+
+
+def _json_numbers(datatype: str, array: npt.NDArray[Any]) -> npt.NDArray[Any]:
     # orjson serializes contiguous native-endian numeric arrays without a Python loop.
     return np.ascontiguousarray(array, dtype=DATATYPES[datatype]).reshape(-1)
 
