@@ -189,6 +189,25 @@ def test_bad_framing_gets_a_400_naming_what_is_wrong(
     assert message.startswith("invalid HTTP/1.1 request") and fragment in message
 
 
+def test_bad_bytes_after_pipelined_requests_are_refused_after_their_answers(
+    served: ServedProcess, steady: Steady
+) -> None:
+    """Was: the 400 for bad bytes pipelined behind good requests was written at once and
+    closed the connection, before the good requests' answers, which were lost. They are
+    answered first, in order, and the 400 closes the connection after them."""
+    good = _request(5) + _request(6, path=INFER + b"?via=asgi")
+    with _connect(served.http_url) as sock:
+        sock.sendall(good + b"NOT-HTTP\r\n\r\n" + _request(7))
+        data = read_until_closed(sock)
+    first, second, rest = data.split(b"HTTP/1.1 ", 3)[1:]
+    for answer, value in [(first, 5), (second, 6)]:
+        assert answer.startswith(b"200 "), answer
+        body = orjson.loads(answer.partition(b"\r\n\r\n")[2])
+        assert body["outputs"][0]["data"] == [2 * value, -2 * value]
+    status, message = _error(b"HTTP/1.1 " + rest)
+    assert status == 400 and message.startswith("invalid HTTP/1.1 request")
+
+
 def _chunked(body: bytes, *, path: bytes = INFER, tail: bytes = b"0\r\n\r\n") -> bytes:
     head = b"POST %s HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" % path
     return head + b"%x;name=value\r\n%s\r\n" % (len(body), body) + tail

@@ -83,6 +83,19 @@ class _NoEvent:
         pass
 
 
+class _Refusal:
+    """A refusal (400, 431) about the bytes after requests still being answered, waiting
+    in uvicorn's pipeline for its turn as a request would: answers go out in order."""
+
+    more_body = False
+    message_event = _NoEvent()
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.response_complete = False
+        self.disconnected = False
+
+
 class _FastCycle:
     """One fast-path request where uvicorn keeps its RequestResponseCycle."""
 
@@ -163,6 +176,7 @@ class InferProtocol(HttpToolsProtocol):
         self._repeat: RepeatedHead | None = None
         self._chunk: bytes | None = None
         self._first: bytes | None = None
+        self._refused = False  # bytes that cannot start a request came: read no more
 
     # -- connection limits: head size, timeouts -----------------------------------------
     #
@@ -177,6 +191,8 @@ class InferProtocol(HttpToolsProtocol):
         self._arm_timeout()  # a connection that never sends a request is closed
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # what follows bad bytes cannot be trusted to start a request
         self._progress = False  # the repeats taken are progress, as parsed messages are
         repeat = self._repeat
         if repeat is not None and not self._receiving and data.startswith(repeat.head):
@@ -304,15 +320,34 @@ class InferProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: int, message: str) -> None:
         """An error answer about the connection's bytes, then close it: what follows in
-        the stream cannot be trusted to start a request."""
+        the stream cannot be trusted to start a request. Requests received before the bad
+        bytes are answered first, in order; the refusal waits in the pipeline for its turn.
+        The request whose body the bad bytes cut short gets the refusal as its answer."""
+        if self._refused or self.transport.is_closing():
+            return
+        self._refused = True
         body = orjson.dumps({"error": message})
         parts = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             parts += (name, b": ", value, b"\r\n")
         parts += (b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body))
         parts += (b"connection: close\r\n\r\n", body)
+        answer = b"".join(parts)
+        cycle: Any = self.cycle
+        pipeline: Any = self.pipeline  # uvicorn's holds its own cycles; here one waits
+        if self._receiving and self._head_done:  # the bad bytes are in this cycle's body
+            if pipeline and pipeline[0][0] is cycle:
+                pipeline.popleft()  # not started: the refusal takes its turn
+                pipeline.appendleft((_Refusal(answer), self.app))
+                return
+        elif cycle is not None and not cycle.response_complete:  # a request before the head
+            pipeline.appendleft((_Refusal(answer), self.app))
+            return
+        self._write_refusal(answer)
+
+    def _write_refusal(self, answer: bytes) -> None:
         if not self.transport.is_closing():
-            self.transport.write(b"".join(parts))
+            self.transport.write(answer)
             self.transport.close()
 
     # -- parser callbacks: the fork between the fast path and uvicorn's -----------------
@@ -489,6 +524,8 @@ class InferProtocol(HttpToolsProtocol):
         # the spot (400s) would otherwise begin each other recursively.
         if isinstance(cycle, _FastCycle):
             self.loop.call_soon(self._begin, cycle)
+        elif isinstance(cycle, _Refusal):
+            self.loop.call_soon(self._write_refusal, cycle.answer)
         else:
             self._asgi = cycle
             super()._start_asgi_task(cycle, app)

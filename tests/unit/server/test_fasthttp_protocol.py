@@ -509,3 +509,73 @@ async def test_access_log_names_the_request_s_http_version(
         assert lines == [f'- - "POST /v2/models/m/infer HTTP/{version.decode()}" 200']
     finally:
         await repository.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# A refusal (400, 431) about the bytes after a request still being answered
+# ---------------------------------------------------------------------------------------
+
+GARBAGE = b"NOT-HTTP\r\n\r\n"
+CHUNKED_BAD = (
+    b"POST /v2/models/m/infer HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"zz\r\n"  # not a chunk size
+)
+ASGI_PATH = b"/v2/models/m/infer?via=asgi"
+
+
+@pytest.mark.parametrize(
+    ("ahead", "bad", "statuses"),
+    [
+        (_binary_request(1.0), GARBAGE, [200, 400]),
+        (_binary_request(1.0) + _binary_request(2.0), GARBAGE, [200, 200, 400]),
+        (_binary_request(1.0, path=ASGI_PATH), GARBAGE, [200, 400]),
+        (_binary_request(1.0) + LIVE, GARBAGE, [200, 200, 400]),
+        (_binary_request(1.0), CHUNKED_BAD, [200, 400]),
+        (_binary_request(1.0, path=ASGI_PATH), CHUNKED_BAD, [200, 400]),
+        (_binary_request(1.0), b"POST /x HTTP/1.1\r\nA: " + b"a" * 70_000, [200, 431]),
+    ],
+    ids=["fast", "fast-pipelined", "asgi", "get-pipelined", "bad-chunk", "asgi-bad-chunk", "431"],
+)
+async def test_a_refusal_waits_for_the_answers_of_the_requests_before_it(
+    setup: Setup, ahead: bytes, bad: bytes, statuses: list[int]
+) -> None:
+    """Was: a 400 or 431 about the bytes that follow a request still being answered was
+    written at once and closed the connection: it came before the earlier answers, which
+    were then lost. Answers go out in order (RFC 9112 9.3.2): the refusal waits for them,
+    and only then is the connection closed; nothing read after the bad bytes is served."""
+    setup.model.open.clear()
+    protocol, transport = setup.connect()
+    protocol.data_received(ahead)
+    protocol.data_received(bad)  # one read: a head grows past the limit without progress
+    protocol.data_received(_binary_request(7.0))  # after the bad bytes: never served
+    assert not transport.closed and _items(transport) == []
+    await _until(lambda: setup.model.running == 1)
+    setup.model.open.set()
+    await _until(lambda: transport.closed)
+    items = _items(transport)
+    assert [status for status, _, _ in items] == statuses
+    assert items[-1][1][b"connection"] == b"close"
+    np.testing.assert_array_equal(_binary_output(items[0]), [[2, 2]])
+    assert 7.0 not in setup.model.seen and transport.writes_after_close == 0
+
+
+async def test_a_refusal_with_nothing_before_it_is_written_at_once(setup: Setup) -> None:
+    protocol, transport = setup.connect()
+    protocol.data_received(GARBAGE)
+    assert transport.closed
+    ((status, headers, _),) = _items(transport)
+    assert status == 400 and headers[b"connection"] == b"close"
+
+
+async def test_a_refusal_waiting_behind_an_answer_is_dropped_if_the_client_leaves(
+    setup: Setup,
+) -> None:
+    setup.model.open.clear()
+    protocol, transport = setup.connect()
+    protocol.data_received(_binary_request(1.0) + GARBAGE)
+    await _until(lambda: setup.model.running == 1)
+    protocol.connection_lost(None)
+    transport.closed = True
+    setup.model.open.set()
+    await asyncio.sleep(0.05)
+    assert transport.data == b"" and transport.writes_after_close == 0
