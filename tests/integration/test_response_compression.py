@@ -84,6 +84,7 @@ def test_answer_is_compressed_as_asked_and_inflates_to_the_plain_one(
     status, headers, packed = _post(served, PATHS[path], body, {"Accept-Encoding": algorithm})
     assert status == 200, packed
     assert headers["content-encoding"] == algorithm
+    assert headers["vary"] == "accept-encoding"  # a cache in between keys on it
     assert int(headers["content-length"]) == len(packed) < len(plain)
     assert INFLATE[algorithm](packed) == plain
     if binary_output:  # counts the JSON header before compression, as Triton's does

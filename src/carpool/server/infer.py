@@ -272,11 +272,13 @@ def compressed(answer: Answer, encoding: bytes | None) -> Answer:
     """A successful ``answer`` compressed in ``encoding`` (what the client's
     ``Accept-Encoding`` chose, None: as it is), when it is large enough to gain. A binary
     answer's Inference-Header-Content-Length keeps counting its uncompressed JSON, as
-    Triton's does: the client inflates the body before it splits it."""
+    Triton's does: the client inflates the body before it splits it. ``Vary`` tells a
+    cache between client and server that the body was chosen by ``Accept-Encoding``."""
     status, body, headers = answer
     if encoding is None or status != 200 or len(body) < MIN_COMPRESSED_BYTES:
         return answer
-    return status, compress(body, encoding), (*headers, (b"content-encoding", encoding))
+    coded = ((b"content-encoding", encoding), _VARY)
+    return status, compress(body, encoding), (*headers, *coded)
 
 
 def error_response(exc: Exception, *, is_openai: bool = False) -> Answer:
@@ -287,6 +289,9 @@ def error_response(exc: Exception, *, is_openai: bool = False) -> Answer:
         return error.status, orjson.dumps(document), (*JSON_HEADERS, *error.headers)
     error = http_error(exc)
     return error.status, orjson.dumps({"error": error.message}), (*JSON_HEADERS, *error.headers)
+
+
+_VARY = (b"vary", b"accept-encoding")
 
 
 def _binary_headers(json_length: int) -> Headers:

@@ -71,7 +71,7 @@ def test_compressed_leaves_small_failed_and_unasked_answers_as_they_are() -> Non
     status, body, new_headers = compressed((200, big, headers), b"gzip")
     assert status == 200
     assert gzip.decompress(body) == big
-    assert new_headers == (*headers, (b"content-encoding", b"gzip"))
+    assert new_headers == (*headers, (b"content-encoding", b"gzip"), (b"vary", b"accept-encoding"))
 
 
 # -- properties ---------------------------------------------------------------------------
@@ -112,4 +112,4 @@ def test_compressed_answers_always_inflate_to_the_plain_one(body: bytes, encodin
     else:
         inflate = gzip.decompress if encoding == b"gzip" else zlib.decompress
         assert inflate(packed) == body
-        assert new_headers[-1] == (b"content-encoding", encoding)
+        assert new_headers[-2:] == ((b"content-encoding", encoding), (b"vary", b"accept-encoding"))
