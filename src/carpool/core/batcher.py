@@ -1,78 +1,44 @@
 """The public async face of the batching engine: submit, start, stop.
 
-Each replica runs one loop: ask the scheduler for a batch; if there is one, run it;
-if not, sleep until a request arrives or the oldest request's delay expires. A batch is
-therefore closed only when a replica is free to run it, and while every replica is busy
-requests pile up, so batches grow with load (pull-based, least-loaded by construction).
-
-A batch that raises is bisected until the failing requests are found; only they get a
-:class:`ModelError`. Out of memory splits the batch into halves, retries them, and lowers
-the effective max batch size until ``oom_recovery_s`` passes without another.
+A :class:`Batcher` takes requests (checked, queued, and an idle replica loop woken: the
+request path, kept to that), holds the policy and reports what was measured. Starting,
+stopping and draining come from its base class, :class:`~carpool.core.lifecycle.Lifecycle`;
+its :class:`~carpool.core.dispatch.Dispatcher` runs the batches: one loop per replica
+pulls the next batch when the replica is free, so batches grow with load.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import inspect
 import itertools
-import logging
 import math
-import threading
-from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from carpool.core.admission import Intake, OomCap, deadline, inspect_payload, request_cost
 from carpool.core.clock import Clock, MonotonicClock
 from carpool.core.collate import Collator
+from carpool.core.dispatch import Dispatcher
+from carpool.core.lifecycle import Lifecycle, State
 from carpool.core.policy import BatchPolicy
 from carpool.core.queues import Queues
-from carpool.core.replicas import (
-    BatchFn,
-    FnFactory,
-    Replica,
-    RunOutput,
-    check_threading,
-    io_turn,
-    replica_devices,
-    switch_interval,
-)
-from carpool.core.request import Batch, Outcome, Request, RequestState
+from carpool.core.replicas import BatchFn, FnFactory, check_threading, replica_devices
+from carpool.core.request import Outcome, Request, RequestState
 from carpool.core.scheduler import Decision, Scheduler
-from carpool.core.settle import Settler, by_signature
 from carpool.core.telemetry import (
+    MemoryProbe,
     NullTelemetry,
     Telemetry,
     TelemetrySnapshot,
     TraceHook,
     guarded_hook,
 )
-from carpool.errors import (
-    CarpoolError,
-    Closed,
-    ConfigError,
-    DeadlineExceeded,
-    InvalidInput,
-    QueueFull,
-)
-
-MemoryProbe = Callable[[], tuple[int, int]]  # (used_bytes, total_bytes)
-
-log = logging.getLogger("carpool")
+from carpool.errors import Closed, ConfigError, InvalidInput, QueueFull
 
 _QUEUED = RequestState.QUEUED
 
 
-class _State(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-
-class Batcher:
+class Batcher(Lifecycle):
     """Coalesces single requests into batches for one model.
 
     Args:
@@ -142,48 +108,49 @@ class Batcher:
             policy_check,
         )
         self._policy_check = policy_check
-        self._fn = fn
-        self._fn_factory = fn_factory
-        self._name = name or getattr(fn or fn_factory, "__name__", None) or "model"
+        name = name or getattr(fn or fn_factory, "__name__", None) or "model"
         self._devices = replica_devices(num_replicas, devices)
         self._policy = policy if policy is not None else BatchPolicy()
         if policy_check is not None:
             policy_check(self._policy)
         self._intake = Intake(collate)
-        self._clock: Clock = clock if clock is not None else MonotonicClock()
-        self._memory_probe = memory_probe
+        clock = clock if clock is not None else MonotonicClock()
         check_threading(switch_interval_s, executor)
-        self._switch_interval_s = switch_interval_s
-        self._holds_switch_interval = False
-        self._executor = executor
-        slos = {c.name: c.slo_s for c in self._policy.classes}
         telemetry_cls = Telemetry if telemetry else NullTelemetry
-        self._telemetry = telemetry_cls(
-            self._name,
-            slos,
-            on_trace=None if on_trace is None else guarded_hook(on_trace, self._name),
+        recorder = telemetry_cls(
+            name,
+            {c.name: c.slo_s for c in self._policy.classes},
+            on_trace=None if on_trace is None else guarded_hook(on_trace, name),
             slow_request_s=slow_request_s,
         )
-        self._queues = Queues(self._policy)
+        queues = Queues(self._policy)
         self._scheduler = Scheduler()
         if self._intake.collator is not None:
             self._adopt(self._intake.collator)
         else:
             self._intake.check(self._policy)
-        self._state = _State.NEW
-        self._starting: asyncio.Future[None] | None = None
-        self._closing: asyncio.Future[None] | None = None  # stop()'s drain, once begun
-        self._loop: asyncio.AbstractEventLoop | None = None  # start() sets it
-        self._loop_thread_id = 0  # the thread that ran self._loop when it started
-        self._replicas: list[Replica] = []
-        self._tasks: list[asyncio.Task[None]] = []
-        self._idle: deque[asyncio.Future[None]] = deque()
         self._request_ids = itertools.count()
-        # Each launched batch's note of cancellations, by batch id, until it lands.
-        self._cancels: dict[int, _Cancels] = {}
-        self._started_s = math.nan
         self._oom = OomCap()
-        self._settler = Settler(self._telemetry, self._clock, self._oom)
+        dispatch = Dispatcher(
+            name,
+            devices=self._devices,
+            fn=fn,
+            fn_factory=fn_factory,
+            executor=executor,
+            clock=clock,
+            queues=queues,
+            intake=self._intake,
+            telemetry=recorder,
+            oom=self._oom,
+            memory_probe=memory_probe,
+            switch_interval_s=switch_interval_s,
+            decide=self._decide,
+        )
+        super().__init__(name, clock=clock, queues=queues, telemetry=recorder, dispatch=dispatch)
+        # The request path wakes an idle replica loop without a hop through the
+        # dispatcher: the same deque of waiters, the same bound method.
+        self._idle = dispatch.idle
+        self._wake_one = dispatch.wake_one
 
     # -- properties -------------------------------------------------------------------
 
@@ -197,7 +164,7 @@ class Batcher:
 
     @property
     def is_running(self) -> bool:
-        return self._state is _State.RUNNING
+        return self._state is State.RUNNING
 
     @property
     def num_replicas(self) -> int:
@@ -218,162 +185,6 @@ class Batcher:
         max_size = self._policy.max_batch_size
         cap = self._oom.current(self._clock.now(), self._policy)
         return max_size if cap is None else min(cap, max_size)  # max may be lowered since
-
-    # -- lifecycle --------------------------------------------------------------------
-
-    async def start(self) -> None:
-        """Load every replica and start pulling batches. Idempotent.
-
-        Raises:
-            RuntimeError: the batcher runs on another event loop that is still open.
-        """
-        if self._state is _State.RUNNING:
-            if self._is_on_its_loop():
-                return
-            self._leave_closed_loop()  # raises if that loop is still open
-        if self._starting is not None:
-            try:
-                return await asyncio.shield(self._starting)
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise  # this caller was cancelled
-                return await self.start()  # the caller who was starting it was: try again
-        if self._state is _State.DRAINING:
-            raise Closed(self._name)
-        loop = self._loop = asyncio.get_running_loop()
-        self._loop_thread_id = threading.get_ident()
-        self._starting = loop.create_future()
-        try:
-            replicas = [
-                Replica(
-                    i,
-                    device,
-                    self._name,
-                    self._fn,
-                    self._fn_factory,
-                    self._clock.now,
-                    self._executor,
-                )
-                for i, device in enumerate(self._devices)
-            ]
-            try:
-                await asyncio.gather(*(r.load() for r in replicas))
-            except BaseException:
-                for replica in replicas:
-                    replica.close()
-                raise
-            self._replicas = replicas
-            if self._switch_interval_s is not None and any(r.is_threaded for r in replicas):
-                switch_interval.hold(self._switch_interval_s)
-                self._holds_switch_interval = True
-            self._started_s = self._clock.now()
-            self._state = _State.RUNNING
-            self._tasks = [
-                loop.create_task(self._replica_loop(r), name=f"carpool-{self._name}-r{i}")
-                for i, r in enumerate(replicas)
-            ]
-            self._starting.set_result(None)
-        except BaseException as exc:
-            self._starting.set_exception(exc)
-            self._starting.exception()  # retrieved here; concurrent starters re-raise it
-            raise
-        finally:
-            self._starting = None
-
-    async def stop(self, drain: bool = True) -> None:
-        """Stop accepting requests. With ``drain`` every queued request is still run and
-        answered (without waiting for batches to fill); without it they fail with
-        :class:`Closed`. Returns when every replica loop and thread has ended. Cancelling
-        it (a ``wait_for`` that timed out) stops the waiting, not the drain: what was
-        accepted is still answered, and the batcher stops once it has been.
-
-        Raises:
-            RuntimeError: the batcher runs on another event loop that is still open.
-        """
-        if self._state in (_State.RUNNING, _State.DRAINING) and not self._is_on_its_loop():
-            # Started on a loop that is gone: nothing there can be drained or answered.
-            self._leave_closed_loop()  # raises if that loop is still open
-            self._state = _State.STOPPED
-            return
-        if self._starting is not None:
-            # A start in progress would otherwise bring the batcher up after this returns.
-            await asyncio.wait({self._starting})
-        if self._state in (_State.NEW, _State.STOPPED):
-            return
-        self._state = _State.DRAINING
-        if not drain:
-            for queue in self._queues.ordered:
-                for request in list(queue.live()):
-                    self._drop(request, Outcome.CLOSED)
-        self._wake_all()
-        if self._closing is None:
-            self._closing = asyncio.ensure_future(self._close())
-        await asyncio.shield(self._closing)
-
-    async def _close(self) -> None:
-        """Wait for every replica loop to end, then close the replicas: STOPPED."""
-        try:
-            await asyncio.gather(*self._tasks)
-        finally:
-            self._closing = None
-            for replica in self._replicas:
-                replica.close()
-            if self._holds_switch_interval:
-                switch_interval.release()
-                self._holds_switch_interval = False
-            self._tasks = []
-            self._state = _State.STOPPED
-
-    def _is_on_its_loop(self) -> bool:
-        """Whether the caller runs on the loop this batcher started on (cheaper than
-        asyncio.get_running_loop(), which makes a getpid() syscall): a loop in another
-        thread, or another loop of this thread after the first stopped running, is not."""
-        loop = self._loop
-        return (
-            loop is not None and self._loop_thread_id == threading.get_ident() and loop.is_running()
-        )
-
-    def _leave_closed_loop(self) -> None:
-        """Back to NEW after the loop this batcher ran on was closed without a stop:
-        replica threads closed, and requests queued there forgotten (their callers' loop
-        is gone; nothing can answer them). Its replica tasks may have ended anywhere
-        (asyncio.run cancels them; a bare loop.close() does not): their idle waiters and
-        the batches they held count for nothing now.
-
-        Raises:
-            RuntimeError: that loop is still open (running in another thread, or idle):
-                its futures cannot be awaited from this one, nor its tasks stopped.
-        """
-        if self._loop is not None and not self._loop.is_closed():
-            raise RuntimeError(
-                f"batcher {self._name!r} runs on another event loop, which is still open; "
-                "call it from that loop, stop it there first, or make one batcher per loop"
-            )
-        self._idle.clear()
-        self._closing = None
-        self._cancels.clear()
-        self._queues.replicas_gone()
-        now = self._clock.now()
-        for queue in self._queues.ordered:
-            for request in list(queue.live()):
-                request.timer = None
-                self._queues.forget(request)
-                self._telemetry.answered(request, Outcome.CLOSED, now)
-        for replica in self._replicas:
-            replica.close()
-        if self._holds_switch_interval:
-            switch_interval.release()
-            self._holds_switch_interval = False
-        self._replicas, self._tasks = [], []
-        self._state = _State.NEW
-
-    async def __aenter__(self) -> Batcher:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop(drain=True)
 
     # -- submitting -------------------------------------------------------------------
 
@@ -427,7 +238,7 @@ class Batcher:
             Closed: the batcher is not running. And what :meth:`submit_many` raises
             before queueing: InvalidInput, QueueFull.
         """
-        if self._state is not _State.RUNNING:
+        if self._state is not State.RUNNING:
             raise Closed(self._name)
         return self._make_request(payloads, True, priority, timeout_s, cost)
 
@@ -441,12 +252,9 @@ class Batcher:
     def _withdraw(self, request: Request) -> None:
         """Take out a request whose future its caller cancelled."""
         if request.state is _QUEUED:
-            self._drop(request, Outcome.CANCELLED)
+            self._dispatch.drop(request, Outcome.CANCELLED)
         elif request.state is RequestState.RUNNING:
-            # Launched: its model call is asked, when its turn comes, whether to run.
-            cancels = self._cancels.get(request.batch_id)
-            if cancels is not None:
-                cancels.seen = True
+            self._dispatch.note_cancelled(request)
 
     async def _submit(
         self,
@@ -456,8 +264,8 @@ class Batcher:
         timeout_s: float | None,
         cost: float | None,
     ) -> Any:
-        if self._state is not _State.RUNNING:
-            if self._state is not _State.NEW:
+        if self._state is not State.RUNNING:
+            if self._state is not State.NEW:
                 raise Closed(self._name)
             await self.start()
         elif not self._is_on_its_loop():
@@ -536,188 +344,25 @@ class Batcher:
         self._scheduler.padded_cost = self._intake.pads
         return collator
 
-    # -- replica loop -----------------------------------------------------------------
-
-    async def _replica_loop(self, replica: Replica) -> None:
-        clock = self._clock
-        inflight: deque[_InFlight] = deque()
-        while True:
-            now = clock.now()
-            wake_at_s: float | None = None
-            while len(inflight) < replica.pipeline_depth:
-                # With a batch already on the replica, only a full one may queue behind
-                # it: a batch that could still grow waits until the replica is free.
-                behind = inflight[-1].batch.lead_class if inflight else None
-                decision = self._decide(now, behind_class=behind)
-                if decision.batch is None:
-                    times = (decision.wake_at_s, decision.ages_at_s)
-                    wake_at_s = min((t for t in times if t is not None), default=None)
-                    break
-                if self._queues.num_live and self._idle:
-                    self._wake_one()
-                inflight.append(self._launch(replica, decision.batch, now))
-            if inflight:
-                landing = inflight.popleft()
-                # The class still occupies this replica while its next batch waits here.
-                holds_replica = any(
-                    f.batch.lead_class == landing.batch.lead_class for f in inflight
-                )
-                await self._land(replica, landing, holds_replica)
-                if replica.blocks_loop:
-                    await io_turn()
-                continue
-            if self._state is not _State.RUNNING and self._queues.num_live == 0:
-                # A replica that idled while draining (its class at its share cap) is
-                # owed no other wake-up once the last request was cancelled or expired.
-                self._wake_all()
-                return
-            if replica.idle_since_s is None:
-                replica.idle_since_s = now
-            await self._idle_wait(wake_at_s)
+    # -- decisions and deadlines ------------------------------------------------------
 
     def _decide(self, now: float, *, behind_class: str | None) -> Decision:
+        """The dispatcher's replica loops ask this for their next batch."""
         return self._scheduler.decide(
             now,
             self._policy,
             self._queues,
-            num_replicas=len(self._replicas),
+            num_replicas=len(self._dispatch.replicas),
             max_items_cap=self._oom.current(now, self._policy),
-            is_draining=self._state is _State.DRAINING,
-            expire=self._expire,
+            is_draining=self._state is State.DRAINING,
+            expire=self._dispatch.expire,
             require_full=behind_class is not None,
             behind_class=behind_class,
         )
 
-    async def _idle_wait(self, wake_at_s: float | None) -> None:
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._idle.append(waiter)
-        timer = None
-        if wake_at_s is not None:
-            timer = self._clock.call_at(wake_at_s, lambda: _wake(waiter))
-        try:
-            await waiter
-        finally:
-            if timer is not None:
-                timer.cancel()
-            # Closed: its loop was closed under it, and this coroutine is being discarded.
-            if not waiter.done() and not waiter.get_loop().is_closed():
-                waiter.cancel()
-            if waiter in self._idle:  # woken by its timer, not popped by a submit
-                self._idle.remove(waiter)
-
-    def _wake_one(self) -> None:
-        idle = self._idle
-        while idle:
-            waiter = idle.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
-    def _wake_all(self) -> None:
-        while self._idle:
-            _wake(self._idle.popleft())
-
-    def _launch(self, replica: Replica, batch: Batch, now: float) -> _InFlight:
-        """Mark the batch's requests running and start the model on each group."""
-        idle_since = replica.idle_since_s
-        replica.idle_since_s = None
-        if idle_since is not None:
-            oldest = min(r.arrival_s for r in batch.requests)
-            replica.counters.fill_wait_s += max(0.0, now - max(idle_since, oldest))
-        batch.start(replica.replica_id, now, idle_since)
-        groups = by_signature(batch.requests)
-        cancels = self._cancels[batch.batch_id] = _Cancels()
-        attempts = [self._start(replica, g, cancels) for g in groups]
-        return _InFlight(batch, groups, attempts, now, cancels)
-
-    def _starter(
-        self, replica: Replica, cancels: _Cancels
-    ) -> Callable[[list[Request]], Awaitable[RunOutput]]:
-        return lambda requests: self._start(replica, requests, cancels)
-
-    def _start(
-        self, replica: Replica, requests: list[Request], cancels: _Cancels
-    ) -> Awaitable[RunOutput]:
-        collator = self._intake.collator
-        assert collator is not None, "a request was admitted, so the collator is known"
-        deadlines = [r.deadline_s for r in requests if r.deadline_s is not None]
-        return replica.start(
-            collator,
-            [r.payload for r in requests],
-            [r.is_many for r in requests],
-            [r.num_items for r in requests],
-            min(deadlines) if deadlines else None,
-            lambda: cancels.seen and any(r.future.cancelled() for r in requests),
-        )
-
-    async def _land(self, replica: Replica, inflight: _InFlight, holds_replica: bool) -> None:
-        """Wait for a launched batch and answer each of its requests."""
-        batch = inflight.batch
-        # A batch queued behind another cannot have started before that one ended.
-        started_s = max(inflight.launched_s, replica.last_landed_s)
-        try:
-            for i, (group, attempt) in enumerate(
-                zip(inflight.groups, inflight.attempts, strict=True)
-            ):
-                output = await self._settler.settle(
-                    group, attempt, self._starter(replica, inflight.cancels)
-                )
-                if i == 0 and output is not None:
-                    started_s = output.started_s
-        finally:
-            for attempt in inflight.attempts:
-                if inspect.iscoroutine(attempt):
-                    attempt.close()  # never started if an earlier group was cancelled
-            self._cancels.pop(batch.batch_id, None)
-            end = self._clock.now()
-            replica.last_landed_s = end
-            self._telemetry.batch_done(batch, replica.counters, max(0.0, end - started_s))
-            if self._intake.has_lengths:
-                self._telemetry.tokens(*self._intake.token_slots(inflight.groups))
-            if self._memory_probe is not None:
-                try:
-                    used, total = self._memory_probe()
-                except Exception:
-                    log.exception("memory_probe of %r raised; sample skipped", self._name)
-                else:
-                    self._telemetry.memory(used, total)
-            queue = self._queues.leading(batch.lead_class)
-            if queue is not None and not holds_replica:
-                queue.num_running -= 1
-            if self._queues.num_live and self._idle:
-                self._wake_one()
-
-    # -- deadlines, cancellation, out of memory -----------------------------------------
-
     def _on_deadline(self, request: Request) -> None:
         if request.state is _QUEUED:
-            self._expire(request)
-
-    def _expire(self, request: Request) -> None:
-        self._drop(request, Outcome.EXPIRED)
-
-    def _drop(self, request: Request, outcome: Outcome) -> None:
-        """Take a QUEUED request out of the running: expired, cancelled or closed."""
-        request.state = (
-            RequestState.CANCELLED if outcome is Outcome.CANCELLED else RequestState.EXPIRED
-        )
-        self._queues.forget(request)
-        if request.timer is not None:
-            request.timer.cancel()
-            request.timer = None
-        now = self._clock.now()
-        future = request.future
-        if not future.done():
-            if outcome is Outcome.EXPIRED:
-                assert request.deadline_s is not None
-                timeout_s = request.deadline_s - request.arrival_s
-                error: CarpoolError = DeadlineExceeded(
-                    request.request_id, timeout_s, now - request.arrival_s
-                )
-            else:
-                error = Closed(self._name)
-            future.set_exception(error)
-        self._telemetry.answered(request, outcome, now)
+            self._dispatch.expire(request)
 
     # -- policy and telemetry ---------------------------------------------------------
 
@@ -736,7 +381,7 @@ class Batcher:
         self._queues.reconfigure(policy)
         self._policy = policy
         self._telemetry.set_classes({c.name: c.slo_s for c in policy.classes})
-        self._wake_all()
+        self._dispatch.wake_all()
 
     def update_policy(self, **changes: Any) -> BatchPolicy:
         """Change policy fields while running (validated first); returns the new policy."""
@@ -748,36 +393,14 @@ class Batcher:
         """Everything measured so far, as frozen typed values. ``quantiles=False`` skips
         the percentiles (``p*_s`` and ``max_s`` are NaN), which sort the recent samples:
         a scraper that needs only counts, sums and buckets (``/metrics``) asks for that."""
-        uptime = self._clock.now() - self._started_s if self._replicas else 0.0
+        replicas = self._dispatch.replicas
+        uptime = self._clock.now() - self._started_s if replicas else 0.0
         return self._telemetry.snapshot(
             uptime,
             self._queues.pending_by_class(),
-            [r.counters for r in self._replicas],
+            [r.counters for r in replicas],
             quantiles=quantiles,
         )
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """A batch handed to a replica: its signature groups and their model calls."""
-
-    batch: Batch
-    groups: list[list[Request]]
-    attempts: list[Awaitable[RunOutput]]
-    launched_s: float
-    cancels: _Cancels
-
-
-class _Cancels:
-    """Whether a caller cancelled a request of a launched batch. Set on the loop, read by
-    the replica's thread when one of the batch's model calls reaches its turn: only then
-    are the call's requests looked at, so a batch nobody cancels pays one attribute read
-    per call."""
-
-    __slots__ = ("seen",)
-
-    def __init__(self) -> None:
-        self.seen = False
 
 
 def _check_options(
@@ -814,8 +437,3 @@ def _check_options(
     for (hook_name, what), hook in zip(expected, hooks, strict=True):
         if hook is not None and not callable(hook):
             raise ConfigError(hook_name, hook, what)
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)

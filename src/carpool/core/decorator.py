@@ -6,12 +6,12 @@ import functools
 from collections.abc import Callable
 from typing import Any, overload
 
-from carpool.core.batcher import Batcher, MemoryProbe
+from carpool.core.batcher import Batcher
 from carpool.core.clock import Clock
 from carpool.core.collate import Collator
 from carpool.core.policy import DEFAULT_CLASS, DEFAULT_CLASSES, BatchPolicy, ClassPolicy, CostFn
 from carpool.core.replicas import BatchFn
-from carpool.core.telemetry import TelemetrySnapshot, TraceHook
+from carpool.core.telemetry import MemoryProbe, TelemetrySnapshot, TraceHook
 
 # What ``@batched`` decorates: a batched function ``fn(batch)``, or a method
 # ``fn(self, batch)`` (bound per instance on access). ``BatchFn`` alone would refuse the

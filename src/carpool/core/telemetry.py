@@ -29,6 +29,7 @@ REJECTION_REASONS: tuple[str, ...] = ("cancelled", "closed", "deadline", "invali
 slow_log = logging.getLogger("carpool.slow")
 
 TraceHook = Callable[[RequestTrace], None]
+MemoryProbe = Callable[[], tuple[int, int]]  # (used_bytes, total_bytes), after each batch
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,363 @@
+"""Where a batcher's batches run: its replicas, the loop each one runs, the batches in flight.
+
+Each replica runs one loop: ask the scheduler for a batch; if there is one, run it;
+if not, sleep until a request arrives or the oldest request's delay expires. A batch is
+therefore closed only when a replica is free to run it, and while every replica is busy
+requests pile up, so batches grow with load (pull-based, least-loaded by construction).
+
+A batch that raises is bisected until the failing requests are found; only they get a
+:class:`ModelError`. Out of memory splits the batch into halves, retries them, and lowers
+the effective max batch size until ``oom_recovery_s`` passes without another (the
+:class:`~carpool.core.settle.Settler` does both as each batch lands).
+
+A request taken out of the queue before it runs (its deadline passed, its caller
+cancelled it, the batcher closed without draining) is answered here too: :meth:`drop`.
+
+A :class:`~carpool.core.batcher.Batcher` owns one :class:`Dispatcher`. The batcher keeps
+the requests' intake, the policy and the lifecycle's state; it hands the dispatcher the
+scheduler's decisions through :class:`Decide`, tells it when to load, run, drain and
+join, and wakes an idle replica loop when it queues a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from carpool.core.admission import Intake, OomCap
+from carpool.core.clock import Clock
+from carpool.core.queues import Queues
+from carpool.core.replicas import BatchFn, FnFactory, Replica, RunOutput, io_turn, switch_interval
+from carpool.core.request import Batch, Outcome, Request, RequestState
+from carpool.core.scheduler import Decision
+from carpool.core.settle import Settler, by_signature
+from carpool.core.telemetry import MemoryProbe, Telemetry
+from carpool.errors import CarpoolError, Closed, DeadlineExceeded
+
+log = logging.getLogger("carpool")
+
+
+class Decide(Protocol):
+    """The batcher's call to its scheduler: a batch for a replica now, or when to look again.
+    ``behind_class`` is the lead class of the batch the replica already holds, if any."""
+
+    def __call__(self, now: float, *, behind_class: str | None) -> Decision: ...
+
+
+class Dispatcher:
+    """Runs one batcher's batches on its replicas (see the module docstring).
+
+    ``idle`` holds a future per replica loop waiting for work, oldest first: the batcher
+    holds the same deque (it is cleared, never rebound) and calls :meth:`wake_one` when it
+    queues a request.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        devices: list[str],
+        fn: BatchFn | None,
+        fn_factory: FnFactory | None,
+        executor: str,
+        clock: Clock,
+        queues: Queues,
+        intake: Intake,
+        telemetry: Telemetry,
+        oom: OomCap,
+        memory_probe: MemoryProbe | None,
+        switch_interval_s: float | None,
+        decide: Decide,
+    ) -> None:
+        self._name = name
+        self._devices = devices
+        self._fn = fn
+        self._fn_factory = fn_factory
+        self._executor = executor
+        self._clock = clock
+        self._queues = queues
+        self._intake = intake
+        self._telemetry = telemetry
+        self._memory_probe = memory_probe
+        self._switch_interval_s = switch_interval_s
+        self._holds_switch_interval = False
+        self._decide = decide
+        self._settler = Settler(telemetry, clock, oom)
+        self.replicas: list[Replica] = []  # kept after join(): their counters stay readable
+        self._tasks: list[asyncio.Task[None]] = []
+        self.idle: deque[asyncio.Future[None]] = deque()
+        # Each launched batch's note of cancellations, by batch id, until it lands.
+        self._cancels: dict[int, _Cancels] = {}
+        self.is_draining = False  # no request comes any more: loops end on empty queues
+
+    # -- lifecycle: the batcher's start, stop and return from a closed loop -----------
+
+    async def load(self) -> None:
+        """Load a replica per device (all are closed if one fails) and, while one runs on
+        a thread, hold the interpreter's GIL switch interval."""
+        replicas = [
+            Replica(
+                i,
+                device,
+                self._name,
+                self._fn,
+                self._fn_factory,
+                self._clock.now,
+                self._executor,
+            )
+            for i, device in enumerate(self._devices)
+        ]
+        try:
+            await asyncio.gather(*(r.load() for r in replicas))
+        except BaseException:
+            for replica in replicas:
+                replica.close()
+            raise
+        self.replicas = replicas
+        if self._switch_interval_s is not None and any(r.is_threaded for r in replicas):
+            switch_interval.hold(self._switch_interval_s)
+            self._holds_switch_interval = True
+
+    def run(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start each loaded replica's loop on ``loop``."""
+        self.is_draining = False
+        self._tasks = [
+            loop.create_task(self._replica_loop(r), name=f"carpool-{self._name}-r{i}")
+            for i, r in enumerate(self.replicas)
+        ]
+
+    def drain(self) -> None:
+        """No request comes any more: each replica loop ends once the queues are empty."""
+        self.is_draining = True
+        self.wake_all()
+
+    async def join(self) -> None:
+        """Wait for every replica loop to end, then close the replicas."""
+        try:
+            await asyncio.gather(*self._tasks)
+        finally:
+            self._close_replicas()
+            self._tasks = []
+
+    def abandon(self) -> None:
+        """Forget replica loops whose event loop was closed under them: their idle waiters
+        and the batches they held count for nothing now; the replicas are closed."""
+        self.idle.clear()
+        self._cancels.clear()
+        self._close_replicas()
+        self.replicas, self._tasks = [], []
+
+    def _close_replicas(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+        if self._holds_switch_interval:
+            switch_interval.release()
+            self._holds_switch_interval = False
+
+    # -- waking idle replicas ---------------------------------------------------------
+
+    def wake_one(self) -> None:
+        idle = self.idle
+        while idle:
+            waiter = idle.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def wake_all(self) -> None:
+        while self.idle:
+            _wake(self.idle.popleft())
+
+    # -- requests taken out: expired, cancelled, closed -------------------------------
+
+    def note_cancelled(self, request: Request) -> None:
+        """A launched request's caller cancelled it: its model call is asked, when its
+        turn comes, whether to run."""
+        cancels = self._cancels.get(request.batch_id)
+        if cancels is not None:
+            cancels.seen = True
+
+    def expire(self, request: Request) -> None:
+        self.drop(request, Outcome.EXPIRED)
+
+    def drop(self, request: Request, outcome: Outcome) -> None:
+        """Take a QUEUED request out of the running: expired, cancelled or closed."""
+        request.state = (
+            RequestState.CANCELLED if outcome is Outcome.CANCELLED else RequestState.EXPIRED
+        )
+        self._queues.forget(request)
+        if request.timer is not None:
+            request.timer.cancel()
+            request.timer = None
+        now = self._clock.now()
+        future = request.future
+        if not future.done():
+            if outcome is Outcome.EXPIRED:
+                assert request.deadline_s is not None
+                timeout_s = request.deadline_s - request.arrival_s
+                error: CarpoolError = DeadlineExceeded(
+                    request.request_id, timeout_s, now - request.arrival_s
+                )
+            else:
+                error = Closed(self._name)
+            future.set_exception(error)
+        self._telemetry.answered(request, outcome, now)
+
+    # -- replica loop -----------------------------------------------------------------
+
+    async def _replica_loop(self, replica: Replica) -> None:
+        clock = self._clock
+        inflight: deque[_InFlight] = deque()
+        while True:
+            now = clock.now()
+            wake_at_s: float | None = None
+            while len(inflight) < replica.pipeline_depth:
+                # With a batch already on the replica, only a full one may queue behind
+                # it: a batch that could still grow waits until the replica is free.
+                behind = inflight[-1].batch.lead_class if inflight else None
+                decision = self._decide(now, behind_class=behind)
+                if decision.batch is None:
+                    times = (decision.wake_at_s, decision.ages_at_s)
+                    wake_at_s = min((t for t in times if t is not None), default=None)
+                    break
+                if self._queues.num_live and self.idle:
+                    self.wake_one()
+                inflight.append(self._launch(replica, decision.batch, now))
+            if inflight:
+                landing = inflight.popleft()
+                # The class still occupies this replica while its next batch waits here.
+                holds_replica = any(
+                    f.batch.lead_class == landing.batch.lead_class for f in inflight
+                )
+                await self._land(replica, landing, holds_replica)
+                if replica.blocks_loop:
+                    await io_turn()
+                continue
+            if self.is_draining and self._queues.num_live == 0:
+                # A replica that idled while draining (its class at its share cap) is
+                # owed no other wake-up once the last request was cancelled or expired.
+                self.wake_all()
+                return
+            if replica.idle_since_s is None:
+                replica.idle_since_s = now
+            await self._idle_wait(wake_at_s)
+
+    async def _idle_wait(self, wake_at_s: float | None) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.idle.append(waiter)
+        timer = None
+        if wake_at_s is not None:
+            timer = self._clock.call_at(wake_at_s, lambda: _wake(waiter))
+        try:
+            await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+            # Closed: its loop was closed under it, and this coroutine is being discarded.
+            if not waiter.done() and not waiter.get_loop().is_closed():
+                waiter.cancel()
+            if waiter in self.idle:  # woken by its timer, not popped by a submit
+                self.idle.remove(waiter)
+
+    def _launch(self, replica: Replica, batch: Batch, now: float) -> _InFlight:
+        """Mark the batch's requests running and start the model on each group."""
+        idle_since = replica.idle_since_s
+        replica.idle_since_s = None
+        if idle_since is not None:
+            oldest = min(r.arrival_s for r in batch.requests)
+            replica.counters.fill_wait_s += max(0.0, now - max(idle_since, oldest))
+        batch.start(replica.replica_id, now, idle_since)
+        groups = by_signature(batch.requests)
+        cancels = self._cancels[batch.batch_id] = _Cancels()
+        attempts = [self._start(replica, g, cancels) for g in groups]
+        return _InFlight(batch, groups, attempts, now, cancels)
+
+    def _starter(
+        self, replica: Replica, cancels: _Cancels
+    ) -> Callable[[list[Request]], Awaitable[RunOutput]]:
+        return lambda requests: self._start(replica, requests, cancels)
+
+    def _start(
+        self, replica: Replica, requests: list[Request], cancels: _Cancels
+    ) -> Awaitable[RunOutput]:
+        collator = self._intake.collator
+        assert collator is not None, "a request was admitted, so the collator is known"
+        deadlines = [r.deadline_s for r in requests if r.deadline_s is not None]
+        return replica.start(
+            collator,
+            [r.payload for r in requests],
+            [r.is_many for r in requests],
+            [r.num_items for r in requests],
+            min(deadlines) if deadlines else None,
+            lambda: cancels.seen and any(r.future.cancelled() for r in requests),
+        )
+
+    async def _land(self, replica: Replica, inflight: _InFlight, holds_replica: bool) -> None:
+        """Wait for a launched batch and answer each of its requests."""
+        batch = inflight.batch
+        # A batch queued behind another cannot have started before that one ended.
+        started_s = max(inflight.launched_s, replica.last_landed_s)
+        try:
+            for i, (group, attempt) in enumerate(
+                zip(inflight.groups, inflight.attempts, strict=True)
+            ):
+                output = await self._settler.settle(
+                    group, attempt, self._starter(replica, inflight.cancels)
+                )
+                if i == 0 and output is not None:
+                    started_s = output.started_s
+        finally:
+            for attempt in inflight.attempts:
+                if inspect.iscoroutine(attempt):
+                    attempt.close()  # never started if an earlier group was cancelled
+            self._cancels.pop(batch.batch_id, None)
+            end = self._clock.now()
+            replica.last_landed_s = end
+            self._telemetry.batch_done(batch, replica.counters, max(0.0, end - started_s))
+            if self._intake.has_lengths:
+                self._telemetry.tokens(*self._intake.token_slots(inflight.groups))
+            if self._memory_probe is not None:
+                try:
+                    used, total = self._memory_probe()
+                except Exception:
+                    log.exception("memory_probe of %r raised; sample skipped", self._name)
+                else:
+                    self._telemetry.memory(used, total)
+            queue = self._queues.leading(batch.lead_class)
+            if queue is not None and not holds_replica:
+                queue.num_running -= 1
+            if self._queues.num_live and self.idle:
+                self.wake_one()
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A batch handed to a replica: its signature groups and their model calls."""
+
+    batch: Batch
+    groups: list[list[Request]]
+    attempts: list[Awaitable[RunOutput]]
+    launched_s: float
+    cancels: _Cancels
+
+
+class _Cancels:
+    """Whether a caller cancelled a request of a launched batch. Set on the loop, read by
+    the replica's thread when one of the batch's model calls reaches its turn: only then
+    are the call's requests looked at, so a batch nobody cancels pays one attribute read
+    per call."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen = False
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
