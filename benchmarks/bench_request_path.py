@@ -96,7 +96,9 @@ async def measure(connections: int, as_json: bool, rounds: int) -> float:
     repository = ModelRepository([ServedModel("mlp", "1", "python", specs_in, specs_out, batcher)])
     await repository.start()
     app = KServeApp(repository)
-    config = uvicorn.Config(app, http=protocol_for(app), lifespan="off", log_level="warning")
+    config = uvicorn.Config(
+        app, http=protocol_for(app), lifespan="off", log_level="warning", access_log=False
+    )
     config.load()
     state = ServerState()
     pairs = []

@@ -312,18 +312,19 @@ class Batcher(Lifecycle):
         except InvalidInput:
             self._telemetry.rejected(limits.name, "invalid")
             raise
+        # In field order, positionally: by keyword this call took 0.4 us longer.
         request = Request(
-            request_id=next(self._request_ids),
-            payload=payload,
-            num_items=num_items,
-            is_many=is_many,
-            cost=cost,
-            class_name=limits.name,
-            rank=limits.rank,
-            arrival_s=now,
-            deadline_s=deadline_s,
-            future=loop.create_future(),
-            signature=signature,
+            next(self._request_ids),  # request_id
+            payload,
+            num_items,
+            is_many,
+            cost,
+            limits.name,  # class_name
+            limits.rank,
+            now,  # arrival_s
+            deadline_s,
+            loop.create_future(),  # future
+            signature,
         )
         if lengths is not None:
             request.num_tokens, request.length, request.bucket = lengths

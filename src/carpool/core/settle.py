@@ -122,15 +122,19 @@ class Settler:
 
     def _answer(self, requests: list[Request], output: RunOutput) -> RunOutput:
         now = self._clock.now()
-        telemetry = self._telemetry
-        for request, result in zip(requests, output.results, strict=True):
-            request.compute_start_s = output.started_s
-            request.compute_end_s = output.ended_s
-            request.state = RequestState.DONE
-            future = request.future
-            if not future.done():
-                future.set_result(result)
-            telemetry.answered(request, Outcome.OK, now)
+        started_s, ended_s, done = output.started_s, output.ended_s, RequestState.DONE
+        results = output.results
+        try:
+            for request, result in zip(requests, results, strict=True):
+                request.compute_start_s = started_s
+                request.compute_end_s = ended_s
+                request.state = done
+                future = request.future
+                if not future.done():
+                    future.set_result(result)
+        finally:  # counted together: those answered, also when results ran short
+            answered = requests if len(results) >= len(requests) else requests[: len(results)]
+            self._telemetry.answered_ok(answered, now)
         return output
 
     def expire(self, request: Request) -> None:

@@ -232,6 +232,9 @@ class _ClassCounters:
         self.slo_total = 0
 
 
+_NO_COUNTERS = _ClassCounters()  # answered_ok's before its first request
+
+
 class ReplicaCounters:
     __slots__ = ("batches", "busy_s", "device", "fill_wait_s", "items", "replica_id")
 
@@ -321,19 +324,12 @@ class Telemetry:
         self._num_slots += num_slots
 
     def answered(self, request: Request, outcome: Outcome, now: float) -> None:
+        if outcome is Outcome.OK:
+            self.answered_ok([request], now)
+            return
         counters = self._classes[request.class_name]
         total_s = now - request.arrival_s
-        if outcome is Outcome.OK:
-            counters.completed += 1
-            self._ok_items += request.num_items
-            self._ok_compute_s += request.compute_end_s - request.compute_start_s
-            if self._last_ok_batch.get(request.replica_id) != request.batch_id:
-                self._last_ok_batch[request.replica_id] = request.batch_id
-                self._ok_batches += 1
-                self._last_ok_unix_s = time.time()  # once per batch: wall time for stats
-            counters.latency.observe(total_s)
-            counters.queue_wait.observe(request.batch_closed_s - request.arrival_s)
-        elif outcome is Outcome.EXPIRED:
+        if outcome is Outcome.EXPIRED:
             counters.rejections["deadline"] += 1
         elif outcome is Outcome.CANCELLED:
             counters.rejections["cancelled"] += 1
@@ -342,13 +338,44 @@ class Telemetry:
         else:
             counters.failed += 1
         slo = self._slo.get(request.class_name)
-        if slo is not None and outcome in (Outcome.OK, Outcome.EXPIRED):
+        if slo is not None and outcome is Outcome.EXPIRED:
             counters.slo_total += 1
-            counters.slo_met += outcome is Outcome.OK and total_s <= slo
         if self.on_trace is not None or (
             self.slow_request_s is not None and total_s > self.slow_request_s
         ):
             self._report(trace_of(request, outcome, now), total_s)
+
+    def answered_ok(self, requests: list[Request], now: float) -> None:
+        """:meth:`answered` with ``Outcome.OK`` for each of ``requests`` in turn (those
+        one model call answered), with what they share looked up once: one call a batch,
+        not one a request, on the event loop."""
+        classes, slos, last_ok = self._classes, self._slo, self._last_ok_batch
+        name: str | None = None
+        counters = _NO_COUNTERS
+        slo: float | None = None
+        for request in requests:
+            if request.class_name != name:
+                name = request.class_name
+                counters, slo = classes[name], slos.get(name)
+            total_s = now - request.arrival_s
+            counters.completed += 1
+            self._ok_items += request.num_items
+            self._ok_compute_s += request.compute_end_s - request.compute_start_s
+            if last_ok.get(request.replica_id) != request.batch_id:
+                last_ok[request.replica_id] = request.batch_id
+                self._ok_batches += 1
+                self._last_ok_unix_s = time.time()  # once per batch: wall time for stats
+            counters.latency.observe(total_s)
+            counters.queue_wait.observe(request.batch_closed_s - request.arrival_s)
+            if slo is not None:
+                counters.slo_total += 1
+                counters.slo_met += total_s <= slo
+            if self.on_trace is not None or (
+                self.slow_request_s is not None and total_s > self.slow_request_s
+            ):
+                self._report(trace_of(request, Outcome.OK, now), total_s)
+                # A hook may have set new classes: looked up again.
+                classes, slos, last_ok, name = self._classes, self._slo, self._last_ok_batch, None
 
     def _report(self, trace: RequestTrace, total_s: float) -> None:
         if self.slow_request_s is not None and total_s > self.slow_request_s:
@@ -469,6 +496,9 @@ class NullTelemetry(Telemetry):
         pass
 
     def answered(self, request: Request, outcome: Outcome, now: float) -> None:
+        pass
+
+    def answered_ok(self, requests: list[Request], now: float) -> None:
         pass
 
 

@@ -463,7 +463,8 @@ class InferProtocol(HttpToolsProtocol):
         if first is not None and not cycle.oversize:
             self._keep_head(first, cycle)
         if cycle.started and not cycle.response_complete and not cycle.oversize:
-            self._dispatch(cycle)
+            body, cycle.chunks = b"".join(cycle.chunks), []
+            self._dispatch(cycle, body)
 
     # -- repeated heads -----------------------------------------------------------------
 
@@ -480,17 +481,41 @@ class InferProtocol(HttpToolsProtocol):
         """Take the whole requests at the start of ``data`` that repeat ``repeat``'s head,
         as the parser's callbacks would; what is left is for the parser (a request cut
         short by the read, or another one)."""
-        head, size = repeat.head, repeat.size
-        start, length = 0, len(data)
+        head, size, url = repeat.head, repeat.size, repeat.url
+        start, length, step = 0, len(data), len(head) + size
+        kserve, transport = self.kserve, self.transport
+        fits = size <= kserve.max_body_bytes
         while True:
-            end = start + len(head) + size
+            end = start + step
             if end > length or not data.startswith(head, start):
                 break
-            model = self.kserve.infer_routes.get(repeat.url)
+            model = kserve.infer_routes.get(url)
             if model is None or model.infer is not None or not model.batcher.is_running:
                 break  # the parser's path decides, as for the first such request
-            if self.transport.is_closing():
+            if transport.is_closing():
                 return b""  # after a 413: the rest of the read is ignored
+            existing = self.cycle
+            if fits and (existing is None or existing.response_complete):
+                # Nothing before it on the connection: received, begun and dispatched in
+                # one step, leaving what _start_fast, on_body and on_message_complete would.
+                self._receiving, self._head_done, self._progress = False, True, True
+                self._wait_deadline, self._first = None, None
+                self.url, self.headers, self.expect_100_continue = url, [], False
+                cycle = _FastCycle(
+                    model,
+                    repeat.path,
+                    repeat.header_length,
+                    repeat.encoding,
+                    repeat.http_version,
+                    True,
+                    False,
+                    self.on_response_complete,
+                )
+                cycle.size, cycle.more_body, cycle.started = size, False, True
+                self.cycle = cycle  # type: ignore[assignment]
+                self._dispatch(cycle, data[end - size : end])
+                start = end
+                continue
             self._receiving = self._head_done = True
             self._wait_deadline, self._first = None, None
             self.url, self.headers, self.expect_100_continue = repeat.url, [], False
@@ -600,7 +625,8 @@ class InferProtocol(HttpToolsProtocol):
         if cycle.oversize:
             self._answer_too_large(cycle)
         elif not cycle.more_body:  # pipelined: read in full while the one before it ran
-            self._dispatch(cycle)
+            body, cycle.chunks = b"".join(cycle.chunks), []
+            self._dispatch(cycle, body)
         elif cycle.waiting_for_100_continue:
             cycle.waiting_for_100_continue = False
             self.transport.write(_CONTINUE)
@@ -609,13 +635,13 @@ class InferProtocol(HttpToolsProtocol):
         limit = self.kserve.max_body_bytes
         self._answer(cycle, *error_response(PayloadTooLarge(cycle.size, limit)))
 
-    def _dispatch(self, cycle: _FastCycle) -> None:
-        body = b"".join(cycle.chunks)
-        cycle.chunks = []
+    def _dispatch(self, cycle: _FastCycle, body: bytes) -> None:
+        """Decode, check and queue a request received in full (``body``, taken out of
+        ``cycle.chunks``)."""
         model = cycle.model
         try:
             call = prepare_infer(model, body, cycle.header_length, self.kserve.plans)
-            queued = model.batcher.enqueue_many(call.payload, **call.options)
+            queued = model.batcher.enqueue_many(call.payload, **call.plan.options)
         except Exception as exc:
             self._answer(cycle, *error_response(exc))
             return

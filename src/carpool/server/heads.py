@@ -35,6 +35,7 @@ class RepeatedHead:
     header_length: bytes | None  # Inference-Header-Content-Length
     encoding: bytes | None  # the answer's Content-Encoding, None: identity
     http_version: str
+    path: str  # ``url`` decoded, as a request's path is kept for the access log
 
 
 def repeated_head(
@@ -68,7 +69,8 @@ def repeated_head(
         return None
     if head.count(b"\n") != head.count(b"\r\n") or chunk[end : end + size] != body:
         return None
-    return RepeatedHead(head, size, url, header_length, encoding, http_version)
+    path = url.decode("latin-1")
+    return RepeatedHead(head, size, url, header_length, encoding, http_version, path)
 
 
 class AnswerHeads:

