@@ -15,9 +15,9 @@ the request is queued withdraws it: the model never sees it. Everything else —
 routes, other models, paths with a query or escapes, upgrades — is uvicorn's own path into
 :class:`KServeApp`, which answers with the same decoder, encoder and error mapping.
 
-A fast request stands in uvicorn's ``self.cycle`` as a :class:`_FastCycle`, which has the
-attributes uvicorn's protocol reads there, so keep-alive, pipelining, flow control and
-graceful shutdown stay uvicorn's.
+A fast request stands in uvicorn's ``self.cycle`` as a
+:class:`~carpool.server.cycles.FastCycle`, which has the attributes uvicorn's protocol
+reads there, so keep-alive, pipelining, flow control and graceful shutdown stay uvicorn's.
 """
 
 from __future__ import annotations
@@ -30,14 +30,13 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from carpool.core.request import Request
 from carpool.server.app import KServeApp
+from carpool.server.cycles import FastCycle, Refusal
 from carpool.server.encoding import response_encoding
 from carpool.server.errors import NotFound, PayloadTooLarge
 from carpool.server.heads import AnswerHeads, RepeatedHead, repeated_head
 from carpool.server.infer import (
     Headers,
-    InferCall,
     compressed,
     error_response,
     infer_response,
@@ -76,80 +75,6 @@ def protocol_for(app: KServeApp) -> type[HttpToolsProtocol]:
     return type("InferProtocol", (InferProtocol,), {"kserve": app, "answer_heads": AnswerHeads()})
 
 
-class _NoEvent:
-    """uvicorn sets the cycle's message event on disconnect; nothing waits on it here."""
-
-    def set(self) -> None:
-        pass
-
-
-class _Refusal:
-    """A refusal (400, 431) about the bytes after requests still being answered, waiting
-    in uvicorn's pipeline for its turn as a request would: answers go out in order."""
-
-    more_body = False
-    message_event = _NoEvent()
-
-    def __init__(self, answer: bytes) -> None:
-        self.answer = answer
-        self.response_complete = False
-        self.disconnected = False
-
-
-class _FastCycle:
-    """One fast-path request where uvicorn keeps its RequestResponseCycle."""
-
-    __slots__ = (
-        "call",
-        "chunks",
-        "disconnected",
-        "encoding",
-        "header_length",
-        "http_version",
-        "keep_alive",
-        "model",
-        "more_body",
-        "on_response",
-        "oversize",
-        "path",
-        "queued",
-        "response_complete",
-        "size",
-        "started",
-        "waiting_for_100_continue",
-    )
-    message_event = _NoEvent()
-
-    def __init__(
-        self,
-        model: ServedModel,
-        path: str,
-        header_length: bytes | None,
-        encoding: bytes | None,
-        http_version: str,
-        keep_alive: bool,
-        expect_continue: bool,
-        on_response: Any,
-    ) -> None:
-        self.model = model
-        self.path = path
-        self.header_length = header_length
-        self.encoding = encoding  # the answer's Content-Encoding, None: identity
-        self.http_version = http_version
-        self.keep_alive = keep_alive
-        self.waiting_for_100_continue = expect_continue
-        self.on_response = on_response
-        self.chunks: list[bytes] = []
-        self.size = 0
-        self.oversize = False  # the body passed the limit: a 413, the rest is ignored
-        self.more_body = True
-        self.started = False
-        self.response_complete = False
-        self.disconnected = False
-        self.queued: Request | None = None
-        self.call: InferCall | None = None
-
-
 class InferProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol; ``POST .../infer`` for batched models skips ASGI."""
 
@@ -158,8 +83,8 @@ class InferProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._inflight: _FastCycle | None = None
-        self._held: tuple[_FastCycle, bytes, int] | None = None  # waiting for resume_writing
+        self._inflight: FastCycle | None = None
+        self._held: tuple[FastCycle, bytes, int] | None = None  # waiting for resume_writing
         self._asgi: Any = None  # the ASGI cycle last started (its task may still run)
         # What guards the connection against clients that send too much or too little:
         self._receiving = False  # between a request's first byte and its last
@@ -338,10 +263,10 @@ class InferProtocol(HttpToolsProtocol):
         if self._receiving and self._head_done:  # the bad bytes are in this cycle's body
             if pipeline and pipeline[0][0] is cycle:
                 pipeline.popleft()  # not started: the refusal takes its turn
-                pipeline.appendleft((_Refusal(answer), self.app))
+                pipeline.appendleft((Refusal(answer), self.app))
                 return
         elif cycle is not None and not cycle.response_complete:  # a request before the head
-            pipeline.appendleft((_Refusal(answer), self.app))
+            pipeline.appendleft((Refusal(answer), self.app))
             return
         self._write_refusal(answer)
 
@@ -411,7 +336,7 @@ class InferProtocol(HttpToolsProtocol):
     ) -> None:
         """A fast-path request whose head is complete: answered now, or queued behind
         the request being answered."""
-        cycle = _FastCycle(
+        cycle = FastCycle(
             model,
             self.url.decode("latin-1"),  # as _fast_model matched it
             header_length,
@@ -431,7 +356,7 @@ class InferProtocol(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         self._progress = True
         cycle = self.cycle
-        if not isinstance(cycle, _FastCycle):
+        if not isinstance(cycle, FastCycle):
             super().on_body(body)
             return
         if cycle.response_complete or cycle.oversize:
@@ -455,7 +380,7 @@ class InferProtocol(HttpToolsProtocol):
         self._receiving, self._progress = False, True
         self._wait_deadline = None  # a body's wait; the answer starts the next
         cycle = self.cycle
-        if not isinstance(cycle, _FastCycle):
+        if not isinstance(cycle, FastCycle):
             super().on_message_complete()
             return
         cycle.more_body = False
@@ -468,7 +393,7 @@ class InferProtocol(HttpToolsProtocol):
 
     # -- repeated heads -----------------------------------------------------------------
 
-    def _keep_head(self, chunk: bytes, cycle: _FastCycle) -> None:
+    def _keep_head(self, chunk: bytes, cycle: FastCycle) -> None:
         """Keep the head of ``cycle``, the first message parsed from ``chunk``, when it
         can be taken again without the parser."""
         body, url, headers = b"".join(cycle.chunks), self.url, self.headers
@@ -501,7 +426,7 @@ class InferProtocol(HttpToolsProtocol):
                 self._receiving, self._head_done, self._progress = False, True, True
                 self._wait_deadline, self._first = None, None
                 self.url, self.headers, self.expect_100_continue = url, [], False
-                cycle = _FastCycle(
+                cycle = FastCycle(
                     model,
                     repeat.path,
                     repeat.header_length,
@@ -539,7 +464,7 @@ class InferProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
             return
         waiting: list[Any] = [c for c, _ in pipeline]  # fewer than READ_AHEAD_REQUESTS
-        size = sum(c.size for c in waiting if isinstance(c, _FastCycle))
+        size = sum(c.size for c in waiting if isinstance(c, FastCycle))
         if size >= READ_AHEAD_BYTES:
             self.flow.pause_reading()
 
@@ -547,9 +472,9 @@ class InferProtocol(HttpToolsProtocol):
         # uvicorn starts the next pipelined request through here, from the answer of the
         # one before. Begun on the next loop turn: a run of pipelined requests answered on
         # the spot (400s) would otherwise begin each other recursively.
-        if isinstance(cycle, _FastCycle):
+        if isinstance(cycle, FastCycle):
             self.loop.call_soon(self._begin, cycle)
-        elif isinstance(cycle, _Refusal):
+        elif isinstance(cycle, Refusal):
             self.loop.call_soon(self._write_refusal, cycle.answer)
         else:
             self._asgi = cycle
@@ -618,7 +543,7 @@ class InferProtocol(HttpToolsProtocol):
         except NotFound:
             return None  # the ASGI path answers 404 with its message
 
-    def _begin(self, cycle: _FastCycle) -> None:
+    def _begin(self, cycle: FastCycle) -> None:
         if self.transport.is_closing():
             return
         cycle.started = True
@@ -631,11 +556,11 @@ class InferProtocol(HttpToolsProtocol):
             cycle.waiting_for_100_continue = False
             self.transport.write(_CONTINUE)
 
-    def _answer_too_large(self, cycle: _FastCycle) -> None:
+    def _answer_too_large(self, cycle: FastCycle) -> None:
         limit = self.kserve.max_body_bytes
         self._answer(cycle, *error_response(PayloadTooLarge(cycle.size, limit)))
 
-    def _dispatch(self, cycle: _FastCycle, body: bytes) -> None:
+    def _dispatch(self, cycle: FastCycle, body: bytes) -> None:
         """Decode, check and queue a request received in full (``body``, taken out of
         ``cycle.chunks``)."""
         model = cycle.model
@@ -649,7 +574,7 @@ class InferProtocol(HttpToolsProtocol):
         self._inflight = cycle
         queued.future.add_done_callback(functools.partial(self._landed, cycle))
 
-    def _landed(self, cycle: _FastCycle, future: asyncio.Future[Any]) -> None:
+    def _landed(self, cycle: FastCycle, future: asyncio.Future[Any]) -> None:
         cycle.queued = None
         if future.cancelled() or cycle.disconnected:
             return
@@ -666,7 +591,7 @@ class InferProtocol(HttpToolsProtocol):
             answer = compressed(answer, cycle.encoding)
         self._answer(cycle, *answer)
 
-    def _answer(self, cycle: _FastCycle, status: int, body: bytes, headers: Headers) -> None:
+    def _answer(self, cycle: FastCycle, status: int, body: bytes, headers: Headers) -> None:
         """Status line, headers and body in one write; then what uvicorn does after a
         response: close, or keep alive and start the next pipelined request."""
         if self._inflight is cycle:
@@ -679,7 +604,7 @@ class InferProtocol(HttpToolsProtocol):
             return
         self._finish(cycle, data, status)
 
-    def _finish(self, cycle: _FastCycle, data: bytes, status: int) -> None:
+    def _finish(self, cycle: FastCycle, data: bytes, status: int) -> None:
         self.transport.write(data)
         cycle.response_complete = True
         if self.access_log:

@@ -270,3 +270,40 @@ def test_a_json_plan_answers_each_output_shape_as_the_full_encoder_does() -> Non
         full, _ = encode_infer_response("m", "1", '"data":[]', tensors, set())
         assert (status, body) == (200, full)
     assert plan is not None and plan.json_answers is not None and len(plan.json_answers) == 4
+
+
+# Not the header fields: read only while a head completes, and reset as the next begins.
+_STATE = ("_receiving", "_head_done", "_progress", "_first", "url")
+_CYCLE = ("path", "header_length", "encoding", "http_version", "keep_alive", "size")
+_CYCLE_FLAGS = ("more_body", "started", "oversize", "waiting_for_100_continue")
+
+
+def _state(protocol: InferProtocol) -> tuple[Any, ...]:
+    cycle: Any = protocol.cycle
+    return (
+        tuple(getattr(protocol, name) for name in _STATE),
+        protocol._wait_deadline is None,
+        tuple(getattr(cycle, name) for name in (*_CYCLE, *_CYCLE_FLAGS)),
+        cycle.queued is not None,
+        protocol.expect_100_continue,
+    )
+
+
+async def test_the_repeat_lane_leaves_the_state_the_parser_s_callbacks_leave(
+    server: Server,
+) -> None:
+    """A repeat with nothing before it is received and dispatched in one step: the
+    connection and its cycle must be left as the parser's callbacks leave them."""
+    _, connect, _ = server
+    extra = b"Accept-Encoding: gzip\r\n"
+    parsed, _ = connect()
+    parsed.data_received(_binary_request(1.0, extra=extra))
+    after_parser = _state(parsed)
+    repeated, transport = connect()
+    parser = _counted(repeated)
+    repeated.data_received(_binary_request(1.0, extra=extra))
+    await _answers(transport, 1)
+    repeated.data_received(_binary_request(1.0, extra=extra))
+    assert parser.feeds == 1  # the second one took the lane
+    assert _state(repeated) == after_parser
+    await _answers(transport, 2)
