@@ -287,7 +287,14 @@ class InferProtocol(HttpToolsProtocol):
         self.headers = []
 
     def on_headers_complete(self) -> None:
-        self._head_done = self._progress = True
+        self._progress = True
+        self._take_head()
+        # Only now: a head refused above (431, or a 400 from uvicorn's own checks) made
+        # no cycle, and _refuse must not take the bad bytes for the previous one's body.
+        self._head_done = True
+
+    def _take_head(self) -> None:
+        """The head is complete: a fast-path cycle for it, or uvicorn's ASGI one."""
         if len(self.headers) > MAX_HEADER_FIELDS:
             raise _Refused(
                 431, f"request line and header fields: over {MAX_HEADER_FIELDS} fields, the limit"

@@ -521,6 +521,14 @@ CHUNKED_BAD = (
     b"zz\r\n"  # not a chunk size
 )
 ASGI_PATH = b"/v2/models/m/infer?via=asgi"
+# A whole head of more than MAX_HEADER_FIELDS fields (431), and a target llhttp takes but
+# uvicorn's own head checks refuse (400): both refused once the head is complete.
+MANY_FIELDS = (
+    b"POST /v2/models/m/infer HTTP/1.1\r\nHost: t\r\n"
+    + b"".join(b"X-%d: v\r\n" % i for i in range(300))
+    + b"Content-Length: 0\r\n\r\n"
+)
+BAD_TARGET = b"GET http://a:99999/x HTTP/1.1\r\nHost: t\r\n\r\n"
 
 
 @pytest.mark.parametrize(
@@ -533,8 +541,26 @@ ASGI_PATH = b"/v2/models/m/infer?via=asgi"
         (_binary_request(1.0), CHUNKED_BAD, [200, 400]),
         (_binary_request(1.0, path=ASGI_PATH), CHUNKED_BAD, [200, 400]),
         (_binary_request(1.0), b"POST /x HTTP/1.1\r\nA: " + b"a" * 70_000, [200, 431]),
+        (_binary_request(1.0), MANY_FIELDS, [200, 431]),
+        (_binary_request(1.0) + _binary_request(2.0), MANY_FIELDS, [200, 200, 431]),
+        (_binary_request(1.0) + LIVE, MANY_FIELDS, [200, 200, 431]),
+        (_binary_request(1.0), BAD_TARGET, [200, 400]),
+        (_binary_request(1.0) + _binary_request(2.0), BAD_TARGET, [200, 200, 400]),
     ],
-    ids=["fast", "fast-pipelined", "asgi", "get-pipelined", "bad-chunk", "asgi-bad-chunk", "431"],
+    ids=[
+        "fast",
+        "fast-pipelined",
+        "asgi",
+        "get-pipelined",
+        "bad-chunk",
+        "asgi-bad-chunk",
+        "431",
+        "fields",
+        "fields-pipelined",
+        "fields-get-pipelined",
+        "target",
+        "target-pipelined",
+    ],
 )
 async def test_a_refusal_waits_for_the_answers_of_the_requests_before_it(
     setup: Setup, ahead: bytes, bad: bytes, statuses: list[int]
