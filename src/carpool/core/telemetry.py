@@ -232,9 +232,6 @@ class _ClassCounters:
         self.slo_total = 0
 
 
-_NO_COUNTERS = _ClassCounters()  # answered_ok's before its first request
-
-
 class ReplicaCounters:
     __slots__ = ("batches", "busy_s", "device", "fill_wait_s", "items", "replica_id")
 
@@ -347,16 +344,11 @@ class Telemetry:
 
     def answered_ok(self, requests: list[Request], now: float) -> None:
         """:meth:`answered` with ``Outcome.OK`` for each of ``requests`` in turn (those
-        one model call answered), with what they share looked up once: one call a batch,
-        not one a request, on the event loop."""
-        classes, slos, last_ok = self._classes, self._slo, self._last_ok_batch
-        name: str | None = None
-        counters = _NO_COUNTERS
-        slo: float | None = None
+        one model call answered): one call a batch, not one a request, on the event loop."""
+        last_ok = self._last_ok_batch
         for request in requests:
-            if request.class_name != name:
-                name = request.class_name
-                counters, slo = classes[name], slos.get(name)
+            name = request.class_name
+            counters = self._classes[name]
             total_s = now - request.arrival_s
             counters.completed += 1
             self._ok_items += request.num_items
@@ -367,6 +359,7 @@ class Telemetry:
                 self._last_ok_unix_s = time.time()  # once per batch: wall time for stats
             counters.latency.observe(total_s)
             counters.queue_wait.observe(request.batch_closed_s - request.arrival_s)
+            slo = self._slo.get(name)
             if slo is not None:
                 counters.slo_total += 1
                 counters.slo_met += total_s <= slo
@@ -374,8 +367,6 @@ class Telemetry:
                 self.slow_request_s is not None and total_s > self.slow_request_s
             ):
                 self._report(trace_of(request, Outcome.OK, now), total_s)
-                # A hook may have set new classes: looked up again.
-                classes, slos, last_ok, name = self._classes, self._slo, self._last_ok_batch, None
 
     def _report(self, trace: RequestTrace, total_s: float) -> None:
         if self.slow_request_s is not None and total_s > self.slow_request_s:

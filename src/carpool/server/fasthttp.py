@@ -395,8 +395,7 @@ class InferProtocol(HttpToolsProtocol):
         if first is not None and not cycle.oversize:
             self._keep_head(first, cycle)
         if cycle.started and not cycle.response_complete and not cycle.oversize:
-            body, cycle.chunks = b"".join(cycle.chunks), []
-            self._dispatch(cycle, body)
+            self._dispatch_received(cycle)
 
     # -- repeated heads -----------------------------------------------------------------
 
@@ -450,7 +449,7 @@ class InferProtocol(HttpToolsProtocol):
                 continue
             self._receiving = self._head_done = True
             self._wait_deadline, self._first = None, None
-            self.url, self.headers, self.expect_100_continue = repeat.url, [], False
+            self.url, self.headers, self.expect_100_continue = url, [], False
             header_length, encoding = repeat.header_length, repeat.encoding
             self._start_fast(model, header_length, encoding, repeat.http_version, True, False)
             if size:
@@ -557,8 +556,7 @@ class InferProtocol(HttpToolsProtocol):
         if cycle.oversize:
             self._answer_too_large(cycle)
         elif not cycle.more_body:  # pipelined: read in full while the one before it ran
-            body, cycle.chunks = b"".join(cycle.chunks), []
-            self._dispatch(cycle, body)
+            self._dispatch_received(cycle)
         elif cycle.waiting_for_100_continue:
             cycle.waiting_for_100_continue = False
             self.transport.write(_CONTINUE)
@@ -567,9 +565,13 @@ class InferProtocol(HttpToolsProtocol):
         limit = self.kserve.max_body_bytes
         self._answer(cycle, *error_response(PayloadTooLarge(cycle.size, limit)))
 
+    def _dispatch_received(self, cycle: FastCycle) -> None:
+        body, cycle.chunks = b"".join(cycle.chunks), []
+        self._dispatch(cycle, body)
+
     def _dispatch(self, cycle: FastCycle, body: bytes) -> None:
-        """Decode, check and queue a request received in full (``body``, taken out of
-        ``cycle.chunks``)."""
+        """Decode, check and queue a request received in full: ``body``, from its
+        chunks or straight from the read (a repeat)."""
         model = cycle.model
         try:
             call = prepare_infer(model, body, cycle.header_length, self.kserve.plans)

