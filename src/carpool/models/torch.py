@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import threading
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,12 +28,7 @@ import numpy as np
 
 from carpool.core.layout import Packed
 from carpool.errors import ConfigError, ModelError
-from carpool.models._source import build_with, import_ref, is_import_ref
-
-# Replicas load their copies on their own threads at once; torch.export.load keeps its
-# deserializer in a module global and refuses a second concurrent load ("_CURRENT_DESERIALIZER
-# is already set"), so file loads take turns.
-_FILE_LOAD_LOCK = threading.Lock()
+from carpool.models._source import BUILD_LOCK, build_with, import_ref, is_import_ref
 
 
 class TorchRunner:
@@ -253,7 +247,7 @@ def load_module(source: str, device: str = "cpu") -> Any:
         return module
     path = Path(source)
     try:
-        with _FILE_LOAD_LOCK:
+        with BUILD_LOCK:  # torch.export.load: one at a time
             if path.suffix == ".pt2":
                 return _load_export(path)
             return torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]

@@ -201,6 +201,44 @@ def test_torch_export_file_loads_on_several_replica_threads_at_once(
         _check_two_heads(runner, name)
 
 
+@pytest.mark.parametrize("kind", ["torch", "python"])
+def test_a_seeded_factory_builds_the_same_weights_on_replica_threads_at_once(kind: str) -> None:
+    # carpool.models.mlp's factories seed torch's global RNG, then draw W1's weights from
+    # it. Replicas (and other models) build their copies on their own threads at once:
+    # drawn concurrently, the copies got interleaved draws, other weights than the seed's.
+    import threading
+
+    import torch
+
+    from carpool.models.mlp import build_w1
+
+    want = build_w1().state_dict()
+    if kind == "torch":
+        factory: Callable[[str], Any] = torch_factory(
+            "carpool.models.mlp:build_w1", input_names=["INPUT0"], output_names=["OUTPUT0"]
+        )
+    else:
+        factory = load_python("carpool.models.mlp:make_w1")
+    num_replicas = 4
+    start = threading.Barrier(num_replicas)
+    modules: list[Any] = []
+
+    def load() -> None:
+        start.wait()
+        built = factory("cpu")
+        modules.append(built.module if kind == "torch" else built.model)
+
+    threads = [threading.Thread(target=load) for _ in range(num_replicas)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(modules) == num_replicas
+    for module in modules:
+        got = module.state_dict()
+        assert all(torch.equal(got[key], want[key]) for key in want)
+
+
 def test_torch_runner_casts_to_dtype_and_back_to_declared_outputs(
     make_module: Callable[[str], str],
 ) -> None:
