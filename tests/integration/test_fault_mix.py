@@ -338,7 +338,7 @@ def _oversized(http_url: str) -> tuple[int, bytes]:
 
 def test_http_faults_around_a_queued_batch_harm_no_one_and_are_counted(fault: Fault) -> None:
     before, watch = _stats(fault.http_url), Watch(fault.http_url)
-    tried_before = len(fault.calls())
+    tried_before, done_before = len(fault.calls()), len(fault.calls("done"))
     fault.gate.touch()
     pool = ThreadPoolExecutor(max_workers=24)
     try:
@@ -433,7 +433,10 @@ def test_http_faults_around_a_queued_batch_harm_no_one_and_are_counted(fault: Fa
     assert delta["success"] == ok_requests
     assert delta["inference_count"] == ok_requests + 2  # the triton ones have two rows
     assert delta["fail"] == 1 + 2 + 5  # poison, expired, withdrawn
-    assert delta["execution_count"] == 2  # the blocker's batch and the one behind it
+    # Executions are the model calls that succeeded: the blocker's, then each part of the
+    # poisoned batch that ran clean while it was bisected.
+    assert delta["execution_count"] == len(fault.calls("done")) - done_before
+    assert delta["execution_count"] >= 3
     assert watch.now("cancelled") == 5
     assert watch.now("deadline") == 2
     assert watch.now("pending") == 0
@@ -444,6 +447,7 @@ def test_http_faults_around_a_queued_batch_harm_no_one_and_are_counted(fault: Fa
 
 def test_grpc_faults_around_a_queued_batch_harm_no_one_and_are_counted(fault: Fault) -> None:
     before, watch = _stats(fault.http_url), Watch(fault.http_url)
+    done_before = len(fault.calls("done"))
     fault.gate.touch()
     pool = ThreadPoolExecutor(max_workers=12)
     client = grpcclient.InferenceServerClient(fault.grpc_url)
@@ -538,7 +542,9 @@ def test_grpc_faults_around_a_queued_batch_harm_no_one_and_are_counted(fault: Fa
     assert delta["success"] == len(accepted)
     assert delta["inference_count"] == len(accepted)
     assert delta["fail"] == 1 + 1 + 4  # poison, expired, cancelled
-    assert delta["execution_count"] == 2
+    # The blocker's call, then each clean part of the poisoned batch's bisection.
+    assert delta["execution_count"] == len(fault.calls("done")) - done_before
+    assert delta["execution_count"] >= 3
     assert watch.now("pending") == 0
 
 

@@ -269,7 +269,6 @@ class Telemetry:
         self._ok_sizes: Counter[int] = Counter()
         self._ok_size_compute: defaultdict[int, float] = defaultdict(float)
         self._ok_compute_s = 0.0
-        self._last_ok_batch: dict[int, int] = {}  # replica id -> its last batch with an OK
         self._last_ok_unix_s: float | None = None
         self._fill_sum = 0.0
         self._num_tokens = 0
@@ -311,9 +310,6 @@ class Telemetry:
         replica.batches += 1
         replica.items += num_items
         replica.busy_s += compute_s
-        if self._last_ok_batch.get(replica.replica_id) == batch.batch_id:
-            self._ok_sizes[num_items] += 1
-            self._ok_size_compute[num_items] += compute_s
 
     def tokens(self, num_tokens: int, num_slots: int) -> None:
         """A batch of variable-length items: its real tokens and the slots computed."""
@@ -343,20 +339,21 @@ class Telemetry:
             self._report(trace_of(request, outcome, now), total_s)
 
     def answered_ok(self, requests: list[Request], now: float) -> None:
-        """:meth:`answered` with ``Outcome.OK`` for each of ``requests`` in turn (those
-        one model call answered): one call a batch, not one a request, on the event loop."""
-        last_ok = self._last_ok_batch
+        """:meth:`answered` with ``Outcome.OK`` for each of ``requests`` in turn: those
+        one model call answered, counted as one execution of their size (Triton's
+        ``batch_stats``). A batch split after a failure runs as several calls, and each
+        call that succeeded counts at the size it ran. One call a batch, on the event loop."""
+        if not requests:
+            return
+        first = requests[0]
+        call_s = first.compute_end_s - first.compute_start_s
+        num_items = 0
         for request in requests:
             name = request.class_name
             counters = self._classes[name]
             total_s = now - request.arrival_s
             counters.completed += 1
-            self._ok_items += request.num_items
-            self._ok_compute_s += request.compute_end_s - request.compute_start_s
-            if last_ok.get(request.replica_id) != request.batch_id:
-                last_ok[request.replica_id] = request.batch_id
-                self._ok_batches += 1
-                self._last_ok_unix_s = time.time()  # once per batch: wall time for stats
+            num_items += request.num_items
             counters.latency.observe(total_s)
             counters.queue_wait.observe(request.batch_closed_s - request.arrival_s)
             slo = self._slo.get(name)
@@ -367,6 +364,12 @@ class Telemetry:
                 self.slow_request_s is not None and total_s > self.slow_request_s
             ):
                 self._report(trace_of(request, Outcome.OK, now), total_s)
+        self._ok_batches += 1
+        self._ok_items += num_items
+        self._ok_compute_s += call_s * len(requests)  # as Triton: each request's call
+        self._ok_sizes[num_items] += 1
+        self._ok_size_compute[num_items] += call_s
+        self._last_ok_unix_s = time.time()
 
     def _report(self, trace: RequestTrace, total_s: float) -> None:
         if self.slow_request_s is not None and total_s > self.slow_request_s:

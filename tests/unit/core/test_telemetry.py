@@ -236,7 +236,7 @@ async def test_completed_batches_and_compute_are_counted_as_triton_does() -> Non
     batch.start(0, 0.0, None)
     for request in good:
         request.compute_start_s, request.compute_end_s = 0.25, 0.5
-        _answer(telemetry, request, Outcome.OK, 0.5)
+    telemetry.answered_ok(good, 0.5)  # one model call answered both
     telemetry.batch_done(batch, replica, 0.3)
     failed = _batch([_request()], 8)
     failed.start(0, 0.5, None)
@@ -246,8 +246,31 @@ async def test_completed_batches_and_compute_are_counted_as_triton_does() -> Non
     assert batches.size_histogram == {1: 1, 3: 1}
     assert (batches.num_completed_batches, batches.num_completed_items) == (1, 3)
     assert batches.completed_size_histogram == {3: 1}
-    assert batches.completed_size_compute_s == {3: pytest.approx(0.3)}
+    assert batches.completed_size_compute_s == {3: pytest.approx(0.25)}
     assert batches.completed_compute_s == pytest.approx(2 * 0.25)
+
+
+async def test_a_split_batch_counts_each_call_that_succeeded_at_the_size_it_ran() -> None:
+    # A batch of 4 that ran out of memory, then ran as two calls of 2 (settle.py): the
+    # model never completed a batch of 4, it completed two of 2.
+    telemetry = Telemetry("m", SLOS)
+    replica = ReplicaCounters(0, "cpu")
+    requests = [_request() for _ in range(4)]
+    batch = _batch(requests, 8)
+    batch.start(0, 0.0, None)
+    for part, (start_s, end_s) in zip(
+        (requests[:2], requests[2:]), [(0.1, 0.3), (0.3, 0.4)], strict=True
+    ):
+        for request in part:
+            request.compute_start_s, request.compute_end_s = start_s, end_s
+        telemetry.answered_ok(part, end_s)
+    telemetry.batch_done(batch, replica, 0.4)
+    batches = telemetry.snapshot(1.0, {}, [replica]).batches
+    assert batches.size_histogram == {4: 1}  # what the scheduler formed
+    assert (batches.num_completed_batches, batches.num_completed_items) == (2, 4)
+    assert batches.completed_size_histogram == {2: 2}
+    assert batches.completed_size_compute_s == {2: pytest.approx(0.3)}
+    assert batches.completed_compute_s == pytest.approx(2 * 0.2 + 2 * 0.1)
 
 
 async def test_batches_led_are_counted_per_lead_class() -> None:
