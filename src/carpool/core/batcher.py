@@ -108,6 +108,7 @@ class Batcher(Lifecycle):
             policy_check,
         )
         self._policy_check = policy_check
+        self._memory_probe = memory_probe
         name = name or getattr(fn or fn_factory, "__name__", None) or "model"
         self._devices = replica_devices(num_replicas, devices)
         self._policy = policy if policy is not None else BatchPolicy()
@@ -178,6 +179,11 @@ class Batcher(Lifecycle):
     @property
     def num_pending(self) -> int:
         return self._queues.num_live
+
+    @property
+    def memory_probe(self) -> MemoryProbe | None:
+        """What reports the runner's memory after each batch, if anything does."""
+        return self._memory_probe
 
     @property
     def effective_max_batch_size(self) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from carpool.core.layout import Packed
+from carpool.core.telemetry import MemoryProbe
 from carpool.errors import ConfigError, ModelError
 from carpool.models._source import BUILD_LOCK, build_with, import_ref, is_import_ref
 
@@ -225,6 +226,51 @@ def torch_device(device: str) -> Any:
                 f"cpu or cuda:0..cuda:{count - 1}" if count else "cpu: torch sees no CUDA device",
             )
     return parsed
+
+
+def cuda_memory_probe(devices: Sequence[str]) -> MemoryProbe | None:
+    """A ``Batcher`` memory probe for replicas on ``devices``; None unless one is CUDA."""
+    indices = sorted({_cuda_index(device) for device in devices if device.startswith("cuda")})
+    return CudaMemoryProbe(indices) if indices else None
+
+
+def _cuda_index(device: str) -> int:
+    _, _, index = device.partition(":")
+    return int(index) if index.isdigit() else 0
+
+
+class CudaMemoryProbe:
+    """(peak bytes torch allocated on the GPUs since the previous sample, their total
+    memory), summed over the GPUs ``indices``.
+
+    The batcher calls it after each batch, so its peak and trough are the heaviest and the
+    lightest stretch of batches, and ``carpool_memory_volatility`` shows how far memory
+    swings between them. Reading torch's allocator statistics builds a dict of some hundred
+    entries, so a sample is taken at most every ``interval_s`` (the last one is repeated in
+    between); the peak since the previous sample covers the batches in between all the
+    same. CUDA is touched only once a batch has run, never at construction."""
+
+    def __init__(self, indices: Sequence[int], interval_s: float = 0.05) -> None:
+        self.indices = list(indices)
+        self.interval_s = interval_s
+        self._sampled_at_s: float | None = None
+        self._sample = (0, 0)
+
+    def __call__(self) -> tuple[int, int]:
+        import time
+
+        import torch
+
+        now = time.monotonic()
+        if self._sampled_at_s is not None and now - self._sampled_at_s < self.interval_s:
+            return self._sample
+        used = total = 0
+        for index in self.indices:
+            used += int(torch.cuda.max_memory_allocated(index))
+            torch.cuda.reset_peak_memory_stats(index)
+            total += int(torch.cuda.get_device_properties(index).total_memory)
+        self._sampled_at_s, self._sample = now, (used, total)
+        return self._sample
 
 
 def load_module(source: str, device: str = "cpu") -> Any:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from carpool.config import GENERATION_FIELDS, ModelConfig, ServeConfig, TensorConfig
 from carpool.core.batcher import Batcher
 from carpool.core.collate import RaggedDictCollator
+from carpool.core.telemetry import MemoryProbe
 from carpool.errors import ConfigError
 from carpool.server.classification import read_labels
 from carpool.server.generation import GenerationSettings
@@ -89,6 +90,7 @@ def build_model(
         devices=model.replica_devices(),
         collate=_collator(inputs),
         executor=model.executor or "auto",
+        memory_probe=_memory_probe(model),
     )
     return ServedModel(
         name=model.name,
@@ -252,6 +254,15 @@ def _naming_key(factory: Callable[[str], Any], key: str, file: str | None) -> Ca
             raise _keyed(error, key, file) from error
 
     return make
+
+
+def _memory_probe(model: ModelConfig) -> MemoryProbe | None:
+    """GPU memory for a torch model with replicas on CUDA; None for anything else."""
+    if model.kind != "torch":
+        return None
+    from carpool.models.torch import cuda_memory_probe
+
+    return cuda_memory_probe(model.replica_devices())
 
 
 def _fn_factory(

@@ -239,6 +239,16 @@ def _replica_metrics(snapshots: list[Named]) -> Iterator[Metric]:
         "(peak - trough) / total memory reported by the runner, 0 to 1.",
         labels=["model"],
     )
+    memory_peak = GaugeMetricFamily(
+        "carpool_memory_peak_bytes",
+        "Most memory the runner reported after a batch (on a GPU: torch's peak allocation).",
+        labels=["model"],
+    )
+    memory_total = GaugeMetricFamily(
+        "carpool_memory_total_bytes",
+        "Memory the runner reported it has in all (on a GPU: the device's memory).",
+        labels=["model"],
+    )
     for model, snap, *_ in snapshots:
         for r in snap.replicas:
             busy.add_metric([model, str(r.replica_id)], r.busy_fraction)
@@ -247,7 +257,9 @@ def _replica_metrics(snapshots: list[Named]) -> Iterator[Metric]:
         balance.add_metric([model], snap.replica_balance)
         if snap.memory is not None:
             memory.add_metric([model], snap.memory.volatility)
-    yield from (busy, busy_s, fill_wait_s, balance, memory)
+            memory_peak.add_metric([model], snap.memory.peak_bytes)
+            memory_total.add_metric([model], snap.memory.total_bytes)
+    yield from (busy, busy_s, fill_wait_s, balance, memory, memory_peak, memory_total)
 
 
 def _generation_metrics(snapshots: list[tuple[str, GenerationSnapshot]]) -> Iterator[Metric]:

@@ -39,3 +39,17 @@ def test_source_that_does_not_import_names_the_model_key() -> None:
         build_repository(_config(source="carpool_no_such_module:f"), file="serve.yaml")
     assert str(caught.value).startswith("serve.yaml: invalid models[0].source=")
     assert "ModuleNotFoundError" in str(caught.value)
+
+
+def test_only_a_torch_model_with_a_replica_on_cuda_gets_a_gpu_memory_probe() -> None:
+    pytest.importorskip("torch")
+    from carpool.models.torch import CudaMemoryProbe, cuda_memory_probe
+
+    assert cuda_memory_probe(["cpu", "cpu"]) is None
+    probe = cuda_memory_probe(["cpu", "cuda:1", "cuda", "cuda:1"])
+    assert isinstance(probe, CudaMemoryProbe) and probe.indices == [0, 1]
+    repository = build_repository(_config(devices=["cuda:0"]))  # python: its own memory
+    assert repository.get("m").batcher.memory_probe is None
+    torch_model = {"kind": "torch", "source": "carpool.models.mlp:build_w1", "device": "cuda:0"}
+    repository = build_repository(_config(**torch_model))  # its device is checked at start
+    assert isinstance(repository.get("m").batcher.memory_probe, CudaMemoryProbe)

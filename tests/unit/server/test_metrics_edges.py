@@ -13,6 +13,7 @@ from prometheus_client.utils import floatToGoString
 
 from carpool import Batcher, BatchPolicy
 from carpool.core.clock import FakeClock
+from carpool.core.telemetry import MemoryProbe
 from carpool.errors import InvalidInput
 from carpool.server.app import KServeApp
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
@@ -22,13 +23,16 @@ def double(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"y": inputs["x"] * 2}
 
 
-def _served(name: str, batcher_name: str | None = None) -> ServedModel:
+def _served(
+    name: str, batcher_name: str | None = None, memory_probe: MemoryProbe | None = None
+) -> ServedModel:
     model = Batcher(
         double,
         BatchPolicy(max_batch_size=8, max_delay_s=0.0, max_queue_size=1),
         collate="dict",
         clock=FakeClock(),
         name=batcher_name,
+        memory_probe=memory_probe,
     )
     spec = (TensorSpec("x", "FP32", (2,)),)
     return ServedModel(name, "1", "python", spec, (TensorSpec("y", "FP32", (2,)),), model)
@@ -111,6 +115,33 @@ async def test_a_rejection_counts_under_its_reason() -> None:
     }
     assert rejected[("normal", "invalid")] == 1
     assert rejected[("normal", "queue_full")] == 0
+
+
+async def test_memory_series_come_from_the_models_probe_after_each_batch() -> None:
+    samples = iter([(300, 1000), (700, 1000), (500, 1000)])
+    app = _app(_served("probed", memory_probe=lambda: next(samples)), _served("plain"))
+    await app.repository.start()
+    try:
+        for model in ("probed", "plain"):
+            batcher = app.repository.get(model).batcher
+            for _ in range(3):  # max_delay_s 0: one batch each
+                await batcher.submit_many({"x": np.ones((1, 2), np.float32)})
+        body = (await _scrape(app)).body
+    finally:
+        await app.repository.stop()
+    values = {
+        name: {s.labels["model"]: s.value for s in _samples(body, name)}
+        for name in (
+            "carpool_memory_volatility",
+            "carpool_memory_peak_bytes",
+            "carpool_memory_total_bytes",
+        )
+    }
+    assert values == {  # a model with no probe has no memory series at all
+        "carpool_memory_volatility": {"probed": pytest.approx(0.4)},
+        "carpool_memory_peak_bytes": {"probed": 700},
+        "carpool_memory_total_bytes": {"probed": 1000},
+    }
 
 
 async def test_bucket_bounds_are_canonical_numbers() -> None:
