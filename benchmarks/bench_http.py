@@ -43,22 +43,10 @@ from benchlib import (
     write_results,
     wrk_info,
 )
-from wrkrun import free_port, run_wrk, write_post_script
+from wrkrun import free_port, run_wrk, write_post_script, write_w1_binary_body
 
 DEFAULT_JSON = RESULTS / "http.json"
 CONCURRENCY = (1, 16, 64, 256)
-
-
-def _body(path: Path) -> int:
-    import tritonclient.http as httpclient
-
-    x = np.random.default_rng(0).standard_normal((1, 256), dtype=np.float32)
-    tensor = httpclient.InferInput("INPUT0", [1, 256], "FP32")
-    tensor.set_data_from_numpy(x, binary_data=True)
-    output = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
-    body, json_size = httpclient.InferenceServerClient.generate_request_body([tensor], [output])
-    path.write_bytes(body)
-    return int(json_size)
 
 
 def offline_ceiling(seconds: float = 3.0) -> float:
@@ -157,7 +145,7 @@ def main() -> None:
         wait_kserve_ready(url, server)
         with tempfile.TemporaryDirectory() as tmp:
             body = Path(tmp) / "body.bin"
-            header_length = _body(body)
+            header_length = write_w1_binary_body(body)
             script = Path(tmp) / "post.lua"
             write_post_script(
                 script,

@@ -29,6 +29,22 @@ def write_post_script(script: Path, body: Path, headers: dict[str, str]) -> None
     script.write_text("\n".join(lines))
 
 
+def write_w1_binary_body(path: Path) -> int:
+    """Writes one W1 request (1 x 256 float32, seed 0) as tritonclient.http sends it by
+    default, binary tensors after a JSON header, to ``path``; returns the header's length
+    (the ``Inference-Header-Content-Length`` to send with it)."""
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    x = np.random.default_rng(0).standard_normal((1, 256), dtype=np.float32)
+    tensor = httpclient.InferInput("INPUT0", [1, 256], "FP32")
+    tensor.set_data_from_numpy(x, binary_data=True)
+    output = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
+    body, json_size = httpclient.InferenceServerClient.generate_request_body([tensor], [output])
+    path.write_bytes(body)
+    return int(json_size)
+
+
 def latency_ms(text: str) -> float:
     """wrk's latency text (``850.00us``, ``5.71ms``, ``1.20s``, ``1.00m``) in milliseconds."""
     match = re.fullmatch(r"([0-9.]+)(us|ms|s|m)", text.strip())
