@@ -80,9 +80,9 @@ def _grpc_infer(client: grpcclient.InferenceServerClient, model: str, x: np.ndar
 def _grpc_at_once(
     client: grpcclient.InferenceServerClient, model: str, name_in: str, name_out: str, xs: Any
 ) -> list[np.ndarray]:
-    """Sends every ``xs[i]`` as its own request before any answer comes (gRPC calls are
-    truly asynchronous; tritonclient.http's async_infer was seen sending one at a time);
-    the answers in order."""
+    """Sends every ``xs[i]`` as its own request before any answer comes; the answers in
+    order. (tritonclient.http's async_infer sleeps 10 ms after each send, gevent.sleep(0.01)
+    in its source, so eight of them may not reach one batch window together.)"""
     answers: Queue[tuple[int, Any, Any]] = Queue()
     for i, x in enumerate(xs):
         tensor = grpcclient.InferInput(name_in, list(x.shape), "FP32")
