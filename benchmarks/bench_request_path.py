@@ -30,13 +30,13 @@ import uvloop
 from uvicorn.server import ServerState
 
 import benchlib
-from bench_http import _body
 from carpool.core.batcher import Batcher
 from carpool.core.policy import BatchPolicy
 from carpool.server.app import KServeApp
 from carpool.server.fasthttp import protocol_for
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.run import _freeze_startup_heap
+from wrkrun import write_w1_binary_body
 
 WINDOWS = 7
 
@@ -78,7 +78,7 @@ def _request(as_json: bool) -> bytes:
         head = b"Content-Type: application/json\r\n"
     else:
         with TemporaryDirectory() as tmp:
-            header_length = _body(Path(tmp) / "body")
+            header_length = write_w1_binary_body(Path(tmp) / "body")
             body = (Path(tmp) / "body").read_bytes()
         head = b"Content-Type: application/octet-stream\r\n"
         head += b"Inference-Header-Content-Length: %d\r\n" % header_length

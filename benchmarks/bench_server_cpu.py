@@ -32,8 +32,7 @@ import httpx
 import numpy as np
 
 import benchlib
-from bench_http import _body
-from wrkrun import free_port, run_wrk, write_post_script
+from wrkrun import free_port, run_wrk, write_post_script, write_w1_binary_body
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
@@ -60,7 +59,7 @@ def _script(folder: Path, as_json: bool) -> Path:
         body.write_text(json.dumps({"inputs": [tensor]}))
         write_post_script(script, body, {"Content-Type": "application/json"})
     else:
-        header_length = _body(body)
+        header_length = write_w1_binary_body(body)
         headers = {
             "Content-Type": "application/octet-stream",
             "Inference-Header-Content-Length": str(header_length),

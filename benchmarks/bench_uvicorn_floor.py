@@ -35,8 +35,8 @@ from pathlib import Path
 import httpx
 
 import benchlib
-from bench_http import _body, offline_ceiling
-from wrkrun import free_port, run_wrk, write_post_script
+from bench_http import offline_ceiling
+from wrkrun import free_port, run_wrk, write_post_script, write_w1_binary_body
 
 ANSWER = b'{"model_name":"mlp","outputs":[{"name":"OUTPUT0","datatype":"FP32","shape":[1,16]}]}'
 APP = f"""
@@ -125,7 +125,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         (folder / "noop_asgi.py").write_text(APP)
-        json_size = _body(folder / "body.bin")
+        json_size = write_w1_binary_body(folder / "body.bin")
         script = folder / "post.lua"
         write_post_script(
             script,
