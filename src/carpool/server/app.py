@@ -110,7 +110,10 @@ class KServeApp:
         except ClientGone:
             return  # nobody to answer
         except Exception as exc:
-            await _respond(send, *error_response(exc, is_openai=scope["path"].startswith("/v1/")))
+            status, body, headers = error_response(exc, is_openai=scope["path"].startswith("/v1/"))
+            if isinstance(exc, PayloadTooLarge):  # the rest of the body is not read: close,
+                headers = (*headers, _CLOSE)  # as the fast path does (uvicorn honours it)
+            await _respond(send, status, body, headers)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method: str = scope["method"]
@@ -348,6 +351,9 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 async def _json(send: Send, document: dict[str, Any]) -> None:
     await _respond(send, 200, orjson.dumps(document), (_JSON,))
+
+
+_CLOSE = (b"connection", b"close")
 
 
 async def _respond(

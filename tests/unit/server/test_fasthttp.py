@@ -315,10 +315,19 @@ async def test_body_in_many_chunks_and_larger_than_uvicorns_high_water_mark(
     assert output.shape == (8000, 2) and np.all(output == 1.0)
 
 
-async def test_body_over_the_limit_gets_413_and_the_connection_closes(server: Server) -> None:
+@pytest.mark.parametrize(
+    "path",
+    [b"/v2/models/m/infer", b"/v2/models/m/infer?x=1"],  # the fast path, then uvicorn's ASGI path
+)
+async def test_body_over_the_limit_gets_413_and_the_connection_closes(
+    server: Server, path: bytes
+) -> None:
+    # Was: uvicorn's ASGI path kept the connection and read the rest of the body on (a
+    # 64 MiB limit let a client make it read any amount); both paths now close.
     _, connect, model = server
     protocol, transport = connect()
-    protocol.data_received(_binary_request(1.0, rows=20_000))  # 160 KB > 100 KB
+    protocol.data_received(_binary_request(1.0, rows=20_000, path=path))  # 160 KB > 100 KB
+    await _until(lambda: transport.closed)
     ((status, headers, body),) = Responses(bytes(transport.data)).items
     assert status == 413 and headers[b"connection"] == b"close"
     assert "100000" in orjson.loads(body)["error"]
