@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import os
 import sys
@@ -23,11 +24,23 @@ from carpool.core.collate import Collator
 from carpool.core.telemetry import ReplicaCounters
 from carpool.errors import ConfigError
 
+log = logging.getLogger("carpool.replicas")
+
 BatchFn = Callable[[Any], Any]
 FnFactory = Callable[[str], BatchFn]
 
 
 EXECUTORS = ("auto", "thread", "loop")
+
+# A model's replicas build their copies on their own threads at once, so builds take turns:
+# a factory that seeds torch's global RNG (torch.manual_seed, then nn.Linear's
+# initialisation) would otherwise interleave its draws with another replica's and build
+# other weights than its seed gives; torch.export.load keeps its deserializer in a module
+# global and refuses a second concurrent load. The cost is start-up time with several
+# devices. A factory that waits for its sibling replicas (a barrier, a process group)
+# would wait forever: a build kept waiting is logged every BUILD_WAIT_LOG_S.
+BUILD_LOCK = threading.RLock()
+BUILD_WAIT_LOG_S = 30.0
 
 
 def usable_cpus() -> int:
@@ -272,11 +285,29 @@ class Replica:
         return 2 if self.is_threaded else 1
 
     async def load(self) -> None:
-        """Build this replica's model with the factory, on the replica's own thread."""
+        """Build this replica's model with the factory, on the replica's own thread, one
+        build at a time (``BUILD_LOCK``)."""
         if self._factory is not None:
             loop = asyncio.get_running_loop()
-            self._fn = await loop.run_in_executor(self._executor, self._factory, self.device)
+            self._fn = await loop.run_in_executor(self._executor, self._build)
             self._is_async = is_async_callable(self._fn)
+
+    def _build(self) -> BatchFn:
+        assert self._factory is not None
+        waited_s = 0.0
+        while not BUILD_LOCK.acquire(timeout=BUILD_WAIT_LOG_S):
+            waited_s += BUILD_WAIT_LOG_S
+            log.warning(
+                "replica %d (%s) has waited %.0f s to build its model: replicas are built "
+                "one at a time, and another one's factory has not returned",
+                self.replica_id,
+                self.device,
+                waited_s,
+            )
+        try:
+            return self._factory(self.device)
+        finally:
+            BUILD_LOCK.release()
 
     def start(
         self,

@@ -156,12 +156,13 @@ class BatchStats:
     num_tokens: int = 0  # variable-length items only: real tokens batched
     num_padded_slots: int = 0  # slots the model computed on padding
     padding_waste: float = 0.0  # padded slots / all slots
-    # Batches in which at least one request succeeded, and the items of the requests that
-    # did (Triton's execution_count and inference_count); when the last of them landed.
+    # Model calls that succeeded (a batch split after a failure runs as several), and the
+    # items of their requests (Triton's execution_count and inference_count); when the
+    # last of them landed.
     num_completed_batches: int = 0
     num_completed_items: int = 0
     last_completed_unix_s: float | None = None
-    # Those batches by size, and their compute seconds (Triton's batch_stats).
+    # Those calls by the size each ran, and their compute seconds (Triton's batch_stats).
     completed_size_histogram: dict[int, int] = field(default_factory=dict)
     completed_size_compute_s: dict[int, float] = field(default_factory=dict)
     # Each successful request's model call, its seconds summed (Triton's compute_infer).

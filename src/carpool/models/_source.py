@@ -4,19 +4,9 @@ from __future__ import annotations
 
 import importlib
 import re
-import threading
 from typing import Any
 
 from carpool.errors import ConfigError
-
-# Replicas, of one model and of all the models a config lists, build their copies on their
-# own threads at once, so builds take turns. A factory that seeds torch's global RNG
-# (torch.manual_seed, then nn.Linear's initialisation) would otherwise interleave its draws
-# with another one's and build other weights than its seed gives; and torch.export.load keeps
-# its deserializer in a module global, refusing a second concurrent load
-# ("_CURRENT_DESERIALIZER is already set"). Loading replicas one at a time costs start-up
-# time on several GPUs, never serving time.
-BUILD_LOCK = threading.RLock()
 
 _IMPORT_REF = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
@@ -53,11 +43,9 @@ def import_ref(source: str) -> Any:
 
 def build_with(source: str, factory: Any, *args: Any) -> Any:
     """``factory(*args)``, the model's own code: a failure is a ConfigError on ``source``
-    saying why, so that ``carpool serve`` names the model's key instead of a traceback.
-    Factories run one at a time (``BUILD_LOCK``)."""
+    saying why, so that ``carpool serve`` names the model's key instead of a traceback."""
     try:
-        with BUILD_LOCK:
-            return factory(*args)
+        return factory(*args)
     except Exception as error:
         raise ConfigError(
             "source", source, f"a factory that builds the model ({type(error).__name__}: {error})"

@@ -19,17 +19,20 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
+import time
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from carpool.core.layout import Packed
+from carpool.core.replicas import BUILD_LOCK
 from carpool.core.telemetry import MemoryProbe
 from carpool.errors import ConfigError, ModelError
-from carpool.models._source import BUILD_LOCK, build_with, import_ref, is_import_ref
+from carpool.models._source import build_with, import_ref, is_import_ref
 
 
 class TorchRunner:
@@ -240,37 +243,71 @@ def _cuda_index(device: str) -> int:
 
 
 class CudaMemoryProbe:
-    """(peak bytes torch allocated on the GPUs since the previous sample, their total
-    memory), summed over the GPUs ``indices``.
+    """(bytes torch allocated on the GPUs ``indices`` at the most, their total memory).
 
-    The batcher calls it after each batch, so its peak and trough are the heaviest and the
-    lightest stretch of batches, and ``carpool_memory_volatility`` shows how far memory
-    swings between them. Reading torch's allocator statistics builds a dict of some hundred
-    entries, so a sample is taken at most every ``interval_s`` (the last one is repeated in
-    between); the peak since the previous sample covers the batches in between all the
-    same. CUDA is touched only once a batch has run, never at construction."""
+    torch's allocator counts per GPU, not per model: this is the memory of every model of
+    the process on those GPUs. Each GPU has one :class:`GpuMemorySampler`, shared by all
+    the probes on it, so models on one GPU report the same figures and never cut each
+    other's windows short."""
 
-    def __init__(self, indices: Sequence[int], interval_s: float = 0.05) -> None:
+    def __init__(self, indices: Sequence[int]) -> None:
         self.indices = list(indices)
+        self._samplers = [GpuMemorySampler.of(index) for index in self.indices]
+
+    def __call__(self) -> tuple[int, int]:
+        used = total = 0
+        for sampler in self._samplers:
+            peak_bytes, total_bytes = sampler.sample()
+            used += peak_bytes
+            total += total_bytes
+        return used, total
+
+
+class GpuMemorySampler:
+    """One GPU's peak allocation, sampled at most every ``interval_s``.
+
+    A batcher calls its probe after each batch; a sample is the most torch allocated on
+    the GPU since the sample before (``max_memory_allocated``, then the peak is reset), so
+    across samples the peak and the trough are the heaviest and the lightest stretch of
+    batches. Reading the allocator's statistics builds a dict of some hundred entries, so
+    between samples the last one is repeated. The first sample is what is allocated then:
+    the peak before it counts model loading, not batches."""
+
+    _by_index: ClassVar[dict[int, GpuMemorySampler]] = {}
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, index: int, interval_s: float = 0.05) -> None:
+        self.index = index
         self.interval_s = interval_s
         self._sampled_at_s: float | None = None
         self._sample = (0, 0)
 
-    def __call__(self) -> tuple[int, int]:
-        import time
+    @classmethod
+    def of(cls, index: int) -> GpuMemorySampler:
+        """The process's sampler of GPU ``index``."""
+        with cls._lock:
+            sampler = cls._by_index.get(index)
+            if sampler is None:
+                sampler = cls._by_index[index] = cls(index)
+            return sampler
 
+    def sample(self) -> tuple[int, int]:
+        """(peak bytes since the previous sample, the GPU's total bytes)."""
         import torch
 
         now = time.monotonic()
-        if self._sampled_at_s is not None and now - self._sampled_at_s < self.interval_s:
+        with self._lock:
+            if self._sampled_at_s is not None and now - self._sampled_at_s < self.interval_s:
+                return self._sample
+            cuda = torch.cuda
+            if self._sampled_at_s is None:
+                used = int(cuda.memory_allocated(self.index))
+            else:
+                used = int(cuda.max_memory_allocated(self.index))
+            cuda.reset_peak_memory_stats(self.index)
+            total = int(cuda.get_device_properties(self.index).total_memory)
+            self._sampled_at_s, self._sample = now, (used, total)
             return self._sample
-        used = total = 0
-        for index in self.indices:
-            used += int(torch.cuda.max_memory_allocated(index))
-            torch.cuda.reset_peak_memory_stats(index)
-            total += int(torch.cuda.get_device_properties(index).total_memory)
-        self._sampled_at_s, self._sample = now, (used, total)
-        return self._sample
 
 
 def load_module(source: str, device: str = "cpu") -> Any:
@@ -293,7 +330,7 @@ def load_module(source: str, device: str = "cpu") -> Any:
         return module
     path = Path(source)
     try:
-        with BUILD_LOCK:  # torch.export.load: one at a time
+        with BUILD_LOCK:  # torch.export.load: one at a time, also outside a replica
             if path.suffix == ".pt2":
                 return _load_export(path)
             return torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]

@@ -144,3 +144,43 @@ async def test_loop_stays_on_the_loop_however_long_a_batch_takes(
         for _ in range(3):
             await batcher.submit(np.ones(1))
     assert model.threads == {threading.get_ident()}
+
+
+async def test_replicas_build_one_at_a_time_and_a_build_kept_waiting_is_logged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Builds take turns (a factory seeding torch's global RNG drew another replica's
+    # weights otherwise); a factory that never returns must not hold the others silently.
+    import logging
+
+    monkeypatch.setattr(replicas, "BUILD_WAIT_LOG_S", 0.01)
+    release = threading.Event()
+    building: list[str] = []
+    overlapped: list[str] = []
+    entered: list[str] = []
+
+    class ReleaseOnWarning(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "has waited" in record.getMessage():
+                release.set()
+
+    def factory(device: str) -> ThreadRecorder:
+        if building:
+            overlapped.append(device)
+        building.append(device)
+        entered.append(device)
+        if len(entered) == 1:  # the first build holds the other back until its wait is logged
+            release.wait(30)
+        building.remove(device)
+        return ThreadRecorder()
+
+    handler = ReleaseOnWarning()
+    logging.getLogger("carpool.replicas").addHandler(handler)
+    try:
+        batcher = Batcher(fn_factory=factory, devices=["cpu", "cpu"], executor="thread")
+        async with batcher:
+            assert batcher.num_replicas == 2
+    finally:
+        logging.getLogger("carpool.replicas").removeHandler(handler)
+    assert release.is_set(), "the waiting build was not logged"
+    assert overlapped == []

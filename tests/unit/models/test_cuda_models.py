@@ -14,7 +14,7 @@ import torch
 
 from carpool.models.bert import ATTENTION_VARIANTS, BertConfig, BertEncoder, Segments
 from carpool.models.mlp import build_w1
-from carpool.models.torch import CudaMemoryProbe, TorchRunner
+from carpool.models.torch import CudaMemoryProbe, GpuMemorySampler, TorchRunner
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: torch sees none here"
@@ -104,18 +104,25 @@ def test_every_attention_variant_runs_on_the_gpu_as_on_the_cpu(
     _close(got.float().cpu().numpy(), want.numpy(), dtype)
 
 
-def test_the_memory_probe_reports_the_peak_since_its_last_sample() -> None:
-    probe = CudaMemoryProbe([0], interval_s=0.0)
-    probe()  # starts a fresh stretch
+def test_the_memory_sampler_reports_the_peak_since_its_last_sample() -> None:
+    sampler = GpuMemorySampler(0, interval_s=0.0)
+    first, total = sampler.sample()  # what is allocated now, not the peak of loading
+    assert first == torch.cuda.memory_allocated(0)
+    assert total == torch.cuda.get_device_properties(0).total_memory
     block = torch.empty(256 << 20, dtype=torch.uint8, device="cuda:0")  # 256 MiB
     del block
-    peak, total = probe()
-    assert total == torch.cuda.get_device_properties(0).total_memory
-    assert peak >= 256 << 20
-    after, _ = probe()  # the block was freed before this stretch
+    peak, _ = sampler.sample()
+    assert peak >= first + (256 << 20)
+    after, _ = sampler.sample()  # the block was freed before this stretch
     assert after < peak - (128 << 20)
-    held = CudaMemoryProbe([0], interval_s=3600.0)
-    first = held()
+    held = GpuMemorySampler(0, interval_s=3600.0)
+    sample = held.sample()
     kept = torch.empty(256 << 20, dtype=torch.uint8, device="cuda:0")
-    assert held() == first  # within the interval the last sample is repeated
+    assert held.sample() == sample  # within the interval the last sample is repeated
     del kept
+
+
+def test_probes_on_one_gpu_share_its_sampler() -> None:
+    first, second = CudaMemoryProbe([0]), CudaMemoryProbe([0])
+    assert first() == second()  # one sample of the GPU, not one each cutting the other's
+    assert first._samplers[0] is GpuMemorySampler.of(0) is second._samplers[0]

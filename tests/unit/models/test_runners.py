@@ -201,40 +201,39 @@ def test_torch_export_file_loads_on_several_replica_threads_at_once(
         _check_two_heads(runner, name)
 
 
-@pytest.mark.parametrize("kind", ["torch", "python"])
-def test_a_seeded_factory_builds_the_same_weights_on_replica_threads_at_once(kind: str) -> None:
+@pytest.mark.parametrize("kind", ["torch", "python", "library"])
+async def test_a_seeded_factory_builds_the_same_weights_in_every_replica(kind: str) -> None:
     # carpool.models.mlp's factories seed torch's global RNG, then draw W1's weights from
-    # it. Replicas (and other models) build their copies on their own threads at once:
-    # drawn concurrently, the copies got interleaved draws, other weights than the seed's.
-    import threading
-
+    # it. A model's replicas build their copies on their own threads: built at once, they
+    # interleaved their draws and got other weights than the seed's. The three ways in:
+    # a config's torch module:factory, a config's python factory, and a factory given to
+    # Batcher directly (the library, carpool tune).
     import torch
 
-    from carpool.models.mlp import build_w1
+    from carpool import Batcher
+    from carpool.models.mlp import build_w1, make_w1
 
     want = build_w1().state_dict()
+    inner: Callable[[str], Any]
     if kind == "torch":
-        factory: Callable[[str], Any] = torch_factory(
+        inner = torch_factory(
             "carpool.models.mlp:build_w1", input_names=["INPUT0"], output_names=["OUTPUT0"]
         )
+    elif kind == "python":
+        inner = load_python("carpool.models.mlp:make_w1")
     else:
-        factory = load_python("carpool.models.mlp:make_w1")
-    num_replicas = 4
-    start = threading.Barrier(num_replicas)
-    modules: list[Any] = []
+        inner = make_w1
+    built: list[Any] = []
 
-    def load() -> None:
-        start.wait()
-        built = factory("cpu")
-        modules.append(built.module if kind == "torch" else built.model)
+    def factory(device: str) -> Any:
+        model = inner(device)
+        built.append(model.module if kind == "torch" else model.model)
+        return model
 
-    threads = [threading.Thread(target=load) for _ in range(num_replicas)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(modules) == num_replicas
-    for module in modules:
+    batcher = Batcher(fn_factory=factory, num_replicas=4, executor="thread")
+    async with batcher:
+        assert len(built) == 4
+    for module in built:
         got = module.state_dict()
         assert all(torch.equal(got[key], want[key]) for key in want)
 
