@@ -111,8 +111,8 @@ class KServeApp:
             return  # nobody to answer
         except Exception as exc:
             status, body, headers = error_response(exc, is_openai=scope["path"].startswith("/v1/"))
-            if isinstance(exc, PayloadTooLarge):  # the rest of the body is not read: close,
-                headers = (*headers, _CLOSE)  # as the fast path does (uvicorn honours it)
+            if isinstance(exc, PayloadTooLarge) and exc.is_unread:  # close, as the fast
+                headers = (*headers, _CLOSE)  # path does (uvicorn honours connection: close)
             await _respond(send, status, body, headers)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -230,7 +230,7 @@ class KServeApp:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                raise PayloadTooLarge(size, self.max_body_bytes)
+                raise PayloadTooLarge(size, self.max_body_bytes, is_unread=True)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 body = b"".join(chunks)

@@ -76,10 +76,14 @@ class PortInUse(Exception):
 
 
 class PayloadTooLarge(Exception):
-    def __init__(self, size_bytes: int, limit_bytes: int) -> None:
+    """A body over the limit; ``is_unread`` when the rest of it was left unread (then the
+    connection cannot carry another request and is closed)."""
+
+    def __init__(self, size_bytes: int, limit_bytes: int, *, is_unread: bool = False) -> None:
         super().__init__(
             f"request body of {size_bytes} bytes exceeds the limit of {limit_bytes} bytes"
         )
+        self.is_unread = is_unread
 
 
 @dataclass(frozen=True, slots=True)

@@ -335,6 +335,34 @@ async def test_body_over_the_limit_gets_413_and_the_connection_closes(
     assert model.seen == []
 
 
+async def test_a_gzip_body_that_inflates_past_the_limit_keeps_the_connection(
+    server: Server,
+) -> None:
+    # Read in full, only too large once inflated: a 413, and the connection goes on.
+    import gzip
+
+    _, connect, _ = server
+    protocol, transport = connect()
+    raw = _json_request(
+        {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [0.0] * 60_000}]},
+        path=b"/v2/models/m/infer?a=1",
+    )
+    head, _, body = raw.partition(b"\r\n\r\n")
+    packed = gzip.compress(body)  # about 200 KB inflated, far less sent
+    head = head.replace(b"Content-Length: %d" % len(body), b"Content-Length: %d" % len(packed))
+    protocol.data_received(head + b"\r\nContent-Encoding: gzip\r\n\r\n" + packed)
+    await _until(lambda: bool(transport.data))
+    ((status, headers, _),) = Responses(bytes(transport.data)).items
+    assert status == 413 and headers.get(b"connection") != b"close"
+    transport.data.clear()
+    protocol.data_received(_binary_request(2.0))
+    await _until(lambda: bool(transport.data))
+    np.testing.assert_array_equal(
+        _binary_output(Responses(bytes(transport.data)).items[0]), [[4, 4]]
+    )
+    assert not transport.closed
+
+
 async def test_connection_close_is_honoured(server: Server) -> None:
     _, connect, _ = server
     protocol, transport = connect()
