@@ -51,17 +51,9 @@ MODELS = {"w1_batched": (64, 0.002), "w1_unbatched": (1, 0.0)}
 
 def offline(dtype: str, batch_size: int, seconds: float = 1.0, runs: int = 3) -> float:
     """Items/s of the torch runner on cuda:0 at ``batch_size``: the median of ``runs``."""
-    from carpool.models.mlp import build_w1
-    from carpool.models.torch import TorchRunner
+    from carpool.models.mlp import w1_torch_runner
 
-    runner = TorchRunner(
-        build_w1(),
-        input_names=["INPUT0"],
-        output_names=["OUTPUT0"],
-        device="cuda:0",
-        dtype=dtype,
-        output_dtypes=[np.dtype(np.float32)],
-    )
+    runner = w1_torch_runner("cuda:0", dtype)
     x = {"INPUT0": np.random.default_rng(1).standard_normal((batch_size, 256), np.float32)}
     for _ in range(20):
         runner(x)  # each call ends with a copy to the host: it has finished on the GPU

@@ -7,10 +7,13 @@ Linear(2048, 16)``, float32, weights from ``torch.manual_seed(0)``, eval mode, r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from carpool.models.torch import TorchRunner
 
 W1_INPUT_DIM = 256
 W1_OUTPUT_DIM = 16
@@ -56,3 +59,19 @@ class W1Runner:
 def make_w1(device: str = "cpu") -> W1Runner:
     """Factory for ``Batcher(fn_factory=...)``: one W1 copy per replica device."""
     return W1Runner(device=device)
+
+
+def w1_torch_runner(device: str = "cpu", dtype: str | None = None) -> TorchRunner:
+    """W1 behind the torch runner, as ``kind: torch`` serves ``carpool.models.mlp:build_w1``
+    with inputs ``INPUT0`` [256] and outputs ``OUTPUT0`` [16] (FP32), on ``device`` in
+    ``dtype``."""
+    from carpool.models.torch import TorchRunner
+
+    return TorchRunner(
+        build_w1(),
+        input_names=["INPUT0"],
+        output_names=["OUTPUT0"],
+        device=device,
+        dtype=dtype,
+        output_dtypes=[np.dtype(np.float32)],
+    )

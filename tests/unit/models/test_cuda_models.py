@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from carpool.models.bert import ATTENTION_VARIANTS, BertConfig, BertEncoder, Segments
-from carpool.models.mlp import build_w1
-from carpool.models.torch import CudaMemoryProbe, GpuMemorySampler, TorchRunner
+from carpool.models.mlp import build_w1, w1_torch_runner
+from carpool.models.torch import CudaMemoryProbe, GpuMemorySampler
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: torch sees none here"
@@ -35,14 +35,7 @@ def test_the_torch_runner_runs_in_the_device_and_dtype_it_is_given(dtype: str) -
     x = np.random.default_rng(0).standard_normal((64, 256), dtype=np.float32)
     with torch.inference_mode():
         want = build_w1()(torch.from_numpy(x)).numpy()
-    runner = TorchRunner(
-        build_w1(),
-        input_names=["INPUT0"],
-        output_names=["OUTPUT0"],
-        device="cuda:0",
-        dtype=dtype,
-        output_dtypes=[np.dtype(np.float32)],
-    )
+    runner = w1_torch_runner("cuda:0", dtype)
     parameter = next(runner.module.parameters())
     assert (parameter.device.type, parameter.dtype) == ("cuda", getattr(torch, dtype))
     got = runner({"INPUT0": x})["OUTPUT0"]
