@@ -56,6 +56,9 @@ class CountingTransport:
     def is_closing(self) -> bool:
         return False
 
+    def can_write_eof(self) -> bool:
+        return False  # no half-close: a lingering close closes at once
+
     def close(self) -> None:
         pass
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from carpool import __version__
+from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES
 
 if TYPE_CHECKING:
     from carpool.server.repository import ModelRepository
@@ -68,6 +69,14 @@ def serve(
     log_level: Annotated[
         LogLevel, typer.Option(help="uvicorn log level.", case_sensitive=False)
     ] = LogLevel.warning,
+    max_request_bytes: Annotated[
+        int,
+        typer.Option(
+            help="Largest request: an HTTP body (413 beyond) or a gRPC message "
+            "(RESOURCE_EXHAUSTED beyond), in bytes.",
+            min=1,
+        ),
+    ] = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
@@ -84,7 +93,14 @@ def serve(
         check_ports(host, port, grpc_port)  # before a config's models load their weights
         with exit_on_signal_while_building():
             repository = _repository(config)
-        run_server(repository, host=host, port=port, grpc_port=grpc_port, log_level=log_level.value)
+        run_server(
+            repository,
+            host=host,
+            port=port,
+            grpc_port=grpc_port,
+            log_level=log_level.value,
+            max_request_bytes=max_request_bytes,
+        )
     except PortInUse as error:
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(3) from None  # uvicorn's status when the HTTP port is taken

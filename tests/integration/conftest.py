@@ -157,6 +157,17 @@ class ServedProcess:
             pytest.fail(f"carpool serve did not exit after SIGTERM:\n{self.output()}")
 
 
+# One batched model, OUTPUT0 = 2 * INPUT0, for tests about the server rather than a model.
+DOUBLER_CONFIG = """\
+models:
+  - name: doubler
+    kind: python
+    source: configmodels:double
+    inputs: [{name: INPUT0, datatype: FP32, shape: [-1]}]
+    outputs: [{name: OUTPUT0, datatype: FP32, shape: [-1]}]
+    max_batch_size: 8
+    max_delay_s: 0.001
+"""
 StartServer = Callable[..., ServedProcess]
 WAIT_LIMIT_S = 30.0  # a net against a hung test, never a timing assertion
 
@@ -177,10 +188,12 @@ def start_served_process(
     *,
     grpc: bool = False,
     env: dict[str, str] | None = None,
+    args: list[str] | None = None,
 ) -> ServedProcess:
     """Write ``config_text`` to ``folder/serve.yaml`` and serve it on 127.0.0.1 (HTTP, and
     gRPC when ``grpc``); python model sources import from this folder (configmodels).
-    With ``config_text=None`` the built-in models are served."""
+    With ``config_text=None`` the built-in models are served. ``args``: more options of
+    `carpool serve`."""
     config_args: list[str] = []
     if config_text is not None:
         config = folder / "serve.yaml"
@@ -198,6 +211,7 @@ def start_served_process(
     log = folder / f"serve-{port}.log"
     command = [sys.executable, "-m", "carpool.cli", "serve", *config_args]
     command += ["--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port)]
+    command += args or []
     with log.open("wb") as sink:
         process = subprocess.Popen(
             command, stdout=sink, stderr=subprocess.STDOUT, env=full_env, cwd=str(folder)
@@ -241,16 +255,20 @@ def _is_ready(served: ServedProcess) -> bool:
 
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[StartServer]:
-    """``start_server(config_text, grpc=..., env=...)`` starts a server for this test; the
+    """``start_server(config_text, grpc=..., env=..., args=...)`` starts a server for this test; the
     ones the test did not stop itself are stopped afterwards and must exit 0."""
     started: list[ServedProcess] = []
 
     def start(
-        config_text: str, *, grpc: bool = False, env: dict[str, str] | None = None
+        config_text: str,
+        *,
+        grpc: bool = False,
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
     ) -> ServedProcess:
         folder = tmp_path / f"server{len(started)}"
         folder.mkdir()
-        served = start_served_process(config_text, folder, grpc=grpc, env=env)
+        served = start_served_process(config_text, folder, grpc=grpc, env=env, args=args)
         started.append(served)
         return served
 

@@ -31,7 +31,13 @@ from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
 from carpool.server import completions, openai
 from carpool.server.encoding import inflate, response_encoding
-from carpool.server.errors import MethodNotAllowed, NotFound, NotSupported, PayloadTooLarge
+from carpool.server.errors import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    MethodNotAllowed,
+    NotFound,
+    NotSupported,
+    PayloadTooLarge,
+)
 from carpool.server.infer import (
     InferPlans,
     compressed,
@@ -48,7 +54,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = DEFAULT_MAX_REQUEST_BYTES
 # Triton's extension names for what carpool serves: schedule_policy is the priority and
 # timeout request parameters; classification is server/classification.py. Not served, each
 # endpoint a 501 naming it (_UNSERVED), each request parameter a 400: model_repository
@@ -220,7 +226,11 @@ class KServeApp:
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         """The request body, inflated when it came with ``Content-Encoding: gzip`` or
         ``deflate`` (``tritonclient``'s ``request_compression_algorithm``), within
-        ``max_body_bytes`` either way."""
+        ``max_body_bytes`` either way. A declared ``Content-Length`` over the limit is
+        refused before any of the body is read (nor ``100 Continue`` sent to ask for it)."""
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise PayloadTooLarge(int(declared), self.max_body_bytes, is_unread=True)
         chunks: list[bytes] = []
         size = 0
         while True:

@@ -75,13 +75,19 @@ class PortInUse(Exception):
     """A port the server was told to listen on cannot be bound."""
 
 
+# The largest request, an HTTP body or a gRPC message, unless `carpool serve
+# --max-request-bytes` says otherwise: Triton's default too (--http-max-input-size).
+DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+
+
 class PayloadTooLarge(Exception):
     """A body over the limit; ``is_unread`` when the rest of it was left unread (then the
     connection cannot carry another request and is closed)."""
 
     def __init__(self, size_bytes: int, limit_bytes: int, *, is_unread: bool = False) -> None:
         super().__init__(
-            f"request body of {size_bytes} bytes exceeds the limit of {limit_bytes} bytes"
+            f"request body of {size_bytes} bytes exceeds the limit of {limit_bytes} bytes "
+            "(carpool serve --max-request-bytes)"
         )
         self.is_unread = is_unread
 

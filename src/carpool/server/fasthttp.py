@@ -45,6 +45,7 @@ from carpool.server.infer import (
 from carpool.server.repository import ServedModel
 
 _HEADER_LENGTH = b"inference-header-content-length"
+_CONTENT_LENGTH = b"content-length"
 _CONTENT_ENCODING = b"content-encoding"
 _ACCEPT_ENCODING = b"accept-encoding"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -60,6 +61,13 @@ READ_AHEAD_BYTES = 1024 * 1024
 # to MAX_HEADER_FIELDS. Trailer fields are never kept.
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADER_FIELDS = 256
+# A connection closed while its client may still be sending its body (a 413 before the
+# body was read) is half-closed instead: the answer goes out with a FIN,
+# and what the client goes on sending is read and dropped for at most LINGER_S, until it
+# closes its side. Closed at once, the kernel would answer those bytes with a reset, and a
+# client still writing its body would see "connection reset" instead of the answer
+# (nginx's lingering close, 5 s as its lingering_timeout).
+LINGER_S = 5.0
 
 
 class _Refused(Exception):
@@ -101,7 +109,9 @@ class InferProtocol(HttpToolsProtocol):
         self._repeat: RepeatedHead | None = None
         self._chunk: bytes | None = None
         self._first: bytes | None = None
-        self._refused = False  # bytes that cannot start a request came: read no more
+        # Bytes that cannot start a request came, or the connection lingers (LINGER_S):
+        # whatever is read is dropped.
+        self._refused = False
 
     # -- connection limits: head size, timeouts -----------------------------------------
     #
@@ -273,7 +283,22 @@ class InferProtocol(HttpToolsProtocol):
     def _write_refusal(self, answer: bytes) -> None:
         if not self.transport.is_closing():
             self.transport.write(answer)
-            self.transport.close()
+            self.transport.close()  # at once: bytes that broke the protocol, not a body
+
+    def close_lingering(self) -> None:
+        """Close the connection after what was written; half-closed for LINGER_S when
+        the client may still be sending the request being received."""
+        transport = self.transport
+        if transport.is_closing():
+            return
+        if not self._receiving or not _can_write_eof(transport):
+            transport.close()
+            return
+        self._refused = True  # nothing more is parsed, answered or timed
+        self._wait_deadline = None
+        transport.write_eof()  # after what is buffered
+        self.flow.resume_reading()  # a paused transport would never see the client close
+        self.loop.call_later(LINGER_S, transport.close)
 
     # -- parser callbacks: the fork between the fast path and uvicorn's -----------------
 
@@ -301,7 +326,7 @@ class InferProtocol(HttpToolsProtocol):
             )
         self._wait_deadline = None  # the request is read on (or answered)
         model = self._fast_model()
-        header_length = accept = None
+        header_length = accept = declared = None
         if model is not None:
             for name, value in self.headers:
                 if name == _HEADER_LENGTH:
@@ -310,6 +335,8 @@ class InferProtocol(HttpToolsProtocol):
                 elif name == _ACCEPT_ENCODING:
                     if accept is None:  # the first, as the ASGI path reads it
                         accept = value
+                elif name == _CONTENT_LENGTH:  # one at most: llhttp refuses two
+                    declared = value
                 elif name == _CONTENT_ENCODING:  # compressed: the ASGI path inflates it
                     model = None
                     break
@@ -318,7 +345,11 @@ class InferProtocol(HttpToolsProtocol):
             super().on_message_begin()  # uvicorn's scope, with what the parser gave so far
             self.url, self.expect_100_continue = url, expect
             self.headers.extend(headers)
+            existing = self.cycle
             super().on_headers_complete()
+            if self.cycle is not existing:  # not an upgrade: a cycle, whose answer may
+                # close the connection before the body is read (a 413)
+                self.cycle.transport = _LingeringClose(self)  # type: ignore[assignment]
             return
         if self.transport.is_closing():
             self._first = None
@@ -328,7 +359,12 @@ class InferProtocol(HttpToolsProtocol):
         keep_alive = version != "1.0" and parser.should_keep_alive()
         encoding = None if accept is None else response_encoding(accept)
         expect = self.expect_100_continue
-        self._start_fast(model, header_length, encoding, version, keep_alive, expect)
+        # A declared length over the limit: a 413 in its turn, without reading the body
+        # (nor asking for it with 100 Continue).
+        too_large = 0
+        if declared is not None and int(declared) > self.kserve.max_body_bytes:
+            too_large = int(declared)
+        self._start_fast(model, header_length, encoding, version, keep_alive, expect, too_large)
         if not keep_alive or expect:
             self._first = None  # not kept: the parser tracks what such heads ask
 
@@ -340,9 +376,11 @@ class InferProtocol(HttpToolsProtocol):
         version: str,
         keep_alive: bool,
         expect_continue: bool,
+        too_large: int = 0,
     ) -> None:
         """A fast-path request whose head is complete: answered now, or queued behind
-        the request being answered."""
+        the request being answered. ``too_large``: the body's declared length, over the
+        limit (0: not over)."""
         cycle = FastCycle(
             model,
             self.url.decode("latin-1"),  # as _fast_model matched it
@@ -353,6 +391,8 @@ class InferProtocol(HttpToolsProtocol):
             expect_continue,
             self.on_response_complete,
         )
+        if too_large:
+            cycle.size, cycle.oversize, cycle.keep_alive = too_large, True, False
         existing, self.cycle = self.cycle, cycle  # type: ignore[assignment]
         if existing is None or existing.response_complete:
             self._begin(cycle)
@@ -622,5 +662,29 @@ class InferProtocol(HttpToolsProtocol):
                 '%s - "POST %s HTTP/%s" %d', client, cycle.path, cycle.http_version, status
             )
         if not cycle.keep_alive:
-            self.transport.close()
+            self.close_lingering()
         cycle.on_response()
+
+
+def _can_write_eof(transport: asyncio.Transport) -> bool:
+    try:
+        return transport.can_write_eof()
+    except NotImplementedError:  # asyncio's base transport: no half-close
+        return False
+
+
+class _LingeringClose:
+    """The transport an ASGI cycle writes to: the connection's, closed as
+    :meth:`InferProtocol.close_lingering` closes it (uvicorn's cycle closes its transport
+    when an answer ends the connection)."""
+
+    __slots__ = ("_protocol",)
+
+    def __init__(self, protocol: InferProtocol) -> None:
+        self._protocol = protocol
+
+    def close(self) -> None:
+        self._protocol.close_lingering()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._protocol.transport, name)

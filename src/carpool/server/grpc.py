@@ -39,7 +39,13 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from carpool import __version__
 from carpool.errors import InvalidInput
 from carpool.server.classification import class_count_of, class_counts, classify
-from carpool.server.errors import NotFound, PortInUse, error_message, grpc_status
+from carpool.server.errors import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    NotFound,
+    PortInUse,
+    error_message,
+    grpc_status,
+)
 from carpool.server.proto import grpc_service_pb2 as pb
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.stats import model_stats
@@ -74,7 +80,7 @@ __all__ = [
 EXTENSIONS = [
     "classification", "model_configuration", "statistics", "parameters", "schedule_policy"
 ]  # fmt: skip
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # requests, as the REST body limit
+MAX_MESSAGE_BYTES = DEFAULT_MAX_REQUEST_BYTES  # requests, as the REST body limit
 # Responses, as Triton's server and tritonclient's channel: a protobuf message's ceiling. A
 # smaller limit would fail an answer after its model ran (REST bounds no response).
 MAX_RESPONSE_BYTES = 2**31 - 1
@@ -510,11 +516,14 @@ def bind_grpc_server(
     host: str,
     port: int,
     servicer: InferenceServicer | None = None,
+    *,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> grpc.aio.Server:
     """A gRPC server for ``repository`` (through ``servicer``, whose :meth:`drain
     <InferenceServicer.drain>` the caller calls on shutdown) bound to ``host:port``, not
     yet started. grpcio listens as soon as it binds: ``carpool serve`` binds it once the
-    models are loaded, holding the port with a plain socket until then.
+    models are loaded, holding the port with a plain socket until then. A request message
+    over ``max_message_bytes`` is refused with RESOURCE_EXHAUSTED.
 
     Raises:
         PortInUse: the address cannot be bound.
@@ -522,7 +531,7 @@ def bind_grpc_server(
     address = host_port(host, port)
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
             # grpcio sets SO_REUSEPORT by default: a second server on a port another gRPC
             # server holds would bind, and the kernel would split connections between them.

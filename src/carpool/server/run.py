@@ -33,7 +33,7 @@ import uvloop
 
 from carpool.server.app import KServeApp
 from carpool.server.banner import logger, ready_lines, use_default_logging
-from carpool.server.errors import PortInUse
+from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES, PortInUse
 from carpool.server.fasthttp import protocol_for
 from carpool.server.grpc import InferenceServicer, bind_grpc_server, host_port
 from carpool.server.repository import ModelRepository
@@ -80,15 +80,18 @@ def serve(
     port: int = 8000,
     grpc_port: int | None = 8001,
     log_level: str = "warning",
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     """Serve HTTP on ``port`` and gRPC on ``grpc_port`` (None or <= 0: no gRPC) until
     SIGINT/SIGTERM; then stop accepting, drain every batcher, return (exit status 0).
+    An HTTP body or gRPC message over ``max_request_bytes`` is refused (413,
+    RESOURCE_EXHAUSTED).
 
     Raises:
         PortInUse: ``port`` or ``grpc_port`` cannot be bound (before any model loads).
     """
     use_default_logging()
-    app = KServeApp(repository)
+    app = KServeApp(repository, max_body_bytes=max_request_bytes)
     config = uvicorn.Config(
         app,
         host=host,
@@ -103,7 +106,7 @@ def serve(
     # uvloop, as HTTP ran before gRPC was added: grpc.aio (grpcio 1.85) serves on it; the
     # gRPC integration tests (tritonclient.grpc, SIGTERM drain, exit 0) run on this loop.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(repository, config, host, grpc_port))
+        runner.run(_serve(repository, config, host, grpc_port, max_request_bytes))
 
 
 def _freeze_startup_heap() -> None:
@@ -233,7 +236,11 @@ def _exit_on_signal_while_loading(loop: asyncio.AbstractEventLoop) -> Callable[[
 
 
 async def _serve(
-    repository: ModelRepository, config: uvicorn.Config, host: str, grpc_port: int | None
+    repository: ModelRepository,
+    config: uvicorn.Config,
+    host: str,
+    grpc_port: int | None,
+    max_request_bytes: int,
 ) -> None:
     loop = asyncio.get_running_loop()
     wants_grpc = grpc_port is not None and grpc_port > 0
@@ -265,7 +272,13 @@ async def _serve(
         if wants_grpc:
             _close(held)
             try:
-                grpc_server = bind_grpc_server(repository, host, grpc_port or 0, servicer)
+                grpc_server = bind_grpc_server(
+                    repository,
+                    host,
+                    grpc_port or 0,
+                    servicer,
+                    max_message_bytes=max_request_bytes,
+                )
             except PortInUse:  # taken in the instant between: nothing was served
                 _close(sockets)
                 raise

@@ -38,6 +38,9 @@ class FakeTransport:
     def is_closing(self) -> bool:
         return self.closed
 
+    def can_write_eof(self) -> bool:
+        return False  # no half-close: a lingering close closes at once
+
     def close(self) -> None:
         self.closed = True
 

@@ -274,6 +274,9 @@ class Transport:
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
 
+    def can_write_eof(self) -> bool:
+        return False  # no half-close: a lingering close closes at once
+
     def is_closing(self) -> bool:
         return self.closed
 
