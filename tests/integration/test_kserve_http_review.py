@@ -13,18 +13,9 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from .conftest import start_served_process
+from .conftest import DOUBLER_CONFIG, start_served_process
 
-CONFIG = """\
-models:
-  - name: doubler
-    kind: python
-    source: configmodels:double
-    inputs: [{name: INPUT0, datatype: FP32, shape: [-1]}]
-    outputs: [{name: OUTPUT0, datatype: FP32, shape: [-1]}]
-    max_batch_size: 8
-    max_delay_s: 0.001
-"""
+CONFIG = DOUBLER_CONFIG
 
 # No query string: the fast path (carpool.server.fasthttp). A query string: uvicorn's
 # ASGI path into KServeApp.

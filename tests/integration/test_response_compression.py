@@ -17,18 +17,9 @@ import orjson
 import pytest
 import tritonclient.http as httpclient
 
-from .conftest import ServedProcess, start_served_process
+from .conftest import DOUBLER_CONFIG, ServedProcess, start_served_process
 
-CONFIG = """\
-models:
-  - name: doubler
-    kind: python
-    source: configmodels:double
-    inputs: [{name: INPUT0, datatype: FP32, shape: [-1]}]
-    outputs: [{name: OUTPUT0, datatype: FP32, shape: [-1]}]
-    max_batch_size: 8
-    max_delay_s: 0.001
-"""
+CONFIG = DOUBLER_CONFIG
 INFLATE = {"gzip": gzip.decompress, "deflate": zlib.decompress}
 # No query string: the HTTP infer fast path; a query string: the ASGI path.
 PATHS = {"fast": "/v2/models/doubler/infer", "asgi": "/v2/models/doubler/infer?via=asgi"}

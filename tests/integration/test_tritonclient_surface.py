@@ -22,18 +22,13 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as httpaio
 from tritonclient.utils import InferenceServerException
 
-from .conftest import ServedProcess, start_served_process, wait_until
+from .conftest import DOUBLER_CONFIG, ServedProcess, start_served_process, wait_until
 
 WAIT_LIMIT_S = 30.0
-CONFIG = """\
-models:
-  - name: doubler
-    kind: python
-    source: configmodels:double
-    inputs: [{name: INPUT0, datatype: FP32, shape: [-1]}]
-    outputs: [{name: OUTPUT0, datatype: FP32, shape: [-1]}]
-    max_batch_size: 8
-    max_delay_s: 0.001
+CONFIG = (
+    DOUBLER_CONFIG
+    + """\
+
   - name: gated
     kind: python
     source: configmodels:gated
@@ -43,6 +38,7 @@ models:
     max_delay_s: 0.001
     executor: thread             # it blocks while gated: never on the event loop
 """
+)
 # What carpool serves, as Triton names its extensions; and what it does not.
 SERVED = {"binary_tensor_data", "classification", "model_configuration", "statistics",
           "parameters", "schedule_policy"}  # fmt: skip
