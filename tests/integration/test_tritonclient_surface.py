@@ -28,7 +28,6 @@ WAIT_LIMIT_S = 30.0
 CONFIG = (
     DOUBLER_CONFIG
     + """\
-
   - name: gated
     kind: python
     source: configmodels:gated
