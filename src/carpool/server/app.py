@@ -228,9 +228,9 @@ class KServeApp:
         ``deflate`` (``tritonclient``'s ``request_compression_algorithm``), within
         ``max_body_bytes`` either way. A declared ``Content-Length`` over the limit is
         refused before any of the body is read (nor ``100 Continue`` sent to ask for it)."""
-        declared = _header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise PayloadTooLarge(int(declared), self.max_body_bytes, is_unread=True)
+        declared = declared_length(_header(scope, b"content-length"))
+        if declared is not None and declared > self.max_body_bytes:
+            raise PayloadTooLarge(declared, self.max_body_bytes, is_unread=True)
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -248,6 +248,16 @@ class KServeApp:
                 if encoding is None:
                     return body
                 return inflate(body, encoding, self.max_body_bytes)
+
+
+def declared_length(value: bytes | None) -> int | None:
+    """A ``Content-Length`` value as a number; None when there is none or it is not one.
+    llhttp lets through any number of leading zeros (and whitespace around the digits),
+    which ``int()`` alone refuses past 4300 digits; it refuses values over 2**64 - 1."""
+    if value is None:
+        return None
+    digits = value.strip().lstrip(b"0") or b"0"
+    return int(digits) if len(digits) <= 20 and digits.isdigit() else None
 
 
 def _allow(method: str, path: str, *allowed: str) -> None:

@@ -30,7 +30,7 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from carpool.server.app import KServeApp
+from carpool.server.app import KServeApp, declared_length
 from carpool.server.cycles import FastCycle, Refusal
 from carpool.server.encoding import response_encoding
 from carpool.server.errors import NotFound, PayloadTooLarge
@@ -109,9 +109,11 @@ class InferProtocol(HttpToolsProtocol):
         self._repeat: RepeatedHead | None = None
         self._chunk: bytes | None = None
         self._first: bytes | None = None
-        # Bytes that cannot start a request came, or the connection lingers (LINGER_S):
-        # whatever is read is dropped.
-        self._refused = False
+        self._refused = False  # bytes that cannot start a request came: read no more
+        # Half-closed after an answer while the client was still sending (close_lingering):
+        # closing in all but name, so nothing read, parsed or queued is acted on.
+        self._lingering = False
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     # -- connection limits: head size, timeouts -----------------------------------------
     #
@@ -127,7 +129,8 @@ class InferProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
-            return  # what follows bad bytes cannot be trusted to start a request
+            return  # what follows bad bytes cannot be trusted to start a request, nor
+            # anything a lingering connection receives
         self._progress = False  # the repeats taken are progress, as parsed messages are
         repeat = self._repeat
         if repeat is not None and not self._receiving and data.startswith(repeat.head):
@@ -163,7 +166,7 @@ class InferProtocol(HttpToolsProtocol):
                 self.logger.warning("Refused HTTP request: %s", message)
                 self._refuse(status, message)
                 return
-        if self._receiving and self._head_done and not self.transport.is_closing():
+        if self._receiving and self._head_done and not self._is_closing():
             self._arm_timeout()  # a body: the client must go on sending it
 
     def _too_large(self, size: int) -> tuple[int, str]:
@@ -217,7 +220,7 @@ class InferProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         # uvicorn's, once per answer (no super() lookup), with the wait armed lazily.
         self.server_state.total_requests += 1
-        if self.transport.is_closing():
+        if self._lingering or self.transport.is_closing():  # _is_closing, inline: per answer
             return
         self._wait_deadline = None
         self.flow.resume_reading()
@@ -243,7 +246,7 @@ class InferProtocol(HttpToolsProtocol):
         return cycle is not None and not cycle.response_complete and not cycle.more_body
 
     def timeout_keep_alive_handler(self) -> None:
-        if self.transport.is_closing() or self._is_answering() or self.flow.read_paused:
+        if self._is_closing() or self._is_answering() or self.flow.read_paused:
             return  # the answer's on_response_complete arms the timer again
         if not self._receiving:
             self.transport.close()  # idle: closed without a word, as uvicorn does
@@ -258,7 +261,7 @@ class InferProtocol(HttpToolsProtocol):
         the stream cannot be trusted to start a request. Requests received before the bad
         bytes are answered first, in order; the refusal waits in the pipeline for its turn.
         The request whose body the bad bytes cut short gets the refusal as its answer."""
-        if self._refused or self.transport.is_closing():
+        if self._refused or self._is_closing():
             return
         self._refused = True
         body = orjson.dumps({"error": message})
@@ -280,8 +283,11 @@ class InferProtocol(HttpToolsProtocol):
             return
         self._write_refusal(answer)
 
+    def _is_closing(self) -> bool:
+        return self._lingering or self.transport.is_closing()
+
     def _write_refusal(self, answer: bytes) -> None:
-        if not self.transport.is_closing():
+        if not self._is_closing():
             self.transport.write(answer)
             self.transport.close()  # at once: bytes that broke the protocol, not a body
 
@@ -289,16 +295,19 @@ class InferProtocol(HttpToolsProtocol):
         """Close the connection after what was written; half-closed for LINGER_S when
         the client may still be sending the request being received."""
         transport = self.transport
-        if transport.is_closing():
+        if self._is_closing():
             return
         if not self._receiving or not _can_write_eof(transport):
             transport.close()
             return
-        self._refused = True  # nothing more is parsed, answered or timed
+        # From here on the connection is closing (_is_closing): the rest of the read being
+        # parsed, requests pipelined behind, the keep-alive wait are all left alone.
+        self._lingering = self._refused = True
         self._wait_deadline = None
+        self.pipeline.clear()
         transport.write_eof()  # after what is buffered
         self.flow.resume_reading()  # a paused transport would never see the client close
-        self.loop.call_later(LINGER_S, transport.close)
+        self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
 
     # -- parser callbacks: the fork between the fast path and uvicorn's -----------------
 
@@ -325,6 +334,8 @@ class InferProtocol(HttpToolsProtocol):
                 431, f"request line and header fields: over {MAX_HEADER_FIELDS} fields, the limit"
             )
         self._wait_deadline = None  # the request is read on (or answered)
+        if self._lingering:
+            return  # parsed from the read that brought the body left unread: ignored
         model = self._fast_model()
         header_length = accept = declared = None
         if model is not None:
@@ -351,7 +362,7 @@ class InferProtocol(HttpToolsProtocol):
                 # close the connection before the body is read (a 413)
                 self.cycle.transport = _LingeringClose(self)  # type: ignore[assignment]
             return
-        if self.transport.is_closing():
+        if self._is_closing():
             self._first = None
             return  # after a 413 or connection: close, the rest of the read is ignored
         parser = self.parser
@@ -361,9 +372,8 @@ class InferProtocol(HttpToolsProtocol):
         expect = self.expect_100_continue
         # A declared length over the limit: a 413 in its turn, without reading the body
         # (nor asking for it with 100 Continue).
-        too_large = 0
-        if declared is not None and int(declared) > self.kserve.max_body_bytes:
-            too_large = int(declared)
+        size = declared_length(declared)
+        too_large = size if size is not None and size > self.kserve.max_body_bytes else 0
         self._start_fast(model, header_length, encoding, version, keep_alive, expect, too_large)
         if not keep_alive or expect:
             self._first = None  # not kept: the parser tracks what such heads ask
@@ -463,7 +473,7 @@ class InferProtocol(HttpToolsProtocol):
             model = kserve.infer_routes.get(url)
             if model is None or model.infer is not None or not model.batcher.is_running:
                 break  # the parser's path decides, as for the first such request
-            if transport.is_closing():
+            if transport.is_closing() or self._lingering:  # as _is_closing, inline
                 return b""  # after a 413: the rest of the read is ignored
             existing = self.cycle
             if fits and (existing is None or existing.response_complete):
@@ -529,7 +539,7 @@ class InferProtocol(HttpToolsProtocol):
     def resume_writing(self) -> None:
         super().resume_writing()
         held, self._held = self._held, None
-        if held is not None and not self.transport.is_closing():
+        if held is not None and not self._is_closing():
             self._finish(*held)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -551,6 +561,9 @@ class InferProtocol(HttpToolsProtocol):
         timer, self._wait_timer, self._wait_deadline = self._wait_timer, None, None
         if timer is not None:  # not left to fire on a closed connection, holding it
             timer.cancel()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         super().connection_lost(exc)
 
     # -- the fast path ----------------------------------------------------------------
@@ -590,7 +603,7 @@ class InferProtocol(HttpToolsProtocol):
             return None  # the ASGI path answers 404 with its message
 
     def _begin(self, cycle: FastCycle) -> None:
-        if self.transport.is_closing():
+        if self._is_closing():
             return
         cycle.started = True
         if cycle.oversize:
@@ -685,6 +698,13 @@ class _LingeringClose:
 
     def close(self) -> None:
         self._protocol.close_lingering()
+
+    def is_closing(self) -> bool:
+        return self._protocol._is_closing()
+
+    def write(self, data: bytes) -> None:
+        if not self._protocol._is_closing():  # a half-closed transport raises
+            self._protocol.transport.write(data)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._protocol.transport, name)
