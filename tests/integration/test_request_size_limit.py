@@ -82,8 +82,8 @@ def test_a_client_that_sends_its_whole_body_anyway_reads_the_413(
     served: ServedProcess, path: str
 ) -> None:
     """Was: the connection was closed right after the 413 while the body still came, so
-    the client's send failed with a reset (as `requests`, which sends the body whole
-    before it reads, reports it) instead of reading the answer."""
+    the client's send failed with a reset (as a client that sends the body whole
+    before it reads reports it) instead of reading the answer."""
     with _connect(served.http_url) as sock:
         sock.sendall(_head(SENT_ANYWAY_BYTES, PATHS[path]))
         sock.sendall(b"\0" * SENT_ANYWAY_BYTES)  # raises on a reset
