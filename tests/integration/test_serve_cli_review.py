@@ -224,7 +224,7 @@ def test_exponent_numbers_read_as_numbers(tmp_path: Path) -> None:
 def test_max_batch_size_in_exponent_form_is_refused_as_a_float(tmp_path: Path) -> None:
     config = tmp_path / "serve.yaml"
     config.write_text(MODEL + "    max_batch_size: 1e3\n")
-    done = _serve(str(config), cwd=tmp_path)
+    done = _serve(str(config), "--port", "0", "--grpc-port", "0", cwd=tmp_path)
     assert done.returncode == 2
     assert "models[0].max_batch_size=1000.0: expected a valid integer" in _one_line_error(done)
 
