@@ -54,7 +54,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-DEFAULT_MAX_BODY_BYTES = DEFAULT_MAX_REQUEST_BYTES
 # Triton's extension names for what carpool serves: schedule_policy is the priority and
 # timeout request parameters; classification is server/classification.py. Not served, each
 # endpoint a 501 naming it (_UNSERVED), each request parameter a 400: model_repository
@@ -79,7 +78,7 @@ class KServeApp:
     them on shutdown, so every accepted request is answered before the process exits."""
 
     def __init__(
-        self, repository: ModelRepository, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+        self, repository: ModelRepository, *, max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     ) -> None:
         self.repository = repository
         self.max_body_bytes = max_body_bytes
