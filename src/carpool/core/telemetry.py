@@ -233,6 +233,9 @@ class _ClassCounters:
         self.slo_total = 0
 
 
+_NO_COUNTERS = _ClassCounters()  # answered_ok's before its first request
+
+
 class ReplicaCounters:
     __slots__ = ("batches", "busy_s", "device", "fill_wait_s", "items", "replica_id")
 
@@ -349,15 +352,20 @@ class Telemetry:
         first = requests[0]
         call_s = first.compute_end_s - first.compute_start_s
         num_items = 0
+        # A class's counters and SLO looked up once per run of requests of that class.
+        classes, slos = self._classes, self._slo
+        name: str | None = None
+        counters = _NO_COUNTERS
+        slo: float | None = None
         for request in requests:
-            name = request.class_name
-            counters = self._classes[name]
+            if request.class_name != name:
+                name = request.class_name
+                counters, slo = classes[name], slos.get(name)
             total_s = now - request.arrival_s
             counters.completed += 1
             num_items += request.num_items
             counters.latency.observe(total_s)
             counters.queue_wait.observe(request.batch_closed_s - request.arrival_s)
-            slo = self._slo.get(name)
             if slo is not None:
                 counters.slo_total += 1
                 counters.slo_met += total_s <= slo
@@ -365,6 +373,8 @@ class Telemetry:
                 self.slow_request_s is not None and total_s > self.slow_request_s
             ):
                 self._report(trace_of(request, Outcome.OK, now), total_s)
+                # A hook may have set new classes: looked up again.
+                classes, slos, name = self._classes, self._slo, None
         self._ok_batches += 1
         self._ok_items += num_items
         self._ok_compute_s += call_s * len(requests)  # as Triton: each request's call
