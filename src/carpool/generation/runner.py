@@ -23,6 +23,7 @@ causal on their own tokens. Logits are computed only at the last token of each c
 from __future__ import annotations
 
 import abc
+import logging
 import time
 from dataclasses import dataclass
 
@@ -32,25 +33,24 @@ from torch import nn
 
 from carpool.generation.sampling import Sampler
 from carpool.generation.types import SeqChunk, StepInput, StepOutput
+from carpool.models import onednn
+
+logger = logging.getLogger(__name__)
 
 
 class FastLinear(nn.Linear):
-    """``nn.Linear`` with an optional oneDNN fast path (weights reordered once by ``prepack``);
-    on the AMD EPYC CPU here it ran Linear layers 2-3x faster than the default ``addmm``."""
+    """``nn.Linear`` with an optional oneDNN fast path (weights reordered once by ``prepack``;
+    see :mod:`carpool.models.onednn` for where it applies)."""
 
     packed: torch.Tensor | None = None
 
     def prepack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.packed = onednn.reorder_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(-1, x.shape[-1])
-        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            flat, self.packed, self.bias, "none", [], ""
-        )
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return onednn.linear(x, self.packed, self.bias)
 
 
 class PagedDecoder(nn.Module, abc.ABC):
@@ -72,25 +72,21 @@ class PagedDecoder(nn.Module, abc.ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on some rows of the last hidden states: [n, hidden] -> [n, V]."""
 
-    def prepack(self) -> bool:
-        """Switches every ``FastLinear`` to oneDNN's prepacked kernel where it applies (CPU,
-        float32/bfloat16); returns whether it did. Call again after a move to another
-        device or dtype."""
+    def prepack(self, enabled: bool = True) -> bool:
+        """Switches every ``FastLinear`` to oneDNN's prepacked kernel where this CPU and dtype
+        support it (see :mod:`carpool.models.onednn`); returns whether it did
+        (``enabled=False`` drops any prepacked weights). Call again
+        after a move to another device or dtype."""
         linears = [m for m in self.modules() if isinstance(m, FastLinear)]
         weight = linears[0].weight if linears else None
-        usable = (
-            weight is not None
-            and weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        )
+        usable = enabled and weight is not None and onednn.can_prepack(weight.dtype, weight.device)
         for linear in linears:
             if usable:
                 linear.prepack()
             else:
                 linear.packed = None
-        return bool(usable)
+        logger.debug("%s Linear layers: %s", type(self).__name__, onednn.kernel_name(usable))
+        return usable
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +213,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
-        self.is_prepacked = self.model.prepack() if prepack else False
+        self.is_prepacked = self.model.prepack(enabled=prepack)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_cache = torch.zeros(

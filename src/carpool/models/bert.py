@@ -40,6 +40,7 @@ back to the math kernel on the CPU.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from carpool.errors import ConfigError
+from carpool.models import onednn
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_VARIANTS = ("loop", "block_mask", "padded", "nested", "varlen")
 
@@ -279,7 +283,7 @@ class _Layer(nn.Module):
     def prepack(self) -> None:
         """Reorder the Linear weights for oneDNN once, so every batch skips the reorder."""
         self.packed = {
-            name: torch.ops.mkldnn._reorder_linear_weight(getattr(self, name).weight, None)
+            name: onednn.reorder_weight(getattr(self, name).weight)
             for name in ("qkv", "attn_out", "up", "down")
         }
 
@@ -289,13 +293,7 @@ class _Layer(nn.Module):
         if packed is None:
             plain: torch.Tensor = module(x)
             return self.act(plain) if gelu else plain
-        flat = x.reshape(-1, x.shape[-1])
-        attr, algorithm = ("gelu", "none") if gelu else ("none", "")  # "none": exact erf GELU
-        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            flat, packed, module.bias, attr, [], algorithm
-        )
-        out: torch.Tensor = y.view(*x.shape[:-1], y.shape[-1])
-        return out
+        return onednn.linear(x, packed, module.bias, gelu=gelu)
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -319,26 +317,22 @@ class BertEncoder(nn.Module):
         self.embeddings = _Embeddings(config)
         self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
 
-    def prepack(self) -> bool:
-        """Use oneDNN's prepacked Linear kernels (CPU, float32/bfloat16): on the AMD EPYC
-        machine here they ran a [2100, 384] x [384, 1536] Linear 3-6x faster than the
-        default ``addmm``. Returns False (and changes nothing) where they do not apply.
-        Call again after moving the module to another device or dtype."""
+    def prepack(self, enabled: bool = True) -> bool:
+        """Use oneDNN's prepacked Linear kernels where this CPU and dtype support them (see
+        :mod:`carpool.models.onednn`); returns whether they are used
+        (``enabled=False`` drops any prepacked weights). Elsewhere (a GPU, a
+        dtype this CPU cannot prepack) the layers keep ``nn.Linear``. Call again after
+        moving the module to another device or dtype."""
         layers: list[_Layer] = list(self.layers)  # type: ignore[arg-type]
         weight = layers[0].qkv.weight if layers else None
-        usable = (
-            weight is not None
-            and weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        )
+        usable = enabled and weight is not None and onednn.can_prepack(weight.dtype, weight.device)
         for layer in layers:
             if usable:
                 layer.prepack()
             else:
                 layer.packed = {}
-        return bool(usable)
+        logger.debug("BertEncoder Linear layers: %s", onednn.kernel_name(usable))
+        return usable
 
     def forward_packed(
         self,

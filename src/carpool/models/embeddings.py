@@ -73,7 +73,7 @@ class TextEncoder:
         self.dtype = _dtype(dtype)
         self.attention = _attention(attention, self.device, self.dtype)
         self.encoder = encoder.eval().to(device=self.device, dtype=self.dtype)
-        self.uses_onednn = self.encoder.prepack() if prepack else False
+        self.uses_onednn = self.encoder.prepack(enabled=prepack)
         self.vocab_size = encoder.config.vocab_size
         self.max_length = max_length
         self.pooling = pooling

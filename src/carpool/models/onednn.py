@@ -1,0 +1,99 @@
+"""oneDNN's prepacked Linear: the one module that calls torch's private mkldnn ops.
+
+A Linear layer whose weight is reordered once into oneDNN's blocked layout skips that
+reorder on every call; on the Xeon and EPYC CPUs measured (docs/benchmarks.md) it ran
+carpool's Linear shapes several times faster than ``addmm``. torch exposes it only through
+private ops, used here and nowhere else:
+
+    torch.ops.mkldnn._reorder_linear_weight(weight, batch_size)  -> packed weight
+    torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, scalars, algorithm)
+
+Checked on torch 2.13.0 (CPU build): on a torch upgrade, this module is the one place to
+look. Whether a dtype can take this path depends on the CPU, not only on the build: on a
+CPU without AVX-512 (or AVX-NE-CONVERT), bfloat16 and float16 reorders raise
+``RuntimeError: ... bf16 path needs the cpu support avx_ne_convert or avx512bw, ...``.
+:func:`can_prepack` therefore decides once per process and dtype by a probe that cannot
+crash: a tiny Linear reordered and run, its output checked against ``F.linear``. Any
+error or mismatch means the plain ``nn.Linear`` path, with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+CHECKED_TORCH_VERSION = "2.13.0"
+# dtypes the prepacked path is tried for (float16 on a CPU is left to aten).
+_CANDIDATE_DTYPES = (torch.float32, torch.bfloat16)
+# The probe's shapes: big enough to take oneDNN's blocked path, small enough to cost ~1 ms.
+_PROBE_ROWS, _PROBE_IN, _PROBE_OUT = 8, 64, 48
+
+
+def kernel_name(is_prepacked: bool) -> str:
+    """How a model's Linear layers run, as logs and reports name it."""
+    return "onednn-prepacked" if is_prepacked else "aten-linear"
+
+
+def can_prepack(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether Linear layers of ``dtype`` on ``device`` can use oneDNN's prepacked kernel on
+    this CPU and torch build. Decided once per process and dtype; never raises."""
+    if torch.device(device).type != "cpu" or dtype not in _CANDIDATE_DTYPES:
+        return False
+    return _probe(dtype)
+
+
+@functools.cache
+def _probe(dtype: torch.dtype) -> bool:
+    reason = _probe_failure(dtype)
+    if reason is None:
+        logger.debug("oneDNN prepacked Linear: available for %s", dtype)
+        return True
+    logger.info("oneDNN prepacked Linear unavailable for %s, using aten linear: %s", dtype, reason)
+    return False
+
+
+def _probe_failure(dtype: torch.dtype) -> str | None:
+    """None when the prepacked path works for ``dtype`` here, else why not."""
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return "this torch build has no oneDNN (mkldnn)"
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return f"torch {torch.__version__} lacks mkldnn._linear_pointwise (checked on 2.13.0)"
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(_PROBE_OUT, _PROBE_IN, generator=generator).to(dtype)
+    bias = torch.randn(_PROBE_OUT, generator=generator).to(dtype)
+    x = torch.randn(_PROBE_ROWS, _PROBE_IN, generator=generator).to(dtype)
+    try:
+        with torch.inference_mode():
+            got = linear(x, reorder_weight(weight), bias)
+            want = F.linear(x, weight, bias)
+    except Exception as error:  # the private op's own refusal (CPU ISA, build): fall back
+        return f"{type(error).__name__}: {error}"
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    scale = float(want.abs().max()) or 1.0
+    error_rel = float((got.float() - want.float()).abs().max()) / scale
+    if not error_rel <= tolerance:
+        return f"its output differs from F.linear by {error_rel:.2g} (relative; limit {tolerance})"
+    return None
+
+
+def reorder_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] reordered into oneDNN's layout; call only where
+    :func:`can_prepack` said yes for its dtype."""
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    return packed
+
+
+def linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, *, gelu: bool = False
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (then exact-erf GELU when ``gelu``) on a weight
+    reordered by :func:`reorder_weight`; ``x`` may have any number of leading dimensions."""
+    flat = x.reshape(-1, x.shape[-1])
+    attr, algorithm = ("gelu", "none") if gelu else ("none", "")  # "none": exact erf GELU
+    y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, attr, [], algorithm)
+    return y.view(*x.shape[:-1], y.shape[-1])

