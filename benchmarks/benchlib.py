@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 import httpx
 
+from carpool.tools.machine import cpu_flags, cpu_model, torch_kernels
 from wrkrun import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,24 +46,16 @@ class Named(Protocol):
 NamedT = TypeVar("NamedT", bound=Named)
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo, else the architecture (``x86_64``)."""
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return cpu
-
-
 def machine_info(**extra: Any) -> dict[str, Any]:
-    """Platform, CPU model and count, Python and torch versions, then ``extra`` in order."""
+    """Platform, CPU model, flags and count, Python and torch versions, the kernels chosen
+    on this CPU, then ``extra`` in order."""
     import torch
 
     return {
         "platform": platform.platform(),
         "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "kernels": torch_kernels(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -17,30 +17,23 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from carpool.tools.machine import cpu_flags, cpu_model, torch_kernels
+
 if TYPE_CHECKING:
     from carpool.tools.doctor import DoctorReport
 
 _MIB = 1024 * 1024
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info() -> dict[str, Any]:
-    """Platform, CPU model and cores, Python, NumPy and torch versions, thread settings."""
+    """Platform, CPU model, flags and cores, Python, NumPy and torch versions, thread
+    settings, and the kernels torch and carpool chose on this CPU."""
     import numpy as np
 
     info: dict[str, Any] = {
         "platform": platform.platform(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "num_cpus": os.cpu_count(),
         "python": platform.python_version(),
         "numpy": np.__version__,
@@ -57,6 +50,7 @@ def machine_info() -> dict[str, Any]:
         info["torch_num_threads"] = torch.get_num_threads()
         if torch.cuda.is_available():
             info["cuda_device"] = torch.cuda.get_device_name()
+        info["kernels"] = torch_kernels()
     return info
 
 
@@ -176,6 +170,16 @@ def _length_lines(report: DoctorReport) -> list[str]:
     ]
 
 
+def _kernel_lines(kernels: dict[str, Any]) -> list[str]:
+    if not kernels:
+        return []
+    linear = ", ".join(f"{dtype} {name}" for dtype, name in kernels["linear"].items())
+    return [
+        f"kernels: ATen {kernels['aten_cpu_capability']}, BLAS {kernels['blas']}, "
+        f"carpool Linear: {linear}"
+    ]
+
+
 def render_text(report: DoctorReport) -> str:
     """The human-readable report: header, the four parts, the verdicts."""
     o = report.options
@@ -187,6 +191,8 @@ def render_text(report: DoctorReport) -> str:
         f"machine: {m.get('cpu_model')}, {m.get('num_cpus')} CPUs "
         f"(affinity {m.get('cpu_affinity', '?')}), Python {m.get('python')}, "
         f"torch {m.get('torch')} ({m.get('torch_num_threads', '-')} threads)",
+        f"cpu flags: {' '.join(m.get('cpu_flags', [])) or '-'}",
+        *_kernel_lines(m.get("kernels") or {}),
         f"{o.warmup} warm-up + {o.repeats} timed calls per batch size, seed {o.seed}",
         "",
     ]
