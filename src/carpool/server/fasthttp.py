@@ -30,6 +30,7 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from carpool.server import uvicorn_contract
 from carpool.server.app import KServeApp, declared_length
 from carpool.server.cycles import FastCycle, Refusal
 from carpool.server.encoding import response_encoding
@@ -79,7 +80,13 @@ class _Refused(Exception):
 
 
 def protocol_for(app: KServeApp) -> type[HttpToolsProtocol]:
-    """The uvicorn ``http`` protocol class serving ``app`` with the infer fast path."""
+    """The uvicorn ``http`` protocol class serving ``app`` with the infer fast path.
+
+    Raises:
+        ConfigError: when the installed uvicorn lacks what the fast path extends
+            (:mod:`carpool.server.uvicorn_contract`).
+    """
+    uvicorn_contract.check()
     return type("InferProtocol", (InferProtocol,), {"kserve": app, "answer_heads": AnswerHeads()})
 
 
