@@ -20,8 +20,9 @@ import enum
 import importlib
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +34,9 @@ from carpool.core.telemetry import TelemetrySnapshot
 from carpool.errors import ConfigError
 from carpool.tools.httpclient import ChunkSink, HttpClient, SseParser, encode_request, split_url
 from carpool.tools.loadgen import RequestRecord, Target
+
+if TYPE_CHECKING:
+    from carpool.server.repository import TensorSpec
 
 DEFAULT_TEXT = "A container truck carrying one strawberry wastes the road; share the ride."
 _DTYPES = {
@@ -103,6 +107,25 @@ def random_tensor(
     if dtype.kind == "b":
         return rng.integers(0, 2, size=shape).astype(dtype)
     return rng.integers(0, 100, size=shape).astype(dtype)
+
+
+def sample_inputs(
+    specs: Sequence[TensorSpec],
+    rng: np.random.Generator,
+    *,
+    num_items: int | None = None,
+    shape: tuple[int, ...] | None = None,
+) -> dict[str, npt.NDArray[Any]]:
+    """Seeded data for a served model's declared inputs ``specs``: each of ``shape`` (else
+    its declared one, a variable dim as 16, as for a KServe target), with ``num_items``
+    first when given; BF16 as the FP32 values a server decodes it to."""
+    out = {}
+    for spec in specs:
+        dims = shape if shape is not None else tuple(16 if d < 0 else d for d in spec.shape)
+        dims = dims if num_items is None else (num_items, *dims)
+        datatype = "FP32" if spec.datatype == "BF16" else spec.datatype
+        out[spec.name] = random_tensor(dims, datatype, rng)
+    return out
 
 
 class _HttpTarget:
