@@ -451,8 +451,10 @@ def _parser() -> argparse.ArgumentParser:
         "batch invariance and input-length variance.",
     )
     p.add_argument("source", nargs="?", metavar="SOURCE", help=_SOURCE_HELP)
-    p.add_argument("--config", metavar="FILE", help="a carpool serve config (YAML) ...")
-    p.add_argument("--model", metavar="NAME", help="... and the model of it to measure")
+    p.add_argument(
+        "--config", metavar="FILE", help="a carpool serve config: measure its model --model"
+    )
+    p.add_argument("--model", metavar="NAME", help="the model's name in --config")
     p.add_argument(
         "--shape", help="one item's shape, e.g. 256 or -1,64 (--config: the model's input's)"
     )
