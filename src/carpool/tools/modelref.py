@@ -60,7 +60,7 @@ class Form(enum.Enum):
     BATCHER = "module:attr naming a carpool.Batcher"
 
 
-# What every in-process command takes; tune adds BATCHED, bench BATCHED and BATCHER.
+# What every in-process command takes; doctor and tune add BATCHED, bench BATCHED and BATCHER.
 MODEL_FORMS = (Form.CALLABLE, Form.DEVICE_FACTORY, Form.FACTORY, Form.MODULE)
 CONFIG_FORM = (
     "--config FILE --model NAME (a model of a carpool serve config, built as serve builds "
