@@ -126,7 +126,7 @@ def demo(ctx: typer.Context) -> None:
     add_help_option=False,
 )
 def bench(ctx: typer.Context) -> None:
-    """Load a server (or a module:attr batched function) and report (--help for options)."""
+    """Load a server, or a model in this process, and report (--help for options)."""
     from carpool.tools.bench import main as bench_main
 
     _import_from(Path.cwd())  # a module:attr target in the working directory

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,12 +42,12 @@ def build_repository(config: ServeConfig, *, file: str | None = None) -> ModelRe
         except ConfigError as error:
             if error.file is not None:
                 raise
-            raise _keyed(error, f"models[{i}]", file) from error
+            raise keyed_error(error, f"models[{i}]", file) from error
     return ModelRepository(models)
 
 
-def _keyed(error: ConfigError, key: str, file: str | None) -> ConfigError:
-    """``error`` with its field under the model's ``key``, in ``file``."""
+def keyed_error(error: ConfigError, key: str, file: str | None) -> ConfigError:
+    """``error`` with its field under the model's ``key`` (``models[i]``), in ``file``."""
     return ConfigError(f"{key}.{error.field}", error.value, error.expected, file=file)
 
 
@@ -80,11 +80,10 @@ def build_model(
         return GenerationService.from_folder(
             model.name, model.source, generation_settings(model)
         ).served_model()
-    base_dir = Path(file).resolve().parent if file is not None else Path.cwd()
-    inputs, outputs = _specs(model, base_dir)
-    fn_factory = checking_outputs(_fn_factory(model, inputs, outputs), outputs)
+    runner = build_runner(model, key=key, file=file)
+    inputs, outputs = runner.inputs, runner.outputs
     batcher = Batcher(
-        fn_factory=fn_factory if key is None else _naming_key(fn_factory, key, file),
+        fn_factory=checking_outputs(runner.fn_factory, outputs),
         policy=model.policy(),
         name=model.name,
         devices=model.replica_devices(),
@@ -100,6 +99,40 @@ def build_model(
         outputs=outputs,
         batcher=batcher,
     )
+
+
+BATCHED_KINDS = ("python", "torch", "onnx")  # the kinds build_runner builds
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunner:
+    """A batched model's declared tensors and its per-replica factory: ``fn_factory(device)``
+    loads the model on ``device`` and returns the batched callable serve runs, which takes
+    ``{input name: array}`` and returns the outputs (not yet checked against ``outputs``:
+    see :func:`~carpool.server.outputs.checking_outputs`)."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    fn_factory: Callable[[str], Any]
+
+
+def build_runner(
+    model: ModelConfig, *, key: str | None = None, file: str | None = None
+) -> ModelRunner:
+    """The runner of a ``python``, ``torch`` or ``onnx`` model, as :func:`build_model`
+    builds it, without a batcher (``carpool doctor`` calls it directly).
+
+    Raises:
+        ConfigError: as :func:`build_model`; on field ``kind`` for another kind.
+    """
+    if model.kind not in BATCHED_KINDS:
+        raise ConfigError("kind", model.kind, f"one of {list(BATCHED_KINDS)}")
+    base_dir = Path(file).resolve().parent if file is not None else Path.cwd()
+    inputs, outputs = _specs(model, base_dir)
+    fn_factory = _fn_factory(model, inputs, outputs)
+    if key is not None:
+        fn_factory = _naming_key(fn_factory, key, file)
+    return ModelRunner(inputs, outputs, fn_factory)
 
 
 def generation_settings(model: ModelConfig) -> GenerationSettings:
@@ -251,7 +284,7 @@ def _naming_key(factory: Callable[[str], Any], key: str, file: str | None) -> Ca
         except ConfigError as error:
             if error.file is not None:
                 raise
-            raise _keyed(error, key, file) from error
+            raise keyed_error(error, key, file) from error
 
     return make
 

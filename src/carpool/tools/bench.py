@@ -42,7 +42,14 @@ from carpool.tools.loadgen import (
 from carpool.tools.outputs import writable_path
 from carpool.tools.serverstats import ServerStats, stats_from_metrics, stats_from_snapshots
 from carpool.tools.summary import Summary, summarize
-from carpool.tools.targets import DEFAULT_TEXT, InProcessTarget, TargetSpec, Wire, make_target
+from carpool.tools.targets import (
+    DEFAULT_TEXT,
+    InProcessTarget,
+    TargetSpec,
+    Wire,
+    make_target,
+    resolve_target,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +85,22 @@ class PointResult:
     latencies_s: list[float]  # successful requests, for the CDF plot (not in the JSON)
 
 
+_TARGET_HELP = (
+    "http://host:port, or module:attr (a batched callable, a factory taking device or no "
+    "argument, a class, an nn.Module, a @carpool.batched function, a Batcher), or nothing "
+    "with --config FILE --model NAME"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="carpool bench", description="Load a model server (or a batched function)."
     )
-    p.add_argument("target", metavar="TARGET", help="http://host:port or module:attr")
-    p.add_argument("--model", help="model name on the server")
+    p.add_argument("target", metavar="TARGET", nargs="?", help=_TARGET_HELP)
+    p.add_argument("--model", metavar="NAME", help="model name on the server, or in --config")
+    p.add_argument(
+        "--config", metavar="FILE", help="run model --model of this serve config in-process"
+    )
     p.add_argument("--protocol", default="kserve-binary", choices=[w.value for w in Wire])
     load = p.add_argument_group("load (closed loop: --concurrency; open loop: the others)")
     load.add_argument("--concurrency", help="closed-loop sweep, e.g. 1,16,64")
@@ -119,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         target=args.target,
         wire=Wire(args.protocol),
         model=args.model,
+        config=args.config,
         input_shape=_int_list(args.input_shape, "input-shape") if args.input_shape else None,
         datatype=args.dtype,
         texts=_texts(args.texts),
@@ -127,6 +145,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         max_connections=args.max_connections,
     )
+    if not spec.is_http or spec.config is not None:
+        resolve_target(spec)  # a model named in no form: a bad flag, before any request
     points = _points(args)
     if args.duration is not None:
         duration_s = parse_duration(args.duration)
@@ -266,7 +286,7 @@ async def _server_state(config: BenchConfig, target: Target) -> str | TelemetryS
     """The server's /metrics text (HTTP) or the batcher's snapshot (in-process)."""
     if isinstance(target, InProcessTarget):
         return target.snapshot()
-    host, port, prefix = split_url(config.spec.target)
+    host, port, prefix = split_url(config.spec.label)
     client = HttpClient(host, port, max_connections=1)
     try:
         response = await client.get(prefix + "/metrics")
@@ -307,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         results = runner(run_bench(config))
     except (CarpoolError, OSError) as error:
-        print(f"carpool bench: {config.spec.target}: {error}", file=sys.stderr)
+        print(f"carpool bench: {config.spec.label}: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     print(benchreport.text_table(results))
     benchreport.write_outputs(config, results)

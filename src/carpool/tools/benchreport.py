@@ -190,7 +190,8 @@ def report_document(config: BenchConfig, results: list[PointResult]) -> dict[str
     return {
         "carpool_version": __version__,
         "command": " ".join(sys.argv),
-        "target": spec.target,
+        "target": spec.label,
+        "config": spec.config,
         "protocol": spec.wire.value,
         "model": spec.model,
         "duration_s": config.duration_s,

@@ -22,13 +22,12 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from carpool.core.replicas import is_async_callable
 from carpool.errors import ConfigError, ModelError
-from carpool.models._source import import_ref
-from carpool.models.python import is_factory
 from carpool.tools.doctor_checks import (
     Array,
     BatchCall,
@@ -52,7 +51,23 @@ from carpool.tools.doctor_sweep import (
     max_batch_under_budget,
     measure_sweep,
 )
+from carpool.tools.modelref import (
+    MODEL_FORMS,
+    ConfiguredModel,
+    Form,
+    ImportedModel,
+    ModuleCall,
+    form_of,
+    forms_text,
+    is_module,
+    resolve,
+    resolve_import,
+    single_input,
+)
 from carpool.tools.outputs import writable_path
+
+if TYPE_CHECKING:
+    from carpool.server.builder import ModelRunner
 
 _MIB = 1024 * 1024
 
@@ -180,49 +195,93 @@ def _torch_modules(obj: Any) -> list[Any]:
     return found
 
 
+# What ``carpool doctor SOURCE`` takes (see carpool.tools.modelref).
+DOCTOR_FORMS = (*MODEL_FORMS, Form.BATCHED)
+
+
 def load_target(
     source: str | Any, *, device: str = "cpu", dtype: str = "float32", input_name: str | None = None
 ) -> Target:
-    """The model ``source`` (``module:attr`` or the object itself) as a :class:`Target`.
+    """The model ``source`` (``module:attr``, the object itself or an
+    :class:`~carpool.tools.modelref.ImportedModel`) as a :class:`Target`.
 
-    A ``device`` factory (see :mod:`carpool.models.python`) is called with ``device``; an
-    ``nn.Module`` runs under ``torch.inference_mode()`` on a tensor on ``device``; any other
-    callable gets the NumPy batch (as ``{input_name: batch}`` when ``input_name`` is given).
+    A factory (taking ``device``, or no argument) is called once; an ``nn.Module`` runs on
+    ``device`` under ``torch.inference_mode()`` on a tensor of ``dtype``; any other callable
+    gets the NumPy batch (as ``{input_name: batch}`` when ``input_name`` is given).
 
     Raises:
-        ConfigError: when ``source`` cannot be imported or is not callable.
+        ConfigError: when ``source`` fits none of the forms (the message lists them), cannot
+            be imported, or its factory fails.
     """
-    obj = import_ref(source) if isinstance(source, str) else source
-    if not callable(obj):
-        raise ConfigError("source", source, f"a callable or a factory, not {type(obj).__name__}")
-    torch = sys.modules.get("torch")
-    try:
-        if is_factory(obj):
-            obj = obj(device)
-            torch = sys.modules.get("torch")  # a factory may be what imports it
-        module = obj.to(device) if torch is not None and isinstance(obj, torch.nn.Module) else None
-    except Exception as error:  # the model's own failure: one line, exit 2
-        raise ModelError(f"could not load {source!r} on {device!r}: {error!r}") from error
-    modules = _torch_modules(obj)
-    if module is not None and torch is not None:
-        torch_dtype = getattr(torch, dtype)
+    if isinstance(source, ImportedModel):
+        ref = source
+    elif isinstance(source, str):
+        ref = resolve_import(source, DOCTOR_FORMS)
+    else:
+        form = form_of(source)
+        name = getattr(source, "__name__", type(source).__name__)
+        if form is None or form not in DOCTOR_FORMS:
+            raise ConfigError("source", name, forms_text(DOCTOR_FORMS))
+        ref = ImportedModel(name, source, form)
+    model = _loaded(ref.label, device, lambda: ref.build(device))
+    modules = _torch_modules(model)
+    if is_module(model):
+        module_call = ModuleCall(model, device, dtype, input_name)
 
         def call_module(batch: Array) -> Outputs:
-            with torch.inference_mode():
-                x = torch.from_numpy(np.ascontiguousarray(batch)).to(device, torch_dtype)
-                feed = {input_name: x} if input_name else None
-                raw = module(**feed) if feed else module(x)
-                return to_outputs(raw, len(batch))
+            return to_outputs(module_call(batch), len(batch))
 
         return Target(call_module, modules, device)
     if dtype == "bfloat16":
         raise ConfigError("dtype", dtype, "a NumPy dtype for a callable that is not an nn.Module")
-    fn = obj
+    fn = _synchronous(model, "source", ref.label)
 
     def call_fn(batch: Array) -> Outputs:
         return to_outputs(fn({input_name: batch} if input_name else batch), len(batch))
 
     return Target(call_fn, modules, device)
+
+
+def config_target(entry: ConfiguredModel, runner: ModelRunner, device: str) -> Target:
+    """The config entry's model as ``carpool serve`` runs it on ``device`` (``runner`` is
+    ``entry.runner("doctor")``): its one input gets the batch, its outputs are checked
+    against the declared ones.
+
+    Raises:
+        ConfigError: naming ``models[i].<field>``: several inputs, a ragged or BYTES one,
+            an async model, or a model that cannot be loaded on ``device``.
+    """
+    from carpool.server.outputs import check_outputs
+
+    spec = single_input(entry, runner.inputs, "doctor")
+    model = _loaded(entry.label, device, lambda: runner.fn_factory(device))
+    where = f"{entry.key}.source"
+    fn = _synchronous(model, where, entry.model.source, entry.file)
+    name, outputs = spec.name, runner.outputs
+
+    def call(batch: Array) -> Outputs:
+        return to_outputs(check_outputs(fn({name: batch}), outputs), len(batch))
+
+    return Target(call, _torch_modules(model), device)
+
+
+def _loaded(label: str, device: str, load: Callable[[], Any]) -> Any:
+    """``load()``; an error that is not a ConfigError is the model's own: one line, exit 2."""
+    try:
+        return load()
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise ModelError(f"could not load {label!r} on {device!r}: {error!r}") from error
+
+
+def _synchronous(
+    fn: Callable[[Any], Any], field_name: str, value: str, file: str | None = None
+) -> Callable[[Any], Any]:
+    if is_async_callable(fn):
+        expected = "a synchronous batched callable: carpool doctor times direct calls"
+        raise ConfigError(field_name, value, expected, file=file)
+    return fn
 
 
 # -- all of it ------------------------------------------------------------------------------------
@@ -378,18 +437,33 @@ def _glue_shape(argv: list[str]) -> list[str]:
     return out
 
 
+_SOURCE_HELP = (
+    "module:attr naming a batched callable, a factory taking device, a zero-argument factory "
+    "or class (as a serve torch source; it returns a batched callable or an nn.Module), an "
+    "nn.Module or a @carpool.batched function; or leave it out and give --config and --model"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="carpool doctor",
         description="Measure a batched model offline: throughput knee, memory per batch size, "
         "batch invariance and input-length variance.",
     )
-    p.add_argument("source", help="module:attr: a batched callable, a device factory, an nn.Module")
-    p.add_argument("--shape", required=True, help="one item's shape, e.g. 256 or -1,64")
-    p.add_argument("--dtype", default="float32", help="input dtype (default float32)")
+    p.add_argument("source", nargs="?", metavar="SOURCE", help=_SOURCE_HELP)
+    p.add_argument(
+        "--config", metavar="FILE", help="a carpool serve config: measure its model --model"
+    )
+    p.add_argument("--model", metavar="NAME", help="the model's name in --config")
+    p.add_argument(
+        "--shape", help="one item's shape, e.g. 256 or -1,64 (--config: the model's input's)"
+    )
+    p.add_argument("--dtype", help="input dtype (default float32; --config: the input's)")
     p.add_argument("--max-batch", type=int, default=128, help="largest batch size to measure")
     p.add_argument("--json", dest="json_path", help="write every number and verdict here")
-    p.add_argument("--device", default="cpu", help="device for factories and nn.Modules")
+    p.add_argument(
+        "--device", help="device for factories and nn.Modules (default cpu; --config: its device)"
+    )
     p.add_argument("--repeats", type=int, default=15, help="timed calls per batch size")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per batch size first")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
@@ -405,18 +479,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def options_from_args(args: argparse.Namespace) -> DoctorOptions:
-    """:class:`DoctorOptions` from parsed command-line arguments.
+def options_from_args(
+    args: argparse.Namespace,
+    *,
+    shape: tuple[int, ...] | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+) -> DoctorOptions:
+    """:class:`DoctorOptions` from parsed command-line arguments; ``shape``, ``dtype`` and
+    ``device`` stand where the flag is not given (a config model's input and device).
 
     Raises:
         ConfigError: on the first invalid option.
     """
+    if args.shape is not None:
+        shape = _ints(args.shape, "shape")
+    if shape is None:
+        raise ConfigError("shape", None, "--shape: one item's shape, e.g. 256 or -1,64")
     budget = args.memory_budget_mb
     return DoctorOptions(
-        shape=_ints(args.shape, "shape"),
-        dtype=args.dtype,
+        shape=shape,
+        dtype=args.dtype or dtype,
         max_batch=args.max_batch,
-        device=args.device,
+        device=args.device or device,
         repeats=args.repeats,
         warmup=args.warmup,
         seed=args.seed,
@@ -430,13 +515,42 @@ def options_from_args(args: argparse.Namespace) -> DoctorOptions:
     )
 
 
+def _prepare(args: argparse.Namespace) -> tuple[str, DoctorOptions, Callable[[], Target]]:
+    """(the model's label, the options, how to load it): the model is named, the options
+    checked, the model not yet loaded."""
+    ref = resolve(args.source, config=args.config, model=args.model, accepts=DOCTOR_FORMS)
+    if isinstance(ref, ImportedModel):
+        options = options_from_args(args)
+
+        def load() -> Target:
+            device, dtype = options.device, options.dtype
+            return load_target(ref, device=device, dtype=dtype, input_name=args.input_name)
+
+        return ref.label, options, load
+    from carpool.server.tensors import DATATYPES
+
+    if args.input_name is not None:
+        expected = "nothing with --config: the config names the model's input"
+        raise ConfigError("input_name", args.input_name, expected)
+    runner = ref.runner("doctor")
+    spec = single_input(ref, runner.inputs, "doctor")
+    options = options_from_args(
+        args,
+        shape=spec.shape,
+        dtype=DATATYPES[spec.datatype].name,
+        device=ref.model.replica_devices()[0],
+    )
+    return ref.label, options, lambda: config_target(ref, runner, options.device)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``carpool doctor SOURCE --shape ... [--json OUT]``; exits 2 on a bad option or model."""
+    """``carpool doctor SOURCE --shape ... [--json OUT]``, or ``carpool doctor --config FILE
+    --model NAME``; exits 2 on a bad option or model."""
     from carpool.tools.doctor_report import render_text, write_json
 
     args = _parser().parse_args(_glue_shape(sys.argv[1:] if argv is None else argv))
     try:
-        options = options_from_args(args)
+        label, options, load = _prepare(args)
         if args.threads is not None:
             if args.threads < 1:
                 raise ConfigError("threads", args.threads, "an integer >= 1")
@@ -444,10 +558,7 @@ def main(argv: list[str] | None = None) -> None:
 
             torch.set_num_threads(args.threads)
         json_path = writable_path("json", args.json_path)
-        target = load_target(
-            args.source, device=options.device, dtype=options.dtype, input_name=args.input_name
-        )
-        report = run_doctor(target, options, source=args.source)
+        report = run_doctor(load(), options, source=label)
     except (ConfigError, ModelError) as error:
         print(f"carpool doctor: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -17,22 +17,34 @@ batched callable wrapped in :func:`carpool.batched`).
 from __future__ import annotations
 
 import enum
-import importlib
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 import orjson
 
 from carpool.core.batcher import Batcher
-from carpool.core.decorator import BatchedFunction, batched
+from carpool.core.decorator import BatchedFunction
 from carpool.core.telemetry import TelemetrySnapshot
 from carpool.errors import ConfigError
 from carpool.tools.httpclient import ChunkSink, HttpClient, SseParser, encode_request, split_url
 from carpool.tools.loadgen import RequestRecord, Target
+from carpool.tools.modelref import (
+    MODEL_FORMS,
+    ConfiguredModel,
+    Form,
+    ImportedModel,
+    ModelRef,
+    forms_text,
+    resolve,
+)
+
+if TYPE_CHECKING:
+    from carpool.server.repository import TensorSpec
 
 DEFAULT_TEXT = "A container truck carrying one strawberry wastes the road; share the ride."
 _DTYPES = {
@@ -53,9 +65,10 @@ class Wire(enum.Enum):
 class TargetSpec:
     """How to build a target; ``input_shape`` includes the batch (items) dimension first."""
 
-    target: str  # http://host:port[/prefix] or module:attr
+    target: str | None  # http://host:port[/prefix] or module:attr; None with config
     wire: Wire = Wire.KSERVE_BINARY
-    model: str | None = None
+    model: str | None = None  # the served name, or with config the entry's
+    config: str | None = None  # a serve config whose model ``model`` runs in-process
     input_shape: tuple[int, ...] | None = None
     datatype: str | None = None  # a KServe datatype (FP32, INT64, ...)
     texts: tuple[str, ...] = (DEFAULT_TEXT,)
@@ -67,16 +80,46 @@ class TargetSpec:
 
     @property
     def is_http(self) -> bool:
-        return self.target.startswith(("http://", "https://"))
+        return self.target is not None and self.target.startswith(("http://", "https://"))
+
+    @property
+    def label(self) -> str:
+        """The target as the command line gave it."""
+        if self.target is not None:
+            return self.target
+        return f"--config {self.config} --model {self.model}"
+
+
+# What ``carpool bench`` runs in-process (see carpool.tools.modelref).
+BENCH_FORMS = (*MODEL_FORMS, Form.BATCHED, Form.BATCHER)
+
+
+def resolve_target(spec: TargetSpec) -> ModelRef:
+    """The in-process model ``spec`` names: ``module:attr`` in any of :data:`BENCH_FORMS`,
+    or ``config`` and ``model``.
+
+    Raises:
+        ConfigError: naming what fits no form, listing the forms (and a server URL).
+    """
+    if spec.target is None and spec.config is None:
+        raise ConfigError(
+            "target", None, f"http://host:port (a server), or {forms_text(BENCH_FORMS)}"
+        )
+    if spec.is_http and spec.config is not None:
+        expected = "no --config with a server URL: --config runs the model in this process"
+        raise ConfigError("config", spec.config, expected)
+    model = spec.model if spec.config is not None else None  # else --model is a served name
+    return resolve(spec.target, config=spec.config, model=model, accepts=BENCH_FORMS)
 
 
 def make_target(spec: TargetSpec) -> Target:
     """The target ``spec`` describes (not yet opened).
 
     Raises:
-        ConfigError: a missing model name, an unknown module or attribute, a bad shape.
+        ConfigError: a missing model name, a model named in no form (see
+            :func:`resolve_target`), a bad shape.
     """
-    if not spec.is_http:
+    if not spec.is_http or spec.config is not None:
         return InProcessTarget(spec)
     if spec.model is None:
         raise ConfigError("model", None, f"a model name (--model) for {spec.wire.value}")
@@ -105,11 +148,30 @@ def random_tensor(
     return rng.integers(0, 100, size=shape).astype(dtype)
 
 
+def sample_inputs(
+    specs: Sequence[TensorSpec],
+    rng: np.random.Generator,
+    *,
+    num_items: int | None = None,
+    shape: tuple[int, ...] | None = None,
+) -> dict[str, npt.NDArray[Any]]:
+    """Seeded data for a served model's declared inputs ``specs``: each of ``shape`` (else
+    its declared one, a variable dim as 16, as for a KServe target), with ``num_items``
+    first when given; BF16 as the FP32 values a server decodes it to."""
+    out = {}
+    for spec in specs:
+        dims = shape if shape is not None else tuple(16 if d < 0 else d for d in spec.shape)
+        dims = dims if num_items is None else (num_items, *dims)
+        datatype = "FP32" if spec.datatype == "BF16" else spec.datatype
+        out[spec.name] = random_tensor(dims, datatype, rng)
+    return out
+
+
 class _HttpTarget:
     """Shared by the HTTP targets: the client and the rotation of pre-encoded requests."""
 
     def __init__(self, spec: TargetSpec) -> None:
-        host, port, self._prefix = split_url(spec.target)
+        host, port, self._prefix = split_url(spec.label)
         self._spec = spec
         self._host_header = f"{host}:{port}"
         self.client = HttpClient(host, port, max_connections=spec.max_connections)
@@ -124,7 +186,7 @@ class _HttpTarget:
         response = await self.client.get(self._prefix + path)
         if response.status != 200:
             raise ConfigError(
-                "target", self._spec.target + path, f"a 200 answer, got HTTP {response.status}"
+                "target", self._spec.label + path, f"a 200 answer, got HTTP {response.status}"
             )
         return orjson.loads(response.body)
 
@@ -279,26 +341,43 @@ def _completion_tokens(body: bytes) -> int:
 
 
 class InProcessTarget:
-    """A carpool BatchedFunction or Batcher, or a plain batched callable, called
-    in-process with ``input_shape[0]`` items per request (``submit_many``)."""
+    """A model run in-process with ``input_shape[0]`` items per request (``submit_many``):
+    a carpool BatchedFunction or Batcher as it is, a plain batched callable, a factory or an
+    ``nn.Module`` behind a Batcher with the default policy, or a serve config's model
+    behind the batcher ``carpool serve`` builds for it (its policy, devices, collator),
+    sent ``{input name: array}`` of its declared inputs."""
 
     def __init__(self, spec: TargetSpec) -> None:
         self._spec = spec
-        self._batcher = _resolve_batcher(spec.target)
-        self.description = f"in-process {spec.target}"
-        self._payloads: list[npt.NDArray[Any]] = []
+        ref = resolve_target(spec)
+        self._inputs: tuple[TensorSpec, ...] | None = None
+        if isinstance(ref, ConfiguredModel):
+            served = ref.served("bench")
+            self._batcher, self._inputs = served.batcher, served.inputs
+        else:
+            self._batcher = _batcher_of(ref)
+        self.description = f"in-process {ref.label}"
+        self._payloads: list[Any] = []
         self._num_items = 1
 
     async def open(self) -> None:
         spec = self._spec
-        if spec.input_shape is None or not spec.input_shape:
-            raise ConfigError("input_shape", None, "--input-shape for a module:attr target")
         rng = np.random.default_rng(spec.seed)
-        datatype = spec.datatype or "FP32"
-        self._payloads = [
-            random_tensor(spec.input_shape, datatype, rng) for _ in range(spec.num_payloads)
-        ]
-        self._num_items = spec.input_shape[0]
+        if self._inputs is not None:  # a config's model: its declared inputs
+            shape = spec.input_shape or (1,)
+            self._num_items, dims = shape[0], (shape[1:] or None)
+            self._payloads = [
+                sample_inputs(self._inputs, rng, num_items=self._num_items, shape=dims)
+                for _ in range(spec.num_payloads)
+            ]
+        else:
+            if spec.input_shape is None or not spec.input_shape:
+                raise ConfigError("input_shape", None, "--input-shape for a module:attr target")
+            datatype = spec.datatype or "FP32"
+            self._payloads = [
+                random_tensor(spec.input_shape, datatype, rng) for _ in range(spec.num_payloads)
+            ]
+            self._num_items = spec.input_shape[0]
         await self._batcher.start()
 
     async def call(self, record: RequestRecord) -> None:
@@ -313,23 +392,15 @@ class InProcessTarget:
         return self._batcher.snapshot()
 
 
-def _resolve_batcher(target: str) -> Batcher:
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError("target", target, "http://host:port or module:attr")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ConfigError("target", target, f"an importable module ({error})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError("target", target, f"a module with an attribute {attr!r}")
-        obj = getattr(obj, part)
-    if isinstance(obj, BatchedFunction):
-        return obj.batcher
-    if isinstance(obj, Batcher):
-        return obj
-    if callable(obj):
-        wrapped: BatchedFunction = batched(obj)
-        return wrapped.batcher
-    raise ConfigError("target", target, "a BatchedFunction, a Batcher or a batched callable")
+def _batcher_of(ref: ImportedModel) -> Batcher:
+    """The batcher an imported model runs behind: its own, or one with the default policy."""
+    if ref.form is Form.BATCHED:
+        function: BatchedFunction = ref.obj
+        return function.batcher
+    if ref.form is Form.BATCHER:
+        batcher: Batcher = ref.obj
+        return batcher
+    name = ref.source.rpartition(":")[2]
+    if ref.form is Form.CALLABLE:
+        return Batcher(ref.obj, name=name)
+    return Batcher(fn_factory=ref.batched_callable, name=name)  # a factory or an nn.Module

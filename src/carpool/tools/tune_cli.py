@@ -1,10 +1,13 @@
 """``carpool tune TARGET --slo-p99-ms MS --out CONFIG.yaml [options]``.
 
-TARGET is ``module:attr`` (a batched model tuned in this process; ``--shape`` gives one
-request's item) or ``http://HOST:PORT/v2/models/NAME`` (a model on a running carpool server,
-tuned through its ``/policy`` endpoint). The best feasible config is written to ``--out`` as a
-config ``carpool serve`` loads; ``--report DIR`` adds the markdown/HTML report and plots.
-Exit status: 0 with a recommendation, 1 when no trial met the constraints, 2 on bad usage.
+TARGET is ``module:attr`` (a batched model tuned in this process, named in any form of
+:mod:`carpool.tools.modelref`; ``--shape`` gives one request's item), left out for
+``--config FILE --model NAME`` (a model of a serve config, built and tuned in this process
+as serve runs it), or ``http://HOST:PORT/v2/models/NAME`` (a model on a running carpool
+server, tuned through its ``/policy`` endpoint). The best feasible config is written to
+``--out`` as a config ``carpool serve`` loads; ``--report DIR`` adds the markdown/HTML report
+and plots. Exit status: 0 with a recommendation, 1 when no trial met the constraints, 2 on
+bad usage.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import httpx
 import numpy as np
 
 from carpool.errors import ConfigError
+from carpool.tools.modelref import ConfiguredModel, resolve, resolve_import
 from carpool.tools.outputs import writable_path
+from carpool.tools.targets import sample_inputs
 from carpool.tools.tune import (
     OBJECTIVES,
     STRATEGIES,
@@ -38,7 +43,7 @@ from carpool.tools.tune_report import (
     write_config,
     write_report,
 )
-from carpool.tools.tune_runners import InProcessRunner, LoadSpec, ServerRunner
+from carpool.tools.tune_runners import TUNE_FORMS, InProcessRunner, LoadSpec, ServerRunner
 from carpool.tools.tune_trial import MeasureSettings, TrialConfig, measure_trial
 
 DEFAULT_PARAMS = ("max_delay_s=0,0.002,0.01,0.05", "max_batch_size=1,8,32,128")
@@ -54,9 +59,16 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * scale
 
 
+_TARGET_HELP = (
+    "module:attr (a batched callable, a factory taking device or no argument, a class, an "
+    "nn.Module, a @carpool.batched function), http://HOST:PORT/v2/models/M, or nothing "
+    "with --config FILE --model NAME"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="carpool tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("target", metavar="TARGET", help="module:attr, or http://HOST:PORT/v2/models/M")
+    p.add_argument("target", metavar="TARGET", nargs="?", help=_TARGET_HELP)
     p.add_argument("--slo-p99-ms", type=float, required=True, help="p99 latency limit (ms)")
     p.add_argument("--out", type=Path, required=True, help="recommended serve config (YAML)")
     p.add_argument("--search", choices=STRATEGIES, default="hill")
@@ -89,9 +101,27 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--rate", type=float, help="open-loop Poisson arrivals (req/s)")
     p.add_argument("--eta", type=int, default=3, help="successive halving keeps 1/eta")
     p.add_argument("--report", type=Path, metavar="DIR", help="write tune.md/.html and plots")
-    p.add_argument("--model-config", type=Path, help="serve config whose entry is the base")
-    p.add_argument("--model-name", help="the model's name (entry of --model-config, served name)")
-    p.add_argument("--shape", help="module:attr: one item's shape, comma-separated (e.g. 256)")
+    p.add_argument(
+        "--config",
+        "--model-config",
+        dest="model_config",
+        type=Path,
+        metavar="FILE",
+        help="a serve config: without TARGET, tune its model --model in-process; with one, "
+        "the entry the tuned fields are set on",
+    )
+    p.add_argument(
+        "--model",
+        "--model-name",
+        dest="model_name",
+        metavar="NAME",
+        help="the model's name: an entry of --config, or the served name",
+    )
+    p.add_argument(
+        "--shape",
+        help="one item's shape, comma-separated (e.g. 256); --config: every input's "
+        "(default: as declared, a variable dim as 16)",
+    )
     p.add_argument("--dtype", default="float32", help="module:attr: the item's NumPy dtype")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -148,11 +178,35 @@ def _item(args: argparse.Namespace) -> Any:
     if not args.shape:
         raise ConfigError("--shape", None, "one item's shape for a module:attr target (e.g. 256)")
     try:
-        shape = tuple(int(d) for d in str(args.shape).split(",") if d.strip())
+        shape = _shape(args)
         dtype = np.dtype(args.dtype)
     except (ValueError, TypeError):
         raise ConfigError("--shape/--dtype", (args.shape, args.dtype), "ints and a dtype") from None
     return np.random.default_rng(args.seed).standard_normal(shape).astype(dtype)
+
+
+def _shape(args: argparse.Namespace) -> tuple[int, ...]:
+    return tuple(int(d) for d in str(args.shape).split(",") if d.strip())
+
+
+def _config_item(args: argparse.Namespace, entry: ConfiguredModel) -> dict[str, Any]:
+    """One item of each of the config model's declared inputs."""
+    try:
+        shape = _shape(args) if args.shape else None
+    except ValueError:
+        raise ConfigError("--shape", args.shape, "comma-separated ints (e.g. 256)") from None
+    rng = np.random.default_rng(args.seed)
+    return sample_inputs(entry.runner("tune").inputs, rng, shape=shape)
+
+
+def _in_process(args: argparse.Namespace, load: LoadSpec) -> InProcessRunner:
+    """The runner of a module:attr TARGET, or of ``--config FILE --model NAME``."""
+    if args.target is not None:
+        return InProcessRunner(resolve_import(args.target, TUNE_FORMS), _item(args), load)
+    config = None if args.model_config is None else str(args.model_config)
+    ref = resolve(None, config=config, model=args.model_name, accepts=TUNE_FORMS)
+    assert isinstance(ref, ConfiguredModel)  # no source: the config's model, or an error
+    return InProcessRunner(ref, _config_item(args, ref), load)
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -167,13 +221,15 @@ async def run(args: argparse.Namespace) -> int:
     constraints = Constraints(args.slo_p99_ms * 1e-3, budget)
     load = LoadSpec(concurrency=args.concurrency, rate_rps=args.rate, seed=args.seed)
     runner: InProcessRunner | ServerRunner
-    is_server = args.target.startswith(("http://", "https://"))
+    is_server = args.target is not None and args.target.startswith(("http://", "https://"))
     if is_server:
         url, model = _server_target(args.target, args.model_name)
         runner = ServerRunner(url, model, load)
         await runner.connect()
+        label = args.target
     else:
-        runner = InProcessRunner(args.target, _item(args), load)
+        in_process = runner = _in_process(args, load)
+        label = args.target or in_process.source
     print(
         f"carpool tune: {args.search} over {space.size} configs of {', '.join(space.names)}; "
         f"SLO p99 <= {args.slo_p99_ms:g} ms",
@@ -192,7 +248,7 @@ async def run(args: argparse.Namespace) -> int:
     finally:
         await runner.close()
     if args.report is not None:
-        path = write_report(outcome, args.report, args.target)
+        path = write_report(outcome, args.report, label)
         print(f"report: {path}")
     best = outcome.best
     if best is None:
@@ -201,7 +257,7 @@ async def run(args: argparse.Namespace) -> int:
     document = recommended_config(entry, best.config.as_dict())
     m = best.measurement
     notes = [
-        f"carpool tune {args.target}: {args.search}, SLO p99 <= {args.slo_p99_ms:g} ms",
+        f"carpool tune {label}: {args.search}, SLO p99 <= {args.slo_p99_ms:g} ms",
         f"best: {best.config.label()}: {best.objective:.1f} "
         f"{'req/s' if args.objective == 'throughput' else 'items/s'}, "
         f"p99 {m.p99_s * 1e3:.2f} ms (trial {best.trial_id} of {len(outcome.results)})",

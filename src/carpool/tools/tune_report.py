@@ -381,7 +381,7 @@ def base_entry(path: str | Path, name: str | None = None) -> dict[str, Any]:
     models = [m for m in config.models if name is None or m.name == name]
     if not models:
         known = [m.name for m in config.models]
-        raise ConfigError("--model-name", name, f"one of {known}", file=str(path))
+        raise ConfigError("--model", name, f"one of {known}", file=str(path))
     return models[0].model_dump(exclude_defaults=True)
 
 

@@ -9,7 +9,6 @@ arrivals at ``rate_rps``). It is deliberately minimal, just enough to compare co
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import os
 import time
@@ -22,11 +21,9 @@ import orjson
 
 from carpool.core.batcher import Batcher
 from carpool.core.clock import Clock, MonotonicClock
-from carpool.core.decorator import BatchedFunction
 from carpool.core.policy import BatchPolicy
 from carpool.errors import ConfigError
-from carpool.models._source import import_ref
-from carpool.models.python import is_factory
+from carpool.tools.modelref import MODEL_FORMS, ConfiguredModel, Form, ModelRef, resolve_import
 from carpool.tools.tune_trial import TrialConfig, WindowSample
 
 ERROR_PAUSE_S = 0.001  # a closed-loop caller's pause after a failed request
@@ -143,51 +140,72 @@ def rss_bytes() -> int | None:
         return None
 
 
+# What ``carpool tune`` takes in-process (see carpool.tools.modelref).
+TUNE_FORMS = (*MODEL_FORMS, Form.BATCHED)
+
+
 class InProcessRunner:
-    """Tunes a batched model in this process: ``module:attr`` naming a
-    :class:`BatchedFunction` (its policy is the base), a factory taking ``device``, a class
-    (built once per replica) or a batched function. Policy changes go through
-    ``update_policy``; a new replica count rebuilds the batcher.
+    """Tunes a batched model in this process, named in any form of
+    :mod:`carpool.tools.modelref`: a :class:`BatchedFunction` (its policy is the base), a
+    factory (taking ``device``, or no argument: a class is built once per replica), an
+    ``nn.Module``, a batched function, or a model of a serve config (built as serve builds
+    it, its policy the base). Policy changes go through ``set_policy``; a new replica count
+    rebuilds the batcher.
 
     Args:
-        source: ``module:attr``.
-        payload: one request's item (the batch stacks items along a new axis 0).
+        source: ``module:attr``, or what :func:`~carpool.tools.modelref.resolve` returned.
+        payload: one request's item (the batch stacks items along a new axis 0); for a
+            config's model, ``{input name: item}``.
         load: the load to drive.
-        base_policy: the policy trials change (the BatchedFunction's, else the default).
+        base_policy: the policy trials change (the BatchedFunction's or the config's, else
+            the default).
+
+    Raises:
+        ConfigError: when ``source`` fits none of the forms (the message lists them).
     """
 
     def __init__(
         self,
-        source: str,
+        source: str | ModelRef,
         payload: Any,
         load: LoadSpec,
         *,
         base_policy: BatchPolicy | None = None,
         num_replicas: int = 1,
     ) -> None:
-        obj = import_ref(source)
-        self.source = source
+        ref = resolve_import(source, TUNE_FORMS) if isinstance(source, str) else source
+        self.source = ref.label
         self._fn: Callable[[Any], Any] | None = None
         self._factory: Callable[[str], Any] | None = None
-        if isinstance(obj, BatchedFunction):
-            self._fn = obj.__wrapped__  # type: ignore[attr-defined]
-            base_policy = base_policy or obj.batcher.policy
-            num_replicas = obj.batcher.num_replicas
-        elif inspect.isclass(obj):
-            cls = obj
-            self._factory = lambda device: cls()
-        elif callable(obj) and is_factory(obj):
-            self._factory = obj
-        elif callable(obj):
-            self._fn = obj
-        else:
-            raise ConfigError("target", source, "a callable, a factory or a BatchedFunction")
+        self._entry: ConfiguredModel | None = None
+        if isinstance(ref, ConfiguredModel):
+            ref.check_batched("tune")
+            self._entry = ref
+            base_policy = base_policy or ref.model.policy()
+            num_replicas = len(ref.model.replica_devices())
+        elif ref.form is Form.BATCHED:
+            self._fn = ref.obj.__wrapped__
+            base_policy = base_policy or ref.obj.batcher.policy
+            num_replicas = ref.obj.batcher.num_replicas
+        elif ref.form is Form.CALLABLE:
+            self._fn = ref.obj
+        else:  # a factory or an nn.Module: one model per replica, on its device
+            self._factory = ref.batched_callable
         self.base_policy = base_policy or BatchPolicy()
         self.num_replicas = num_replicas
         self._payload = payload
         self._load = load
         self._batcher: Batcher | None = None
         self._driver: LoadDriver | None = None
+
+    def _new_batcher(self, policy: BatchPolicy, num_replicas: int, name: str) -> Batcher:
+        if self._entry is None:
+            return Batcher(
+                self._fn, policy, fn_factory=self._factory, num_replicas=num_replicas, name=name
+            )
+        batcher = self._entry.served("tune", num_replicas=num_replicas).batcher
+        batcher.set_policy(policy)
+        return batcher
 
     async def start_trial(self, config: TrialConfig) -> None:
         changes = config.as_dict()
@@ -199,13 +217,7 @@ class InProcessRunner:
         else:
             if batcher is not None:
                 await batcher.stop()
-            batcher = self._batcher = Batcher(
-                self._fn,
-                policy,
-                fn_factory=self._factory,
-                num_replicas=num_replicas,
-                name="tune",
-            )
+            batcher = self._batcher = self._new_batcher(policy, num_replicas, "tune")
             await batcher.start()
         payload = self._payload
         driver = self._driver = LoadDriver(lambda: _submit_one(batcher, payload), self._load)
@@ -239,7 +251,7 @@ class InProcessRunner:
 
     async def sample_output(self) -> Any:
         """One item's output (to declare the model's outputs in the recommended config)."""
-        batcher = Batcher(self._fn, fn_factory=self._factory, name="tune-probe")
+        batcher = self._new_batcher(self.base_policy, 1, "tune-probe")
         async with batcher:
             return await batcher.submit(self._payload)
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from carpool.config import parse_config
 from carpool.errors import ConfigError
-from carpool.server.builder import build_repository
+from carpool.server.builder import build_repository, build_runner
 
 
 def _config(**model: Any) -> Any:
@@ -53,3 +54,19 @@ def test_only_a_torch_model_with_a_replica_on_cuda_gets_a_gpu_memory_probe() -> 
     torch_model = {"kind": "torch", "source": "carpool.models.mlp:build_w1", "device": "cuda:0"}
     repository = build_repository(_config(**torch_model))  # its device is checked at start
     assert isinstance(repository.get("m").batcher.memory_probe, CudaMemoryProbe)
+
+
+def test_build_runner_gives_the_model_serve_runs_without_a_batcher() -> None:
+    model = _config(source="numpy:negative").models[0]
+    runner = build_runner(model, key="models[0]", file="serve.yaml")
+    assert [spec.name for spec in runner.inputs] == ["X"]
+    assert [spec.name for spec in runner.outputs] == ["Y"]
+    fn = runner.fn_factory("cpu")
+    np.testing.assert_array_equal(fn(np.ones(2)), -np.ones(2))
+
+
+def test_build_runner_refuses_a_model_its_engine_schedules() -> None:
+    model = _config().models[0].model_copy(update={"kind": "generation"})
+    with pytest.raises(ConfigError) as caught:
+        build_runner(model)
+    assert caught.value.field == "kind" and "python" in caught.value.expected

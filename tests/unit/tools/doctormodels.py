@@ -51,3 +51,18 @@ def build_torch(norm: str, *, is_training: bool = False) -> Any:
     layer = nn.BatchNorm1d(16) if norm == "batch" else nn.GroupNorm(4, 16)
     model = nn.Sequential(nn.Linear(8, 16), layer, nn.ReLU(), nn.Linear(16, 4))
     return model.train(is_training)
+
+
+def build_per_item() -> Any:
+    """A zero-argument factory returning :func:`per_item`."""
+    return per_item
+
+
+def build_group_norm() -> Any:
+    """A zero-argument factory returning an ``nn.Module``: serve's torch ``module:factory``."""
+    return build_torch("group")
+
+
+def by_name(inputs: dict[str, Array]) -> dict[str, Array]:
+    """A serve python model: ``{"x": batch}`` in, ``{"y": per_item(batch)}`` out."""
+    return {"y": per_item(inputs["x"])}

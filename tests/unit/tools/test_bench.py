@@ -17,6 +17,19 @@ import numpy as np
 
 def double(batch):
     return np.asarray(batch) * 2
+
+def double_by_name(inputs):
+    return {"y": np.asarray(inputs["x"]) * 2}
+
+not_callable = 3
+"""
+SERVE_CONFIG = """
+models:
+  - name: doubled
+    kind: python
+    source: benchclimodels:double_by_name
+    inputs: [{name: x, datatype: FP32, shape: [8]}]
+    outputs: [{name: y, datatype: FP32, shape: [8]}]
 """
 
 
@@ -101,3 +114,45 @@ def test_in_process_run_writes_json_csv_and_plots(
         assert point["server"]["mean_batch_size"] >= 2
     assert (out / "b.csv").exists() and (out / "plots" / "latency_cdf.png").exists()
     assert "concurrency=4" in capsys.readouterr().out
+
+
+@pytest.fixture
+def serve_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "benchclimodels.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "serve.yaml"
+    path.write_text(SERVE_CONFIG)
+    return path
+
+
+def test_in_process_run_of_a_serve_config_model(serve_config: Path, tmp_path: Path) -> None:
+    out = tmp_path / "b.json"
+    main([
+        "--config", str(serve_config), "--model", "doubled", "--input-shape", "2",
+        "--concurrency", "2", "--duration", "0.2s", "--warmup", "0", "--json", str(out),
+        "--no-progress",
+    ])  # fmt: skip
+    document = json.loads(out.read_text())
+    assert document["target"] == f"--config {serve_config} --model doubled"
+    summary = document["points"][0]["summary"]
+    assert summary["num_errors"] == 0 and summary["rate_rps"] > 0
+    assert summary["items_per_s"] == pytest.approx(2 * summary["rate_rps"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--concurrency", "1"], "http://host:port (a server), or one of: module:attr naming"),
+        (["benchclimodels:not_callable"], "it names a value of type int"),
+        (["--config", "{config}"], "one of ['doubled']"),
+        (["--config", "{config}", "http://127.0.0.1:9", "--model", "doubled"], "no --config"),
+    ],
+    ids=["no-target", "no-form", "config-without-model", "config-and-url"],
+)
+def test_main_exits_2_when_no_model_is_named_in_a_form_it_takes(
+    serve_config: Path, argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([arg.format(config=serve_config) for arg in argv])
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err

@@ -117,6 +117,24 @@ def test_loads_device_factories_and_dict_outputs(doctormodels: Any) -> None:
     assert {name: v.shape for name, v in outputs.items()} == {"proj": (3, 4), "total": (3,)}
 
 
+def test_a_zero_argument_factory_of_an_nn_module_is_run_and_inspected_as_that_module(
+    doctormodels: Any,
+) -> None:
+    target = load_target("doctormodels:build_group_norm")
+    assert [type(m).__name__ for m in target.modules] == ["Sequential"]
+    assert target.call(np.ones((3, 8), dtype=np.float32))["output"].shape == (3, 4)
+
+
+def test_a_source_that_fits_no_form_is_refused_listing_the_forms(doctormodels: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_target("doctormodels:_WEIGHTS")
+    message = str(info.value)
+    assert "it names a value of type ndarray" in message
+    for form in ("batched callable", "named device", "zero-argument factory", "nn.Module"):
+        assert form in message
+    assert "--config FILE --model NAME" in message
+
+
 def test_rejects_outputs_not_aligned_with_the_batch() -> None:
     target = load_target(lambda batch: batch.sum(axis=0))
     with pytest.raises(ModelError, match="align with the inputs along axis 0"):
@@ -177,3 +195,80 @@ def test_cli_exits_2_naming_a_source_that_cannot_be_imported() -> None:
     result = CliRunner().invoke(app, ["doctor", "no_such_module:fn", "--shape", "8"])
     assert result.exit_code == 2
     assert "no_such_module:fn" in result.output
+
+
+@pytest.mark.parametrize(
+    "attr",
+    ["per_item", "make_per_item", "build_per_item", "build_group_norm"],
+    ids=["batched-callable", "device-factory", "factory-of-callable", "factory-of-nn-module"],
+)
+def test_cli_measures_a_model_named_in_each_module_attr_form(doctormodels: Any, attr: str) -> None:
+    args = ["doctor", f"doctormodels:{attr}", "--shape", "8", "--max-batch", "2"]
+    result = CliRunner().invoke(app, [*args, "--repeats", "1", "--warmup", "0"])
+    assert result.exit_code == 0, result.output
+    assert "Batch invariance: PASS" in result.output
+
+
+SERVE_CONFIG = """
+models:
+  - name: numpy
+    kind: python
+    source: doctormodels:by_name
+    inputs: [{name: x, datatype: FP32, shape: [8]}]
+    outputs: [{name: y, datatype: FP32, shape: [4]}]
+  - name: net
+    kind: torch
+    source: doctormodels:build_group_norm
+    inputs: [{name: x, datatype: FP32, shape: [8]}]
+    outputs: [{name: y, datatype: FP32, shape: [4]}]
+  - name: pair
+    kind: python
+    source: doctormodels:by_name
+    inputs: [{name: x, datatype: FP32, shape: [8]}, {name: z, datatype: FP32, shape: [8]}]
+    outputs: [{name: y, datatype: FP32, shape: [4]}]
+"""
+FAST = ["--max-batch", "2", "--repeats", "1", "--warmup", "0"]
+
+
+@pytest.fixture
+def serve_config(doctormodels: Any, tmp_path: Path) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(SERVE_CONFIG)
+    return path
+
+
+@pytest.mark.parametrize("name", ["numpy", "net"])
+def test_cli_measures_a_model_of_a_serve_config_with_its_input_shape(
+    serve_config: Path, name: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "doctor.json"
+    args = ["doctor", "--config", str(serve_config), "--model", name, "--json", str(out)]
+    result = CliRunner().invoke(app, [*args, *FAST])
+    assert result.exit_code == 0, result.output
+    assert f"--config {serve_config} --model {name}  item shape (8) float32" in result.output
+    assert "Batch invariance: PASS" in result.output
+    data = json.loads(out.read_text())
+    assert [row["batch_size"] for row in data["sweep"]] == [1, 2]
+    assert {row["output"] for row in data["invariance"]["deviations"]} == {"y"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ([], "invalid --model=None: expected the name of a model in the config: one of "
+             "['numpy', 'net', 'pair']"),
+        (["--model", "nets"], "invalid --model='nets'"),
+        (["--model", "pair"], "one input: carpool doctor sweeps one tensor; this model takes "
+                              "['x', 'z']"),
+        (["--model", "numpy", "doctormodels:per_item"], "either SOURCE or --config"),
+    ],
+    ids=["no-model", "unknown-model", "two-inputs", "source-and-config"],
+)  # fmt: skip
+def test_cli_exits_2_saying_which_models_a_config_offers(
+    serve_config: Path, extra: list[str], expected: str
+) -> None:
+    result = CliRunner().invoke(app, ["doctor", "--config", str(serve_config), *extra, *FAST])
+    assert result.exit_code == 2
+    assert expected in result.output
+    if extra[:2] == ["--model", "nets"]:
+        assert "['numpy', 'net', 'pair']" in result.output

@@ -212,6 +212,24 @@ def double(batch):
 def halve(batch):
     return np.asarray(batch) / 2
 
+def make_double(device):
+    return double
+
+def build_double():
+    return double
+
+def build_twice():
+    import torch
+
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    return Twice()
+
+def by_name(inputs):
+    return {"y": inputs["x"] * 2}
+
 not_callable = 3
 """
 
@@ -223,8 +241,8 @@ def benchmodels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return "benchtargetmodels"
 
 
-@pytest.mark.parametrize("attr", ["double", "halve"])
-async def test_in_process_target_runs_a_plain_or_batched_function(
+@pytest.mark.parametrize("attr", ["double", "halve", "make_double", "build_double", "build_twice"])
+async def test_in_process_target_runs_a_model_named_in_each_form(
     benchmodels: str, attr: str
 ) -> None:
     target = InProcessTarget(TargetSpec(f"{benchmodels}:{attr}", input_shape=(3, 4)))
@@ -241,12 +259,43 @@ async def test_in_process_target_runs_a_plain_or_batched_function(
 def test_in_process_target_errors_name_the_problem(benchmodels: str) -> None:
     with pytest.raises(ConfigError, match="importable"):
         make_target(TargetSpec("no_such_module_xyz:f"))
-    with pytest.raises(ConfigError, match="attribute"):
+    with pytest.raises(ConfigError, match="a name 'missing' defined in module"):
         make_target(TargetSpec(f"{benchmodels}:missing"))
     with pytest.raises(ConfigError, match="batched callable"):
         make_target(TargetSpec(f"{benchmodels}:not_callable"))
     with pytest.raises(ConfigError, match="module:attr"):
         make_target(TargetSpec("nocolon"))
+
+
+SERVE_CONFIG = """
+models:
+  - name: doubled
+    kind: python
+    source: benchtargetmodels:by_name
+    inputs: [{name: x, datatype: FP32, shape: [-1]}]
+    outputs: [{name: y, datatype: FP32, shape: [-1]}]
+    max_batch_size: 4
+"""
+
+
+@pytest.mark.parametrize(("input_shape", "rows"), [(None, 1), ((3, 5), 3)])
+async def test_in_process_target_runs_a_serve_config_model_behind_its_batcher(
+    benchmodels: str, tmp_path: Path, input_shape: tuple[int, ...] | None, rows: int
+) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text(SERVE_CONFIG)
+    spec = TargetSpec(None, model="doubled", config=str(path), input_shape=input_shape)
+    target = make_target(spec)
+    assert isinstance(target, InProcessTarget)
+    await target.open()
+    try:
+        records = await asyncio.gather(*(_call(target, i) for i in range(5)))
+        snapshot = target.snapshot()
+    finally:
+        await target.close()
+    assert all(r.is_ok and r.num_items == rows for r in records)
+    assert snapshot.batches.num_items == 5 * rows
+    assert target.description == f"in-process --config {path} --model doubled"
 
 
 async def test_in_process_target_needs_an_input_shape(benchmodels: str) -> None:

@@ -7,6 +7,7 @@ import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,16 +19,27 @@ from carpool.tools.tune_cli import _server_target, parse_duration
 
 FAST = ["--warmup", "0", "--window", "10ms", "--max-windows", "1", "--stable-windows", "1",
         "--concurrency", "2"]  # fmt: skip
+GRID = ["--search", "grid", "--param", "max_batch_size=1,4", *FAST]
 
 
 def halve(batch: np.ndarray) -> np.ndarray:
     return batch / 2
 
 
+def build_halve() -> Any:
+    return halve
+
+
+def halve_by_name(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {"y": inputs["x"] / 2}
+
+
 @pytest.fixture
 def target(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     module = types.ModuleType("tune_cli_models")
     module.halve = halve  # type: ignore[attr-defined]
+    module.build_halve = build_halve  # type: ignore[attr-defined]
+    module.halve_by_name = halve_by_name  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "tune_cli_models", module)
     yield "tune_cli_models:halve"
 
@@ -73,6 +85,79 @@ def test_bad_usage_exits_2(
     else:
         assert exit_info.value.code == 2
         assert "carpool tune:" in capsys.readouterr().err
+
+
+def test_tune_takes_a_zero_argument_factory(target: str, tmp_path: Path) -> None:
+    out = tmp_path / "best.yaml"
+    argv = ["tune", "tune_cli_models:build_halve", "--shape", "3", "--slo-p99-ms", "10000",
+            "--out", str(out), *GRID]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        carpool_main(argv)
+    assert exit_info.value.code == 0
+    assert load_config(out).models[0].source == "tune_cli_models:build_halve"
+
+
+SERVE_CONFIG = """
+models:
+  - name: first
+    kind: python
+    source: tune_cli_models:halve_by_name
+    inputs: [{name: x, datatype: FP32, shape: [3]}]
+    outputs: [{name: y, datatype: FP32, shape: [3]}]
+  - name: halved
+    kind: python
+    source: tune_cli_models:halve_by_name
+    inputs: [{name: x, datatype: FP32, shape: [-1]}]
+    outputs: [{name: y, datatype: FP32, shape: [-1]}]
+    max_delay_s: 0.001
+"""
+
+
+@pytest.fixture
+def serve_config(target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(SERVE_CONFIG)
+    monkeypatch.syspath_prepend(str(tmp_path))  # where the config's sources import from
+    return path
+
+
+def test_tune_tunes_a_model_of_a_serve_config_and_writes_its_entry(
+    serve_config: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "best.yaml"
+    argv = ["tune", "--config", str(serve_config), "--model", "halved", "--slo-p99-ms", "10000",
+            "--out", str(out), *GRID]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        carpool_main(argv)
+    assert exit_info.value.code == 0
+    model = load_config(out).models[0]
+    assert model.name == "halved" and model.source == "tune_cli_models:halve_by_name"
+    assert model.max_batch_size in (1, 4) and model.max_delay_s == 0.001
+    assert model.inputs is not None and model.inputs[0].shape == [-1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--config", "{config}"], "one of ['first', 'halved']"),
+        (["--config", "{config}", "--model", "third"], "one of ['first', 'halved']"),
+        ([], "invalid source=None: expected one of: module:attr naming a batched callable"),
+    ],
+    ids=["config-without-model", "unknown-model", "no-target"],
+)
+def test_a_model_not_named_exits_2_listing_what_may_name_it(
+    serve_config: Path,
+    tmp_path: Path,
+    extra: list[str],
+    expected: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    extra = [arg.format(config=serve_config) for arg in extra]
+    argv = ["tune", *extra, "--slo-p99-ms", "5", "--out", str(tmp_path / "x.yaml"), *FAST]
+    with pytest.raises(SystemExit) as exit_info:
+        carpool_main(argv)
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err
 
 
 def test_durations_parse_with_units() -> None:

@@ -107,7 +107,7 @@ def test_recommended_config_takes_a_base_entry_and_refuses_an_invalid_one(tmp_pa
     document = recommended_config(entry, {"num_replicas": 3, "max_batch_size": 8})
     model = document["models"][0]
     assert model["timeout_s"] == 1.0 and "devices" not in model and model["num_replicas"] == 3
-    with pytest.raises(ConfigError, match="model-name"):
+    with pytest.raises(ConfigError, match="invalid --model="):
         base_entry(base, "nope")
     with pytest.raises(ConfigError):
         recommended_config(ENTRY, {"max_batch_size": 0})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 
 from carpool import batched
 from carpool.errors import ConfigError
+from carpool.tools.modelref import resolve
 from carpool.tools.tune_runners import InProcessRunner, LoadDriver, LoadSpec, rss_bytes
 from carpool.tools.tune_trial import MeasureSettings, TrialConfig, measure_trial
 
@@ -38,19 +40,43 @@ def make_doubler(device: str) -> Any:
     return double
 
 
+def build_doubler() -> Any:
+    return double
+
+
+def build_twice() -> Any:
+    """A zero-argument factory of an ``nn.Module``, as a serve torch source."""
+    from torch import nn
+
+    class Twice(nn.Module):
+        def forward(self, x: Any) -> Any:
+            return x * 2
+
+    return Twice()
+
+
+def by_name(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {"y": inputs["x"] * 2}
+
+
 @pytest.fixture
 def models(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     module = types.ModuleType("tune_test_models")
     module.double = double  # type: ignore[attr-defined]
     module.Doubler = Doubler  # type: ignore[attr-defined]
     module.make_doubler = make_doubler  # type: ignore[attr-defined]
+    module.build_doubler = build_doubler  # type: ignore[attr-defined]
+    module.build_twice = build_twice  # type: ignore[attr-defined]
+    module.by_name = by_name  # type: ignore[attr-defined]
     module.batched_double = batched(double, max_batch_size=8, max_delay_s=0.0)  # type: ignore[attr-defined]
     module.number = 3  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "tune_test_models", module)
     yield "tune_test_models"
 
 
-@pytest.mark.parametrize("attr", ["double", "Doubler", "make_doubler", "batched_double"])
+@pytest.mark.parametrize(
+    "attr", ["double", "Doubler", "make_doubler", "build_doubler", "build_twice", "batched_double"]
+)
 async def test_in_process_runner_applies_the_config_and_measures(models: str, attr: str) -> None:
     runner = InProcessRunner(f"{models}:{attr}", ITEM, LoadSpec(concurrency=4))
     try:
@@ -116,8 +142,37 @@ async def test_load_driver_counts_failures_as_errors() -> None:
     assert latencies == [] and items == 0 and errors >= 1
 
 
+CONFIG = """
+models:
+  - name: doubled
+    kind: python
+    source: tune_test_models:by_name
+    inputs: [{name: x, datatype: FP32, shape: [4]}]
+    outputs: [{name: y, datatype: FP32, shape: [4]}]
+    max_batch_size: 16
+"""
+
+
+async def test_a_config_model_is_tuned_as_served_from_its_policy(
+    models: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text(CONFIG)
+    monkeypatch.syspath_prepend(str(tmp_path))  # where the config's sources import from
+    entry = resolve(None, config=str(path), model="doubled")
+    runner = InProcessRunner(entry, {"x": ITEM}, LoadSpec(concurrency=4))
+    try:
+        assert runner.base_policy.max_batch_size == 16 and runner.num_replicas == 1
+        m = await measure_trial(runner, TrialConfig((("max_batch_size", 2),)), ANSWERING)
+        assert m.error is None and m.num_requests > 0 and m.num_errors == 0
+        assert runner._batcher is not None and runner._batcher.policy.max_batch_size == 2
+        assert np.array_equal((await runner.sample_output())["y"], ITEM * 2)
+    finally:
+        await runner.close()
+
+
 def test_targets_and_load_specs_are_validated(models: str) -> None:
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="zero-argument factory or class"):
         InProcessRunner(f"{models}:number", ITEM, LoadSpec())
     with pytest.raises(ConfigError):
         InProcessRunner(f"{models}:missing", ITEM, LoadSpec())
