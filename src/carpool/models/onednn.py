@@ -39,6 +39,16 @@ def kernel_name(is_prepacked: bool) -> str:
     return "onednn-prepacked" if is_prepacked else "aten-linear"
 
 
+def holds_prepacked(module: torch.nn.Module) -> bool:
+    """Whether any submodule of ``module`` runs on weights :func:`reorder_weight` packed
+    (its ``packed`` is a tensor, or a non-empty dict of them)."""
+    for sub in module.modules():
+        packed = getattr(sub, "packed", None)
+        if isinstance(packed, torch.Tensor) or (isinstance(packed, dict) and packed):
+            return True
+    return False
+
+
 def can_prepack(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether Linear layers of ``dtype`` on ``device`` can use oneDNN's prepacked kernel on
     this CPU and torch build. Decided once per process and dtype; never raises."""

@@ -368,6 +368,7 @@ def run_doctor(
         ModelError: when the model raises on a batch it should take.
     """
     from carpool.tools.doctor_report import machine_info
+    from carpool.tools.machine import model_kernels
 
     rng = np.random.default_rng(options.seed)
     is_cuda = target.device.startswith("cuda")
@@ -406,7 +407,7 @@ def run_doctor(
     return DoctorReport(
         source=source,
         options=options,
-        machine=machine_info(),
+        machine={**machine_info(), **model_kernels(target.modules)},
         memory_kind="cuda" if is_cuda else "rss",
         sweep=sweep,
         knee=knee,

@@ -170,13 +170,14 @@ def _length_lines(report: DoctorReport) -> list[str]:
     ]
 
 
-def _kernel_lines(kernels: dict[str, Any]) -> list[str]:
+def _kernel_lines(kernels: dict[str, Any], model_linear: str | None) -> list[str]:
     if not kernels:
         return []
     linear = ", ".join(f"{dtype} {name}" for dtype, name in kernels["linear"].items())
+    this_model = f"; this model's Linear layers: {model_linear}" if model_linear else ""
     return [
         f"kernels: ATen {kernels['aten_cpu_capability']}, BLAS {kernels['blas']}, "
-        f"carpool Linear: {linear}"
+        f"carpool Linear: {linear}{this_model}"
     ]
 
 
@@ -192,7 +193,7 @@ def render_text(report: DoctorReport) -> str:
         f"(affinity {m.get('cpu_affinity', '?')}), Python {m.get('python')}, "
         f"torch {m.get('torch')} ({m.get('torch_num_threads', '-')} threads)",
         f"cpu flags: {' '.join(m.get('cpu_flags', [])) or '-'}",
-        *_kernel_lines(m.get("kernels") or {}),
+        *_kernel_lines(m.get("kernels") or {}, m.get("model_linear")),
         f"{o.warmup} warm-up + {o.repeats} timed calls per batch size, seed {o.seed}",
         "",
     ]

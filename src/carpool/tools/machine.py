@@ -74,3 +74,16 @@ def torch_kernels() -> dict[str, Any]:
         "onednn": torch.backends.mkldnn.is_available(),
         "linear": linear,
     }
+
+
+def model_kernels(modules: list[Any]) -> dict[str, str]:
+    """How these torch modules' carpool Linear layers run: ``{"model_linear":
+    "onednn-prepacked"}`` when any of them holds oneDNN-prepacked weights (carpool's text
+    encoder and generation models do where the CPU supports it), else ``aten-linear``;
+    empty without modules."""
+    if not modules:
+        return {}
+    from carpool.models import onednn
+
+    is_prepacked = any(onednn.holds_prepacked(module) for module in modules)
+    return {"model_linear": onednn.kernel_name(is_prepacked)}

@@ -217,3 +217,11 @@ def test_bfloat16_on_a_cpu_capped_at_avx2() -> None:
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["capability"] == "AVX2"
     assert seen["bfloat16"] is False
+
+
+def test_holds_prepacked_tells_which_path_a_model_took() -> None:
+    plain = _encoder("float32", prepack=False)
+    assert not onednn.holds_prepacked(plain.encoder)
+    assert not onednn.holds_prepacked(torch.nn.Linear(4, 4))
+    if onednn.can_prepack(torch.float32):
+        assert onednn.holds_prepacked(_encoder("float32", prepack=True).encoder)

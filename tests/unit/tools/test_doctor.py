@@ -272,3 +272,17 @@ def test_cli_exits_2_saying_which_models_a_config_offers(
     assert expected in result.output
     if extra[:2] == ["--model", "nets"]:
         assert "['numpy', 'net', 'pair']" in result.output
+
+
+def test_cli_reports_the_cpu_flags_and_the_linear_kernels_that_ran(
+    doctormodels: Any, tmp_path: Path
+) -> None:
+    out = tmp_path / "doctor.json"
+    args = ["doctor", "doctormodels:build_group_norm", "--shape", "8", "--max-batch", "2"]
+    result = CliRunner().invoke(app, [*args, "--repeats", "1", "--warmup", "0", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "cpu flags:" in result.output
+    assert "this model's Linear layers: aten-linear" in result.output
+    machine = json.loads(out.read_text())["machine"]
+    assert machine["model_linear"] == "aten-linear"
+    assert set(machine["kernels"]["linear"]) == {"float32", "bfloat16"}

@@ -35,3 +35,8 @@ def test_torch_kernels_import_nothing_when_torch_is_not_loaded(
 ) -> None:
     monkeypatch.delitem(sys.modules, "torch")
     assert machine.torch_kernels() == {}
+
+
+def test_model_kernels_say_how_the_models_linear_layers_run() -> None:
+    assert machine.model_kernels([]) == {}
+    assert machine.model_kernels([torch.nn.Linear(3, 2)]) == {"model_linear": "aten-linear"}
