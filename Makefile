@@ -11,6 +11,7 @@ TEST_EXTRAS  := $(SERVE_EXTRAS),tools,dev
 SERVE_STAMP  := $(VENV)/.serve-installed
 TEST_STAMP   := $(VENV)/.test-installed
 # pytest-xdist workers: one per core (2 on CI); PYTEST_WORKERS=0 runs in one process.
+# --dist loadscope keeps a module's tests on one worker, so a module's server starts once.
 PYTEST_WORKERS ?= auto
 
 .PHONY: serve test lint bench lock clean
@@ -30,7 +31,7 @@ serve: $(SERVE_STAMP)
 	$(PY) -m carpool.cli serve
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -367,7 +367,12 @@ def test_a_client_that_pipelines_without_reading_is_held_back(
     """The answers nobody reads stay bounded: reading pauses, so the client's own send
     blocks, and the server's memory does not follow what it tries to send."""
     before = rss_kb(served.process.pid)
-    batch = b"".join(_request(i) for i in range(1000))  # about 170 KB
+    # Large answers (8192 values each) fill the socket buffers within a few hundred
+    # requests; with two values each, tens of thousands of answers fit there first.
+    tensor = {"name": "INPUT0", "shape": [1, 8192], "datatype": "FP32", "data": [1.5] * 8192}
+    body = orjson.dumps({"inputs": [tensor]})
+    head = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % (INFER, len(body))
+    batch = (head + body) * 64  # about 2.5 MB
     sent = 0
     host, port = served.http_url.split(":")
     with socket.socket() as sock:
