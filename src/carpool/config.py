@@ -182,6 +182,8 @@ class ModelConfig(_Strict):
     devices: list[str] | None = Field(None, min_length=1)
     device: str | None = None  # every replica's device when devices is not given (cpu)
     dtype: TorchDtype | None = None
+    # embeddings: int8 Linear layers (per-channel weights, per-token activations; CPU, float32)
+    quantization: Literal["int8"] | None = None
     # Where a sync model runs (Batcher's executor); None: the kind's default.
     executor: Literal["auto", "thread", "loop"] | None = None
 
@@ -452,6 +454,12 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
                 f"{at}.dtype",
                 model.dtype,
                 "no dtype: only torch, embeddings and generation models take one",
+            )
+        if model.quantization is not None and model.kind != "embeddings":
+            yield (
+                f"{at}.quantization",
+                model.quantization,
+                "no quantization: only embeddings models take one",
             )
         if model.kind == "generation" and len(model.replica_devices()) > 1:
             yield (f"{at}.devices", model.replica_devices(), "one device: one engine per model")

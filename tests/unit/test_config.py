@@ -173,6 +173,8 @@ def test_config_datatypes_are_the_server_datatypes() -> None:
         ),
         (_with_model_line("num_replicas: 3"), "models[0].num_replicas", "one replica per"),
         (_with_model_line("dtype: float16"), "models[0].dtype", "only torch"),
+        (_with_model_line("quantization: int8"), "models[0].quantization", "only embeddings"),
+        (_with_model_line("quantization: int4"), "models[0].quantization", "int8"),
         (VALID.replace("source: model.onnx", "source: gone.onnx"), "models[1].source", "gone"),
         (
             VALID.replace("source: mypkg.mod:double", "source: double.py"),
@@ -247,6 +249,9 @@ def test_embeddings_entry_reads_a_folder_and_token_policy(config_dir: Path) -> N
     model = load_config(_write(config_dir, text)).models[0]
     assert model.source == str((config_dir / "minilm").resolve())
     assert model.max_inputs == 16
+    assert model.quantization is None
+    int8 = text.replace("dtype: bfloat16", "quantization: int8")
+    assert load_config(_write(config_dir, int8)).models[0].quantization == "int8"
     policy = model.policy()
     assert (policy.max_batch_tokens, policy.length_buckets) == (8192, "auto")
     edges = load_config(_write(config_dir, text.replace("auto", "[32, 128]"))).models[0]

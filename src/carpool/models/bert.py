@@ -63,6 +63,8 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
 }
 
+_LINEARS = ("qkv", "attn_out", "up", "down")
+
 # An attention function: qkv [..., 3, heads, head_dim] in, [..., heads, head_dim] out.
 Attend = Callable[[torch.Tensor], torch.Tensor]
 
@@ -279,28 +281,35 @@ class _Layer(nn.Module):
 
         self.fuses_gelu = config.hidden_act == "gelu"
         self.packed: dict[str, torch.Tensor] = {}  # oneDNN-prepacked weights (see prepack)
+        self.quantized: dict[str, onednn.Int8Weight] = {}  # int8 weights (see quantize_int8)
 
     def prepack(self) -> None:
         """Reorder the Linear weights for oneDNN once, so every batch skips the reorder."""
-        self.packed = {
-            name: onednn.reorder_weight(getattr(self, name).weight)
-            for name in ("qkv", "attn_out", "up", "down")
+        self.packed = {name: onednn.reorder_weight(getattr(self, name).weight) for name in _LINEARS}
+
+    def quantize_int8(self) -> None:
+        """Quantize the Linear weights to int8 once (per output channel)."""
+        self.quantized = {
+            name: onednn.quantize_weight(getattr(self, name).weight) for name in _LINEARS
         }
 
     def _linear(self, name: str, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         module: nn.Linear = getattr(self, name)
         packed = self.packed.get(name)
-        if packed is None:
-            plain: torch.Tensor = module(x)
-            return self.act(plain) if gelu else plain
-        return onednn.linear(x, packed, module.bias, gelu=gelu)
+        if packed is not None:
+            return onednn.linear(x, packed, module.bias, gelu=gelu)
+        quantized = self.quantized.get(name)
+        out: torch.Tensor = (
+            module(x) if quantized is None else onednn.int8_linear(x, quantized, module.bias)
+        )
+        return self.act(out) if gelu else out
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         lead = x.shape[:-1]
         qkv = self._linear("qkv", x).view(*lead, 3, self.num_heads, self.head_dim)
         context = attend(qkv).reshape(*lead, -1)
         x = self.attn_norm(x + self._linear("attn_out", context))
-        if self.packed and self.fuses_gelu:
+        if self.fuses_gelu and self.packed:
             up = self._linear("up", x, gelu=True)
         else:
             up = self.act(self._linear("up", x))
@@ -323,16 +332,45 @@ class BertEncoder(nn.Module):
         (``enabled=False`` drops any prepacked weights). Elsewhere (a GPU, a
         dtype this CPU cannot prepack) the layers keep ``nn.Linear``. Call again after
         moving the module to another device or dtype."""
-        layers: list[_Layer] = list(self.layers)  # type: ignore[arg-type]
+        layers = self._layers()
         weight = layers[0].qkv.weight if layers else None
         usable = enabled and weight is not None and onednn.can_prepack(weight.dtype, weight.device)
         for layer in layers:
+            layer.quantized = {}
             if usable:
                 layer.prepack()
             else:
                 layer.packed = {}
         logger.debug("BertEncoder Linear layers: %s", onednn.kernel_name(usable))
         return usable
+
+    def quantize_int8(self) -> None:
+        """Run every Linear layer in int8 (:func:`carpool.models.onednn.int8_linear`:
+        weights per channel, activations per token, so batch-invariant); float32 on the CPU
+        only. Drops prepacked weights.
+
+        Raises:
+            ConfigError: on field ``quantization`` when the model is not float32 on the CPU
+                or this torch build has no CPU int8 product.
+        """
+        layers = self._layers()
+        weight = layers[0].qkv.weight if layers else None
+        if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+            where = "no layers" if weight is None else f"{weight.dtype} on {weight.device}"
+            raise ConfigError("quantization", "int8", f"a float32 model on the CPU, not {where}")
+        if not onednn.can_int8():
+            raise ConfigError(
+                "quantization",
+                "int8",
+                f"a torch build with a CPU int8 matmul ({torch.__version__})",
+            )
+        for layer in layers:
+            layer.packed = {}
+            layer.quantize_int8()
+        logger.debug("BertEncoder Linear layers: %s", onednn.INT8_KERNEL)
+
+    def _layers(self) -> list[_Layer]:
+        return list(self.layers)  # type: ignore[arg-type]
 
     def forward_packed(
         self,

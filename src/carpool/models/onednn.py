@@ -8,6 +8,10 @@ private ops, used here and nowhere else:
     torch.ops.mkldnn._reorder_linear_weight(weight, batch_size)  -> packed weight
     torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, scalars, algorithm)
 
+and, for ``quantization: int8``, the int8 matrix product (on the CPU, oneDNN again):
+
+    torch._int_mm(x_int8 [M, K], w_int8 [K, N])  -> int32 [M, N]
+
 Checked on torch 2.13.0 (CPU build): on a torch upgrade, this module is the one place to
 look. Whether a dtype can take this path depends on the CPU, not only on the build: on a
 CPU without AVX-512 (or AVX-NE-CONVERT), bfloat16 and float16 reorders raise
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +39,11 @@ _CANDIDATE_DTYPES = (torch.float32, torch.bfloat16)
 _PROBE_ROWS, _PROBE_IN, _PROBE_OUT = 8, 64, 48
 
 
+INT8_KERNEL = "int8-dynamic"
+
+
 def kernel_name(is_prepacked: bool) -> str:
-    """How a model's Linear layers run, as logs and reports name it."""
+    """How a model's float Linear layers run, as logs and reports name it."""
     return "onednn-prepacked" if is_prepacked else "aten-linear"
 
 
@@ -107,3 +115,70 @@ def linear(
     attr, algorithm = ("gelu", "none") if gelu else ("none", "")  # "none": exact erf GELU
     y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, attr, [], algorithm)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+# -- int8: weights per output channel, activations per row (token) -----------------------
+#
+#     y[t, n] = sum_k x[t, k] w[n, k] + b[n]
+#            ~= (sum_k xq[t, k] wq[n, k]) * sx[t] * sw[n] + b[n]
+#     sx[t] = max_k |x[t, k]| / 127   (computed for each row of each batch)
+#     sw[n] = max_k |w[n, k]| / 127   (once, at load)
+#
+# A row's scale depends on that row alone, so a text's embedding does not depend on the
+# texts batched with it (per-tensor activation scales, as torch.ao's dynamic quantization
+# uses, make it depend on the largest value anywhere in the batch).
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    """A Linear weight quantized per output channel: ``values`` [K, N] int8 (a transposed
+    view of the [N, K] rows) and ``scales`` [N] float32."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
+def quantize_weight(weight: torch.Tensor) -> Int8Weight:
+    """``weight`` [N, K] (float) as symmetric int8 per output channel."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp_(min=1e-12).div_(127.0)
+    values = torch.round(w / scales[:, None]).to(torch.int8)
+    return Int8Weight(values.t(), scales)
+
+
+def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` for float32 ``x`` (any leading dimensions) through int8:
+    each row of ``x`` quantized with its own scale, one int8 product, one rescale."""
+    flat = x.reshape(-1, x.shape[-1])
+    row_scales = flat.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127.0)
+    quantized = torch.round(flat / row_scales).to(torch.int8)  # |x / scale| <= 127
+    y = torch._int_mm(quantized, weight.values) * row_scales  # int32 -> float32, one pass
+    y.mul_(weight.scales)
+    if bias is not None:
+        y.add_(bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def can_int8() -> bool:
+    """Whether this torch build runs :func:`int8_linear` here (``torch._int_mm`` on the
+    CPU); decided once per process, never raises."""
+    return _probe_int8()
+
+
+@functools.cache
+def _probe_int8() -> bool:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(_PROBE_OUT, _PROBE_IN, generator=generator)
+    x = torch.randn(_PROBE_ROWS, _PROBE_IN, generator=generator)
+    try:
+        with torch.inference_mode():
+            got = int8_linear(x, quantize_weight(weight), None)
+    except Exception as error:  # a build without the CPU int8 product
+        logger.info("int8 Linear unavailable: %s: %s", type(error).__name__, error)
+        return False
+    want = F.linear(x, weight)
+    error_rel = float((got - want).abs().max()) / float(want.abs().max())
+    if not error_rel <= 0.05:
+        logger.info("int8 Linear unavailable: its output differs by %.2g (relative)", error_rel)
+        return False
+    return True

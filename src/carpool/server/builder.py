@@ -70,6 +70,7 @@ def build_model(
             model.policy(),
             devices=model.replica_devices(),
             dtype=model.dtype or "float32",
+            quantization=model.quantization,
             max_inputs=model.max_inputs,
             executor=model.executor or EmbeddingService.DEFAULT_EXECUTOR,
         )

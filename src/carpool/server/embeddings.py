@@ -13,6 +13,7 @@ KServe face: input ``TEXT`` (BYTES, one UTF-8 text per row), output ``EMBEDDING`
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from carpool.core.layout import Packed
 from carpool.core.policy import BatchPolicy
 from carpool.errors import ConfigError, InvalidInput
 from carpool.server.repository import ServedModel, TensorSpec
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_INPUTS = 2048  # texts per call, as OpenAI's API allows
 
@@ -65,6 +68,7 @@ class EmbeddingService:
         *,
         devices: list[str] | None = None,
         dtype: str = "float32",
+        quantization: str | None = None,
         max_inputs: int = DEFAULT_MAX_INPUTS,
         executor: str = DEFAULT_EXECUTOR,
     ) -> None:
@@ -73,9 +77,11 @@ class EmbeddingService:
         self.name = name
         self.folder = Path(folder)
         self.dtype = dtype
+        self.quantization = quantization
         self.max_inputs = max_inputs
         self._encoder_cls = TextEncoder
-        self.encoder = TextEncoder.from_folder(self.folder, dtype=dtype)
+        self.encoder = TextEncoder.from_folder(self.folder, dtype=dtype, quantization=quantization)
+        logger.info("%s: Linear layers run %s", name, self.encoder.linear_kernel)
         self._shared_taken = False
         self.batcher = Batcher(
             fn_factory=self._replica,
@@ -108,7 +114,9 @@ class EmbeddingService:
     def _replica(self, device: str) -> Any:
         encoder = self.encoder
         if device != "cpu" or self._shared_taken:
-            encoder = self._encoder_cls.from_folder(self.folder, device=device, dtype=self.dtype)
+            encoder = self._encoder_cls.from_folder(
+                self.folder, device=device, dtype=self.dtype, quantization=self.quantization
+            )
         self._shared_taken = True
 
         def embed(batch: Packed) -> np.ndarray:

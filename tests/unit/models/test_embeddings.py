@@ -331,3 +331,12 @@ def test_from_config_builds_a_seeded_random_encoder() -> None:
     assert not np.allclose(out, TextEncoder.from_config(config, FOLDER, seed=2)(ids))
     with pytest.raises(ConfigError, match=r"tokenizer\.json"):
         TextEncoder.from_config(config).tokenize(["no tokenizer"])
+
+
+def test_int8_stays_close_to_sentence_transformers(
+    token_ids: list[np.ndarray], expected: np.ndarray
+) -> None:
+    """The accuracy docs/embeddings.md states for ``quantization: int8``."""
+    low = TextEncoder.from_folder(FOLDER, quantization="int8")
+    assert low.linear_kernel == "int8-dynamic"
+    assert _cosines(low(token_ids), expected).min() >= 0.98

