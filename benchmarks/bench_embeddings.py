@@ -9,6 +9,9 @@ torch.set_num_threads(1), offline. Variants:
     carpool-packed   TextEncoder.embed_packed on each arrival-order chunk of 32 texts
     carpool-budget   TextEncoder.embed_packed on consecutive texts up to 4096 tokens
     carpool-padded   TextEncoder.embed_padded on each arrival-order chunk of 32 texts
+    carpool-aten     carpool-budget with plain nn.Linear (no oneDNN prepacking)
+    carpool-int8     carpool-budget with quantization: int8 (per-channel weights, per-token
+                     activations); its min cosine against st-sorted is its stated accuracy
 
 The sentence-transformers variants tokenize inside the timed call; carpool's variants take
 token arrays made once before timing (the tokenize time is measured and reported on its own,
@@ -47,7 +50,17 @@ DEFAULT_JSON = RESULTS / "embeddings.json"
 BATCH_SIZE = 32
 TOKEN_BUDGET = 4096
 WARMUP_TEXTS = 64
-ALL_VARIANTS = ("st-sorted", "st-arrival", "carpool-packed", "carpool-budget", "carpool-padded")
+ALL_VARIANTS = (
+    "st-sorted",
+    "st-arrival",
+    "carpool-packed",
+    "carpool-budget",
+    "carpool-padded",
+    "carpool-aten",
+    "carpool-int8",
+)
+
+PACKED_VARIANTS = ("carpool-packed", "carpool-budget", "carpool-aten", "carpool-int8")
 
 
 @dataclass(slots=True)
@@ -143,10 +156,14 @@ def _variants(names: list[str], texts: list[str], lengths: list[int]) -> tuple[l
         lens = np.asarray(lengths, dtype=np.int64)
         budget = _budget_chunks(lengths, TOKEN_BUDGET)
 
-        def packed(chunks: list[slice]) -> np.ndarray:
+        def packed(chunks: list[slice], model: TextEncoder = encoder) -> np.ndarray:
             return np.concatenate(
-                [encoder.embed_packed(np.concatenate(ids[s]), lens[s]) for s in chunks]
+                [model.embed_packed(np.concatenate(ids[s]), lens[s]) for s in chunks]
             )
+
+        aten = TextEncoder.from_folder(folder, prepack=False)
+        int8 = TextEncoder.from_folder(folder, quantization="int8")
+        warm_budget = _budget_chunks(lengths[:WARMUP_TEXTS], TOKEN_BUDGET)
 
         def padded(chunks: list[slice]) -> np.ndarray:
             return np.concatenate([encoder.embed_padded(ids[s]) for s in chunks])
@@ -165,7 +182,23 @@ def _variants(names: list[str], texts: list[str], lengths: list[int]) -> tuple[l
                 "carpool-budget",
                 f"carpool packed, {TOKEN_BUDGET}-token budget",
                 lambda: packed(budget),
-                lambda: packed(_budget_chunks(lengths[:WARMUP_TEXTS], TOKEN_BUDGET)),
+                lambda: packed(warm_budget),
+                None,
+                len(budget),
+            ),
+            Variant(
+                "carpool-aten",
+                f"carpool packed, {TOKEN_BUDGET}-token budget, aten Linear",
+                lambda: packed(budget, aten),
+                lambda: packed(warm_budget, aten),
+                None,
+                len(budget),
+            ),
+            Variant(
+                "carpool-int8",
+                f"carpool packed, {TOKEN_BUDGET}-token budget, int8",
+                lambda: packed(budget, int8),
+                lambda: packed(warm_budget, int8),
                 None,
                 len(budget),
             ),
@@ -260,7 +293,7 @@ def main() -> None:
         rows[variant.name] = row
     tokenize_median_s = statistics.median(tokenize_s) if tokenize_s else None
     if tokenize_median_s is not None:
-        for name in ("carpool-packed", "carpool-budget"):
+        for name in PACKED_VARIANTS:
             if name in rows:
                 rows[name]["tokens_per_s_with_tokenize"] = num_tokens / (
                     rows[name]["median_s"] + tokenize_median_s
@@ -293,7 +326,7 @@ def main() -> None:
             f"carpool tokenize (once per repeat, not in carpool rows): {tokenize_median_s:.3f} s "
             f"({num_tokens / tokenize_median_s:.0f} tokens/s)"
         )
-    for packed in ("carpool-packed", "carpool-budget"):
+    for packed in PACKED_VARIANTS:
         if packed not in rows:
             continue
         for base in ("carpool-padded", "st-arrival", "st-sorted"):

@@ -11,6 +11,16 @@ with a Lua script that rotates through the mixed corpus of benchmarks/corpus.py 
     infinity1   the same with --batch-size 1 (no batching)
     carpool     carpool serve with a kind: embeddings model (packed batches of up to 64,
                 5 ms max delay), OpenAI POST /v1/embeddings
+    carpool-int8  the same with quantization: int8 (checked to min cosine 0.98, not 0.9999)
+
+"vs Infinity's best" divides a carpool server's highest tokens/s (any concurrency) by the
+highest tokens/s of any Infinity configuration at any concurrency, in the same run.
+
+To measure a CPU without AVX-512 on one that has it, cap the instruction sets for the whole
+run (both servers inherit it; the result file records it under machine.kernels.isa_caps):
+
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        .venv/bin/python benchmarks/bench_embeddings_http.py --json ...
 
 Tokens/s counts real tokens ([CLS]/[SEP] included), taken from the corpus positions the
 script sent: the completed requests are the first N sent, N counted in Lua's response(),
@@ -127,6 +137,7 @@ class Server:
     command: Callable[[int, Path], list[str]]  # (port, temp dir) -> argv
     path: str
     env: dict[str, str]
+    min_cosine: float = 0.9999  # against sentence-transformers, on the first texts
 
 
 def _infinity(batch_size: int) -> Callable[[int, Path], list[str]]:
@@ -157,26 +168,37 @@ def _infinity(batch_size: int) -> Callable[[int, Path], list[str]]:
     return command
 
 
-def _carpool(port: int, tmp: Path) -> list[str]:
-    config = tmp / "carpool.yaml"
-    config.write_text(
-        "models:\n"
-        f"  - name: {MODEL_NAME}\n"
-        "    kind: embeddings\n"
-        f"    source: {model_folder()}\n"
-        "    max_batch_size: 64\n"
-        "    max_delay_s: 0.005\n"
-        "    max_batch_tokens: 4096\n"
-    )
-    return benchlib.carpool_serve(port, grpc_port=free_port(), config=config)
+def _carpool(quantization: str | None) -> Callable[[int, Path], list[str]]:
+    def command(port: int, tmp: Path) -> list[str]:
+        config = tmp / "carpool.yaml"
+        config.write_text(
+            "models:\n"
+            f"  - name: {MODEL_NAME}\n"
+            "    kind: embeddings\n"
+            f"    source: {model_folder()}\n"
+            "    max_batch_size: 64\n"
+            "    max_delay_s: 0.005\n"
+            "    max_batch_tokens: 4096\n"
+            + (f"    quantization: {quantization}\n" if quantization else "")
+        )
+        return benchlib.carpool_serve(port, grpc_port=free_port(), config=config)
+
+    return command
 
 
 def _servers() -> list[Server]:
+    label = "carpool serve (64, 4096 tok, 5 ms)"
     return [
         Server("infinity32", "Infinity, batch 32", _infinity(32), "/embeddings", QUIET_ENV),
         Server("infinity1", "Infinity, batch 1", _infinity(1), "/embeddings", QUIET_ENV),
+        Server("carpool", label, _carpool(None), "/v1/embeddings", QUIET_ENV),
         Server(
-            "carpool", "carpool serve (64, 4096 tok, 5 ms)", _carpool, "/v1/embeddings", QUIET_ENV
+            "carpool-int8",
+            f"{label}, int8",
+            _carpool("int8"),
+            "/v1/embeddings",
+            QUIET_ENV,
+            min_cosine=0.98,
         ),
     ]
 
@@ -275,7 +297,7 @@ def _run(
             process, url, _body(texts[0]), request_timeout_s=30, retry_statuses={503}
         )[0]
         result["min_cosine"] = _check(url, texts[:NUM_CHECKED], expected)
-        if result["min_cosine"] < 0.9999:
+        if result["min_cosine"] < server.min_cosine:
             raise RuntimeError(f"wrong embeddings: min cosine {result['min_cosine']:.6f}")
         print(
             f"{server.name}: ready in {result['startup_s']:.1f} s, embeddings ok "
@@ -319,18 +341,23 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 
 def _ratios(results: list[dict[str, Any]]) -> dict[str, float]:
-    """carpool's req/s over each peer's, per concurrency."""
+    """Each carpool server's req/s over each Infinity configuration's, per concurrency, and
+    its best tokens/s over Infinity's best (any configuration, any concurrency)."""
     by_name = {r["server"]: r for r in results if "rows" in r}
-    if "carpool" not in by_name:
-        return {}
-    ours = {row["concurrency"]: row["rate_rps"] for row in by_name["carpool"]["rows"]}
+    peers = {name: r for name, r in by_name.items() if name.startswith("infinity")}
+    best_peer = max((row["tokens_per_s"] for r in peers.values() for row in r["rows"]), default=0.0)
     ratios = {}
-    for name, result in by_name.items():
-        for row in result["rows"] if name != "carpool" else []:
-            if row["concurrency"] in ours and row["rate_rps"] > 0:
-                ratios[f"carpool/{name}@c{row['concurrency']}"] = (
-                    ours[row["concurrency"]] / row["rate_rps"]
-                )
+    for ours_name in (name for name in by_name if name.startswith("carpool")):
+        ours = {row["concurrency"]: row for row in by_name[ours_name]["rows"]}
+        for name, result in peers.items():
+            for row in result["rows"]:
+                if row["concurrency"] in ours and row["rate_rps"] > 0:
+                    ratios[f"{ours_name}/{name}@c{row['concurrency']}"] = (
+                        ours[row["concurrency"]]["rate_rps"] / row["rate_rps"]
+                    )
+        if best_peer > 0:
+            best = max(row["tokens_per_s"] for row in ours.values())
+            ratios[f"{ours_name}/infinity-best (tokens/s)"] = best / best_peer
     return ratios
 
 
@@ -399,7 +426,7 @@ def main() -> None:
     expected = reference.encode(texts[:NUM_CHECKED], normalize_embeddings=True)
     del reference
 
-    offline = _offline_packed(texts) if "carpool" in wanted else None
+    offline = _offline_packed(texts) if any(n.startswith("carpool") for n in wanted) else None
     results = [
         _run(server, texts, expected, mean_tokens, concurrency, args.duration_s)
         for server in servers
@@ -415,7 +442,7 @@ def main() -> None:
     print(_table(merged))
     ratios = _ratios(merged)
     for key, value in ratios.items():
-        print(f"  {key:28} {value:6.2f}x req/s")
+        print(f"  {key:40} {value:6.2f}x")
     served = {r["server"]: r for r in merged}.get("carpool", {})
     if offline is not None and "rows" in served:
         for row in served["rows"]:

@@ -4,6 +4,7 @@ since the same model runs several times faster or slower on another CPU."""
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from typing import Any
@@ -29,6 +30,10 @@ _KERNEL_FLAGS = (
     "asimd",
     "sve",
 )
+# Environment variables that cap the instruction sets kernels use: a run with them set
+# measures a lesser CPU than the one it ran on (ONEDNN_MAX_CPU_ISA=AVX2 stands in for a
+# CPU without AVX-512), and its results must say so.
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def _cpuinfo_field(name: str) -> str | None:
@@ -69,6 +74,7 @@ def torch_kernels() -> dict[str, Any]:
         for name in ("float32", "bfloat16")
     }
     return {
+        "isa_caps": {name: os.environ[name] for name in ISA_CAPS if name in os.environ},
         "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "blas": blas,
         "onednn": torch.backends.mkldnn.is_available(),
