@@ -122,11 +122,19 @@ def linear(
 #     y[t, n] = sum_k x[t, k] w[n, k] + b[n]
 #            ~= (sum_k xq[t, k] wq[n, k]) * sx[t] * sw[n] + b[n]
 #     sx[t] = max_k |x[t, k]| / 127   (computed for each row of each batch)
-#     sw[n] = max_k |w[n, k]| / 127   (once, at load)
+#     sw[n] = max_k |w[n, k]| / W     (once, at load; W = 127, or 63, see below)
 #
 # A row's scale depends on that row alone, so a text's embedding does not depend on the
 # texts batched with it (per-tensor activation scales, as torch.ao's dynamic quantization
 # uses, make it depend on the largest value anywhere in the batch).
+#
+# On a CPU without VNNI (AVX2 alone, or AVX-512 before Cascade Lake) oneDNN multiplies
+# int8 pairs with vpmaddubsw, whose 16-bit pair sums saturate: full-range weights then give
+# wrong products (off by up to 1.5e5 on a [4096, 384] x [384, 1536] product, with
+# ONEDNN_MAX_CPU_ISA=AVX2). With weights held to 7 bits (|w| <= 63) the sums fit and the
+# products are exact. The probe finds which range is exact here.
+
+_INT8_WEIGHT_RANGES = (127, 63)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +146,12 @@ class Int8Weight:
     scales: torch.Tensor
 
 
-def quantize_weight(weight: torch.Tensor) -> Int8Weight:
-    """``weight`` [N, K] (float) as symmetric int8 per output channel."""
+def quantize_weight(weight: torch.Tensor, max_value: int | None = None) -> Int8Weight:
+    """``weight`` [N, K] (float) as symmetric int8 per output channel, within
+    ``[-max_value, max_value]`` (default: the widest range exact on this CPU)."""
+    limit = max_value or int8_weight_range() or _INT8_WEIGHT_RANGES[-1]
     w = weight.detach().float()
-    scales = w.abs().amax(dim=1).clamp_(min=1e-12).div_(127.0)
+    scales = w.abs().amax(dim=1).clamp_(min=1e-12).div_(float(limit))
     values = torch.round(w / scales[:, None]).to(torch.int8)
     return Int8Weight(values.t(), scales)
 
@@ -160,25 +170,31 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
 
 
 def can_int8() -> bool:
-    """Whether this torch build runs :func:`int8_linear` here (``torch._int_mm`` on the
-    CPU); decided once per process, never raises."""
-    return _probe_int8()
+    """Whether this torch build and CPU run :func:`int8_linear` exactly (``torch._int_mm``
+    on the CPU); decided once per process, never raises."""
+    return int8_weight_range() is not None
 
 
 @functools.cache
-def _probe_int8() -> bool:
+def int8_weight_range() -> int | None:
+    """The widest weight range (127 or 63) whose int8 products are exact on this CPU;
+    None when the int8 product fails or is wrong at both."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(_PROBE_OUT, _PROBE_IN, generator=generator)
-    x = torch.randn(_PROBE_ROWS, _PROBE_IN, generator=generator)
-    try:
-        with torch.inference_mode():
-            got = int8_linear(x, quantize_weight(weight), None)
-    except Exception as error:  # a build without the CPU int8 product
-        logger.info("int8 Linear unavailable: %s: %s", type(error).__name__, error)
-        return False
-    want = F.linear(x, weight)
-    error_rel = float((got - want).abs().max()) / float(want.abs().max())
-    if not error_rel <= 0.05:
-        logger.info("int8 Linear unavailable: its output differs by %.2g (relative)", error_rel)
-        return False
-    return True
+    x = torch.randint(-127, 128, (16, 256), dtype=torch.int8, generator=generator)
+    for limit in _INT8_WEIGHT_RANGES:
+        w = torch.randint(-limit, limit + 1, (64, 256), dtype=torch.int8, generator=generator)
+        try:
+            got = torch._int_mm(x, w.t())
+        except Exception as error:  # a build without the CPU int8 product
+            logger.info("int8 Linear unavailable: %s: %s", type(error).__name__, error)
+            return None
+        if torch.equal(got.long(), x.long() @ w.long().t()):
+            if limit != _INT8_WEIGHT_RANGES[0]:
+                logger.info(
+                    "int8 products saturate at full range on this CPU (no VNNI): "
+                    "weights quantized to 7 bits (|w| <= %d)",
+                    limit,
+                )
+            return limit
+    logger.info("int8 Linear unavailable: torch._int_mm is wrong here at every weight range")
+    return None

@@ -43,8 +43,10 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # relative to max |refe
 @pytest.fixture(autouse=True)
 def fresh_probe() -> Iterator[None]:
     onednn._probe.cache_clear()
+    onednn.int8_weight_range.cache_clear()
     yield
     onednn._probe.cache_clear()
+    onednn.int8_weight_range.cache_clear()
 
 
 @pytest.fixture
@@ -195,10 +197,13 @@ _AVX2_SCRIPT = textwrap.dedent(
     texts = t._texts(low)
     ref = t._encoder("float32", prepack=True)
     t._assert_close(low(texts), ref(texts), 5e-2)
+    int8 = t._encoder("float32", prepack=True, quantization="int8")
+    t._assert_close(int8(texts), ref(texts), 5e-2)
     print(json.dumps({
         "capability": torch.backends.cpu.get_cpu_capability(),
         "bfloat16": low.uses_onednn,
         "float32": ref.uses_onednn,
+        "int8_weight_range": onednn.int8_weight_range(),
     }))
     """
 )
@@ -219,6 +224,7 @@ def test_bfloat16_on_a_cpu_capped_at_avx2() -> None:
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["capability"] == "AVX2"
     assert seen["bfloat16"] is False
+    assert seen["int8_weight_range"] == 63  # AVX2 without VNNI: 7-bit weights stay exact
 
 
 def test_holds_prepacked_tells_which_path_a_model_took() -> None:
@@ -286,3 +292,38 @@ def test_int8_encoder_is_batch_invariant_and_close_to_float32() -> None:
 def test_int8_refuses_what_it_cannot_run(dtype: str, quantization: str, expected: str) -> None:
     with pytest.raises(ConfigError, match=expected):
         _encoder(dtype, prepack=True, quantization=quantization)
+
+
+def _saturating_int_mm(real: object, limit: int) -> object:
+    def int_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = real(x, w)  # type: ignore[operator]
+        return out + 1 if int(w.abs().max()) > limit else out
+
+    return int_mm
+
+
+def test_int8_weights_drop_to_7_bits_where_full_range_products_are_wrong(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(torch, "_int_mm", _saturating_int_mm(torch._int_mm, 63))
+    with caplog.at_level(logging.INFO, logger="carpool.models.onednn"):
+        assert onednn.int8_weight_range() == 63
+    assert "7 bits" in caplog.text
+    weight = onednn.quantize_weight(torch.randn(8, 16))
+    assert int(weight.values.abs().max()) == 63
+
+
+def test_int8_is_refused_where_every_range_is_wrong_or_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch, "_int_mm", _saturating_int_mm(torch._int_mm, -1))
+    assert not onednn.can_int8()
+    onednn.int8_weight_range.cache_clear()
+
+    def missing(*args: object) -> torch.Tensor:
+        raise RuntimeError("_int_mm: not implemented for 'CPU'")
+
+    monkeypatch.setattr(torch, "_int_mm", missing)
+    assert not onednn.can_int8()
+    with pytest.raises(ConfigError, match="CPU int8 matmul"):
+        _encoder("float32", prepack=True, quantization="int8")
