@@ -135,6 +135,23 @@ def test_a_wrong_prepacked_result_means_fallback(
     assert "differs from F.linear" in caplog.text
 
 
+def test_a_prepacked_path_slower_than_aten_is_not_taken(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(onednn, "_race", lambda dtype: (0.002, 0.001))
+    with caplog.at_level(logging.INFO, logger="carpool.models.onednn"):
+        assert not onednn.can_prepack(torch.float32)
+    assert "slower than aten" in caplog.text
+    assert not _encoder("float32", prepack=True).uses_onednn
+
+
+def test_the_race_times_both_paths() -> None:
+    if onednn._probe_failure(torch.float32) is not None:
+        pytest.xfail("no oneDNN prepacked float32 Linear here to race")
+    packed_s, aten_s = onednn._race(torch.float32)
+    assert 0 < packed_s < 1 and 0 < aten_s < 1
+
+
 def test_a_torch_without_the_private_op_means_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     assert not onednn.can_prepack(torch.float32)
