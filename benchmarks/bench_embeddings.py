@@ -12,6 +12,7 @@ torch.set_num_threads(1), offline. Variants:
     carpool-aten     carpool-budget with plain nn.Linear (no oneDNN prepacking)
     carpool-int8     carpool-budget with quantization: int8 (per-channel weights, per-token
                      activations); its min cosine against st-sorted is its stated accuracy
+    carpool-bf16     carpool-budget with dtype: bfloat16 (prepacked where the CPU can)
 
 The sentence-transformers variants tokenize inside the timed call; carpool's variants take
 token arrays made once before timing (the tokenize time is measured and reported on its own,
@@ -58,9 +59,16 @@ ALL_VARIANTS = (
     "carpool-padded",
     "carpool-aten",
     "carpool-int8",
+    "carpool-bf16",
 )
 
-PACKED_VARIANTS = ("carpool-packed", "carpool-budget", "carpool-aten", "carpool-int8")
+PACKED_VARIANTS = (
+    "carpool-packed",
+    "carpool-budget",
+    "carpool-aten",
+    "carpool-int8",
+    "carpool-bf16",
+)
 
 
 @dataclass(slots=True)
@@ -163,6 +171,7 @@ def _variants(names: list[str], texts: list[str], lengths: list[int]) -> tuple[l
 
         aten = TextEncoder.from_folder(folder, prepack=False)
         int8 = TextEncoder.from_folder(folder, quantization="int8")
+        bf16 = TextEncoder.from_folder(folder, dtype="bfloat16")
         warm_budget = _budget_chunks(lengths[:WARMUP_TEXTS], TOKEN_BUDGET)
 
         def padded(chunks: list[slice]) -> np.ndarray:
@@ -199,6 +208,14 @@ def _variants(names: list[str], texts: list[str], lengths: list[int]) -> tuple[l
                 f"carpool packed, {TOKEN_BUDGET}-token budget, int8",
                 lambda: packed(budget, int8),
                 lambda: packed(warm_budget, int8),
+                None,
+                len(budget),
+            ),
+            Variant(
+                "carpool-bf16",
+                f"carpool packed, {TOKEN_BUDGET}-token budget, bf16",
+                lambda: packed(budget, bf16),
+                lambda: packed(warm_budget, bf16),
                 None,
                 len(budget),
             ),
