@@ -189,3 +189,26 @@ def test_kserve_bytes_input_gives_the_same_embedding(served, reference):
     meta = httpx.get(f"http://{served.http_url}/v2/models/{MODEL}").json()
     assert meta["inputs"] == [{"name": "TEXT", "datatype": "BYTES", "shape": [-1]}]
     assert meta["outputs"] == [{"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, 384]}]
+
+
+def test_bfloat16_on_a_cpu_capped_at_avx2_answers_and_says_why_it_fell_back(tmp_path, reference):
+    """The fresh AVX2-only machine of issue 21: a bfloat16 model did not load there. With
+    oneDNN held to AVX2 it loads on nn.Linear, says so once, and answers."""
+    config = f"""
+models:
+  - name: {MODEL}
+    kind: embeddings
+    source: {embeddings_folder()}
+    dtype: bfloat16
+"""
+    server = start_served_process(config, tmp_path, env={"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    try:
+        url = f"http://{server.http_url}/v1"
+        with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+            response = client.embeddings.create(model=MODEL, input=TEXTS)
+        got = np.array([d.embedding for d in response.data], dtype=np.float32)
+        assert _cosines(got, reference).min() >= 0.99
+    finally:
+        assert server.stop() == 0, server.output()
+    said = server.output()
+    assert said.count("oneDNN prepacked Linear unavailable for torch.bfloat16") == 1, said

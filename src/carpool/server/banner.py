@@ -16,9 +16,14 @@ from carpool.server.repository import ModelRepository, ServedModel
 logger = logging.getLogger("carpool.server")
 
 
+# Where a model says which kernel it fell back to (carpool.models.onednn): a CPU that
+# lacks a path must say so in the server's output, not only in a debug log.
+_models_logger = logging.getLogger("carpool.models")
+
+
 def use_default_logging() -> None:
-    """Lines of ``carpool.server`` on stderr at INFO, unless the process configured
-    logging itself (an application embedding the server)."""
+    """Lines of ``carpool.server`` and ``carpool.models`` on stderr at INFO, unless the
+    process configured logging itself (an application embedding the server)."""
     if logger.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler()
@@ -26,6 +31,9 @@ def use_default_logging() -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    if not _models_logger.handlers:  # no root handler either: nothing printed twice
+        _models_logger.addHandler(handler)
+        _models_logger.setLevel(logging.INFO)
 
 
 def ready_lines(repository: ModelRepository, http: str, grpc: str | None) -> list[str]:

@@ -81,7 +81,7 @@ class EmbeddingService:
         self.max_inputs = max_inputs
         self._encoder_cls = TextEncoder
         self.encoder = TextEncoder.from_folder(self.folder, dtype=dtype, quantization=quantization)
-        logger.info("%s: Linear layers run %s", name, self.encoder.linear_kernel)
+        logger.debug("%s: Linear layers run %s", name, self.encoder.linear_kernel)
         self._shared_taken = False
         self.batcher = Batcher(
             fn_factory=self._replica,
