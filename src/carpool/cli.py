@@ -80,6 +80,7 @@ def serve(
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
+    from carpool.server import uvicorn_contract
     from carpool.server.errors import PortInUse
     from carpool.server.run import check_ports, exit_on_signal_while_building
     from carpool.server.run import serve as run_server
@@ -91,6 +92,7 @@ def serve(
         )
     try:
         check_ports(host, port, grpc_port)  # before a config's models load their weights
+        uvicorn_contract.check()  # likewise: a uvicorn the fast path cannot extend
         with exit_on_signal_while_building():
             repository = _repository(config)
         run_server(

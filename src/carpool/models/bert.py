@@ -331,7 +331,8 @@ class BertEncoder(nn.Module):
         :mod:`carpool.models.onednn`); returns whether they are used
         (``enabled=False`` drops any prepacked weights). Elsewhere (a GPU, a
         dtype this CPU cannot prepack) the layers keep ``nn.Linear``. Call again after
-        moving the module to another device or dtype."""
+        moving the module to another device or dtype. Drops int8 weights: call
+        :meth:`quantize_int8` instead for an int8 model."""
         layers = self._layers()
         weight = layers[0].qkv.weight if layers else None
         usable = enabled and weight is not None and onednn.can_prepack(weight.dtype, weight.device)

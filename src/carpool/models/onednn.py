@@ -17,17 +17,15 @@ look. Whether a dtype can take this path depends on the CPU, not only on the bui
 CPU without AVX-512 (or AVX-NE-CONVERT), bfloat16 and float16 reorders raise
 ``RuntimeError: ... bf16 path needs the cpu support avx_ne_convert or avx512bw, ...``.
 :func:`can_prepack` therefore decides once per process and dtype by a probe that cannot
-crash: a tiny Linear reordered and run, its output checked against ``F.linear``, then the
-two raced on an encoder-sized product (where oneDNN only has its AVX2 kernels, aten's
-BLAS can be as fast). Any error, mismatch or loss means the plain ``nn.Linear`` path,
-with one log line saying why.
+crash: a tiny Linear reordered and run, its output checked against ``F.linear``. Any
+error or mismatch means the plain ``nn.Linear`` path, with one log line saying why.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import time
+import os
 from dataclasses import dataclass
 
 import torch
@@ -60,60 +58,42 @@ def holds_prepacked(module: torch.nn.Module) -> bool:
     return False
 
 
+def linear_path(module: torch.nn.Module) -> str:
+    """How ``module``'s carpool Linear layers run: int8 where any holds int8 weights,
+    prepacked where any holds prepacked ones, else plain aten."""
+    if any(getattr(sub, "quantized", None) for sub in module.modules()):
+        return INT8_KERNEL
+    return kernel_name(holds_prepacked(module))
+
+
 def can_prepack(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """Whether Linear layers of ``dtype`` on ``device`` should use oneDNN's prepacked kernel
-    on this CPU and torch build: it runs, matches ``F.linear``, and is not slower than it on
-    an encoder-sized product. Decided once per process and dtype; never raises."""
+    """Whether Linear layers of ``dtype`` on ``device`` can use oneDNN's prepacked kernel on
+    this CPU and torch build (``CARPOOL_LINEAR_KERNEL=aten`` says no everywhere). Decided
+    once per process and dtype; never raises."""
     if torch.device(device).type != "cpu" or dtype not in _CANDIDATE_DTYPES:
         return False
     return _probe(dtype)
 
 
+# Set to "aten" to keep every model on nn.Linear: held to AVX2, oneDNN's prepacked float32
+# ran within 5% of plain nn.Linear (docs/benchmarks.md), too close to decide by timing
+# at load; this lets an operator choose by measuring their own machine.
+LINEAR_KERNEL_ENV = "CARPOOL_LINEAR_KERNEL"
+
+
 @functools.cache
 def _probe(dtype: torch.dtype) -> bool:
-    reason = _probe_failure(dtype)
+    choice = os.environ.get(LINEAR_KERNEL_ENV, "auto")
+    reason = _probe_failure(dtype) if choice != "aten" else f"{LINEAR_KERNEL_ENV}=aten"
+    if choice not in ("auto", "aten"):
+        logger.warning("%s=%r is not auto or aten: taken as auto", LINEAR_KERNEL_ENV, choice)
     if reason is not None:
         logger.info(
             "oneDNN prepacked Linear unavailable for %s, using aten linear: %s", dtype, reason
         )
         return False
-    packed_s, aten_s = _race(dtype)
-    if packed_s > aten_s:
-        logger.info(
-            "oneDNN prepacked Linear slower than aten for %s on this CPU (%.2f ms against "
-            "%.2f ms), using aten linear",
-            dtype,
-            packed_s * 1e3,
-            aten_s * 1e3,
-        )
-        return False
     logger.debug("oneDNN prepacked Linear: available for %s", dtype)
     return True
-
-
-# The race's product: a batch of 256 tokens through a 384 -> 1536 layer (a MiniLM MLP).
-_RACE_SHAPE = (256, 384, 1536)
-_RACE_ROUNDS = 5
-
-
-def _race(dtype: torch.dtype) -> tuple[float, float]:
-    """The fastest of a few timed calls of the prepacked and the aten Linear (seconds),
-    alternating so that a busy moment slows both."""
-    rows, inputs, outputs = _RACE_SHAPE
-    generator = torch.Generator().manual_seed(1)
-    weight = torch.randn(outputs, inputs, generator=generator).to(dtype)
-    x = torch.randn(rows, inputs, generator=generator).to(dtype)
-    packed = reorder_weight(weight)
-    packed_s = aten_s = float("inf")
-    with torch.inference_mode():
-        for _ in range(_RACE_ROUNDS):
-            start = time.perf_counter()
-            linear(x, packed, None)
-            middle = time.perf_counter()
-            F.linear(x, weight)
-            packed_s = min(packed_s, middle - start)
-            aten_s = min(aten_s, time.perf_counter() - middle)
-    return packed_s, aten_s
 
 
 def _probe_failure(dtype: torch.dtype) -> str | None:

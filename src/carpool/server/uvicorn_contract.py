@@ -57,6 +57,8 @@ PROTOCOL_ATTRIBUTES = (
     "pipeline",
     "headers",
     "cycle",
+    "url",
+    "expect_100_continue",
 )
 # Attributes uvicorn's protocol reads from ``self.cycle``, as of CHECKED_UVICORN; FastCycle
 # provides each of them. A new one in a later uvicorn is read from a FastCycle that lacks it.
@@ -88,7 +90,10 @@ def missing() -> list[str]:
     for name in PROTOCOL_METHODS:
         if not callable(getattr(protocol, name, None)):
             gaps.append(f"method HttpToolsProtocol.{name}")
-    source = inspect.getsource(protocol)
+    try:
+        source = inspect.getsource(protocol)
+    except (OSError, TypeError):  # installed without its .py sources
+        return [*gaps, "the source of HttpToolsProtocol, to check its attributes"]
     for name in PROTOCOL_ATTRIBUTES:
         if not re.search(rf"self\.{name}\b\s*(:[^=\n]*)?=[^=]", source):
             gaps.append(f"attribute HttpToolsProtocol.{name} (set by its methods)")

@@ -83,13 +83,15 @@ def torch_kernels() -> dict[str, Any]:
 
 
 def model_kernels(modules: list[Any]) -> dict[str, str]:
-    """How these torch modules' carpool Linear layers run: ``{"model_linear":
-    "onednn-prepacked"}`` when any of them holds oneDNN-prepacked weights (carpool's text
-    encoder and generation models do where the CPU supports it), else ``aten-linear``;
-    empty without modules."""
+    """How these torch modules' carpool Linear layers run: ``{"model_linear": path}``,
+    ``int8-dynamic``, ``onednn-prepacked`` (carpool's text encoder and generation models
+    where the CPU supports it) or ``aten-linear``; empty without modules."""
     if not modules:
         return {}
     from carpool.models import onednn
 
-    is_prepacked = any(onednn.holds_prepacked(module) for module in modules)
-    return {"model_linear": onednn.kernel_name(is_prepacked)}
+    paths = {onednn.linear_path(module) for module in modules}
+    for path in (onednn.INT8_KERNEL, onednn.kernel_name(True)):
+        if path in paths:
+            return {"model_linear": path}
+    return {"model_linear": onednn.kernel_name(False)}
