@@ -473,3 +473,23 @@ def test_sigterm_with_abusive_connections_open_exits_0_and_answers_the_accepted(
     for sock in opened:
         sock.close()
     assert "Traceback" not in server.output()
+
+
+def test_a_websocket_upgrade_is_refused_cleanly(served: ServedProcess, steady: Steady) -> None:
+    """Was: uvicorn took the upgrade and handed the app a websocket scope it ignores: a
+    500 and an ERROR line per request. carpool serves no websocket route: the request is
+    answered as plain HTTP/1.1 (no 101), and nothing is logged as an error."""
+    upgrade = (
+        b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\n"
+        b"Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    for _ in range(3):
+        with _connect(served.http_url) as sock:
+            sock.sendall(upgrade)
+            answer = sock.recv(65536)
+        status = int(answer.split()[1])
+        assert status != 101 and status < 500, answer[:200]
+    said = served.output()
+    assert "ERROR" not in said and "Exception in ASGI" not in said, said[-2000:]
+    assert "upgrade" not in said.lower(), said[-2000:]  # nor a warning per request

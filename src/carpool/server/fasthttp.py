@@ -147,11 +147,10 @@ class InferProtocol(HttpToolsProtocol):
         self._chunk = None if self._receiving else data
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:  # as uvicorn's data_received
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
+        except httptools.HttpParserUpgrade:
+            # carpool serves no websocket (uvicorn runs with ws="none"): the request is
+            # answered as plain HTTP/1.1, and, unlike uvicorn's, without two WARNING
+            # lines per request that anyone could fill the log with.
             return
         except httptools.HttpParserError as error:
             refused = error.__context__

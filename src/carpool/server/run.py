@@ -100,6 +100,7 @@ def serve(
         proxy_headers=False,  # nothing here reads the client address
         access_log=False,  # at log level warning it printed nothing, at a cost per request
         lifespan="off",  # the repository is started and drained by _serve
+        ws="none",  # no websocket route: an upgrade is answered as plain HTTP, not a 500
         log_level=log_level,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
