@@ -340,4 +340,6 @@ def test_int8_stays_close_to_sentence_transformers(
     """The accuracy docs/embeddings.md states for ``quantization: int8``."""
     low = TextEncoder.from_folder(FOLDER, quantization="int8")
     assert low.linear_kernel == "int8-dynamic"
-    assert _cosines(low(token_ids), expected).min() >= 0.98
+    # 7-bit weights where the CPU's int8 products would saturate (no VNNI) cost a little.
+    floor = 0.98 if onednn.int8_weight_range() == 127 else 0.97
+    assert _cosines(low(token_ids), expected).min() >= floor
