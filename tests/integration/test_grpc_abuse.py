@@ -459,3 +459,22 @@ def test_sigterm_answers_every_stream_request_and_ends_open_streams(
         assert code == grpc.StatusCode.UNAVAILABLE
         assert details.startswith("the server is shutting down"), details
     assert "Traceback" not in server.output()
+
+
+def test_a_huge_model_version_is_not_found_with_the_echo_cut(
+    channel: grpc.Channel, served: ServedProcess, steady: Steady
+) -> None:
+    """Was: a 1 MiB model_version was echoed in the NOT_FOUND details, over the 16 KiB of
+    metadata a status may carry, so the client got RESOURCE_EXHAUSTED instead."""
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    request = _request(1)
+    request.model_version = "9" * (1 << 20)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.ModelInfer(request, timeout=LIMIT_S)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert len(caught.value.details()) < 1024
+    assert "... (cut: " in caught.value.details()
+    long_name = "m" * 60_000
+    answer = httpx.get(f"http://{served.http_url}/v2/models/{long_name}", timeout=LIMIT_S)
+    assert answer.status_code == 404
+    assert len(answer.content) < 1024

@@ -36,17 +36,32 @@ from carpool.errors import (
     QueueFull,
 )
 
+# The most characters of a client's own input (a path, a model name or version) an error
+# message repeats: a 60 KB model name must not come back as a 60 KB body, nor a 1 MiB
+# gRPC model_version overflow the status metadata (16 KiB) and turn NOT_FOUND into
+# RESOURCE_EXHAUSTED.
+MAX_ECHO_CHARS = 256
+
+
+def echo(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``text`` as an error message may repeat it: whole up to ``limit`` characters, else
+    its start and how long it was."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... (cut: {len(text)} characters)"
+
 
 class NotFound(Exception):
     """An unknown path, model or version (a server-level fact: core has no model names).
     ``is_model``: a model or version, which OpenAI's error object calls
-    ``model_not_found``."""
+    ``model_not_found``. ``what`` (which names the client's input) is cut to
+    :data:`MAX_ECHO_CHARS` in the message."""
 
     def __init__(self, what: str, known: list[str], *, is_model: bool = False) -> None:
         self.what = what
         self.known = known
         self.is_model = is_model
-        super().__init__(f"{what} not found; available: {', '.join(known) or 'none'}")
+        super().__init__(f"{echo(what)} not found; available: {', '.join(known) or 'none'}")
 
 
 class MethodNotAllowed(Exception):
@@ -54,7 +69,8 @@ class MethodNotAllowed(Exception):
 
     def __init__(self, method: str, path: str, allowed: tuple[str, ...]) -> None:
         self.allowed = allowed
-        super().__init__(f"{method} {path!r} is not allowed; expected {' or '.join(allowed)}")
+        asked = echo(f"{method} {path!r}")
+        super().__init__(f"{asked} is not allowed; expected {' or '.join(allowed)}")
 
 
 class NotSupported(Exception):

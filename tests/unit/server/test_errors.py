@@ -39,3 +39,15 @@ def test_both_wires_carry_the_same_message() -> None:
     exc = InvalidInput("input 'X': shape [1, 2]")
     assert error_message(exc) == http_error(exc).message == "input 'X': shape [1, 2]"
     assert error_message(RuntimeError("boom")) == "internal error: RuntimeError: boom"
+
+
+def test_not_found_cuts_what_the_client_sent_to_a_bounded_echo() -> None:
+    from carpool.server.errors import MAX_ECHO_CHARS, MethodNotAllowed, NotFound, echo
+
+    assert echo("short") == "short"
+    long = "x" * 100_000
+    cut = echo(long)
+    assert cut.startswith("x" * MAX_ECHO_CHARS) and cut.endswith("(cut: 100000 characters)")
+    message = str(NotFound(f"model {long!r}", ["mlp"], is_model=True))
+    assert len(message) < 2 * MAX_ECHO_CHARS and message.endswith("available: mlp")
+    assert len(str(MethodNotAllowed("GET", "/" + long, ("POST",)))) < 2 * MAX_ECHO_CHARS
