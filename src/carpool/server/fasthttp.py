@@ -58,8 +58,9 @@ READ_AHEAD_BYTES = 1024 * 1024
 # A request's head (request line and header fields) is held in memory until it is
 # complete. Past MAX_HEAD_BYTES received without it ending (or trailer fields without
 # the body ending) it is refused, 414 or 431, and the connection closed; a head that
-# arrives within one read of the socket (at most 256 KiB) is taken whole and then held
-# to MAX_HEADER_FIELDS. Trailer fields are never kept.
+# arrives within one read of the socket (at most 256 KiB) is parsed whole and then held
+# to the same limits (a target under MAX_HEAD_BYTES, a head within it, MAX_HEADER_FIELDS).
+# Trailer fields are never kept.
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADER_FIELDS = 256
 # A connection closed while its client may still be sending its body (a 413 before the
@@ -121,6 +122,7 @@ class InferProtocol(HttpToolsProtocol):
         # closing in all but name, so nothing read, parsed or queued is acted on.
         self._lingering = False
         self._linger_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0  # header field bytes of the head being received
 
     # -- connection limits: head size, timeouts -----------------------------------------
     #
@@ -178,7 +180,7 @@ class InferProtocol(HttpToolsProtocol):
     def _too_large(self, size: int) -> tuple[int, str]:
         """The status and message for a head, or trailer fields, grown past the limit
         without ending: 414 while it is the request target that grows."""
-        if not self._head_done and not self.headers and len(self.url) * 2 > size:
+        if not self._head_done and not self.headers and len(self.url) * 2 >= size:
             return 414, (
                 f"request target of over {len(self.url)} bytes exceeds the limit of "
                 f"{MAX_HEAD_BYTES} bytes"
@@ -192,6 +194,7 @@ class InferProtocol(HttpToolsProtocol):
         # leaves the optional whitespace after a value (RFC 9110 5.5), dropped here.
         if self._head_done:
             return  # a trailer field: never merged into the head (RFC 9110 6.5.1)
+        self._head_bytes += len(name) + len(value) + 4  # ": " and CRLF
         name = name.lower()
         value = value.rstrip(b" \t")
         if name == b"expect" and value.lower() == b"100-continue":
@@ -325,6 +328,7 @@ class InferProtocol(HttpToolsProtocol):
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
+        self._head_bytes = 0
 
     def on_headers_complete(self) -> None:
         self._progress = True
@@ -338,6 +342,22 @@ class InferProtocol(HttpToolsProtocol):
         if len(self.headers) > MAX_HEADER_FIELDS:
             raise _Refused(
                 431, f"request line and header fields: over {MAX_HEADER_FIELDS} fields, the limit"
+            )
+        # The same limits whether the head came in one read or in many (a head still
+        # growing past them across reads is refused in data_received). A target of 64 KiB
+        # or more is also past what httptools' URL parser can take (16-bit offsets).
+        if len(self.url) >= MAX_HEAD_BYTES:
+            raise _Refused(
+                414,
+                f"request target of {len(self.url)} bytes exceeds the limit of "
+                f"{MAX_HEAD_BYTES - 1} bytes",
+            )
+        head_bytes = len(self.url) + self._head_bytes
+        if head_bytes > MAX_HEAD_BYTES:
+            raise _Refused(
+                431,
+                f"request line and header fields of {head_bytes} bytes exceed the limit of "
+                f"{MAX_HEAD_BYTES} bytes",
             )
         self._wait_deadline = None  # the request is read on (or answered)
         if self._lingering:
