@@ -189,18 +189,19 @@ def start_served_process(
     grpc: bool = False,
     env: dict[str, str] | None = None,
     args: list[str] | None = None,
+    ports: tuple[int, int] | None = None,
 ) -> ServedProcess:
     """Write ``config_text`` to ``folder/serve.yaml`` and serve it on 127.0.0.1 (HTTP, and
     gRPC when ``grpc``); python model sources import from this folder (configmodels).
     With ``config_text=None`` the built-in models are served. ``args``: more options of
-    `carpool serve`."""
+    `carpool serve`; ``ports``: the HTTP and gRPC ports (else free ones)."""
     config_args: list[str] = []
     if config_text is not None:
         config = folder / "serve.yaml"
         config.write_text(config_text, encoding="utf-8")
         config_args = [str(config)]
-    port = free_port()
-    grpc_port = free_port() if grpc else 0
+    port, grpc_port = ports or (free_port(), free_port())
+    grpc_port = grpc_port if grpc else 0
     paths = [str(HERE), os.environ.get("PYTHONPATH", "")]
     full_env = {
         **os.environ,

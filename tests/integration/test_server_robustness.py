@@ -4,6 +4,7 @@ deadlines, bad requests mixed with good ones, and a gRPC client that gives up.""
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -388,3 +389,29 @@ def test_sigterm_under_load_answers_every_accepted_request(start_server: StartSe
     assert ok >= 1
     assert ok + refused + draining == NUM_LOAD_REQUESTS
     assert "Traceback" not in server.output()
+
+
+def test_a_restart_on_the_same_ports_works_after_the_server_closed_connections(
+    tmp_path: Path,
+) -> None:
+    """Was: "Address already in use" (exit 3) for 60 s after any connection the server
+    closed first: its TIME_WAIT, inherited from a listener bound without SO_REUSEADDR,
+    blocked the next bind of the port. HTTP and gRPC."""
+    from .conftest import DOUBLER_CONFIG, free_port
+
+    ports = (free_port(), free_port())
+    first = start_served_process(DOUBLER_CONFIG, tmp_path, grpc=True, ports=ports)
+    host, port = first.http_url.split(":")
+    idle = socket.create_connection((host, int(port)), timeout=WAIT_LIMIT_S)
+    idle.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert idle.recv(1024).startswith(b"HTTP/1.1 200")
+    assert first.stop() == 0, first.output()  # the server closes the idle connection
+    assert idle.recv(1024) == b""
+    idle.close()
+    second = start_served_process(DOUBLER_CONFIG, tmp_path, grpc=True, ports=ports)
+    try:
+        assert second.http_url == first.http_url
+        answer = httpx.get(f"http://{second.http_url}/v2/health/ready", timeout=WAIT_LIMIT_S)
+        assert answer.status_code == 200
+    finally:
+        assert second.stop() == 0, second.output()

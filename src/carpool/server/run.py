@@ -181,7 +181,9 @@ def _bind_port(host: str, port: int, *, wire: str = "HTTP") -> list[socket.socke
     SO_REUSEADDR (uvicorn's, grpcio's, a second ``carpool serve``'s) bind a port that
     sockets with it hold without listening, so a port held that way while the models
     load would be taken over meanwhile. With SO_REUSEADDR only when that bind fails,
-    which a previous server's connections in TIME_WAIT make it do on a restart.
+    which a previous server's connections in TIME_WAIT make it do on a restart; the HTTP
+    listeners get it once they listen (:func:`_serve`), so that their connections'
+    TIME_WAIT allows that second bind.
 
     Raises:
         PortInUse: naming ``wire``, the address and the system's reason.
@@ -304,6 +306,11 @@ async def _serve(
             on_started=lambda server: _announce(server, repository, grpc_address),
         )
         try:
+            for sock in sockets:
+                # Only now, as they start listening: the connections they accept inherit
+                # it, so those the server closes first leave a TIME_WAIT that does not
+                # block the next bind of the port (a restart right after a stop).
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             await http.serve(sockets)
         finally:
             stop_grpc()
