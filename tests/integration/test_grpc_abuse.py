@@ -478,3 +478,33 @@ def test_a_huge_model_version_is_not_found_with_the_echo_cut(
     answer = httpx.get(f"http://{served.http_url}/v2/models/{long_name}", timeout=LIMIT_S)
     assert answer.status_code == 404
     assert len(answer.content) < 1024
+
+
+def test_refused_calls_leave_the_servers_memory_flat(
+    channel: grpc.Channel, served: ServedProcess, steady: Steady
+) -> None:
+    """Was: every refused call kept about 1-3x its message (grpc.aio's context.abort()):
+    40 refused 5 MB calls took the server from 473 to 1,094 MiB RSS."""
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    request = _request(1, width=256 * 1024, model="no-such-model")  # 1 MiB of FP32
+
+    def refuse(count: int) -> None:
+        for _ in range(count):
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.ModelInfer(request, timeout=LIMIT_S)
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+    garbage = b"\xff" * (1 << 20)  # not a protobuf: refused before it is parsed
+
+    def refuse_unparsed(count: int) -> None:
+        for _ in range(count):
+            with pytest.raises(grpc.RpcError) as caught:
+                _raw(channel, INFER)(garbage, timeout=LIMIT_S)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    refuse(20)  # allocator and grpcio warm-up
+    refuse_unparsed(20)
+    before = rss_kb(served.process.pid)
+    refuse(200)  # 200 MiB sent: a leak of even half of it shows
+    refuse_unparsed(200)
+    assert rss_kb(served.process.pid) - before < MEMORY_SLACK_KB
