@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -84,6 +85,17 @@ async def _call(target: object, index: int = 0) -> RequestRecord:
     record = RequestRecord(index, 0.0)
     await target.call(record)  # type: ignore[attr-defined]
     return record
+
+
+async def _five_concurrent_calls(target: InProcessTarget) -> tuple[list[RequestRecord], Any]:
+    """Five calls at once on an in-process target, opened and closed around them, and
+    its batch snapshot."""
+    await target.open()
+    try:
+        records = await asyncio.gather(*(_call(target, i) for i in range(5)))
+        return list(records), target.snapshot()
+    finally:
+        await target.close()
 
 
 @pytest.mark.parametrize("wire", [Wire.KSERVE_BINARY, Wire.KSERVE_JSON])
@@ -246,12 +258,7 @@ async def test_in_process_target_runs_a_model_named_in_each_form(
     benchmodels: str, attr: str
 ) -> None:
     target = InProcessTarget(TargetSpec(f"{benchmodels}:{attr}", input_shape=(3, 4)))
-    await target.open()
-    try:
-        records = await asyncio.gather(*(_call(target, i) for i in range(5)))
-        snapshot = target.snapshot()
-    finally:
-        await target.close()
+    records, snapshot = await _five_concurrent_calls(target)
     assert all(r.is_ok and r.num_items == 3 for r in records)
     assert snapshot.batches.num_items == 15
 
@@ -287,12 +294,7 @@ async def test_in_process_target_runs_a_serve_config_model_behind_its_batcher(
     spec = TargetSpec(None, model="doubled", config=str(path), input_shape=input_shape)
     target = make_target(spec)
     assert isinstance(target, InProcessTarget)
-    await target.open()
-    try:
-        records = await asyncio.gather(*(_call(target, i) for i in range(5)))
-        snapshot = target.snapshot()
-    finally:
-        await target.close()
+    records, snapshot = await _five_concurrent_calls(target)
     assert all(r.is_ok and r.num_items == rows for r in records)
     assert snapshot.batches.num_items == 5 * rows
     assert target.description == f"in-process --config {path} --model doubled"
