@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from carpool.core.admission import Intake, OomCap, deadline, inspect_payload, request_cost
+from carpool.core.batch_times import BatchTimes
 from carpool.core.clock import Clock, MonotonicClock
 from carpool.core.collate import Collator
 from carpool.core.dispatch import Dispatcher
@@ -132,6 +133,7 @@ class Batcher(Lifecycle):
             self._intake.check(self._policy)
         self._request_ids = itertools.count()
         self._oom = OomCap()
+        self._batch_times = BatchTimes()
         dispatch = Dispatcher(
             name,
             devices=self._devices,
@@ -146,6 +148,7 @@ class Batcher(Lifecycle):
             memory_probe=memory_probe,
             switch_interval_s=switch_interval_s,
             decide=self._decide,
+            batch_times=self._batch_times,
         )
         super().__init__(name, clock=clock, queues=queues, telemetry=recorder, dispatch=dispatch)
         # The request path wakes an idle replica loop without a hop through the
@@ -201,19 +204,22 @@ class Batcher(Lifecycle):
         priority: str | None = None,
         timeout_s: float | None = None,
         cost: float | None = None,
+        arrival_s: float | None = None,
     ) -> Any:
         """Run one item in some batch and return its own output.
 
         Args:
             payload: one item (the batch stacks items along a new axis 0).
             priority: a class name of the policy; the default class when omitted.
-            timeout_s: deadline from now; the class's ``timeout_s`` when omitted.
+            timeout_s: deadline from its arrival; the class's ``timeout_s`` when omitted.
             cost: this request's cost; ``cost_fn(payload)`` or its item count when omitted.
+            arrival_s: when the request arrived, on the batcher's clock (a server passes
+                when its first byte came); now when omitted or later than now.
 
         Raises:
             InvalidInput, QueueFull, DeadlineExceeded, ModelError, CapacityError, Closed.
         """
-        return await self._submit(payload, False, priority, timeout_s, cost)
+        return await self._submit(payload, False, priority, timeout_s, cost, arrival_s)
 
     async def submit_many(
         self,
@@ -222,9 +228,10 @@ class Batcher(Lifecycle):
         priority: str | None = None,
         timeout_s: float | None = None,
         cost: float | None = None,
+        arrival_s: float | None = None,
     ) -> Any:
         """Run k items (along axis 0 of ``payloads``) in one batch; returns k outputs."""
-        return await self._submit(payloads, True, priority, timeout_s, cost)
+        return await self._submit(payloads, True, priority, timeout_s, cost, arrival_s)
 
     def enqueue_many(
         self,
@@ -233,12 +240,16 @@ class Batcher(Lifecycle):
         priority: str | None = None,
         timeout_s: float | None = None,
         cost: float | None = None,
+        arrival_s: float | None = None,
     ) -> Request:
         """Queue k items (along axis 0 of ``payloads``) without awaiting them.
 
         For callers on the loop that cannot afford a task per request (the server's HTTP
         fast path): the returned request's ``future`` resolves to the k outputs, or to the
         error :meth:`submit_many` would raise; :meth:`cancel` withdraws it.
+        ``arrival_s``: when the request arrived, on this batcher's clock (a server passes
+        when its first byte was read); its deadline and latency count from then. Now when
+        omitted, or when later than now.
 
         Raises:
             Closed: the batcher is not running. And what :meth:`submit_many` raises
@@ -246,7 +257,7 @@ class Batcher(Lifecycle):
         """
         if self._state is not State.RUNNING:
             raise Closed(self._name)
-        return self._make_request(payloads, True, priority, timeout_s, cost)
+        return self._make_request(payloads, True, priority, timeout_s, cost, arrival_s)
 
     def cancel(self, request: Request) -> None:
         """Withdraw a request from :meth:`enqueue_many`: dropped unanswered if still
@@ -269,6 +280,7 @@ class Batcher(Lifecycle):
         priority: str | None,
         timeout_s: float | None,
         cost: float | None,
+        arrival_s: float | None,
     ) -> Any:
         if self._state is not State.RUNNING:
             if self._state is not State.NEW:
@@ -278,7 +290,7 @@ class Batcher(Lifecycle):
             # Started by an earlier asyncio.run(): its replica tasks ended with its loop.
             self._leave_closed_loop()  # raises if that loop is still open
             await self.start()
-        request = self._make_request(payload, is_many, priority, timeout_s, cost)
+        request = self._make_request(payload, is_many, priority, timeout_s, cost, arrival_s)
         try:
             return await request.future
         except asyncio.CancelledError:
@@ -292,6 +304,7 @@ class Batcher(Lifecycle):
         priority: str | None,
         timeout_s: float | None,
         cost: float | None,
+        arrival_s: float | None = None,
     ) -> Request:
         policy = self._policy
         if priority is None:
@@ -310,6 +323,8 @@ class Batcher(Lifecycle):
         if collator is None:
             collator = self._adopt(intake.choose(payload))
         now = self._clock.now()
+        if arrival_s is not None and arrival_s < now:
+            now = arrival_s
         try:
             num_items, signature = inspect_payload(collator, payload, is_many)
             cost = request_cost(policy, limits, payload, num_items, cost)
@@ -365,6 +380,7 @@ class Batcher(Lifecycle):
             expire=self._dispatch.expire,
             require_full=behind_class is not None,
             behind_class=behind_class,
+            predict_s=self._batch_times.predict_s,
         )
 
     def _on_deadline(self, request: Request) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from carpool.core.admission import Intake, OomCap
+from carpool.core.batch_times import BatchTimes
 from carpool.core.clock import Clock
 from carpool.core.queues import Queues
 from carpool.core.replicas import BatchFn, FnFactory, Replica, RunOutput, io_turn, switch_interval
@@ -73,6 +74,7 @@ class Dispatcher:
         memory_probe: MemoryProbe | None,
         switch_interval_s: float | None,
         decide: Decide,
+        batch_times: BatchTimes | None = None,
     ) -> None:
         self._name = name
         self._devices = devices
@@ -87,6 +89,7 @@ class Dispatcher:
         self._switch_interval_s = switch_interval_s
         self._holds_switch_interval = False
         self._decide = decide
+        self._batch_times = batch_times
         self._settler = Settler(telemetry, clock, oom)
         self.replicas: list[Replica] = []  # kept after join(): their counters stay readable
         self._tasks: list[asyncio.Task[None]] = []
@@ -318,7 +321,10 @@ class Dispatcher:
             self._cancels.pop(batch.batch_id, None)
             end = self._clock.now()
             replica.last_landed_s = end
-            self._telemetry.batch_done(batch, replica.counters, max(0.0, end - started_s))
+            compute_s = max(0.0, end - started_s)
+            self._telemetry.batch_done(batch, replica.counters, compute_s)
+            if self._batch_times is not None:
+                self._batch_times.observe(batch.num_items, compute_s)
             if self._intake.has_lengths:
                 self._telemetry.tokens(*self._intake.token_slots(inflight.groups))
             if self._memory_probe is not None:

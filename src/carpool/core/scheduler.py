@@ -15,6 +15,9 @@ no threads, time passed in. That keeps every rule testable with a fake clock:
    if its class is aged, if the batcher is draining, or if a preferred size can be
    filled exactly (then the largest such). Otherwise the earliest expiry among classes
    is when to look again.
+5. A request whose deadline would pass before its batch ends (now plus the compute time
+   measured for batches of that size, :mod:`carpool.core.batch_times`) is not run: it
+   expires now, answered at once rather than late, and leaves its place to others.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class Scheduler:
         expire: Callable[[Request], None],
         require_full: bool = False,
         behind_class: str | None = None,
+        predict_s: Callable[[int], float] | None = None,
     ) -> Decision:
         """The batch a free replica should run now, or when to ask again.
 
@@ -145,6 +149,8 @@ class Scheduler:
             if max_items_cap is not None:
                 max_items = min(max_items, max_items_cap)
             plan, expired = self._plan(queue, queues, policy, max_items, now)
+            if predict_s is not None and plan.requests:
+                expired += _drop_late(plan, now + predict_s(plan.num_items))
             for request in expired:
                 expire(request)
             if not plan.requests:
@@ -243,6 +249,25 @@ class Scheduler:
             max_batch_size=max(max_items, plan.num_items),  # a lone oversized request
             closed_s=now,
         )
+
+
+def _drop_late(plan: _Plan, end_s: float) -> list[Request]:
+    """Take out of ``plan`` the requests whose deadline falls before ``end_s``, when the
+    batch would end; they are returned to be expired. The plan keeps its other requests in
+    order (``takes`` counts only those: the late ones are no longer live when it pops)."""
+    late = [r for r in plan.requests if r.deadline_s is not None and r.deadline_s < end_s]
+    if not late:
+        return late
+    kept = [r for r in plan.requests if r.deadline_s is None or r.deadline_s >= end_s]
+    counts = {id(q): sum(1 for r in kept if r.class_name == q.name) for q, _ in plan.takes}
+    plan.takes = [(q, counts[id(q)]) for q, _ in plan.takes if counts[id(q)]]
+    plan.requests = kept
+    plan.num_items = sum(r.num_items for r in kept)
+    plan.cost = sum(r.cost for r in kept)
+    plan.num_tokens = sum(r.num_tokens for r in kept)
+    plan.max_length = max((r.length for r in kept), default=0)
+    plan.is_full = False  # it has room again; it may wait for more
+    return late
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

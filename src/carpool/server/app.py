@@ -19,6 +19,7 @@ read once, JSON goes through orjson. Endpoints::
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from contextlib import aclosing
 from typing import Any
@@ -214,10 +215,12 @@ class KServeApp:
         return {"name": "carpool", "version": __version__, "extensions": EXTENSIONS}
 
     async def _infer(self, model: ServedModel, scope: Scope, receive: Receive, send: Send) -> None:
+        arrival_s = time.monotonic()  # the head is in; the deadline counts from here
         body = await self._read_body(scope, receive)
         header_length = _header(scope, b"inference-header-content-length")
         call = prepare_infer(model, body, header_length, self.plans)
-        result = await _unless_disconnected(model.run(call.payload, call.options), receive)
+        running = model.run(call.payload, call.options, arrival_s)
+        result = await _unless_disconnected(running, receive)
         accept = _header(scope, b"accept-encoding")
         encoding = None if accept is None else response_encoding(accept)
         await _respond(send, *compressed(infer_response(model, call, result), encoding))

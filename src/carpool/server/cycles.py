@@ -41,6 +41,7 @@ class FastCycle:
     """One fast-path request where uvicorn keeps its RequestResponseCycle."""
 
     __slots__ = (
+        "arrival_s",
         "call",
         "chunks",
         "disconnected",
@@ -89,3 +90,4 @@ class FastCycle:
         self.disconnected = False
         self.queued: Request | None = None
         self.call: InferCall | None = None
+        self.arrival_s: float | None = None  # when its first byte was read (monotonic)

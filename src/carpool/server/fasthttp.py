@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from typing import Any
 
 import httptools
@@ -123,6 +124,10 @@ class InferProtocol(HttpToolsProtocol):
         self._lingering = False
         self._linger_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0  # header field bytes of the head being received
+        # When the read being parsed came, and so the first byte of a request it begins:
+        # a request's deadline (timeout_s) counts from then.
+        self._read_s = 0.0
+        self._arrival_s = 0.0
 
     # -- connection limits: head size, timeouts -----------------------------------------
     #
@@ -141,6 +146,7 @@ class InferProtocol(HttpToolsProtocol):
             return  # what follows bad bytes cannot be trusted to start a request, nor
             # anything a lingering connection receives
         self._progress = False  # the repeats taken are progress, as parsed messages are
+        self._read_s = time.monotonic()
         repeat = self._repeat
         if repeat is not None and not self._receiving and data.startswith(repeat.head):
             data = self._take_repeats(repeat, data)
@@ -323,6 +329,7 @@ class InferProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         # The keep-alive timer, if armed, stays: it is now the deadline for this head.
         self._receiving, self._head_done = True, False
+        self._arrival_s = self._read_s
         self._first, self._chunk = self._chunk, None  # the read's first message only
         # The ASGI scope is built only for requests that take the ASGI path.
         self.url = b""
@@ -427,6 +434,7 @@ class InferProtocol(HttpToolsProtocol):
             expect_continue,
             self.on_response_complete,
         )
+        cycle.arrival_s = self._arrival_s
         if too_large:
             cycle.size, cycle.oversize, cycle.keep_alive = too_large, True, False
         existing, self.cycle = self.cycle, cycle  # type: ignore[assignment]
@@ -519,11 +527,13 @@ class InferProtocol(HttpToolsProtocol):
                     self.on_response_complete,
                 )
                 cycle.size, cycle.more_body, cycle.started = size, False, True
+                cycle.arrival_s = self._read_s
                 self.cycle = cycle  # type: ignore[assignment]
                 self._dispatch(cycle, data[end - size : end])
                 start = end
                 continue
             self._receiving = self._head_done = True
+            self._arrival_s = self._read_s
             self._wait_deadline, self._first = None, None
             self.url, self.headers, self.expect_100_continue = url, [], False
             header_length, encoding = repeat.header_length, repeat.encoding
@@ -654,7 +664,8 @@ class InferProtocol(HttpToolsProtocol):
         model = cycle.model
         try:
             call = prepare_infer(model, body, cycle.header_length, self.kserve.plans)
-            queued = model.batcher.enqueue_many(call.payload, **call.plan.options)
+            options = call.plan.options
+            queued = model.batcher.enqueue_many(call.payload, **options, arrival_s=cycle.arrival_s)
         except Exception as exc:
             self._answer(cycle, *error_response(exc))
             return

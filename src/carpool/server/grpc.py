@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -453,13 +454,14 @@ class InferenceServicer:
         return index
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        arrival_s = time.monotonic()  # the message is in; the deadline counts from here
         model = self.repository.get(request.model_name, request.model_version or None)
         infer = decode_infer_request(request)
         payload = model.payload(infer)
         options = model.submit_options(infer)
         wanted = wanted_outputs(model, infer)
         classes = class_counts(infer.outputs, wanted)
-        result = await model.run(payload, options)
+        result = await model.run(payload, options, arrival_s)
         return encode_infer_response(model, infer.request_id, wanted, result, classes)
 
     async def _stream_answer(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:

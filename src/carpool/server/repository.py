@@ -101,11 +101,19 @@ class ServedModel:
     embeddings: EmbeddingService | None = None
     engine: EngineScheduling | None = None
 
-    async def run(self, payload: dict[str, np.ndarray], options: dict[str, Any]) -> Any:
-        """The outputs ``{name: array}`` for a checked payload (see :meth:`payload`)."""
+    async def run(
+        self,
+        payload: dict[str, np.ndarray],
+        options: dict[str, Any],
+        arrival_s: float | None = None,
+    ) -> Any:
+        """The outputs ``{name: array}`` for a checked payload (see :meth:`payload`);
+        ``arrival_s``: when the request came (``time.monotonic``), which its deadline
+        counts from."""
         if self.infer is not None:
             return await self.infer(payload, options)
-        return self.outputs_of(await self.batcher.submit_many(payload, **options))
+        result = await self.batcher.submit_many(payload, **options, arrival_s=arrival_s)
+        return self.outputs_of(result)
 
     def outputs_of(self, result: Any) -> dict[str, Any]:
         """The batcher's result for one request as ``{output name: array}``.

@@ -252,6 +252,44 @@ async def test_request_expires_while_queued_and_never_reaches_the_model(
     assert batcher.snapshot().classes["normal"].rejections == {"deadline": 1}
 
 
+async def test_deadline_counts_from_the_arrival_given(make_batcher, fake_model, fake_clock, spawn):
+    # A server passes when the request's first byte came: time spent reading and
+    # parsing it counts against its timeout.
+    batcher = make_batcher(max_delay_s=0.0)
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    task = spawn(batcher.submit(7, timeout_s=0.5, arrival_s=fake_clock.now() - 0.4))
+    await fake_clock.advance(0.1)
+    assert isinstance(task.exception(), DeadlineExceeded)
+    assert batcher.snapshot().classes["normal"].rejections == {"deadline": 1}
+
+
+async def test_an_arrival_in_the_future_counts_as_now(make_batcher, fake_model, fake_clock, spawn):
+    batcher = make_batcher(max_delay_s=0.0)
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    task = spawn(batcher.submit(7, timeout_s=0.5, arrival_s=fake_clock.now() + 60.0))
+    await fake_clock.advance(0.5)
+    assert isinstance(task.exception(), DeadlineExceeded)
+
+
+async def test_request_that_would_finish_past_its_deadline_is_not_run(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_delay_s=0.0)
+    blocker = await occupy(batcher, fake_model, spawn, fake_clock)
+    await fake_clock.advance(0.3)  # batches of one take 0.3 s on this model
+    fake_model.release()
+    await finish(blocker)
+    fake_model.hold()
+    late = spawn(batcher.submit(1, timeout_s=0.2))
+    on_time = spawn(batcher.submit(2, timeout_s=1.0))
+    await settle()
+    # Answered at once, not after its deadline; the model never saw it.
+    assert isinstance(late.exception(), DeadlineExceeded)
+    assert fake_model.batches[1:] == [[2]]
+    fake_model.release()
+    assert await finish(on_time) == [20]
+
+
 async def test_class_timeout_is_the_default_deadline(make_batcher, fake_model, fake_clock, spawn):
     batcher = make_batcher(classes=(ClassPolicy("normal", timeout_s=0.25),), max_delay_s=0.0)
     await occupy(batcher, fake_model, spawn, fake_clock)

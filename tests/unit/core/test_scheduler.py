@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -80,6 +80,7 @@ class Harness:
         is_draining: bool = False,
         num_replicas: int | None = None,
         require_full: bool = False,
+        predict_s: Callable[[int], float] | None = None,
     ) -> Decision:
         decision = self.scheduler.decide(
             now,
@@ -90,6 +91,7 @@ class Harness:
             is_draining=is_draining,
             expire=self.expire,
             require_full=require_full,
+            predict_s=predict_s,
         )
         if decision.batch is not None:
             for request in decision.batch.requests:
@@ -443,6 +445,44 @@ async def test_request_before_its_deadline_is_planned() -> None:
     request = h.add(at=0.0, timeout_s=1.0)
     assert _batch(h.decide(0.999)).requests == [request]
     assert h.expired == []
+
+
+async def test_request_whose_deadline_passes_before_the_batch_would_end_is_not_run() -> None:
+    # Batches of this size take 0.2 s: a request due at 1.1 s would be answered late.
+    h = await _harness(max_delay_s=0.0)
+    late = h.add(at=0.0, timeout_s=1.1)
+    on_time = h.add(at=0.0, timeout_s=1.3)
+    endless = h.add(at=0.0)
+    batch = _batch(h.decide(1.0, predict_s=lambda n: 0.2))
+    assert batch.requests == [on_time, endless]
+    assert batch.num_items == 2
+    assert h.expired == [late]
+    assert h.queues.num_live == 0
+
+
+async def test_late_requests_of_several_classes_leave_the_others_in_the_batch() -> None:
+    h = await _harness(max_delay_s=0.0)
+    hi_late = h.add("hi", at=0.0, timeout_s=1.05)
+    hi = h.add("hi", at=0.0)
+    mid_late = h.add("mid", at=0.0, timeout_s=1.05)
+    mid = h.add("mid", at=0.0, timeout_s=5.0)
+    batch = _batch(h.decide(1.0, predict_s=lambda n: 0.1 * n))
+    assert batch.requests == [hi, mid]
+    assert h.expired == [hi_late, mid_late]
+    assert h.queues.num_live == 0
+
+
+async def test_batch_of_only_late_requests_is_not_run() -> None:
+    h = await _harness(max_delay_s=0.0)
+    late = h.add(at=0.0, timeout_s=1.01)
+    assert h.decide(1.0, predict_s=lambda n: 0.05).batch is None
+    assert h.expired == [late]
+
+
+async def test_with_no_measured_compute_time_only_past_deadlines_expire() -> None:
+    h = await _harness(max_delay_s=0.0)
+    request = h.add(at=0.0, timeout_s=1.01)
+    assert _batch(h.decide(1.0, predict_s=lambda n: 0.0)).requests == [request]
 
 
 async def test_only_expired_requests_give_no_batch_and_no_wake_time() -> None:

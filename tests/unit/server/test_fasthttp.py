@@ -430,3 +430,23 @@ async def test_answer_heads_are_shared_until_the_default_headers_change(server: 
     assert b"connection" not in items[2][1] and items[3][1][b"connection"] == b"close"
     assert [_binary_output(item)[0, 0] for item in items] == [2.0, 4.0, 6.0, 8.0]
     assert transport.closed
+
+
+async def test_a_request_deadline_counts_from_its_first_byte(server: Server) -> None:
+    # timeout 200 ms (Triton's parameter, in µs); the body trickles in over 300 ms: it is
+    # past its deadline before it is parsed, and never reaches the model.
+    _, connect, model = server
+    protocol, transport = connect()
+    document = {
+        "inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [7.0, 7.0]}],
+        "parameters": {"timeout": 200_000},
+    }
+    request = _json_request(document)
+    protocol.data_received(request[:-5])
+    await asyncio.sleep(0.3)
+    protocol.data_received(request[-5:])
+    await _until(lambda: bool(transport.data))
+    ((status, _, body),) = Responses(bytes(transport.data)).items
+    assert status == 503, body
+    assert b"past its timeout" in body
+    assert 7.0 not in model.seen
