@@ -259,6 +259,16 @@ class Batcher(Lifecycle):
             raise Closed(self._name)
         return self._make_request(payloads, True, priority, timeout_s, cost, arrival_s)
 
+    def refuse_early(self) -> QueueFull | None:
+        """The :class:`QueueFull` a request would get now whatever its class (counted as
+        a refusal of the default class), or None: lets a server refuse a request from its
+        head, before reading or decoding its body, when every queue it could join is at
+        its bound."""
+        error = self._queues.full()
+        if error is not None:
+            self._telemetry.rejected(self._policy.default_class, "queue_full")
+        return error
+
     def cancel(self, request: Request) -> None:
         """Withdraw a request from :meth:`enqueue_many`: dropped unanswered if still
         queued (the model never sees it), also if its batch still waits for the replica

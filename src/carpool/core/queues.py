@@ -140,6 +140,18 @@ class Queues:
             raise QueueFull(queue.name, bound)
         queue.push(request)
 
+    def full(self) -> QueueFull | None:
+        """The refusal any request would get now, whatever its class: the bound across
+        classes is reached, or every class is at its own bound (then the first
+        class's); None while some class has room."""
+        if self.max_queue_size is not None and self.num_live >= self.max_queue_size:
+            return QueueFull("all classes", self.max_queue_size)
+        for queue in self.ordered:
+            bound = queue.limits.max_queue_size
+            if bound is None or queue.num_live < bound:
+                return None
+        return QueueFull(self.ordered[0].name, self.ordered[0].limits.max_queue_size or 0)
+
     def forget(self, request: Request) -> None:
         self.by_name[request.class_name].forget(request)
 

@@ -55,6 +55,7 @@ class FastCycle:
         "oversize",
         "path",
         "queued",
+        "refusal",
         "response_complete",
         "size",
         "started",
@@ -84,6 +85,8 @@ class FastCycle:
         self.chunks: list[bytes] = []
         self.size = 0
         self.oversize = False  # the body passed the limit: a 413, the rest is ignored
+        # Refused from its head (a queue at its bound): this answer, the body ignored.
+        self.refusal: tuple[int, bytes, Any] | None = None
         self.more_body = True
         self.started = False
         self.response_complete = False

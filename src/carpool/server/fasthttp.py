@@ -89,7 +89,8 @@ def protocol_for(app: KServeApp) -> type[HttpToolsProtocol]:
             (:mod:`carpool.server.uvicorn_contract`).
     """
     uvicorn_contract.check()
-    return type("InferProtocol", (InferProtocol,), {"kserve": app, "answer_heads": AnswerHeads()})
+    shared = {"kserve": app, "answer_heads": AnswerHeads(), "refusals": {}}
+    return type("InferProtocol", (InferProtocol,), shared)
 
 
 class InferProtocol(HttpToolsProtocol):
@@ -97,6 +98,7 @@ class InferProtocol(HttpToolsProtocol):
 
     kserve: KServeApp  # set by protocol_for
     answer_heads: AnswerHeads  # shared by the connections, set by protocol_for
+    refusals: dict[str, tuple[int, bytes, Headers]]  # prepared early refusals, likewise
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -437,6 +439,8 @@ class InferProtocol(HttpToolsProtocol):
         cycle.arrival_s = self._arrival_s
         if too_large:
             cycle.size, cycle.oversize, cycle.keep_alive = too_large, True, False
+        else:
+            cycle.refusal = self._early_refusal(model)
         existing, self.cycle = self.cycle, cycle  # type: ignore[assignment]
         if existing is None or existing.response_complete:
             self._begin(cycle)
@@ -450,8 +454,8 @@ class InferProtocol(HttpToolsProtocol):
         if not isinstance(cycle, FastCycle):
             super().on_body(body)
             return
-        if cycle.response_complete or cycle.oversize:
-            return  # too large: the rest of the body is ignored
+        if cycle.response_complete or cycle.oversize or cycle.refusal is not None:
+            return  # too large, or refused from its head: the body is ignored
         cycle.chunks.append(body)
         cycle.size += len(body)
         if not cycle.started:
@@ -476,7 +480,7 @@ class InferProtocol(HttpToolsProtocol):
             return
         cycle.more_body = False
         first, self._first = self._first, None
-        if first is not None and not cycle.oversize:
+        if first is not None and not cycle.oversize and cycle.refusal is None:
             self._keep_head(first, cycle)
         if cycle.started and not cycle.response_complete and not cycle.oversize:
             self._dispatch_received(cycle)
@@ -511,6 +515,7 @@ class InferProtocol(HttpToolsProtocol):
                 return b""  # after a 413: the rest of the read is ignored
             existing = self.cycle
             if fits and (existing is None or existing.response_complete):
+                refusal = self._early_refusal(model)
                 # Nothing before it on the connection: received, begun and dispatched in
                 # one step, leaving what _start_fast, on_body and on_message_complete would.
                 self._receiving, self._head_done, self._progress = False, True, True
@@ -529,7 +534,10 @@ class InferProtocol(HttpToolsProtocol):
                 cycle.size, cycle.more_body, cycle.started = size, False, True
                 cycle.arrival_s = self._read_s
                 self.cycle = cycle  # type: ignore[assignment]
-                self._dispatch(cycle, data[end - size : end])
+                if refusal is not None:
+                    self._answer(cycle, *refusal)
+                else:
+                    self._dispatch(cycle, data[end - size : end])
                 start = end
                 continue
             self._receiving = self._head_done = True
@@ -655,8 +663,26 @@ class InferProtocol(HttpToolsProtocol):
         self._answer(cycle, *error_response(PayloadTooLarge(cycle.size, limit)))
 
     def _dispatch_received(self, cycle: FastCycle) -> None:
+        if cycle.refusal is not None:
+            self._answer(cycle, *cycle.refusal)
+            return
         body, cycle.chunks = b"".join(cycle.chunks), []
         self._dispatch(cycle, body)
+
+    def _early_refusal(self, model: ServedModel) -> tuple[int, bytes, Headers] | None:
+        """The answer for a request refused from its head, or None: when every queue of
+        the model is at its bound, a 429 prepared once per message, without reading or
+        decoding the body (under overload, refusing must cost far less than serving)."""
+        error = model.batcher.refuse_early()
+        if error is None:
+            return None
+        message = str(error)
+        answer = self.refusals.get(message)
+        if answer is None:
+            if len(self.refusals) >= 256:  # one per model and bound: never many
+                self.refusals.clear()
+            answer = self.refusals[message] = error_response(error)
+        return answer
 
     def _dispatch(self, cycle: FastCycle, body: bytes) -> None:
         """Decode, check and queue a request received in full: ``body``, from its

@@ -57,6 +57,31 @@ async def test_admits_into_the_queue_of_the_request_class() -> None:
     assert queues.num_live == 3
 
 
+async def test_full_only_when_no_class_has_room() -> None:
+    queues = Queues(_policy(classes=(ClassPolicy("hi", max_queue_size=1), ClassPolicy("lo"))))
+    queues.admit(_request("hi"))
+    assert queues.full() is None  # "lo" has no bound: a request for it fits
+    bounded = Queues(
+        _policy(classes=(ClassPolicy("hi", max_queue_size=1), ClassPolicy("lo", max_queue_size=2)))
+    )
+    bounded.admit(_request("hi"))
+    bounded.admit(_request("lo"))
+    assert bounded.full() is None
+    bounded.admit(_request("lo"))
+    assert isinstance(bounded.full(), QueueFull)
+
+
+async def test_full_at_the_bound_across_classes() -> None:
+    queues = Queues(_policy(max_queue_size=2))
+    queues.admit(_request("hi"))
+    assert queues.full() is None
+    queues.admit(_request("lo"))
+    full = queues.full()
+    assert full is not None and (full.queue, full.limit) == ("all classes", 2)
+    _drop(queues, queues.by_name["lo"].head())  # type: ignore[arg-type]
+    assert queues.full() is None
+
+
 async def test_orders_queues_by_priority() -> None:
     queues = Queues(_policy())
     assert [q.name for q in queues.ordered] == ["hi", "lo"]

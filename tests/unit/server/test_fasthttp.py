@@ -450,3 +450,68 @@ async def test_a_request_deadline_counts_from_its_first_byte(server: Server) -> 
     assert status == 503, body
     assert b"past its timeout" in body
     assert 7.0 not in model.seen
+
+
+@contextlib.asynccontextmanager
+async def _bounded(max_queue_size: int) -> AsyncIterator[tuple[InferProtocol, Recorder, Any]]:
+    """A served model whose replica is held, with a queue bound: the first request
+    runs, the next ``max_queue_size`` wait, and the rest are refused."""
+    gate = asyncio.Event()
+    model = Recorder()
+
+    async def held(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        await gate.wait()
+        return await model(inputs)
+
+    policy = BatchPolicy(max_batch_size=1, max_delay_s=0.0, max_queue_size=max_queue_size)
+    batcher = Batcher(held, policy, collate="dict")
+    spec_in, spec_out = TensorSpec("x", "FP32", (2,)), TensorSpec("y", "FP32", (2,))
+    repository = ModelRepository(
+        [ServedModel("m", "1", "python", (spec_in,), (spec_out,), batcher)]
+    )
+    await repository.start()
+    app = KServeApp(repository, max_body_bytes=100_000)
+    config = uvicorn.Config(app, http=protocol_for(app), lifespan="off", log_level="warning")
+    connect = connector(config, FakeTransport)
+    try:
+        yield connect, model, gate
+    finally:
+        gate.set()
+        await repository.stop()
+
+
+async def test_a_full_queue_refuses_from_the_head_without_decoding_the_body(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with _bounded(max_queue_size=1) as (connect, model, gate):
+        for value in (1.0, 2.0):  # one runs (held), one waits
+            connect()[0].data_received(_binary_request(value))
+            await asyncio.sleep(0.01)
+        decoded: list[bytes] = []
+        from carpool.server import fasthttp
+
+        real = fasthttp.prepare_infer
+        monkeypatch.setattr(
+            fasthttp, "prepare_infer", lambda m, body, *a: decoded.append(body) or real(m, body, *a)
+        )
+        protocol, transport = connect()
+        # Refused once its head is in: the answer does not wait for the body.
+        request = _binary_request(3.0)
+        head_end = request.index(b"\r\n\r\n") + 4
+        protocol.data_received(request[:head_end])
+        protocol.data_received(request[head_end:])
+        protocol.data_received(_binary_request(4.0))  # and again on the same connection
+        responses = Responses(bytes(transport.data)).items
+        assert [r[0] for r in responses] == [429, 429]
+        _, headers, body = responses[0]
+        assert headers[b"retry-after"] == b"1"
+        assert b"is full" in body
+        assert not transport.closed  # the body was read: the connection stays usable
+        assert decoded == []
+        gate.set()
+        await _until(lambda: len(model.seen) == 2)
+        # Room again: the same connection is served.
+        protocol.data_received(_binary_request(5.0))
+        await _until(lambda: len(Responses(bytes(transport.data)).items) == 3)
+        assert Responses(bytes(transport.data)).items[2][0] == 200
+        assert model.seen == [1.0, 2.0, 5.0]
