@@ -17,6 +17,12 @@ import typer
 
 from carpool import __version__
 from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES
+from carpool.server.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_INFLIGHT_BYTES,
+    ServerLimits,
+)
 
 if TYPE_CHECKING:
     from carpool.server.repository import ModelRepository
@@ -77,6 +83,31 @@ def serve(
             min=1,
         ),
     ] = DEFAULT_MAX_REQUEST_BYTES,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            help="Most open HTTP connections; the first request of one past it gets 503 "
+            "with Retry-After, and it is closed.",
+            min=1,
+        ),
+    ] = DEFAULT_MAX_CONNECTIONS,
+    max_inflight_bytes: Annotated[
+        int,
+        typer.Option(
+            help="Most HTTP request body bytes held in memory across all connections, "
+            "from a request's head to its answer; a request past it gets 503 with "
+            "Retry-After.",
+            min=1,
+        ),
+    ] = DEFAULT_MAX_INFLIGHT_BYTES,
+    body_timeout_s: Annotated[
+        float,
+        typer.Option(
+            help="Longest an HTTP request body may take to arrive after its head (408 "
+            "beyond), however steadily it trickles.",
+            min=0.001,
+        ),
+    ] = DEFAULT_BODY_TIMEOUT_S,
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
@@ -102,6 +133,7 @@ def serve(
             grpc_port=grpc_port,
             log_level=log_level.value,
             max_request_bytes=max_request_bytes,
+            limits=ServerLimits(max_connections, max_inflight_bytes, body_timeout_s),
         )
     except PortInUse as error:
         print(f"carpool serve: {error}", file=sys.stderr)

@@ -46,6 +46,7 @@ from carpool.server.infer import (
     infer_response,
     prepare_infer,
 )
+from carpool.server.limits import InflightBytes, ServerLimits, over_inflight_bytes
 from carpool.server.metrics import Metrics
 from carpool.server.repository import ModelRepository, ServedModel
 from carpool.server.stats import model_stats
@@ -79,10 +80,16 @@ class KServeApp:
     them on shutdown, so every accepted request is answered before the process exits."""
 
     def __init__(
-        self, repository: ModelRepository, *, max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+        self,
+        repository: ModelRepository,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.repository = repository
         self.max_body_bytes = max_body_bytes
+        self.limits = limits if limits is not None else ServerLimits()
+        self.inflight = InflightBytes(self.limits.max_inflight_bytes)
         self.metrics = Metrics(repository)
         self.plans = InferPlans()
         # The fast path's infer URLs, each with the model it names (fasthttp.py): at most
@@ -120,6 +127,8 @@ class KServeApp:
             if isinstance(exc, PayloadTooLarge) and exc.is_unread:  # close, as the fast
                 headers = (*headers, _CLOSE)  # path does (uvicorn honours connection: close)
             await _respond(send, status, body, headers)
+        finally:
+            self.inflight.release(scope.pop(_HELD, 0))
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method: str = scope["method"]
@@ -243,6 +252,9 @@ class KServeApp:
             size += len(chunk)
             if size > self.max_body_bytes:
                 raise PayloadTooLarge(size, self.max_body_bytes, is_unread=True)
+            if not self.inflight.take(len(chunk)):
+                raise over_inflight_bytes(self.limits)
+            scope[_HELD] = scope.get(_HELD, 0) + len(chunk)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 body = b"".join(chunks)
@@ -267,6 +279,9 @@ def _allow(method: str, path: str, *allowed: str) -> None:
     ``allowed``; HEAD goes with GET, as HTTP has it."""
     if method not in allowed and not (method == "HEAD" and "GET" in allowed):
         raise MethodNotAllowed(method, path, allowed)
+
+
+_HELD = "carpool.held_bytes"  # scope key: the request's body bytes held in the budget
 
 
 class ClientGone(Exception):

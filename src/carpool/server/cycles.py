@@ -47,6 +47,7 @@ class FastCycle:
         "disconnected",
         "encoding",
         "header_length",
+        "held",
         "http_version",
         "keep_alive",
         "model",
@@ -84,6 +85,7 @@ class FastCycle:
         self.on_response = on_response
         self.chunks: list[bytes] = []
         self.size = 0
+        self.held = 0  # body bytes held in the server's --max-inflight-bytes budget
         self.oversize = False  # the body passed the limit: a 413, the rest is ignored
         # Refused from its head (a queue at its bound): this answer, the body ignored.
         self.refusal: tuple[int, bytes, Any] | None = None

@@ -12,6 +12,8 @@ PayloadTooLarge    413   RESOURCE_EXHAUSTED  body over the configured limit
 QueueFull          429   UNAVAILABLE         admission refused; ``Retry-After`` tells when
 DeadlineExceeded   503   UNAVAILABLE         the deadline passed while queued
 Closed             503   UNAVAILABLE         the server is draining
+Overloaded         503   UNAVAILABLE         a server limit (connections, bytes held);
+                                             ``Retry-After`` tells when
 ModelError         500   INTERNAL            the model raised on this request
 CapacityError      500   INTERNAL            out of memory even alone
 =================  ====  ==================  =============================================
@@ -108,6 +110,14 @@ class PayloadTooLarge(Exception):
         self.is_unread = is_unread
 
 
+class Overloaded(Exception):
+    """A request refused because the server is at one of its own limits
+    (:mod:`carpool.server.limits`): ``what`` names the limit and its flag."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"the server is at its limit of {what}; retry later")
+
+
 @dataclass(frozen=True, slots=True)
 class HttpError:
     status: int
@@ -123,6 +133,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (NotSupported, 501),
     (PayloadTooLarge, 413),
     (QueueFull, 429),
+    (Overloaded, 503),
     (DeadlineExceeded, 503),
     (Closed, 503),
     (ModelError, 500),
@@ -139,6 +150,7 @@ _GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
     (NotSupported, "UNIMPLEMENTED"),
     (PayloadTooLarge, "RESOURCE_EXHAUSTED"),
     (QueueFull, "UNAVAILABLE"),  # as Triton; gRPC maps HTTP 429 to it too
+    (Overloaded, "UNAVAILABLE"),
     (DeadlineExceeded, "UNAVAILABLE"),
     (Closed, "UNAVAILABLE"),
 )
@@ -146,7 +158,10 @@ _GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
 
 def error_message(exc: BaseException) -> str:
     """The message either wire answers ``exc`` with."""
-    if isinstance(exc, CarpoolError | NotFound | MethodNotAllowed | NotSupported | PayloadTooLarge):
+    if isinstance(
+        exc,
+        CarpoolError | NotFound | MethodNotAllowed | NotSupported | PayloadTooLarge | Overloaded,
+    ):
         return str(exc)
     return f"internal error: {type(exc).__name__}: {exc}"
 
@@ -157,7 +172,7 @@ def http_error(exc: BaseException) -> HttpError:
     for kind, status in _STATUS:
         if isinstance(exc, kind):
             headers: tuple[tuple[bytes, bytes], ...] = ()
-            if status == 429:
+            if status == 429 or isinstance(exc, Overloaded):
                 headers = ((b"retry-after", b"1"),)
             elif isinstance(exc, MethodNotAllowed):
                 headers = ((b"allow", ", ".join(exc.allowed).encode()),)

@@ -44,6 +44,7 @@ from carpool.server.infer import (
     infer_response,
     prepare_infer,
 )
+from carpool.server.limits import over_connections, over_inflight_bytes
 from carpool.server.repository import ServedModel
 
 _HEADER_LENGTH = b"inference-header-content-length"
@@ -130,6 +131,11 @@ class InferProtocol(HttpToolsProtocol):
         # a request's deadline (timeout_s) counts from then.
         self._read_s = 0.0
         self._arrival_s = 0.0
+        # Past the server's --max-connections: its first request is refused (503).
+        self._over_capacity = False
+        # When the body of the request being received must be in (--body-timeout-s),
+        # on the loop's clock; None between requests.
+        self._body_deadline: float | None = None
 
     # -- connection limits: head size, timeouts -----------------------------------------
     #
@@ -141,6 +147,8 @@ class InferProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if len(self.server_state.connections) > self.kserve.limits.max_connections:
+            self._over_capacity = True
         self._arm_timeout()  # a connection that never sends a request is closed
 
     def data_received(self, data: bytes) -> None:
@@ -215,6 +223,9 @@ class InferProtocol(HttpToolsProtocol):
         measurable share); here a wait only moves the deadline, and the one timer, when it
         fires, sleeps on to the deadline of the wait then running, if any."""
         deadline = self.loop.time() + self.timeout_keep_alive
+        body_deadline = self._body_deadline
+        if body_deadline is not None and body_deadline < deadline:
+            deadline = body_deadline  # the whole body's time runs out first
         self._wait_deadline = deadline
         if self._wait_timer is None:
             self._wait_timer = self.loop.call_at(deadline, self._wait_timer_fired)
@@ -268,6 +279,19 @@ class InferProtocol(HttpToolsProtocol):
         if not self._receiving:
             self.transport.close()  # idle: closed without a word, as uvicorn does
             return
+        body_deadline = self._body_deadline
+        if (
+            self._head_done
+            and body_deadline is not None
+            and self.loop.time() + 0.001 >= body_deadline
+        ):
+            timeout_s = self.kserve.limits.body_timeout_s
+            self._refuse(
+                408,
+                f"the request body did not arrive in full within {timeout_s} s of its head "
+                "(carpool serve --body-timeout-s)",
+            )
+            return
         what = "body" if self._head_done else "head"
         self._refuse(
             408, f"the request {what} did not arrive in full within {self.timeout_keep_alive} s"
@@ -286,6 +310,8 @@ class InferProtocol(HttpToolsProtocol):
         for name, value in self.server_state.default_headers:
             parts += (name, b": ", value, b"\r\n")
         parts += (b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body))
+        if status == 503:  # a server limit: the client may come back
+            parts.append(b"retry-after: 1\r\n")
         parts += (b"connection: close\r\n\r\n", body)
         answer = b"".join(parts)
         cycle: Any = self.cycle
@@ -331,6 +357,7 @@ class InferProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         # The keep-alive timer, if armed, stays: it is now the deadline for this head.
         self._receiving, self._head_done = True, False
+        self._body_deadline = None
         self._arrival_s = self._read_s
         self._first, self._chunk = self._chunk, None  # the read's first message only
         # The ASGI scope is built only for requests that take the ASGI path.
@@ -345,6 +372,7 @@ class InferProtocol(HttpToolsProtocol):
         # Only now: a head refused above (431, or a 400 from uvicorn's own checks) made
         # no cycle, and _refuse must not take the bad bytes for the previous one's body.
         self._head_done = True
+        self._body_deadline = self.loop.time() + self.kserve.limits.body_timeout_s
 
     def _take_head(self) -> None:
         """The head is complete: a fast-path cycle for it, or uvicorn's ASGI one."""
@@ -368,6 +396,8 @@ class InferProtocol(HttpToolsProtocol):
                 f"request line and header fields of {head_bytes} bytes exceed the limit of "
                 f"{MAX_HEAD_BYTES} bytes",
             )
+        if self._over_capacity:
+            raise _Refused(503, str(over_connections(self.kserve.limits)))
         self._wait_deadline = None  # the request is read on (or answered)
         if self._lingering:
             return  # parsed from the read that brought the body left unread: ignored
@@ -409,7 +439,9 @@ class InferProtocol(HttpToolsProtocol):
         # (nor asking for it with 100 Continue).
         size = declared_length(declared)
         too_large = size if size is not None and size > self.kserve.max_body_bytes else 0
-        self._start_fast(model, header_length, encoding, version, keep_alive, expect, too_large)
+        self._start_fast(
+            model, header_length, encoding, version, keep_alive, expect, too_large, size or 0
+        )
         if not keep_alive or expect:
             self._first = None  # not kept: the parser tracks what such heads ask
 
@@ -422,10 +454,11 @@ class InferProtocol(HttpToolsProtocol):
         keep_alive: bool,
         expect_continue: bool,
         too_large: int = 0,
+        declared: int = 0,
     ) -> None:
         """A fast-path request whose head is complete: answered now, or queued behind
         the request being answered. ``too_large``: the body's declared length, over the
-        limit (0: not over)."""
+        limit (0: not over); ``declared``: its declared length (0: none)."""
         cycle = FastCycle(
             model,
             self.url.decode("latin-1"),  # as _fast_model matched it
@@ -441,6 +474,8 @@ class InferProtocol(HttpToolsProtocol):
             cycle.size, cycle.oversize, cycle.keep_alive = too_large, True, False
         else:
             cycle.refusal = self._early_refusal(model)
+            if cycle.refusal is None and declared:
+                self._hold(cycle, declared)
         existing, self.cycle = self.cycle, cycle  # type: ignore[assignment]
         if existing is None or existing.response_complete:
             self._begin(cycle)
@@ -458,6 +493,11 @@ class InferProtocol(HttpToolsProtocol):
             return  # too large, or refused from its head: the body is ignored
         cycle.chunks.append(body)
         cycle.size += len(body)
+        if cycle.size > cycle.held:  # chunked: no length was declared to hold
+            self._hold(cycle, cycle.size - cycle.held)
+            if cycle.refusal is not None:
+                cycle.chunks = []
+                return
         if not cycle.started:
             self._limit_read_ahead()
         limit = self.kserve.max_body_bytes
@@ -473,6 +513,7 @@ class InferProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._receiving, self._progress = False, True
+        self._body_deadline = None
         self._wait_deadline = None  # a body's wait; the answer starts the next
         cycle = self.cycle
         if not isinstance(cycle, FastCycle):
@@ -516,6 +557,8 @@ class InferProtocol(HttpToolsProtocol):
             existing = self.cycle
             if fits and (existing is None or existing.response_complete):
                 refusal = self._early_refusal(model)
+                if refusal is None and size and not self.kserve.inflight.take(size):
+                    refusal = self._overloaded()
                 # Nothing before it on the connection: received, begun and dispatched in
                 # one step, leaving what _start_fast, on_body and on_message_complete would.
                 self._receiving, self._head_done, self._progress = False, True, True
@@ -532,6 +575,7 @@ class InferProtocol(HttpToolsProtocol):
                     self.on_response_complete,
                 )
                 cycle.size, cycle.more_body, cycle.started = size, False, True
+                cycle.held = size if refusal is None else 0
                 cycle.arrival_s = self._read_s
                 self.cycle = cycle  # type: ignore[assignment]
                 if refusal is not None:
@@ -545,7 +589,8 @@ class InferProtocol(HttpToolsProtocol):
             self._wait_deadline, self._first = None, None
             self.url, self.headers, self.expect_100_continue = url, [], False
             header_length, encoding = repeat.header_length, repeat.encoding
-            self._start_fast(model, header_length, encoding, repeat.http_version, True, False)
+            version = repeat.http_version
+            self._start_fast(model, header_length, encoding, version, True, False, 0, size)
             if size:
                 self.on_body(data[end - size : end])
             self.on_message_complete()
@@ -587,6 +632,12 @@ class InferProtocol(HttpToolsProtocol):
             self._finish(*held)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        for waiting in [self.cycle, self._inflight, *(c for c, _ in self.pipeline)]:
+            if isinstance(waiting, FastCycle):
+                self._release(waiting)  # never answered: its bytes go back to the budget
+        held = self._held
+        if held is not None:
+            self._release(held[0])
         cycle = self._inflight
         if cycle is not None:
             # Its answer may have landed with the done-callback not yet run: cancelling
@@ -669,17 +720,37 @@ class InferProtocol(HttpToolsProtocol):
         body, cycle.chunks = b"".join(cycle.chunks), []
         self._dispatch(cycle, body)
 
+    def _hold(self, cycle: FastCycle, size_bytes: int) -> None:
+        """Hold ``size_bytes`` more of ``cycle``'s body in the server's budget
+        (``--max-inflight-bytes``), or refuse the request (503) when it would pass it."""
+        if self.kserve.inflight.take(size_bytes):
+            cycle.held += size_bytes
+        else:
+            self._release(cycle)
+            cycle.refusal = self._overloaded()
+
+    def _release(self, cycle: FastCycle) -> None:
+        if cycle.held:
+            self.kserve.inflight.release(cycle.held)
+            cycle.held = 0
+
+    def _overloaded(self) -> tuple[int, bytes, Headers]:
+        return self._prepared(over_inflight_bytes(self.kserve.limits))
+
     def _early_refusal(self, model: ServedModel) -> tuple[int, bytes, Headers] | None:
         """The answer for a request refused from its head, or None: when every queue of
         the model is at its bound, a 429 prepared once per message, without reading or
         decoding the body (under overload, refusing must cost far less than serving)."""
         error = model.batcher.refuse_early()
-        if error is None:
-            return None
+        return None if error is None else self._prepared(error)
+
+    def _prepared(self, error: Exception) -> tuple[int, bytes, Headers]:
+        """The answer to ``error``, built once per message: refusing under overload must
+        cost far less than serving."""
         message = str(error)
         answer = self.refusals.get(message)
         if answer is None:
-            if len(self.refusals) >= 256:  # one per model and bound: never many
+            if len(self.refusals) >= 256:  # one per model and bound, a few limits: never many
                 self.refusals.clear()
             answer = self.refusals[message] = error_response(error)
         return answer
@@ -730,6 +801,7 @@ class InferProtocol(HttpToolsProtocol):
         self._finish(cycle, data, status)
 
     def _finish(self, cycle: FastCycle, data: bytes, status: int) -> None:
+        self._release(cycle)
         self.transport.write(data)
         cycle.response_complete = True
         if self.access_log:

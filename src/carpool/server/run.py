@@ -36,6 +36,7 @@ from carpool.server.banner import logger, ready_lines, use_default_logging
 from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES, PortInUse
 from carpool.server.fasthttp import protocol_for
 from carpool.server.grpc import InferenceServicer, bind_grpc_server, host_port
+from carpool.server.limits import ServerLimits
 from carpool.server.repository import ModelRepository
 
 SHUTDOWN_GRACE_S = 30
@@ -81,17 +82,19 @@ def serve(
     grpc_port: int | None = 8001,
     log_level: str = "warning",
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    limits: ServerLimits | None = None,
 ) -> None:
     """Serve HTTP on ``port`` and gRPC on ``grpc_port`` (None or <= 0: no gRPC) until
     SIGINT/SIGTERM; then stop accepting, drain every batcher, return (exit status 0).
     An HTTP body or gRPC message over ``max_request_bytes`` is refused (413,
-    RESOURCE_EXHAUSTED).
+    RESOURCE_EXHAUSTED). ``limits``: connections, request bytes held and the body's
+    time to arrive (:class:`~carpool.server.limits.ServerLimits`; its defaults if None).
 
     Raises:
         PortInUse: ``port`` or ``grpc_port`` cannot be bound (before any model loads).
     """
     use_default_logging()
-    app = KServeApp(repository, max_body_bytes=max_request_bytes)
+    app = KServeApp(repository, max_body_bytes=max_request_bytes, limits=limits)
     config = uvicorn.Config(
         app,
         host=host,
