@@ -108,10 +108,35 @@ def serve(
             min=0.001,
         ),
     ] = DEFAULT_BODY_TIMEOUT_S,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            help="Require 'Authorization: Bearer KEY' (gRPC: 'authorization' metadata) on "
+            "every route but /v2/health/* and the gRPC health calls (and /metrics unless "
+            "--protect-metrics). Default: the CARPOOL_API_KEY environment variable, which "
+            "keeps the key out of the process list; neither: no key.",
+            show_default=False,
+        ),
+    ] = None,
+    protect_metrics: Annotated[
+        bool,
+        typer.Option(
+            "--protect-metrics", help="/metrics needs the API key too (default: open to scrapers)."
+        ),
+    ] = False,
+    allow_policy_updates: Annotated[
+        bool,
+        typer.Option(
+            "--allow-policy-updates",
+            help="Let POST /v2/models/{m}/policy change a batch policy while serving "
+            "(carpool tune against this server needs it); off: a 403.",
+        ),
+    ] = False,
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
     from carpool.server import uvicorn_contract
+    from carpool.server.access import api_key_from
     from carpool.server.errors import PortInUse
     from carpool.server.run import check_ports, exit_on_signal_while_building
     from carpool.server.run import serve as run_server
@@ -121,6 +146,11 @@ def serve(
             f"{grpc_port} is the HTTP port (--port) too; give gRPC another port, or 0 for none",
             param_hint="'--grpc-port'",
         )
+    try:
+        key = api_key_from(api_key)  # the flag, else CARPOOL_API_KEY
+    except ConfigError as error:  # before the ports are taken or a model loads
+        print(f"carpool serve: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         check_ports(host, port, grpc_port)  # before a config's models load their weights
         uvicorn_contract.check()  # likewise: a uvicorn the fast path cannot extend
@@ -134,6 +164,9 @@ def serve(
             log_level=log_level.value,
             max_request_bytes=max_request_bytes,
             limits=ServerLimits(max_connections, max_inflight_bytes, body_timeout_s),
+            api_key=key,
+            protect_metrics=protect_metrics,
+            allow_policy_updates=allow_policy_updates,
         )
     except PortInUse as error:
         print(f"carpool serve: {error}", file=sys.stderr)

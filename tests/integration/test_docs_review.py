@@ -32,7 +32,7 @@ async def test_tuning_a_server_gives_the_model_back_its_starting_policy(
     # docs/tuning.md: `carpool tune http://HOST:PORT/v2/models/NAME` writes its
     # recommendation to --out; the served model must not be left on the last trial's
     # settings (here a batch of 1), whatever the search found.
-    served = start_server(DOUBLER)
+    served = start_server(DOUBLER, args=["--allow-policy-updates"])
     url = f"http://{served.http_url}"
     runner = ServerRunner(url, "doubler", LoadSpec(concurrency=2))
     try:

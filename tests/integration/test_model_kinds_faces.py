@@ -28,7 +28,8 @@ MAX_NUM_SEQS = 64  # GenerationSettings' default, which the built-in model runs 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
-    process = start_served_process(None, tmp_path_factory.mktemp("serve-kinds"), grpc=True)
+    folder = tmp_path_factory.mktemp("serve-kinds")
+    process = start_served_process(None, folder, grpc=True, args=["--allow-policy-updates"])
     yield process
     assert process.stop() == 0, process.output()
 

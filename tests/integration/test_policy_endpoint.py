@@ -24,7 +24,7 @@ models:
 async def test_policy_changes_at_run_time_and_bad_values_are_400(
     start_server: StartServer,
 ) -> None:
-    served = start_server(CONFIG)
+    served = start_server(CONFIG, args=["--allow-policy-updates"])
     url = f"http://{served.http_url}/v2/models/doubler"
     async with httpx.AsyncClient() as client:
         current = (await client.get(f"{url}/policy")).json()
@@ -53,7 +53,7 @@ async def test_policy_changes_at_run_time_and_bad_values_are_400(
 async def test_server_runner_measures_a_trial_through_the_endpoint(
     start_server: StartServer,
 ) -> None:
-    served = start_server(CONFIG)
+    served = start_server(CONFIG, args=["--allow-policy-updates"])
     runner = ServerRunner(f"http://{served.http_url}", "doubler", LoadSpec(concurrency=4))
     try:
         metadata = await runner.connect()

@@ -86,7 +86,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     (folder / "policymodels.py").write_text(MODELS, encoding="utf-8")
     sizes, gate = folder / "sizes.txt", folder / "gate"
     env = {"POLICY_TEST_SIZES": str(sizes), "POLICY_TEST_GATE": str(gate)}
-    process = start_served_process(CONFIG, folder, env=env)
+    process = start_served_process(CONFIG, folder, env=env, args=["--allow-policy-updates"])
     try:
         yield Served(process, sizes, gate)
     finally:

@@ -168,7 +168,8 @@ def test_nothing_after_a_413_on_the_same_connection_is_acted_on(
     read still ran: an infer reached the model (its answer then failed to be written) and
     a policy change was applied, unanswered. A small limit, so that all of it arrives in
     one read: the requests after the 413 are parsed, not dropped unread."""
-    served = start_server(DOUBLER_CONFIG, args=["--max-request-bytes", "1000"])
+    args = ["--max-request-bytes", "1000", "--allow-policy-updates"]  # a change that could apply
+    served = start_server(DOUBLER_CONFIG, args=args)
     before = _infer_count(served)
     policy = b'{"max_delay_s": 0.25}'
     after = [

@@ -14,6 +14,9 @@ read once, JSON goes through orjson. Endpoints::
     POST /v1/completions | /v1/chat/completions          generation, streamed as server-sent
                                                          events (server/completions.py)
     GET  /metrics                                        Prometheus exposition
+
+With an API key (:mod:`carpool.server.access`) every route but ``/v2/health/*`` (and
+``/metrics`` unless protected) answers a request without it 401, its body unread.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -31,6 +34,7 @@ from carpool.config import POLICY_FIELDS
 from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
 from carpool.server import completions, openai
+from carpool.server.access import DEFAULT_ACCESS, Access
 from carpool.server.encoding import inflate, response_encoding
 from carpool.server.errors import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -38,6 +42,7 @@ from carpool.server.errors import (
     NotFound,
     NotSupported,
     PayloadTooLarge,
+    PolicyUpdatesOff,
 )
 from carpool.server.infer import (
     InferPlans,
@@ -73,11 +78,17 @@ _UNSERVED = {
     "logging": ("log settings", "logging"),
 }
 _JSON = (b"content-type", b"application/json")
+# What a batch policy set over the network may be (--allow-policy-updates): a longer delay
+# leaves requests unanswered for as long, a shorter timeout fails every request.
+MAX_POLICY_DELAY_S = 10.0
+MIN_POLICY_TIMEOUT_S = 0.001
 
 
 class KServeApp:
     """The ASGI application; starts the models' batchers on lifespan startup and drains
-    them on shutdown, so every accepted request is answered before the process exits."""
+    them on shutdown, so every accepted request is answered before the process exits.
+    ``access``: the API key it requires and whether a policy may be changed (by default
+    no key, and no policy changes)."""
 
     def __init__(
         self,
@@ -85,11 +96,13 @@ class KServeApp:
         *,
         max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         limits: ServerLimits | None = None,
+        access: Access = DEFAULT_ACCESS,
     ) -> None:
         self.repository = repository
         self.max_body_bytes = max_body_bytes
         self.limits = limits if limits is not None else ServerLimits()
         self.inflight = InflightBytes(self.limits.max_inflight_bytes)
+        self.access = access
         self.metrics = Metrics(repository)
         self.plans = InferPlans()
         # The fast path's infer URLs, each with the model it names (fasthttp.py): at most
@@ -124,14 +137,15 @@ class KServeApp:
             return  # nobody to answer
         except Exception as exc:
             status, body, headers = error_response(exc, is_openai=scope["path"].startswith("/v1/"))
-            if isinstance(exc, PayloadTooLarge) and exc.is_unread:  # close, as the fast
-                headers = (*headers, _CLOSE)  # path does (uvicorn honours connection: close)
+            if getattr(exc, "is_unread", False):  # close, as the fast path does (uvicorn
+                headers = (*headers, _CLOSE)  # honours connection: close)
             await _respond(send, status, body, headers)
         finally:
             self.inflight.release(scope.pop(_HELD, 0))
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method: str = scope["method"]
+        self.access.check_http(scope["path"], _header(scope, b"authorization"))
         parts = [p for p in scope["path"].split("/") if p]
         if parts == ["metrics"]:
             _allow(method, scope["path"], "GET")
@@ -178,6 +192,8 @@ class KServeApp:
             if model.engine is not None:  # GET and POST alike: no batch policy to show or set
                 raise model.engine.no_batch_policy(model.name)
             if method == "POST":
+                if not self.access.allow_policy_updates:
+                    raise PolicyUpdatesOff(model.name)
                 model.batcher.update_policy(
                     **_policy_changes(await self._read_body(scope, receive))
                 )
@@ -371,7 +387,29 @@ def _policy_changes(body: bytes) -> dict[str, Any]:
     unknown = sorted(set(changes) - set(POLICY_FIELDS))
     if unknown:
         raise InvalidInput(f"policy body: unknown field(s) {unknown}; expected {POLICY_FIELDS}")
+    _check_bounds(changes)
     return {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
+
+
+def _check_bounds(changes: dict[str, Any]) -> None:
+    """Refuse a ``max_delay_s`` over MAX_POLICY_DELAY_S and a ``timeout_s`` under
+    MIN_POLICY_TIMEOUT_S; values of another kind are the policy's to refuse. Priority
+    classes are not taken over the network (POLICY_FIELDS), so these are all there is."""
+    delay, timeout = changes.get("max_delay_s"), changes.get("timeout_s")
+    if _is_number(delay) and delay > MAX_POLICY_DELAY_S:
+        raise InvalidInput(
+            f"policy body: max_delay_s {delay!r} is over {MAX_POLICY_DELAY_S} s, the most a "
+            "policy set over the network may wait (a serve config may set more)"
+        )
+    if _is_number(timeout) and timeout < MIN_POLICY_TIMEOUT_S:
+        raise InvalidInput(
+            f"policy body: timeout_s {timeout!r} is under {MIN_POLICY_TIMEOUT_S} s, the least "
+            "a policy set over the network may give a request (null: no timeout)"
+        )
+
+
+def _is_number(value: object) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _policy_document(policy: BatchPolicy) -> dict[str, Any]:

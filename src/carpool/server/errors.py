@@ -5,6 +5,8 @@ messages; nowhere else does.
 error              HTTP  gRPC                why
 =================  ====  ==================  =============================================
 InvalidInput       400   INVALID_ARGUMENT    the client sent something unusable
+Unauthorized       401   UNAUTHENTICATED     no API key, or not the server's (server/access.py)
+PolicyUpdatesOff   403   PERMISSION_DENIED   POST .../policy without --allow-policy-updates
 NotFound           404   NOT_FOUND           unknown model or version
 MethodNotAllowed   405   UNIMPLEMENTED       a known path, another method (``Allow``)
 NotSupported       501   UNIMPLEMENTED       a Triton extension carpool does not implement
@@ -89,6 +91,37 @@ class NotSupported(Exception):
         )
 
 
+class Unauthorized(Exception):
+    """A request without the server's API key (``carpool serve --api-key``); ``reason``
+    says what was wrong without repeating what was sent. Answered before the body is
+    read (``is_unread``: the connection is then closed)."""
+
+    is_unread = True
+    code = "invalid_api_key"  # OpenAI's error code for a missing or wrong key
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(
+            f"{reason}: this server requires the header 'Authorization: Bearer <key>' (gRPC: "
+            "the 'authorization' metadata), the key carpool serve was started with "
+            "(--api-key or CARPOOL_API_KEY)"
+        )
+
+
+class PolicyUpdatesOff(Exception):
+    """``POST .../policy`` to a server not started with ``--allow-policy-updates``."""
+
+    is_unread = True
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        super().__init__(
+            f"policy updates over the network are off: start the server with "
+            f"'carpool serve --allow-policy-updates' to change the batch policy of "
+            f"{echo(model)!r} while it serves (GET .../policy shows it either way)"
+        )
+
+
 class PortInUse(Exception):
     """A port the server was told to listen on cannot be bound."""
 
@@ -128,6 +161,8 @@ class HttpError:
 _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (InvalidInput, 400),
     (ConfigError, 400),
+    (Unauthorized, 401),
+    (PolicyUpdatesOff, 403),
     (NotFound, 404),
     (MethodNotAllowed, 405),
     (NotSupported, 501),
@@ -141,10 +176,22 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
 )
 
 
+_ServerError = (
+    NotFound
+    | MethodNotAllowed
+    | NotSupported
+    | PayloadTooLarge
+    | Unauthorized
+    | PolicyUpdatesOff
+    | Overloaded
+)
+
 # grpc.StatusCode member names, so this module needs no grpc import.
 _GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
     (InvalidInput, "INVALID_ARGUMENT"),
     (ConfigError, "INVALID_ARGUMENT"),
+    (Unauthorized, "UNAUTHENTICATED"),
+    (PolicyUpdatesOff, "PERMISSION_DENIED"),
     (NotFound, "NOT_FOUND"),
     (MethodNotAllowed, "UNIMPLEMENTED"),
     (NotSupported, "UNIMPLEMENTED"),
@@ -158,10 +205,7 @@ _GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
 
 def error_message(exc: BaseException) -> str:
     """The message either wire answers ``exc`` with."""
-    if isinstance(
-        exc,
-        CarpoolError | NotFound | MethodNotAllowed | NotSupported | PayloadTooLarge | Overloaded,
-    ):
+    if isinstance(exc, CarpoolError | _ServerError):
         return str(exc)
     return f"internal error: {type(exc).__name__}: {exc}"
 
@@ -176,6 +220,8 @@ def http_error(exc: BaseException) -> HttpError:
                 headers = ((b"retry-after", b"1"),)
             elif isinstance(exc, MethodNotAllowed):
                 headers = ((b"allow", ", ".join(exc.allowed).encode()),)
+            elif status == 401:  # RFC 9110 11.6.1: a 401 says which scheme it wants
+                headers = ((b"www-authenticate", b"Bearer"),)
             return HttpError(status, message, headers)
     return HttpError(500, message)
 
@@ -189,7 +235,8 @@ def grpc_status(exc: BaseException) -> str:
     return "INTERNAL"
 
 
-_OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+                 403: "invalid_request_error", 404: "invalid_request_error",
                  405: "invalid_request_error", 413: "invalid_request_error",
                  429: "rate_limit_error"}  # fmt: skip
 
@@ -200,8 +247,8 @@ def openai_error(exc: BaseException) -> tuple[HttpError, dict[str, Any]]:
     code: str | None
     if isinstance(exc, NotFound) and exc.is_model:
         code = "model_not_found"
-    else:  # a BadParam's code, such as context_length_exceeded
-        code = getattr(exc, "code", None) if isinstance(exc, InvalidInput) else None
+    else:  # a BadParam's code, such as context_length_exceeded; invalid_api_key
+        code = getattr(exc, "code", None) if isinstance(exc, InvalidInput | Unauthorized) else None
     body = {
         "error": {
             "message": error.message,

@@ -51,6 +51,7 @@ _HEADER_LENGTH = b"inference-header-content-length"
 _CONTENT_LENGTH = b"content-length"
 _CONTENT_ENCODING = b"content-encoding"
 _ACCEPT_ENCODING = b"accept-encoding"
+_AUTHORIZATION = b"authorization"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # Pipelined requests read ahead of the one being answered before reading pauses. Reading
 # on is how a hang-up is seen: a paused transport never reports one, and the queued
@@ -402,7 +403,7 @@ class InferProtocol(HttpToolsProtocol):
         if self._lingering:
             return  # parsed from the read that brought the body left unread: ignored
         model = self._fast_model()
-        header_length = accept = declared = None
+        header_length = accept = declared = authorization = None
         if model is not None:
             for name, value in self.headers:
                 if name == _HEADER_LENGTH:
@@ -416,6 +417,12 @@ class InferProtocol(HttpToolsProtocol):
                 elif name == _CONTENT_ENCODING:  # compressed: the ASGI path inflates it
                     model = None
                     break
+                elif name == _AUTHORIZATION and authorization is None:  # the first, as ASGI
+                    authorization = value
+            # Without the API key: the ASGI path's 401, the body never decoded nor queued.
+            # A repeated head (_take_repeats) repeats an accepted one's key byte for byte.
+            if not self.kserve.access.allows(authorization):
+                model = None
         if model is None:
             url, headers, expect = self.url, self.headers, self.expect_100_continue
             super().on_message_begin()  # uvicorn's scope, with what the parser gave so far

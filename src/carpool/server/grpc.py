@@ -39,6 +39,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from carpool import __version__
 from carpool.errors import InvalidInput
+from carpool.server.access import Access, grpc_interceptors
 from carpool.server.classification import class_count_of, class_counts, classify
 from carpool.server.errors import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -536,25 +537,28 @@ def bind_grpc_server(
     servicer: InferenceServicer | None = None,
     *,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    access: Access | None = None,
 ) -> grpc.aio.Server:
     """A gRPC server for ``repository`` (through ``servicer``, whose :meth:`drain
     <InferenceServicer.drain>` the caller calls on shutdown) bound to ``host:port``, not
     yet started. grpcio listens as soon as it binds: ``carpool serve`` binds it once the
     models are loaded, holding the port with a plain socket until then. A request message
-    over ``max_message_bytes`` is refused with RESOURCE_EXHAUSTED.
+    over ``max_message_bytes`` is refused with RESOURCE_EXHAUSTED; one without the API key
+    of ``access``, if it has one, with UNAUTHENTICATED (:mod:`carpool.server.access`).
 
     Raises:
         PortInUse: the address cannot be bound.
     """
     address = host_port(host, port)
     server = grpc.aio.server(
+        interceptors=grpc_interceptors(access),
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
             # grpcio sets SO_REUSEPORT by default: a second server on a port another gRPC
             # server holds would bind, and the kernel would split connections between them.
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     add_servicer(server, servicer or InferenceServicer(repository))
     try:

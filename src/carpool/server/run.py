@@ -31,6 +31,7 @@ from types import FrameType
 import uvicorn
 import uvloop
 
+from carpool.server.access import Access
 from carpool.server.app import KServeApp
 from carpool.server.banner import logger, ready_lines, use_default_logging
 from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES, PortInUse
@@ -83,18 +84,27 @@ def serve(
     log_level: str = "warning",
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     limits: ServerLimits | None = None,
+    api_key: str | None = None,
+    protect_metrics: bool = False,
+    allow_policy_updates: bool = False,
 ) -> None:
     """Serve HTTP on ``port`` and gRPC on ``grpc_port`` (None or <= 0: no gRPC) until
     SIGINT/SIGTERM; then stop accepting, drain every batcher, return (exit status 0).
     An HTTP body or gRPC message over ``max_request_bytes`` is refused (413,
     RESOURCE_EXHAUSTED). ``limits``: connections, request bytes held and the body's
     time to arrive (:class:`~carpool.server.limits.ServerLimits`; its defaults if None).
+    With ``api_key`` every request needs ``Authorization: Bearer
+    <api_key>`` but health probes (and ``/metrics`` unless ``protect_metrics``);
+    ``allow_policy_updates`` lets ``POST .../policy`` change a batch policy
+    (:mod:`carpool.server.access`).
 
     Raises:
+        ConfigError: ``api_key`` is empty or not printable ASCII.
         PortInUse: ``port`` or ``grpc_port`` cannot be bound (before any model loads).
     """
+    access = Access(api_key, protect_metrics, allow_policy_updates)
     use_default_logging()
-    app = KServeApp(repository, max_body_bytes=max_request_bytes, limits=limits)
+    app = KServeApp(repository, max_body_bytes=max_request_bytes, limits=limits, access=access)
     config = uvicorn.Config(
         app,
         host=host,
@@ -110,7 +120,7 @@ def serve(
     # uvloop, as HTTP ran before gRPC was added: grpc.aio (grpcio 1.85) serves on it; the
     # gRPC integration tests (tritonclient.grpc, SIGTERM drain, exit 0) run on this loop.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(repository, config, host, grpc_port, max_request_bytes))
+        runner.run(_serve(repository, config, host, grpc_port, max_request_bytes, access))
 
 
 def _freeze_startup_heap() -> None:
@@ -247,6 +257,7 @@ async def _serve(
     host: str,
     grpc_port: int | None,
     max_request_bytes: int,
+    access: Access,
 ) -> None:
     loop = asyncio.get_running_loop()
     wants_grpc = grpc_port is not None and grpc_port > 0
@@ -284,6 +295,7 @@ async def _serve(
                     grpc_port or 0,
                     servicer,
                     max_message_bytes=max_request_bytes,
+                    access=access,
                 )
             except PortInUse:  # taken in the instant between: nothing was served
                 _close(sockets)

@@ -4,7 +4,8 @@ TARGET is ``module:attr`` (a batched model tuned in this process, named in any f
 :mod:`carpool.tools.modelref`; ``--shape`` gives one request's item), left out for
 ``--config FILE --model NAME`` (a model of a serve config, built and tuned in this process
 as serve runs it), or ``http://HOST:PORT/v2/models/NAME`` (a model on a running carpool
-server, tuned through its ``/policy`` endpoint). The best feasible config is written to
+server started with ``--allow-policy-updates``, tuned through its ``/policy`` endpoint; the
+API key it requires, if any, from ``CARPOOL_API_KEY``). The best feasible config is written to
 ``--out`` as a config ``carpool serve`` loads; ``--report DIR`` adds the markdown/HTML report
 and plots. Exit status: 0 with a recommendation, 1 when no trial met the constraints, 2 on
 bad usage.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import sys
 from pathlib import Path
@@ -61,8 +63,9 @@ def parse_duration(text: str) -> float:
 
 _TARGET_HELP = (
     "module:attr (a batched callable, a factory taking device or no argument, a class, an "
-    "nn.Module, a @carpool.batched function), http://HOST:PORT/v2/models/M, or nothing "
-    "with --config FILE --model NAME"
+    "nn.Module, a @carpool.batched function), http://HOST:PORT/v2/models/M (a server "
+    "started with --allow-policy-updates; its API key, if any, in CARPOOL_API_KEY), or "
+    "nothing with --config FILE --model NAME"
 )
 
 
@@ -224,7 +227,9 @@ async def run(args: argparse.Namespace) -> int:
     is_server = args.target is not None and args.target.startswith(("http://", "https://"))
     if is_server:
         url, model = _server_target(args.target, args.model_name)
-        runner = ServerRunner(url, model, load)
+        from carpool.server.access import API_KEY_ENV
+
+        runner = ServerRunner(url, model, load, api_key=os.environ.get(API_KEY_ENV))
         await runner.connect()
         label = args.target
     else:

@@ -265,16 +265,22 @@ class ServerRunner:
     """Tunes a model on a running carpool server through ``POST /v2/models/{m}/policy``,
     driving load with KServe v2 JSON infer requests (one row each) over httpx. ``close``
     gives the model back the policy it had at ``connect``: the recommendation goes to a
-    file, never left on the server as whatever the last trial set."""
+    file, never left on the server as whatever the last trial set. The server must run
+    with ``--allow-policy-updates``; ``api_key``: the key it requires, if any."""
 
-    def __init__(self, base_url: str, model: str, load: LoadSpec) -> None:
+    def __init__(
+        self, base_url: str, model: str, load: LoadSpec, api_key: str | None = None
+    ) -> None:
         import httpx
 
         self.base_url = base_url.rstrip("/")
         self.model = model
         self._load = load
         limits = httpx.Limits(max_connections=load.concurrency, max_keepalive_connections=None)
-        self._client = httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=60.0)
+        headers = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url, limits=limits, timeout=60.0, headers=headers
+        )
         self._driver: LoadDriver | None = None
         self._body: bytes | None = None
         self.metadata: dict[str, Any] = {}
@@ -287,6 +293,7 @@ class ServerRunner:
     async def connect(self) -> dict[str, Any]:
         """The model's metadata; builds the infer body from its declared inputs."""
         response = await self._client.get(self._path())
+        self._check_access(response)
         if response.status_code != 200:
             raise ConfigError("target", self.base_url, f"a server with model {self.model!r}")
         self.metadata = response.json()
@@ -329,6 +336,7 @@ class ServerRunner:
             await self.connect()  # also notes the starting policy, before the first change
         self._changed.update(changes)
         response = await self._client.post(self._path("policy"), content=orjson.dumps(changes))
+        self._check_access(response)
         if response.status_code == 400:
             raise ConfigError("policy", changes, response.json().get("error", "a valid policy"))
         response.raise_for_status()
@@ -351,6 +359,22 @@ class ServerRunner:
             self._driver, duration_s, self._stats
         )
         return WindowSample(elapsed, items, errors, np.array(latencies), mean_batch)
+
+    def _check_access(self, response: Any) -> None:
+        """A ConfigError saying what the server needs when it refused access: the API key
+        (401) or policy updates (403)."""
+        if response.status_code not in (401, 403):
+            return
+        reason = response.json().get("error", "")
+        expected = (
+            "a server whose API key is in CARPOOL_API_KEY"
+            if response.status_code == 401
+            else "a server started with 'carpool serve --allow-policy-updates', which lets "
+            "carpool tune change its batch policy"
+        )
+        where = f"{self.base_url}{self._path()}"
+        status = response.status_code
+        raise ConfigError("target", where, f"{expected} (it answered {status}: {reason})")
 
     async def _stats(self) -> tuple[int, int]:
         stats = (await self._client.get(self._path("stats"))).json()["model_stats"][0]

@@ -11,6 +11,7 @@ import pytest
 
 from carpool import Batcher, BatchPolicy
 from carpool.core.clock import FakeClock, settle
+from carpool.server.access import DEFAULT_ACCESS, Access
 from carpool.server.app import KServeApp
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 
@@ -26,7 +27,7 @@ class HeldModel:
         return {"y": inputs["x"] * 2}
 
 
-def _app(model: Any, max_body_bytes: int = 1 << 20) -> KServeApp:
+def _app(model: Any, max_body_bytes: int = 1 << 20, access: Access = DEFAULT_ACCESS) -> KServeApp:
     batcher = Batcher(
         model, BatchPolicy(max_batch_size=8, max_delay_s=0.0), collate="dict", clock=FakeClock()
     )
@@ -38,7 +39,7 @@ def _app(model: Any, max_body_bytes: int = 1 << 20) -> KServeApp:
         (TensorSpec("y", "FP32", (2,)),),
         batcher,
     )
-    return KServeApp(ModelRepository([served]), max_body_bytes=max_body_bytes)
+    return KServeApp(ModelRepository([served]), max_body_bytes=max_body_bytes, access=access)
 
 
 def _infer_body(value: float) -> bytes:
@@ -49,12 +50,19 @@ def _infer_body(value: float) -> bytes:
 class Exchange:
     """One HTTP request through the app; ``disconnect()`` makes the client go away."""
 
-    def __init__(self, method: str, path: str, body: bytes = b"") -> None:
-        self.scope = {"type": "http", "method": method, "path": path, "headers": []}
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        self.scope = {"type": "http", "method": method, "path": path, "headers": headers or []}
         self._body = body
         self._sent_body = False
         self._gone = asyncio.Event()
         self.status: int | None = None
+        self.headers: dict[bytes, bytes] = {}
         self.body = b""
 
     async def receive(self) -> dict[str, Any]:
@@ -67,6 +75,7 @@ class Exchange:
     async def send(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
+            self.headers = dict(message["headers"])
         else:
             self.body += message.get("body", b"")
 
@@ -145,3 +154,101 @@ async def test_unknown_requested_output_is_a_400_naming_it() -> None:
         assert model.seen == []
     finally:
         await app.repository.stop()
+
+
+# -- access: the API key, policy updates (carpool.server.access) ----------------------------
+
+KEY = "s3cr3t-k3y"
+BEARER = [(b"authorization", b"Bearer " + KEY.encode())]
+
+
+async def test_a_request_without_the_api_key_is_a_401_before_its_body_is_read() -> None:
+    model = HeldModel()
+    app = _app(model, access=Access(KEY))
+    for headers in ([], [(b"authorization", b"Bearer wrong")]):
+        exchange = Exchange("POST", "/v2/models/m/infer", _infer_body(1.0), headers)
+        await exchange.run(app)
+        assert exchange.status == 401
+        assert exchange.headers[b"www-authenticate"] == b"Bearer"
+        assert exchange.headers[b"connection"] == b"close"  # the body is left unread
+        assert not exchange._sent_body
+        error = orjson.loads(exchange.body)["error"]
+        assert "Authorization: Bearer <key>" in error and "wrong" not in error
+    assert model.seen == []
+
+
+async def test_an_openai_route_without_the_api_key_answers_openais_error_object() -> None:
+    exchange = Exchange("GET", "/v1/models")
+    await exchange.run(_app(HeldModel(), access=Access(KEY)))
+    assert exchange.status == 401
+    error = orjson.loads(exchange.body)["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == "invalid_api_key"  # as OpenAI answers a missing or wrong key
+    assert error["message"].startswith("no API key was sent")
+
+
+@pytest.mark.parametrize(
+    ("path", "protect_metrics", "status"),
+    [
+        ("/v2/health/live", True, 200),
+        ("/v2/health/ready", True, 400),  # answered, not refused: batchers not started
+        ("/metrics", False, 200),
+        ("/metrics", True, 401),
+        ("/v2", False, 401),
+        ("/v2/models/m", False, 401),
+        ("/v2/models/m/policy", False, 401),
+        ("/v2/models/stats", False, 401),
+    ],
+)
+async def test_without_the_key_only_probes_and_unprotected_metrics_are_answered(
+    path: str, protect_metrics: bool, status: int
+) -> None:
+    app = _app(HeldModel(), access=Access(KEY, protect_metrics=protect_metrics))
+    exchange = Exchange("GET", path)
+    await exchange.run(app)
+    assert exchange.status == status
+    with_key = Exchange("GET", path, headers=BEARER)
+    await with_key.run(app)
+    assert with_key.status != 401
+
+
+async def test_a_policy_post_is_a_403_unless_policy_updates_are_allowed() -> None:
+    app = _app(HeldModel())
+    exchange = Exchange("POST", "/v2/models/m/policy", b'{"max_batch_size": 2}')
+    await exchange.run(app)
+    assert exchange.status == 403
+    assert "--allow-policy-updates" in orjson.loads(exchange.body)["error"]
+    assert app.repository.get("m").batcher.policy.max_batch_size == 8  # unchanged
+    shown = Exchange("GET", "/v2/models/m/policy")
+    await shown.run(app)
+    assert shown.status == 200 and orjson.loads(shown.body)["max_batch_size"] == 8
+
+
+@pytest.mark.parametrize(
+    ("changes", "bound"),
+    [
+        ({"timeout_s": 1e-6}, "under 0.001 s"),
+        ({"timeout_s": 0}, "under 0.001 s"),
+        ({"max_delay_s": 1e9}, "over 10.0 s"),
+        ({"max_delay_s": 10.5, "max_batch_size": 2}, "over 10.0 s"),
+    ],
+)
+async def test_a_policy_past_the_network_bounds_is_a_400_naming_the_bound(
+    changes: dict[str, Any], bound: str
+) -> None:
+    app = _app(HeldModel(), access=Access(allow_policy_updates=True))
+    exchange = Exchange("POST", "/v2/models/m/policy", orjson.dumps(changes))
+    await exchange.run(app)
+    assert exchange.status == 400
+    assert bound in orjson.loads(exchange.body)["error"]
+    policy = app.repository.get("m").batcher.policy
+    assert (policy.max_batch_size, policy.max_delay_s, policy.timeout_s) == (8, 0.0, None)
+
+
+async def test_a_policy_within_the_network_bounds_is_applied() -> None:
+    app = _app(HeldModel(), access=Access(allow_policy_updates=True))
+    for changes in ({"timeout_s": 0.001, "max_delay_s": 10}, {"timeout_s": None}):
+        exchange = Exchange("POST", "/v2/models/m/policy", orjson.dumps(changes))
+        await exchange.run(app)
+        assert exchange.status == 200, exchange.body
+        assert orjson.loads(exchange.body) | changes == orjson.loads(exchange.body)

@@ -17,6 +17,7 @@ import pytest
 
 from carpool.core.policy import BatchPolicy, ClassPolicy
 from carpool.errors import ConfigError
+from carpool.server.access import Access
 from carpool.server.app import KServeApp
 from carpool.server.defaults import embeddings_folder
 from carpool.server.embeddings import EmbeddingService
@@ -92,6 +93,7 @@ def test_a_token_budget_below_the_max_length_is_refused_when_the_service_is_buil
 
 async def test_a_token_budget_below_the_max_length_is_refused_by_a_policy_update(app):
     # The same rule through POST .../policy (what `carpool tune` uses) on a running server.
+    app.access = Access(allow_policy_updates=True)  # carpool serve --allow-policy-updates
     path = f"/v2/models/{MODEL}/policy"
     got = await _call(app, path, max_batch_tokens=100)
     assert got.status == 400, got.json()

@@ -19,6 +19,7 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from carpool import Batcher, BatchPolicy
+from carpool.server.access import DEFAULT_ACCESS, Access
 from carpool.server.app import KServeApp
 from carpool.server.fasthttp import InferProtocol, protocol_for
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
@@ -116,7 +117,7 @@ async def server() -> AsyncIterator[Server]:
 
 
 @contextlib.asynccontextmanager
-async def serving() -> AsyncIterator[Server]:
+async def serving(access: Access = DEFAULT_ACCESS) -> AsyncIterator[Server]:
     """A doubling model "m" served by the fast path, and "custom" (its own infer)."""
     model = Recorder()
     batcher = Batcher(model, BatchPolicy(max_batch_size=10_000, max_delay_s=0.001), collate="dict")
@@ -129,7 +130,7 @@ async def serving() -> AsyncIterator[Server]:
     custom = ServedModel("custom", "1", "python", (spec_in,), (spec_out,), Batcher(model), embed)
     repository = ModelRepository([served, custom])
     await repository.start()
-    app = KServeApp(repository, max_body_bytes=100_000)
+    app = KServeApp(repository, max_body_bytes=100_000, access=access)
     config = uvicorn.Config(app, http=protocol_for(app), lifespan="off", log_level="warning")
     try:
         yield app, connector(config, FakeTransport), model
@@ -515,3 +516,47 @@ async def test_a_full_queue_refuses_from_the_head_without_decoding_the_body(
         await _until(lambda: len(Responses(bytes(transport.data)).items) == 3)
         assert Responses(bytes(transport.data)).items[2][0] == 200
         assert model.seen == [1.0, 2.0, 5.0]
+
+
+KEY = b"s3cr3t-k3y"
+
+
+async def test_an_infer_without_the_api_key_is_a_401_never_decoded_nor_queued() -> None:
+    async with serving(Access(KEY.decode())) as (_, connect, model):
+        undecodable = (
+            b"POST /v2/models/m/infer HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n\r\n{nope"
+        )
+        requests = [
+            undecodable,  # a 400 if it were decoded
+            _binary_request(1.0),
+            _binary_request(2.0, extra=b"Authorization: Bearer wrong\r\n"),
+            _binary_request(3.0, extra=b"Authorization: " + KEY + b"\r\n"),  # no scheme
+        ]
+        transports = []
+        for raw in requests:
+            protocol, transport = connect()
+            protocol.data_received(raw)
+            transports.append(transport)
+        await _until(lambda: all(t.data for t in transports))
+        for transport in transports:
+            ((status, headers, body),) = Responses(bytes(transport.data)).items
+            assert status == 401, body
+            assert headers[b"www-authenticate"] == b"Bearer"
+            assert b"Authorization: Bearer <key>" in body and KEY not in body
+        assert model.seen == []
+
+
+async def test_an_infer_with_the_api_key_takes_the_fast_path_and_its_repeats() -> None:
+    async with serving(Access(KEY.decode())) as (_, connect, model):
+        protocol, transport = connect()
+        keyed = _binary_request(1.5, extra=b"authorization: bearer " + KEY + b"\r\n")
+        protocol.data_received(keyed)
+        assert not protocol.server_state.tasks  # the fast path: no ASGI task
+        await _until(lambda: bool(transport.data))
+        protocol.data_received(keyed + keyed)  # the head kept: taken without the parser
+        await _until(lambda: len(Responses(bytes(transport.data)).items) == 3)
+        protocol.data_received(_binary_request(9.0, extra=b"authorization: bearer k\r\n"))
+        await _until(lambda: len(Responses(bytes(transport.data)).items) == 4)
+        statuses = [status for status, _, _ in Responses(bytes(transport.data)).items]
+        assert statuses == [200, 200, 200, 401]
+        assert model.seen == [1.5, 1.5, 1.5]
