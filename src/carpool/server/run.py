@@ -38,6 +38,7 @@ from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES, PortInUse
 from carpool.server.fasthttp import protocol_for
 from carpool.server.grpc import InferenceServicer, bind_grpc_server, host_port
 from carpool.server.limits import ServerLimits
+from carpool.server.memory import TICK_S, Trimmer, malloc_trim
 from carpool.server.repository import ModelRepository
 
 SHUTDOWN_GRACE_S = 30
@@ -320,6 +321,9 @@ async def _serve(
             on_exit=lambda: loop.call_soon_threadsafe(on_exit),
             on_started=lambda server: _announce(server, repository, grpc_address),
         )
+        app = config.app
+        assert isinstance(app, KServeApp), "serve() built it"
+        trimming = asyncio.ensure_future(_trim_after_bursts(http, app, repository))
         try:
             for sock in sockets:
                 # Only now, as they start listening: the connections they accept inherit
@@ -328,12 +332,33 @@ async def _serve(
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             await http.serve(sockets)
         finally:
+            trimming.cancel()
             stop_grpc()
             if grpc_stopped is not None:
                 await grpc_stopped
     finally:
         await repository.stop()
     logger.info("stopped")
+
+
+async def _trim_after_bursts(
+    http: uvicorn.Server, app: KServeApp, repository: ModelRepository
+) -> None:
+    """Give memory back to the system each time the server falls quiet after a burst
+    (:mod:`carpool.server.memory`)."""
+    trim = malloc_trim()
+    if trim is None:
+        return
+
+    def is_idle() -> bool:
+        return app.inflight.held_bytes == 0 and all(m.batcher.num_pending == 0 for m in repository)
+
+    trimmer = Trimmer(lambda: http.server_state.total_requests, is_idle, trim)
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(TICK_S)
+        if trimmer.tick():
+            await loop.run_in_executor(None, trim)
 
 
 def _announce(http: uvicorn.Server, repository: ModelRepository, grpc: str | None) -> None:
