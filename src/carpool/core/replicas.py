@@ -8,7 +8,6 @@ collation and splitting stay on the loop. An ``async`` model runs on the loop.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import logging
 import math
@@ -25,6 +24,7 @@ from carpool.core.telemetry import ReplicaCounters
 from carpool.core.watchdog import (
     CallWatch,
     ReplicaThread,
+    ThreadWatch,
     Watchdog,
     awaited_within,
     is_cancelling,
@@ -259,6 +259,7 @@ class Replica:
         self._factory = factory
         self._now = now
         self._watchdog = watchdog
+        self._watch = ThreadWatch(watchdog.clock, self._hung) if watchdog is not None else None
         # OpenMP's thread count is per thread: a new thread would use every core even
         # after torch.set_num_threads(1) on the main thread. Carry the setting over.
         torch = sys.modules.get("torch")
@@ -348,10 +349,10 @@ class Replica:
         self._fn = None  # a call queued behind a failed build finds no model
         self._fn = self._build()
 
-    def _hung(self, watch: CallWatch, running: asyncio.Future[Any], timeout_s: float) -> None:
-        """A watched call ran past ``timeout_s``: give up on its thread, go on with a fresh
-        one (see :mod:`carpool.core.watchdog`), and wake the call's waiter."""
-        if watch.thread is not self._thread:
+    def _hung(self, watch: CallWatch) -> None:
+        """A watched call ran past its ``timeout_s``: give up on its thread, go on with a
+        fresh one (see :mod:`carpool.core.watchdog`), and wake the call's waiter."""
+        if watch.thread is not self._thread or watch.running is None:
             return  # that thread was given up already
         log.error(
             "model %r, replica %d (%s): a batch has run %.3g s, past batch_timeout_s=%g; its "
@@ -362,12 +363,12 @@ class Replica:
             self.replica_id,
             self.device,
             self._now() - watch.started_s,
-            timeout_s,
+            watch.timeout_s,
             " and its model built again" if self._factory is not None else "",
         )
         self._leave_thread()
         self.renew()
-        running.cancel()
+        watch.running.cancel()
 
     def _leave_thread(self) -> None:
         """Abandon the current thread (counted) and take a fresh one."""
@@ -464,7 +465,8 @@ class Replica:
         deadline_s, withdrawn = call.deadline_s, call.withdrawn
         timeout_s = self._watchdog.timeout_s if self._watchdog is not None else None
         thread = self._thread
-        watch = CallWatch(thread) if timeout_s is not None else None
+        watch = CallWatch(thread, timeout_s) if timeout_s is not None else None
+        watching = self._watch
 
         def job() -> tuple[Any, float, float]:
             started = now()
@@ -487,18 +489,19 @@ class Replica:
 
         async def finish() -> RunOutput:
             if watch is not None:
-                assert self._watchdog is not None and timeout_s is not None
-                on_hung = functools.partial(self._hung, watch, running, timeout_s)
-                watch.arm(self._watchdog.clock, timeout_s, on_hung)
+                assert watching is not None
+                watch.running = running
+                watching.watch(watch)
             try:
                 outputs, started, ended = await running
             except asyncio.CancelledError:
                 if watch is not None and watch.thread.is_abandoned and not is_cancelling():
-                    raise watch.verdict(now(), timeout_s or 0.0, self.replica_id) from None
+                    raise watch.verdict(now(), self.replica_id) from None
                 raise
             finally:
                 if watch is not None:
-                    watch.cancel()
+                    assert watching is not None
+                    watching.unwatch(watch)
             if outputs is _LATE:
                 raise StartedLate(started)
             if outputs is _WITHDRAWN:

@@ -10,11 +10,11 @@ so one that never returns does not hold the process's exit as a ``ThreadPoolExec
 worker would (its threads are joined at exit).
 
 A :class:`CallWatch` follows one model call: the replica thread writes when the call
-started, and the event loop arms one timer on the batcher's clock when it begins to wait
-for the call. The timer declares the call hung once ``batch_timeout_s`` has passed since
-it started, unless it ended first::
+started. While the event loop waits for it, the replica's :class:`ThreadWatch` holds it,
+and its timer (on the batcher's clock) declares the call hung once ``batch_timeout_s``
+has passed since it started, unless it ended first::
 
-    loop:    submit ── wait (arm) ──────────────── timer: started + timeout passed? ─► hung
+    loop:    submit ── wait (watch) ─────────────── timer: started + timeout passed? ─► hung
     thread:  [ earlier call ][ this call ..................................... (stuck)
                              ^ started_s
 """
@@ -66,43 +66,77 @@ class Displaced(Exception):
 
 
 class CallWatch:
-    """One model call queued on ``thread``: ``started_s`` is written by the thread when
-    the call starts (NaN until then); :meth:`arm` starts the timer that calls
-    ``on_hung`` once the call has run ``timeout_s``."""
+    """One model call queued on ``thread`` with a limit of ``timeout_s``: ``started_s`` is
+    written by the thread when the call starts (NaN until then); ``running`` is the
+    future the loop awaits for it."""
 
-    __slots__ = ("_timer", "started_s", "thread")
+    __slots__ = ("running", "started_s", "thread", "timeout_s")
 
-    def __init__(self, thread: ReplicaThread) -> None:
+    def __init__(self, thread: ReplicaThread, timeout_s: float) -> None:
         self.thread = thread
+        self.timeout_s = timeout_s
         self.started_s = math.nan
-        self._timer: TimerHandle | None = None
+        self.running: asyncio.Future[Any] | None = None
 
-    def arm(self, clock: Clock, timeout_s: float, on_hung: Callable[[], None]) -> None:
-        def check() -> None:
-            now = clock.now()
-            started = self.started_s
-            # Not started yet: still behind an earlier call of the thread (a build).
-            due = now + timeout_s if math.isnan(started) else started + timeout_s
-            if due > now:
-                self._timer = clock.call_at(due, check)
-            else:
-                self._timer = None
-                on_hung()
-
+    def due_s(self, now: float) -> float:
+        """When the call will have run ``timeout_s``; from ``now`` if it has not started
+        (it still waits behind an earlier call of its thread, as a build)."""
         started = self.started_s
-        base = clock.now() if math.isnan(started) else started
-        self._timer = clock.call_at(base + timeout_s, check)
+        return (now if math.isnan(started) else started) + self.timeout_s
 
-    def cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def verdict(self, now: float, timeout_s: float, replica_id: int) -> Exception:
+    def verdict(self, now: float, replica_id: int) -> Exception:
         """What the call raises once its thread was given up."""
         if math.isnan(self.started_s):
             return Displaced(now)
-        return Hung(self.started_s, timeout_s, replica_id)
+        return Hung(self.started_s, self.timeout_s, replica_id)
+
+
+class ThreadWatch:
+    """Watches the call a replica's loop waits for (``watch``, then ``unwatch`` once it
+    landed) and calls ``on_hung`` with it once it has run its ``timeout_s``.
+
+    Calls on a replica's thread run one after the other, so one timer serves them all:
+    when it fires it looks at the call watched then, and is armed again for that call's
+    due time (or left unarmed when none is watched). A batch pays two attribute writes
+    and a clock read, not a timer armed and cancelled."""
+
+    __slots__ = ("_clock", "_due_s", "_on_hung", "_timer", "current")
+
+    def __init__(self, clock: Clock, on_hung: Callable[[CallWatch], None]) -> None:
+        self._clock = clock
+        self._on_hung = on_hung
+        self._timer: TimerHandle | None = None
+        self._due_s = math.inf
+        self.current: CallWatch | None = None
+
+    def watch(self, call: CallWatch) -> None:
+        self.current = call
+        due_s = call.due_s(self._clock.now())
+        if due_s < self._due_s:  # none armed, or for later (a longer limit before)
+            if self._timer is not None:
+                self._timer.cancel()
+            self._arm(due_s)
+
+    def unwatch(self, call: CallWatch) -> None:
+        if self.current is call:
+            self.current = None
+
+    def _arm(self, due_s: float) -> None:
+        self._due_s = due_s
+        self._timer = self._clock.call_at(due_s, self._fire)
+
+    def _fire(self) -> None:
+        self._timer, self._due_s = None, math.inf
+        call = self.current
+        if call is None:
+            return
+        now = self._clock.now()
+        due_s = call.due_s(now)
+        if due_s > now:
+            self._arm(due_s)
+        else:
+            self.current = None
+            self._on_hung(call)
 
 
 class _Job:

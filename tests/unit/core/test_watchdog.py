@@ -233,17 +233,23 @@ async def test_an_async_model_past_batch_timeout_is_cancelled(make, fake_clock):
     assert batcher.snapshot().replicas[0].num_abandoned == 0  # no thread was left behind
 
 
-async def test_a_policy_update_changes_the_timeout_of_later_batches(make, hangs, fake_clock):
+@pytest.mark.parametrize("later_timeout_s", [5.0, TIMEOUT_S / 2])
+async def test_a_policy_update_changes_the_timeout_of_later_batches(
+    make, hangs, fake_clock, later_timeout_s
+):
     batcher = make(hangs, max_batch_size=1)
-    batcher.update_policy(batch_timeout_s=5.0)
+    assert await batcher.submit(1) == 2  # a batch under the first limit
+    batcher.update_policy(batch_timeout_s=later_timeout_s)
     task = asyncio.ensure_future(batcher.submit(HANG))
     await hangs.wait_entered()
+    await hangs.wait_entered()
 
-    await fake_clock.advance(TIMEOUT_S)
+    await fake_clock.advance(min(TIMEOUT_S, later_timeout_s) * 0.9)
     assert not task.done()
-    await fake_clock.advance(5.0)
+    await fake_clock.advance(later_timeout_s)
 
     assert isinstance((await _results(task))[0], BatchTimeout)
+    assert task.exception().batch_timeout_s == later_timeout_s
 
 
 def test_an_abandoned_thread_cancels_what_waits_on_it_and_takes_no_more() -> None:
