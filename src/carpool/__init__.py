@@ -15,6 +15,7 @@ from carpool.core import (
     batched,
 )
 from carpool.errors import (
+    BatchTimeout,
     CapacityError,
     CarpoolError,
     Closed,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchPolicy",
+    "BatchTimeout",
     "BatchedFunction",
     "Batcher",
     "CapacityError",

@@ -132,12 +132,21 @@ def serve(
             "(carpool tune against this server needs it); off: a 403.",
         ),
     ] = False,
+    drain_timeout_s: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a shutdown (SIGTERM, SIGINT) waits for accepted requests; then "
+            "those left get 503 (gRPC: UNAVAILABLE) and the exit status is 1.",
+            min=0,
+            max=86_400,
+        ),
+    ] = 30.0,
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
     from carpool.server import uvicorn_contract
     from carpool.server.access import api_key_from
-    from carpool.server.errors import PortInUse
+    from carpool.server.errors import DrainTimedOut, PortInUse
     from carpool.server.run import check_ports, exit_on_signal_while_building
     from carpool.server.run import serve as run_server
 
@@ -167,7 +176,10 @@ def serve(
             api_key=key,
             protect_metrics=protect_metrics,
             allow_policy_updates=allow_policy_updates,
+            drain_timeout_s=drain_timeout_s,
         )
+    except DrainTimedOut:  # already logged, with how many requests were cut off
+        raise SystemExit(1) from None
     except PortInUse as error:
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(3) from None  # uvicorn's status when the HTTP port is taken

@@ -78,6 +78,7 @@ POLICY_FIELDS = (
     "oom_recovery_s",
     "max_batch_tokens",
     "length_buckets",
+    "batch_timeout_s",
 )
 # Keys only a generation model takes (carpool.server.generation.GenerationSettings).
 GENERATION_FIELDS = (
@@ -168,6 +169,11 @@ class ModelConfig(_Strict):
     oom_recovery_s: float = Field(_POLICY_DEFAULTS["oom_recovery_s"], ge=0, allow_inf_nan=False)
     max_batch_tokens: int | None = Field(None, ge=1)
     length_buckets: list[int] | Literal["auto"] | None = None
+    # Longest one batch may run before its requests fail and its replica is replaced;
+    # null: no limit.
+    batch_timeout_s: float | None = Field(
+        _POLICY_DEFAULTS["batch_timeout_s"], gt=0, allow_inf_nan=False
+    )
     # embeddings: most texts in one request
     max_inputs: int = Field(2048, ge=1)
     # generation: KV-cache layout and step limits (GENERATION_FIELDS)

@@ -8,6 +8,7 @@
     ├── QueueFull                 admission refused: a queue bound was reached
     ├── DeadlineExceeded          the request's deadline passed before it ran
     ├── ModelError                the model raised on this request (carries the cause)
+    │   └── BatchTimeout          its batch ran past batch_timeout_s; the replica was replaced
     ├── CapacityError             out of memory even at the smallest batch
     └── Closed                    the batcher is stopped or stopping
 
@@ -126,6 +127,34 @@ class ModelError(CarpoolError):
 
     def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
         return (self.reason,), {"request_id": self.request_id}
+
+
+class BatchTimeout(ModelError, TimeoutError):
+    """The request's batch ran past the model's ``batch_timeout_s``: the model did not
+    return, so every request of that batch fails with this, and the replica it ran on is
+    given up (its thread cannot be stopped) and replaced by a fresh one."""
+
+    def __init__(
+        self,
+        model: str,
+        batch_timeout_s: float,
+        replica_id: int,
+        *,
+        request_id: int | None = None,
+    ) -> None:
+        self.model = model
+        self.batch_timeout_s = batch_timeout_s
+        self.replica_id = replica_id
+        super().__init__(
+            f"model {model!r} did not finish this request's batch within batch_timeout_s="
+            f"{batch_timeout_s:g} s on replica {replica_id}: the batch failed and the replica "
+            "is being replaced; if the model can take that long, raise batch_timeout_s "
+            "(null for none), else look for what made it hang on this input",
+            request_id=request_id,
+        )
+
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.model, self.batch_timeout_s, self.replica_id), {"request_id": self.request_id}
 
 
 class CapacityError(CarpoolError, MemoryError):

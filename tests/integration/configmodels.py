@@ -57,3 +57,28 @@ def ragged_sum(inputs: dict[str, Any]) -> dict[str, Any]:
         "DOUBLED": Packed.from_lengths(tokens.data * 2, tokens.lengths),
         "LONGEST": np.full(tokens.num_items, tokens.max_length, dtype=np.int32),
     }
+
+
+HANG_S = 120.0  # "for ever" for a test: far longer than any test waits
+
+
+def hangs_on_negative(device: str) -> Any:
+    """A factory (one model per replica): ``OUTPUT0 = 2 * INPUT0``, except that a batch
+    holding a negative value hangs (sleeps HANG_S). Every build after the first waits
+    while the file ``$CARPOOL_TEST_GATE`` exists (at most 30 s), so that a test sees the
+    replica being rebuilt after a hang."""
+    marker = os.environ["CARPOOL_TEST_GATE"] + ".built"
+    if os.path.exists(marker):
+        limit = time.monotonic() + GATE_WAIT_LIMIT_S
+        while os.path.exists(os.environ["CARPOOL_TEST_GATE"]) and time.monotonic() < limit:
+            time.sleep(0.005)
+    with open(marker, "a", encoding="utf-8") as built:
+        built.write(f"{device}\n")
+
+    def model(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+        x = inputs["INPUT0"]
+        if (x < 0).any():
+            time.sleep(HANG_S)
+        return {"OUTPUT0": x * 2}
+
+    return model

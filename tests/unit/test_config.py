@@ -97,6 +97,14 @@ def test_left_out_policy_fields_are_batch_policy_defaults(config_dir: Path) -> N
     assert config.models[1].replica_devices() == ["cpu"]
 
 
+def test_batch_timeout_is_read_and_null_means_no_limit(config_dir: Path) -> None:
+    config = load_config(_write(config_dir, _with_model_line("batch_timeout_s: 2.5")))
+    assert config.models[0].policy().batch_timeout_s == 2.5
+    assert config.models[1].policy().batch_timeout_s == 60.0
+    config = load_config(_write(config_dir, _with_model_line("batch_timeout_s: null")))
+    assert config.models[0].policy().batch_timeout_s is None
+
+
 def test_round_trips_through_yaml(config_dir: Path) -> None:
     config = load_config(_write(config_dir, VALID))
     dumped = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
@@ -190,6 +198,8 @@ def test_config_datatypes_are_the_server_datatypes() -> None:
         (_with_model_line("length_buckets: [64, 16]"), "models[0].length_buckets", "ascending"),
         (_with_model_line("max_batch_tokens: 0"), "models[0].max_batch_tokens", "greater than"),
         (_with_model_line("executor: process"), "models[0].executor", "'thread'"),
+        (_with_model_line("batch_timeout_s: 0"), "models[0].batch_timeout_s", "greater than 0"),
+        (_with_model_line("batch_timeout_s: .inf"), "models[0].batch_timeout_s", "finite"),
         ("models: []\n", "models", "at least 1 item"),
         ("", "(top level)", "the file is empty"),
         ("models:\n  - name: [\n", "line 3", "valid YAML"),

@@ -9,6 +9,7 @@ import pytest
 import carpool
 from carpool import errors
 from carpool.errors import (
+    BatchTimeout,
     CapacityError,
     CarpoolError,
     Closed,
@@ -25,6 +26,7 @@ ALL_ERRORS = [
     QueueFull("normal", 100),
     DeadlineExceeded(7, 0.05, 0.0625),
     ModelError("the model raised ValueError: bad", request_id=9),
+    BatchTimeout("mlp", 60.0, 1, request_id=10),
     CapacityError(11, 64),
     Closed("resnet"),
 ]
@@ -41,7 +43,7 @@ def _defined_exception_classes() -> list[type[BaseException]]:
 def test_every_exception_in_errors_module_is_a_carpool_error() -> None:
     classes = _defined_exception_classes()
     assert CarpoolError in classes
-    assert len(classes) == 8
+    assert len(classes) == 9
     for cls in classes:
         assert issubclass(cls, CarpoolError), cls
 
@@ -68,6 +70,8 @@ def test_every_error_is_caught_by_the_root(error: CarpoolError) -> None:
         (ConfigError, ValueError),
         (InvalidInput, ValueError),
         (DeadlineExceeded, TimeoutError),
+        (BatchTimeout, TimeoutError),
+        (BatchTimeout, ModelError),
         (CapacityError, MemoryError),
     ],
 )
@@ -126,6 +130,17 @@ def test_model_error_names_request_and_keeps_cause() -> None:
     assert str(error) == "request 9: the model raised ValueError: bad row"
     assert error.__cause__ is cause
     assert str(ModelError("boom")) == "boom"
+
+
+def test_batch_timeout_names_model_limit_replica_and_remedy() -> None:
+    error = BatchTimeout("resnet", 2.5, 1, request_id=12)
+    assert (error.model, error.batch_timeout_s, error.replica_id) == ("resnet", 2.5, 1)
+    assert error.request_id == 12
+    message = str(error)
+    assert message.startswith("request 12: model 'resnet' did not finish")
+    assert "within batch_timeout_s=2.5 s on replica 1" in message
+    assert "the replica is being replaced" in message
+    assert "raise batch_timeout_s (null for none)" in message
 
 
 def test_capacity_error_names_request_items_and_remedy() -> None:

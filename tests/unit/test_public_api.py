@@ -10,6 +10,7 @@ import carpool
 
 PUBLIC_API = [
     "BatchPolicy",
+    "BatchTimeout",
     "BatchedFunction",
     "Batcher",
     "CapacityError",

@@ -149,6 +149,7 @@ class Batcher(Lifecycle):
             switch_interval_s=switch_interval_s,
             decide=self._decide,
             batch_times=self._batch_times,
+            batch_timeout_s=self._policy.batch_timeout_s,
         )
         super().__init__(name, clock=clock, queues=queues, telemetry=recorder, dispatch=dispatch)
         # The request path wakes an idle replica loop without a hop through the
@@ -169,6 +170,12 @@ class Batcher(Lifecycle):
     @property
     def is_running(self) -> bool:
         return self._state is State.RUNNING
+
+    @property
+    def is_ready(self) -> bool:
+        """Running, with a replica that can take a batch: False while every replica is
+        being replaced after a batch ran past ``batch_timeout_s``."""
+        return self._state is State.RUNNING and self._dispatch.is_healthy
 
     @property
     def num_replicas(self) -> int:
@@ -413,6 +420,7 @@ class Batcher(Lifecycle):
         self._intake.check(policy)
         self._queues.reconfigure(policy)
         self._policy = policy
+        self._dispatch.watchdog.timeout_s = policy.batch_timeout_s
         self._telemetry.set_classes({c.name: c.slo_s for c in policy.classes})
         self._dispatch.wake_all()
 
@@ -426,13 +434,10 @@ class Batcher(Lifecycle):
         """Everything measured so far, as frozen typed values. ``quantiles=False`` skips
         the percentiles (``p*_s`` and ``max_s`` are NaN), which sort the recent samples:
         a scraper that needs only counts, sums and buckets (``/metrics``) asks for that."""
-        replicas = self._dispatch.replicas
+        replicas = self._dispatch.replica_counters()
         uptime = self._clock.now() - self._started_s if replicas else 0.0
         return self._telemetry.snapshot(
-            uptime,
-            self._queues.pending_by_class(),
-            [r.counters for r in replicas],
-            quantiles=quantiles,
+            uptime, self._queues.pending_by_class(), replicas, quantiles=quantiles
         )
 
 

@@ -134,6 +134,7 @@ def batched(
     oom_recovery_s: float = ...,
     max_batch_tokens: int | None = ...,
     length_buckets: tuple[int, ...] | str | None = ...,
+    batch_timeout_s: float | None = ...,
     num_replicas: int | None = ...,
     devices: list[str] | None = ...,
     collate: str | Collator = ...,
@@ -164,6 +165,7 @@ def batched(
     oom_recovery_s: float = 30.0,
     max_batch_tokens: int | None = None,
     length_buckets: tuple[int, ...] | str | None = None,
+    batch_timeout_s: float | None = 60.0,
     num_replicas: int | None = None,
     devices: list[str] | None = None,
     collate: str | Collator = "auto",
@@ -195,6 +197,7 @@ def batched(
         oom_recovery_s=oom_recovery_s,
         max_batch_tokens=max_batch_tokens,
         length_buckets=length_buckets,
+        batch_timeout_s=batch_timeout_s,
     )
 
     def make_batcher(target: BatchFn) -> Batcher:

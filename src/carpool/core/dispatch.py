@@ -13,6 +13,11 @@ the effective max batch size until ``oom_recovery_s`` passes without another (th
 A request taken out of the queue before it runs (its deadline passed, its caller
 cancelled it, the batcher closed without draining) is answered here too: :meth:`drop`.
 
+A batch that runs past ``batch_timeout_s`` fails with :class:`BatchTimeout` and its
+replica goes on with a fresh thread (:mod:`carpool.core.watchdog`); its loop waits for the
+replica's model to be built again before it takes the next batch. :meth:`cut_off` ends
+what a drain has not finished in time: every request left fails with :class:`Closed`.
+
 A :class:`~carpool.core.batcher.Batcher` owns one :class:`Dispatcher`. The batcher keeps
 the requests' intake, the policy and the lifecycle's state; it hands the dispatcher the
 scheduler's decisions through :class:`Decide`, tells it when to load, run, drain and
@@ -37,10 +42,16 @@ from carpool.core.replicas import BatchFn, FnFactory, Replica, RunOutput, io_tur
 from carpool.core.request import Batch, Outcome, Request, RequestState
 from carpool.core.scheduler import Decision
 from carpool.core.settle import Settler, by_signature
-from carpool.core.telemetry import MemoryProbe, Telemetry
+from carpool.core.telemetry import MemoryProbe, ReplicaCounters, Telemetry
+from carpool.core.watchdog import Watchdog
 from carpool.errors import CarpoolError, Closed, DeadlineExceeded
 
 log = logging.getLogger("carpool")
+
+# A replica whose model fails to build again after a hang tries again after this, then
+# after twice as long, up to RENEW_WAIT_MAX_S.
+RENEW_WAIT_S = 1.0
+RENEW_WAIT_MAX_S = 30.0
 
 
 class Decide(Protocol):
@@ -75,6 +86,7 @@ class Dispatcher:
         switch_interval_s: float | None,
         decide: Decide,
         batch_times: BatchTimes | None = None,
+        batch_timeout_s: float | None = None,
     ) -> None:
         self._name = name
         self._devices = devices
@@ -90,12 +102,13 @@ class Dispatcher:
         self._holds_switch_interval = False
         self._decide = decide
         self._batch_times = batch_times
-        self._settler = Settler(telemetry, clock, oom)
+        self._settler = Settler(telemetry, clock, oom, name)
+        self.watchdog = Watchdog(clock, batch_timeout_s)  # the batcher sets its timeout_s
         self.replicas: list[Replica] = []  # kept after join(): their counters stay readable
         self._tasks: list[asyncio.Task[None]] = []
         self.idle: deque[asyncio.Future[None]] = deque()
-        # Each launched batch's note of cancellations, by batch id, until it lands.
-        self._cancels: dict[int, _Cancels] = {}
+        # Each launched batch, by batch id, until it lands.
+        self._launched: dict[int, _InFlight] = {}
         self.is_draining = False  # no request comes any more: loops end on empty queues
 
     # -- lifecycle: the batcher's start, stop and return from a closed loop -----------
@@ -112,6 +125,7 @@ class Dispatcher:
                 self._fn_factory,
                 self._clock.now,
                 self._executor,
+                self.watchdog,
             )
             for i, device in enumerate(self._devices)
         ]
@@ -122,6 +136,15 @@ class Dispatcher:
                 replica.close()
             raise
         self.replicas = replicas
+        if self.watchdog.timeout_s is not None and any(r.blocks_loop for r in replicas):
+            log.warning(
+                "model %r runs on the event loop's thread (executor=%r): batch_timeout_s=%g "
+                "cannot stop a batch that hangs there, and such a hang stops the whole "
+                "server, health checks included; give it executor: thread to have it enforced",
+                self._name,
+                self._executor,
+                self.watchdog.timeout_s,
+            )
         if self._switch_interval_s is not None and any(r.is_threaded for r in replicas):
             switch_interval.hold(self._switch_interval_s)
             self._holds_switch_interval = True
@@ -140,18 +163,61 @@ class Dispatcher:
         self.wake_all()
 
     async def join(self) -> None:
-        """Wait for every replica loop to end, then close the replicas."""
+        """Wait for every replica loop to end, then close the replicas (a loop that
+        :meth:`cut_off` cancelled ends quietly; one that failed raises here)."""
         try:
-            await asyncio.gather(*self._tasks)
+            ended = await asyncio.gather(*self._tasks, return_exceptions=True)
         finally:
             self._close_replicas()
             self._tasks = []
+        for outcome in ended:
+            if isinstance(outcome, BaseException) and not isinstance(
+                outcome, asyncio.CancelledError
+            ):
+                raise outcome
+
+    def cut_off(self) -> int:
+        """Stop now, without waiting for what is left: every queued or running request
+        fails with :class:`Closed`, replicas still computing are given up (their threads
+        left to return when they do) and every replica loop is cancelled. Returns how
+        many requests were cut off."""
+        self.is_draining = True
+        num_cut_off = 0
+        for queue in self._queues.ordered:
+            for request in list(queue.live()):
+                self.drop(request, Outcome.CLOSED)
+                num_cut_off += 1
+        now = self._clock.now()
+        for launched in self._launched.values():
+            for request in launched.batch.requests:
+                if request.state is RequestState.RUNNING and not request.future.done():
+                    request.state = RequestState.DONE
+                    request.future.set_exception(Closed(self._name))
+                    self._telemetry.answered(request, Outcome.CLOSED, now)
+                    num_cut_off += 1
+        for replica in self.replicas:
+            replica.give_up()
+        for task in self._tasks:
+            task.cancel()
+        self.wake_all()
+        return num_cut_off
+
+    @property
+    def is_healthy(self) -> bool:
+        """Whether a replica can run batches: not all are being replaced after a hang."""
+        return any(r.is_healthy for r in self.replicas)
+
+    def replica_counters(self) -> list[ReplicaCounters]:
+        """Each replica's counters, with its count of stuck threads brought up to date."""
+        for replica in self.replicas:
+            replica.counters.num_stuck_threads = replica.num_stuck_threads
+        return [r.counters for r in self.replicas]
 
     def abandon(self) -> None:
         """Forget replica loops whose event loop was closed under them: their idle waiters
         and the batches they held count for nothing now; the replicas are closed."""
         self.idle.clear()
-        self._cancels.clear()
+        self._launched.clear()
         self._close_replicas()
         self.replicas, self._tasks = [], []
 
@@ -181,9 +247,9 @@ class Dispatcher:
     def note_cancelled(self, request: Request) -> None:
         """A launched request's caller cancelled it: its model call is asked, when its
         turn comes, whether to run."""
-        cancels = self._cancels.get(request.batch_id)
-        if cancels is not None:
-            cancels.seen = True
+        launched = self._launched.get(request.batch_id)
+        if launched is not None:
+            launched.cancels.seen = True
 
     def expire(self, request: Request) -> None:
         self.drop(request, Outcome.EXPIRED)
@@ -217,6 +283,8 @@ class Dispatcher:
         clock = self._clock
         inflight: deque[_InFlight] = deque()
         while True:
+            if not replica.is_healthy:
+                await self._renewed(replica)
             now = clock.now()
             wake_at_s: float | None = None
             while len(inflight) < replica.pipeline_depth:
@@ -250,6 +318,34 @@ class Dispatcher:
                 replica.idle_since_s = now
             await self._idle_wait(wake_at_s)
 
+    async def _renewed(self, replica: Replica) -> None:
+        """Wait until a replica given up after a hang has its model again, building it
+        again after a wait when its factory fails (waits double up to RENEW_WAIT_MAX_S)."""
+        wait_s = RENEW_WAIT_S
+        while True:
+            try:
+                await replica.renewed()
+                return
+            except Exception:
+                log.exception(
+                    "model %r, replica %d: building its model again after a hang failed; "
+                    "trying again in %g s (the replica takes no batch meanwhile)",
+                    self._name,
+                    replica.replica_id,
+                    wait_s,
+                )
+            await self._sleep(wait_s)
+            wait_s = min(2 * wait_s, RENEW_WAIT_MAX_S)
+            replica.renew()
+
+    async def _sleep(self, delay_s: float) -> None:
+        woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        timer = self._clock.call_at(self._clock.now() + delay_s, lambda: _wake(woken))
+        try:
+            await woken
+        finally:
+            timer.cancel()
+
     async def _idle_wait(self, wake_at_s: float | None) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.idle.append(waiter)
@@ -276,9 +372,10 @@ class Dispatcher:
             replica.counters.fill_wait_s += max(0.0, now - max(idle_since, oldest))
         batch.start(replica.replica_id, now, idle_since)
         groups = by_signature(batch.requests)
-        cancels = self._cancels[batch.batch_id] = _Cancels()
+        cancels = _Cancels()
         attempts = [self._start(replica, g, cancels) for g in groups]
-        return _InFlight(batch, groups, attempts, now, cancels)
+        launched = self._launched[batch.batch_id] = _InFlight(batch, groups, attempts, now, cancels)
+        return launched
 
     def _starter(
         self, replica: Replica, cancels: _Cancels
@@ -318,7 +415,7 @@ class Dispatcher:
             for attempt in inflight.attempts:
                 if inspect.iscoroutine(attempt):
                     attempt.close()  # never started if an earlier group was cancelled
-            self._cancels.pop(batch.batch_id, None)
+            self._launched.pop(batch.batch_id, None)
             end = self._clock.now()
             replica.last_landed_s = end
             compute_s = max(0.0, end - started_s)

@@ -6,6 +6,10 @@
                         ▲                                                          │
                         └───────────────────────── start() ────────────────────────┘
 
+``cut_off()`` (or a ``stop(timeout_s=...)`` whose time ran out) goes to DRAINING at once
+and fails what is left with :class:`Closed`: the replica loops are cancelled, and a replica
+thread still computing is left behind rather than waited for.
+
 A batcher runs on the event loop that started it. When that loop is closed without a
 stop (the ``asyncio.run`` that started it returned), the next start, submit or stop
 leaves it: back to NEW, with what was queued there forgotten.
@@ -28,7 +32,7 @@ from carpool.core.dispatch import Dispatcher
 from carpool.core.queues import Queues
 from carpool.core.request import Outcome
 from carpool.core.telemetry import Telemetry
-from carpool.errors import Closed
+from carpool.errors import Closed, ConfigError
 
 
 class State(enum.Enum):
@@ -99,16 +103,26 @@ class Lifecycle:
         finally:
             self._starting = None
 
-    async def stop(self, drain: bool = True) -> None:
+    async def stop(self, drain: bool = True, *, timeout_s: float | None = None) -> None:
         """Stop accepting requests. With ``drain`` every queued request is still run and
         answered (without waiting for batches to fill); without it they fail with
         :class:`Closed`. Returns when every replica loop and thread has ended. Cancelling
         it (a ``wait_for`` that timed out) stops the waiting, not the drain: what was
         accepted is still answered, and the batcher stops once it has been.
 
+        ``timeout_s`` bounds the drain: what is still unanswered then is cut off
+        (:meth:`cut_off`), and replicas still computing are left behind, not waited for.
+
         Raises:
+            ConfigError: ``timeout_s`` is not a finite number >= 0 or None.
             RuntimeError: the batcher runs on another event loop that is still open.
         """
+        if timeout_s is not None and not (
+            isinstance(timeout_s, int | float)
+            and not isinstance(timeout_s, bool)
+            and 0 <= timeout_s < math.inf
+        ):
+            raise ConfigError("timeout_s", timeout_s, "a finite number of seconds >= 0, or None")
         if self._state in (State.RUNNING, State.DRAINING) and not self._is_on_its_loop():
             # Started on a loop that is gone: nothing there can be drained or answered.
             self._leave_closed_loop()  # raises if that loop is still open
@@ -127,7 +141,31 @@ class Lifecycle:
         self._dispatch.drain()
         if self._closing is None:
             self._closing = asyncio.ensure_future(self._close())
-        await asyncio.shield(self._closing)
+        closing = self._closing
+        timer = None
+        if timeout_s is not None:
+            timer = self._clock.call_at(self._clock.now() + timeout_s, self._time_is_up)
+        try:
+            await asyncio.shield(closing)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _time_is_up(self) -> None:
+        self.cut_off()
+
+    def cut_off(self) -> int:
+        """Stop at once, without waiting for what is left: every queued or running
+        request fails with :class:`Closed`, replicas still computing are given up (a
+        thread that never returns is left behind, as after a hang), and the batcher
+        stops. Returns how many requests were cut off; 0 when it was not running."""
+        if self._state not in (State.RUNNING, State.DRAINING) or not self._is_on_its_loop():
+            return 0
+        self._state = State.DRAINING
+        num_cut_off = self._dispatch.cut_off()
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        return num_cut_off
 
     async def _close(self) -> None:
         """Wait for every replica loop to end, then close the replicas: STOPPED."""

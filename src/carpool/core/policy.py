@@ -132,6 +132,10 @@ class BatchPolicy:
         length_buckets: a batch takes only items whose length falls in the bucket of its
             oldest request: ascending inclusive upper edges, or "auto" (quantiles of
             recently seen lengths); ``None`` mixes all lengths.
+        batch_timeout_s: longest one model call may run (on a replica thread, or an
+            ``async`` model): past it the batch's requests fail with
+            :class:`~carpool.errors.BatchTimeout` and a threaded replica is replaced by a
+            fresh one (its stuck thread is left behind); ``None`` waits for ever.
 
     Raises:
         ConfigError: naming the first invalid field.
@@ -150,6 +154,7 @@ class BatchPolicy:
     oom_recovery_s: float = 30.0
     max_batch_tokens: int | None = None
     length_buckets: tuple[int, ...] | str | None = None
+    batch_timeout_s: float | None = 60.0
     limits: dict[str, ClassLimits] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -160,6 +165,16 @@ class BatchPolicy:
         _check_optional_float("timeout_s", self.timeout_s, minimum=0.0, strict=True)
         _check_float("oom_recovery_s", self.oom_recovery_s, minimum=0.0)
         _check_optional_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
+        timeout_s = self.batch_timeout_s
+        if timeout_s is not None and not (
+            isinstance(timeout_s, int | float)
+            and not isinstance(timeout_s, bool)
+            and math.isfinite(timeout_s)
+            and timeout_s > 0
+        ):
+            raise ConfigError(
+                "batch_timeout_s", timeout_s, "a finite number of seconds > 0, or None for no limit"
+            )
         if not isinstance(self.fill_from_lower, bool):  # "no" would be truthy
             raise ConfigError("fill_from_lower", self.fill_from_lower, "True or False")
         buckets = self.length_buckets

@@ -16,12 +16,19 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from carpool.core.collate import Collator
 from carpool.core.telemetry import ReplicaCounters
+from carpool.core.watchdog import (
+    CallWatch,
+    ReplicaThread,
+    ThreadWatch,
+    Watchdog,
+    awaited_within,
+    is_cancelling,
+)
 from carpool.errors import ConfigError
 
 log = logging.getLogger("carpool.replicas")
@@ -221,6 +228,14 @@ class Replica:
     waiting batch that expires or is cancelled meanwhile is still withdrawn: the thread
     asks when the batch's turn comes (``deadline_s``, ``withdrawn``), and skips a call
     that holds one; the loop runs the rest of it again without them.
+
+    With a ``watchdog`` whose ``timeout_s`` is set, a call that runs past it is given up
+    (see :mod:`carpool.core.watchdog`): an ``async`` model's call is cancelled; on a
+    thread, the call raises :class:`~carpool.core.watchdog.Hung`, the calls queued behind
+    it :class:`~carpool.core.watchdog.Displaced`, and the replica goes on with a fresh
+    thread, where a ``factory`` builds its model again first (``is_healthy`` is False
+    until that build ends: :meth:`renewed`). A sync model on the event loop's thread
+    cannot be watched.
     """
 
     def __init__(
@@ -232,28 +247,34 @@ class Replica:
         factory: FnFactory | None,
         now: Callable[[], float],
         executor: str = "auto",
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.device = device
         self.counters = ReplicaCounters(replica_id, device)
         self.idle_since_s: float | None = None
         self.last_landed_s = -math.inf  # when its previous batch was answered
+        self._name = name
         self._fn = fn
         self._factory = factory
         self._now = now
+        self._watchdog = watchdog
+        self._watch = ThreadWatch(watchdog.clock, self._hung) if watchdog is not None else None
         # OpenMP's thread count is per thread: a new thread would use every core even
         # after torch.set_num_threads(1) on the main thread. Carry the setting over.
         torch = sys.modules.get("torch")
         self._torch_threads: int | None = torch.get_num_threads() if torch else None
-        self._executor = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix=f"carpool-{name}-r{replica_id}",
-            initializer=self._init_thread,
-        )
+        self._thread = self._new_thread()
+        self._stuck: list[ReplicaThread] = []  # given up, until they end (if ever)
+        self._renewal: asyncio.Future[None] | None = None  # the model built again
         self._is_async = fn is not None and is_async_callable(fn)
         self._on_loop = runs_on_loop(executor, device)
         self._may_leave_loop = executor == "auto"
         self._num_slow_batches = 0  # too long in wall time, in a row, on the loop
+
+    def _new_thread(self) -> ReplicaThread:
+        suffix = self.counters.num_abandoned  # carpool-m-r0_0, then _1 once replaced...
+        return ReplicaThread(f"carpool-{self._name}-r{self.replica_id}_{suffix}", self._init_thread)
 
     def _judge_loop_batch(self, wall_s: float, cpu_s: float) -> None:
         """Under ``auto``: move later batches to the replica's thread after one batch that
@@ -284,13 +305,84 @@ class Replica:
     def pipeline_depth(self) -> int:
         return 2 if self.is_threaded else 1
 
+    @property
+    def is_healthy(self) -> bool:
+        """False from a hang until its fresh model is built (see :meth:`renewed`)."""
+        return self._renewal is None
+
+    @property
+    def num_stuck_threads(self) -> int:
+        """Threads given up on whose call has not returned yet."""
+        self._stuck = [t for t in self._stuck if t.is_alive]
+        return len(self._stuck)
+
     async def load(self) -> None:
         """Build this replica's model with the factory, on the replica's own thread, one
         build at a time (``BUILD_LOCK``)."""
         if self._factory is not None:
             loop = asyncio.get_running_loop()
-            self._fn = await loop.run_in_executor(self._executor, self._build)
+            self._fn = await loop.run_in_executor(self._thread, self._build)
             self._is_async = is_async_callable(self._fn)
+
+    async def renewed(self) -> None:
+        """Wait for the model a hang had built again; afterwards the replica is healthy.
+
+        Raises:
+            Exception: what the factory raised (the replica stays unhealthy; :meth:`renew`
+                tries again).
+        """
+        renewal = self._renewal
+        if renewal is not None:
+            await renewal
+            if self._renewal is renewal:
+                self._renewal = None
+
+    def renew(self) -> None:
+        """Build the model again on the replica's current thread (calls queued after this
+        run on the new model); a plain ``fn`` is kept as it is."""
+        if self._factory is None:
+            return
+        loop = asyncio.get_running_loop()
+        self._renewal = loop.run_in_executor(self._thread, self._rebuild)
+
+    def _rebuild(self) -> None:
+        self._fn = None  # a call queued behind a failed build finds no model
+        self._fn = self._build()
+
+    def _hung(self, watch: CallWatch) -> None:
+        """A watched call ran past its ``timeout_s``: give up on its thread, go on with a
+        fresh one (see :mod:`carpool.core.watchdog`), and wake the call's waiter."""
+        if watch.thread is not self._thread or watch.running is None:
+            return  # that thread was given up already
+        log.error(
+            "model %r, replica %d (%s): a batch has run %.3g s, past batch_timeout_s=%g; its "
+            "requests fail with BatchTimeout, and the replica goes on with a fresh thread%s. "
+            "The stuck thread cannot be stopped: it is counted in /metrics "
+            "(carpool_replica_threads_stuck) until its call returns",
+            self._name,
+            self.replica_id,
+            self.device,
+            self._now() - watch.started_s,
+            watch.timeout_s,
+            " and its model built again" if self._factory is not None else "",
+        )
+        self._leave_thread()
+        self.renew()
+        watch.running.cancel()
+
+    def _leave_thread(self) -> None:
+        """Abandon the current thread (counted) and take a fresh one."""
+        old = self._thread
+        old.abandon()
+        self._stuck.append(old)
+        self.counters.num_abandoned += 1
+        self._thread = self._new_thread()
+
+    def give_up(self) -> None:
+        """Closing without waiting: abandon the thread if a call runs or waits on it, so
+        that :meth:`close` does not wait for it."""
+        if self._thread.is_busy:
+            self._leave_thread()
 
     def _build(self) -> BatchFn:
         assert self._factory is not None
@@ -324,23 +416,11 @@ class Replica:
         model's turn comes (a call may wait behind the replica's previous one): past it the
         model is not called and the awaitable raises :class:`StartedLate`. ``withdrawn``
         is asked then too: when it says some of the call's requests were cancelled, the
-        model is not called and the awaitable raises :class:`Withdrawn`."""
-        fn = self._fn
-        assert fn is not None, "a replica runs only after load()"
-        now = self._now
+        model is not called and the awaitable raises :class:`Withdrawn`. A call given up
+        by the watchdog raises :class:`~carpool.core.watchdog.Hung` (or ``Displaced``)."""
+        call = _Call(collator, payloads, is_many, counts, deadline_s, withdrawn)
         if self._is_async:
-
-            async def call() -> RunOutput:
-                started = now()
-                if deadline_s is not None and started >= deadline_s:
-                    raise StartedLate(started)
-                if withdrawn is not None and withdrawn():
-                    raise Withdrawn(started)
-                outputs = await fn(collator.collate(payloads, is_many))
-                return RunOutput(collator.split(outputs, counts, is_many), started, now())
-
-            return call()  # awaited in place: an async model runs on the loop anyway
-
+            return self._run_async(call)  # awaited in place: it runs on the loop anyway
         # Collation and splitting run on the loop: the replica thread then holds the GIL
         # only to call the model (whose kernels release it), instead of contending with
         # the loop for it over Python-level stacking and slicing.
@@ -349,42 +429,112 @@ class Replica:
         except Exception as exc:
             return _raise(exc)
         if self._on_loop:
+            return self._run_on_loop(call, batch)
+        return self._run_threaded(call, batch)
 
-            async def call_on_loop() -> RunOutput:
-                started = now()
-                if deadline_s is not None and started >= deadline_s:
-                    raise StartedLate(started)
-                if withdrawn is not None and withdrawn():
-                    raise Withdrawn(started)
-                cpu_started = thread_cpu_s()
-                outputs = fn(batch)
-                ended = now()
-                if self._may_leave_loop:
-                    self._judge_loop_batch(ended - started, thread_cpu_s() - cpu_started)
-                return RunOutput(collator.split(outputs, counts, is_many), started, ended)
+    async def _run_async(self, call: _Call) -> RunOutput:
+        fn = self._fn
+        assert fn is not None, "a replica runs only after load()"
+        now = self._now
+        started = now()
+        call.check_turn(started)
+        batch = call.collator.collate(call.payloads, call.is_many)
+        timeout_s = self._watchdog.timeout_s if self._watchdog is not None else None
+        if timeout_s is None:
+            outputs = await fn(batch)
+        else:
+            assert self._watchdog is not None
+            clock = self._watchdog.clock
+            outputs = await awaited_within(fn(batch), clock, started, timeout_s, self.replica_id)
+        return call.output(outputs, started, now())
 
-            return call_on_loop()
+    async def _run_on_loop(self, call: _Call, batch: Any) -> RunOutput:
+        fn = self._fn
+        assert fn is not None, "a replica runs only after load()"
+        started = self._now()
+        call.check_turn(started)
+        cpu_started = thread_cpu_s()
+        outputs = fn(batch)
+        ended = self._now()
+        if self._may_leave_loop:
+            self._judge_loop_batch(ended - started, thread_cpu_s() - cpu_started)
+        return call.output(outputs, started, ended)
+
+    def _run_threaded(self, call: _Call, batch: Any) -> Awaitable[RunOutput]:
+        now = self._now
+        deadline_s, withdrawn = call.deadline_s, call.withdrawn
+        timeout_s = self._watchdog.timeout_s if self._watchdog is not None else None
+        thread = self._thread
+        watch = CallWatch(thread, timeout_s) if timeout_s is not None else None
+        watching = self._watch
 
         def job() -> tuple[Any, float, float]:
             started = now()
+            if watch is not None:
+                watch.started_s = started
             if deadline_s is not None and started >= deadline_s:
                 return _LATE, started, started
             if withdrawn is not None and withdrawn():  # read on this thread: see Batcher
                 return _WITHDRAWN, started, started
-            outputs = fn(batch)
+            model = self._fn  # read here: a hang has it built again on this thread
+            if model is None:
+                raise RuntimeError(
+                    f"replica {self.replica_id} of model {self._name!r} has no model: "
+                    "building it again after a hang failed (see the log)"
+                )
+            outputs = model(batch)
             return outputs, started, now()
 
-        running = asyncio.get_running_loop().run_in_executor(self._executor, job)
+        running = asyncio.get_running_loop().run_in_executor(thread, job)
 
         async def finish() -> RunOutput:
-            outputs, started, ended = await running
+            if watch is not None:
+                assert watching is not None
+                watch.running = running
+                watching.watch(watch)
+            try:
+                outputs, started, ended = await running
+            except asyncio.CancelledError:
+                if watch is not None and watch.thread.is_abandoned and not is_cancelling():
+                    raise watch.verdict(now(), self.replica_id) from None
+                raise
+            finally:
+                if watch is not None:
+                    assert watching is not None
+                    watching.unwatch(watch)
             if outputs is _LATE:
                 raise StartedLate(started)
             if outputs is _WITHDRAWN:
                 raise Withdrawn(started)
-            return RunOutput(collator.split(outputs, counts, is_many), started, ended)
+            return call.output(outputs, started, ended)
 
         return finish()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        """End the replica's thread: wait for its calls, unless it was given up."""
+        if not self._thread.is_abandoned:
+            self._thread.shutdown(wait=True)
+
+
+@dataclass(slots=True)
+class _Call:
+    """One model call's inputs, as :meth:`Replica.start` took them."""
+
+    collator: Collator
+    payloads: list[Any]
+    is_many: list[bool]
+    counts: list[int]
+    deadline_s: float | None
+    withdrawn: Callable[[], bool] | None
+
+    def check_turn(self, started_s: float) -> None:
+        """Raise StartedLate or Withdrawn when the call must not run now."""
+        if self.deadline_s is not None and started_s >= self.deadline_s:
+            raise StartedLate(started_s)
+        if self.withdrawn is not None and self.withdrawn():
+            raise Withdrawn(started_s)
+
+    def output(self, outputs: Any, started_s: float, ended_s: float) -> RunOutput:
+        return RunOutput(
+            self.collator.split(outputs, self.counts, self.is_many), started_s, ended_s
+        )

@@ -13,7 +13,10 @@ saying what came and what was expected). A call whose turn
 comes after a request's deadline (it waited behind the replica's previous batch) does not
 run: the expired requests get :class:`DeadlineExceeded`, the others run without them; so
 does a call that reaches its turn holding requests their callers cancelled meanwhile (the
-cancelled ones are counted as such, never computed).
+cancelled ones are counted as such, never computed). A call that ran past
+``batch_timeout_s`` (:class:`~carpool.core.watchdog.Hung`) fails every one of its requests
+with :class:`BatchTimeout`, without bisecting: halves would hang the same way. A call that
+waited behind it on the thread that was given up (``Displaced``) runs again.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from carpool.core.collate import MalformedOutput
 from carpool.core.replicas import RunOutput, StartedLate, Withdrawn, is_out_of_memory
 from carpool.core.request import Outcome, Request, RequestState
 from carpool.core.telemetry import Telemetry
-from carpool.errors import CapacityError, CarpoolError, DeadlineExceeded, ModelError
+from carpool.core.watchdog import Displaced, Hung
+from carpool.errors import BatchTimeout, CapacityError, CarpoolError, DeadlineExceeded, ModelError
 
 Start = Callable[[list[Request]], Awaitable[RunOutput]]
 
@@ -37,12 +41,13 @@ Start = Callable[[list[Request]], Awaitable[RunOutput]]
 class Settler:
     """Resolves each request's future from a model call (see the module docstring)."""
 
-    __slots__ = ("_clock", "_oom", "_telemetry")
+    __slots__ = ("_clock", "_name", "_oom", "_telemetry")
 
-    def __init__(self, telemetry: Telemetry, clock: Clock, oom: OomCap) -> None:
+    def __init__(self, telemetry: Telemetry, clock: Clock, oom: OomCap, name: str) -> None:
         self._telemetry = telemetry
         self._clock = clock
         self._oom = oom
+        self._name = name  # the model's, for BatchTimeout
 
     async def settle(
         self, requests: list[Request], attempt: Awaitable[RunOutput], start: Start
@@ -68,9 +73,16 @@ class Settler:
                 # turns into CancelledError on the way back from the thread): a model
                 # error like any other, not the end of this replica.
                 raise _RaisedByModel(exc) from exc
-        except (StartedLate, Withdrawn) as skipped:
+        except Hung as hung:
+            for request in requests:
+                timeout = BatchTimeout(
+                    self._name, hung.timeout_s, hung.replica_id, request_id=request.request_id
+                )
+                self.fail(request, timeout, hung)
+            return None, False
+        except (StartedLate, Withdrawn, Displaced) as skipped:
             # The call did not run: its expired (or cancelled) requests leave it, the rest
-            # run again without them.
+            # run again without them (all of them, when its thread was given up).
             for request in requests:
                 if isinstance(skipped, StartedLate):
                     if request.deadline_s is not None and request.deadline_s <= skipped.started_s:

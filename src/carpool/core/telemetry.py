@@ -178,6 +178,8 @@ class ReplicaStats:
     busy_s: float
     fill_wait_s: float
     busy_fraction: float
+    num_abandoned: int = 0  # threads given up after a batch ran past batch_timeout_s
+    num_stuck_threads: int = 0  # of those, the ones whose call has not returned yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +239,16 @@ _NO_COUNTERS = _ClassCounters()  # answered_ok's before its first request
 
 
 class ReplicaCounters:
-    __slots__ = ("batches", "busy_s", "device", "fill_wait_s", "items", "replica_id")
+    __slots__ = (
+        "batches",
+        "busy_s",
+        "device",
+        "fill_wait_s",
+        "items",
+        "num_abandoned",
+        "num_stuck_threads",
+        "replica_id",
+    )
 
     def __init__(self, replica_id: int, device: str) -> None:
         self.replica_id = replica_id
@@ -246,6 +257,8 @@ class ReplicaCounters:
         self.items = 0
         self.busy_s = 0.0
         self.fill_wait_s = 0.0
+        self.num_abandoned = 0
+        self.num_stuck_threads = 0  # refreshed when a snapshot is taken
 
 
 class Telemetry:
@@ -446,6 +459,8 @@ class Telemetry:
                     busy_s=r.busy_s,
                     fill_wait_s=r.fill_wait_s,
                     busy_fraction=f,
+                    num_abandoned=r.num_abandoned,
+                    num_stuck_threads=r.num_stuck_threads,
                 )
                 for r, f in zip(replicas, fractions, strict=True)
             ),

@@ -164,7 +164,7 @@ class KServeApp:
         if rest in (["health", "live"], ["health", "ready"]):
             _allow(method, path, "GET")
             ready = rest[1] == "live" or self.repository.is_ready
-            return await _respond(send, 200 if ready else 400, b"", ())
+            return await _respond(send, 200 if ready else 503, b"", ())
         if not rest:
             _allow(method, path, "GET")
             return await _json(send, self._server_metadata())
@@ -204,7 +204,7 @@ class KServeApp:
         if action is None:
             return await _json(send, model.metadata())
         if action == "ready":
-            status = 200 if model.batcher.is_running else 400
+            status = 200 if model.batcher.is_ready else 503
             return await _respond(send, status, b"", ())
         if action == "config":
             return await _json(send, model.config())

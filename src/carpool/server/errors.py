@@ -13,9 +13,10 @@ NotSupported       501   UNIMPLEMENTED       a Triton extension carpool does not
 PayloadTooLarge    413   RESOURCE_EXHAUSTED  body over the configured limit
 QueueFull          429   UNAVAILABLE         admission refused; ``Retry-After`` tells when
 DeadlineExceeded   503   UNAVAILABLE         the deadline passed while queued
-Closed             503   UNAVAILABLE         the server is draining
+Closed             503   UNAVAILABLE         the server is draining, or cut its drain off
 Overloaded         503   UNAVAILABLE         a server limit (connections, bytes held);
                                              ``Retry-After`` tells when
+BatchTimeout       504   DEADLINE_EXCEEDED   the batch ran past the model's batch_timeout_s
 ModelError         500   INTERNAL            the model raised on this request
 CapacityError      500   INTERNAL            out of memory even alone
 =================  ====  ==================  =============================================
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from carpool.errors import (
+    BatchTimeout,
     CapacityError,
     CarpoolError,
     Closed,
@@ -126,6 +128,19 @@ class PortInUse(Exception):
     """A port the server was told to listen on cannot be bound."""
 
 
+class DrainTimedOut(Exception):
+    """A shutdown ran past ``--drain-timeout-s``: the ``num_cut_off`` requests the models
+    had not answered by then were answered 503 (gRPC: UNAVAILABLE)."""
+
+    def __init__(self, num_cut_off: int, drain_timeout_s: float) -> None:
+        self.num_cut_off = num_cut_off
+        self.drain_timeout_s = drain_timeout_s
+        super().__init__(
+            f"the shutdown ran past --drain-timeout-s {drain_timeout_s:g}: {num_cut_off} "
+            "request(s) still unanswered were cut off with 503 / UNAVAILABLE"
+        )
+
+
 # The largest request, an HTTP body or a gRPC message, unless `carpool serve
 # --max-request-bytes` says otherwise: Triton's default too (--http-max-input-size).
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
@@ -171,6 +186,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (Overloaded, 503),
     (DeadlineExceeded, 503),
     (Closed, 503),
+    (BatchTimeout, 504),  # before ModelError, its base class
     (ModelError, 500),
     (CapacityError, 500),
 )
@@ -200,6 +216,7 @@ _GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
     (Overloaded, "UNAVAILABLE"),
     (DeadlineExceeded, "UNAVAILABLE"),
     (Closed, "UNAVAILABLE"),
+    (BatchTimeout, "DEADLINE_EXCEEDED"),
 )
 
 

@@ -242,9 +242,9 @@ class EngineBatcher(Batcher):
         await super().start()
         await self.service.engine.start()
 
-    async def stop(self, drain: bool = True) -> None:
+    async def stop(self, drain: bool = True, *, timeout_s: float | None = None) -> None:
         await self.service.engine.stop(drain=drain)
-        await super().stop(drain=drain)
+        await super().stop(drain=drain, timeout_s=timeout_s)
 
     def set_policy(self, policy: BatchPolicy) -> None:
         """Refused: the engine schedules by its own settings, so a batch policy set here

@@ -249,7 +249,20 @@ def _replica_metrics(snapshots: list[Named]) -> Iterator[Metric]:
         "Memory the runner reported it has in all (on a GPU: the device's memory).",
         labels=["model"],
     )
+    abandoned = CounterMetricFamily(
+        "carpool_replicas_abandoned",
+        "Replicas given up after a batch ran past batch_timeout_s, each replaced by a fresh one.",
+        labels=["model"],
+    )
+    stuck = GaugeMetricFamily(
+        "carpool_replica_threads_stuck",
+        "Threads of replicas given up whose model call has not returned (a thread cannot be "
+        "stopped).",
+        labels=["model"],
+    )
     for model, snap, *_ in snapshots:
+        abandoned.add_metric([model], sum(r.num_abandoned for r in snap.replicas))
+        stuck.add_metric([model], sum(r.num_stuck_threads for r in snap.replicas))
         for r in snap.replicas:
             busy.add_metric([model, str(r.replica_id)], r.busy_fraction)
             busy_s.add_metric([model, str(r.replica_id)], r.busy_s)
@@ -260,6 +273,7 @@ def _replica_metrics(snapshots: list[Named]) -> Iterator[Metric]:
             memory_peak.add_metric([model], snap.memory.peak_bytes)
             memory_total.add_metric([model], snap.memory.total_bytes)
     yield from (busy, busy_s, fill_wait_s, balance, memory, memory_peak, memory_total)
+    yield from (abandoned, stuck)
 
 
 def _generation_metrics(snapshots: list[tuple[str, GenerationSnapshot]]) -> Iterator[Metric]:

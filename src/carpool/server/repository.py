@@ -387,16 +387,23 @@ class ModelRepository:
         for model in self._models.values():
             await model.batcher.stop(drain=True)
 
+    def cut_off(self) -> int:
+        """Cut every model's drain off (:meth:`Batcher.cut_off`): what is still queued or
+        running fails with Closed. Returns how many requests were cut off."""
+        return sum(model.batcher.cut_off() for model in self._models.values())
+
     @property
     def is_ready(self) -> bool:
-        return all(m.batcher.is_running for m in self._models.values())
+        """Every model is ready (:attr:`Batcher.is_ready`): running, with a replica that
+        is not being replaced after a hang."""
+        return all(m.batcher.is_ready for m in self._models.values())
 
     def index(self, *, is_ready_only: bool = False) -> list[dict[str, str]]:
         """Triton's repository index: every model (only the ready ones when
         ``is_ready_only``) with its version and state, ``READY`` or ``UNAVAILABLE``."""
         entries = []
         for model in self._models.values():
-            is_model_ready = model.batcher.is_running
+            is_model_ready = model.batcher.is_ready
             if is_model_ready or not is_ready_only:
                 state = "READY" if is_model_ready else "UNAVAILABLE"
                 entries.append(

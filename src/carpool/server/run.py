@@ -7,6 +7,10 @@ Lifecycle, owned here rather than by the ASGI lifespan so both wires follow it::
     on HTTP ... SIGTERM/SIGINT ... stop accepting on both -> finish the accepted HTTP and
     gRPC requests -> drain batchers -> exit 0
 
+``drain_timeout_s`` after the signal, whatever is still unanswered is cut off (503,
+UNAVAILABLE: a hung model must not hold the exit for ever) and :func:`serve` raises
+:class:`DrainTimedOut` (``carpool serve`` exits with status 1).
+
 Both ports are bound before the models load, so a taken port fails at once rather than
 after minutes of loading (vLLM binds its port first for the same reason); neither listens
 until the models are loaded, so clients are refused meanwhile rather than left waiting.
@@ -20,6 +24,7 @@ import contextlib
 import errno
 import gc
 import logging
+import math
 import os
 import signal
 import socket
@@ -31,17 +36,24 @@ from types import FrameType
 import uvicorn
 import uvloop
 
+from carpool.errors import ConfigError
 from carpool.server.access import Access
 from carpool.server.app import KServeApp
 from carpool.server.banner import logger, ready_lines, use_default_logging
-from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES, PortInUse
+from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES, DrainTimedOut, PortInUse
 from carpool.server.fasthttp import protocol_for
 from carpool.server.grpc import InferenceServicer, bind_grpc_server, host_port
 from carpool.server.limits import ServerLimits
 from carpool.server.memory import TICK_S, Trimmer, malloc_trim
 from carpool.server.repository import ModelRepository
 
-SHUTDOWN_GRACE_S = 30
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# After a cut-off, how long connections and gRPC calls get to send their 503s and
+# UNAVAILABLEs before uvicorn and grpcio cancel what is left; and how long after a cut-off
+# the process ends at once (status 1) if its shutdown is still held by something stuck
+# that the cut-off cannot reach.
+CUT_OFF_ANSWER_S = 1.0
+CUT_OFF_EXIT_S = 3.0
 YOUNG_GC_THRESHOLD = 100_000  # see _freeze_startup_heap
 
 
@@ -88,6 +100,7 @@ def serve(
     api_key: str | None = None,
     protect_metrics: bool = False,
     allow_policy_updates: bool = False,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> None:
     """Serve HTTP on ``port`` and gRPC on ``grpc_port`` (None or <= 0: no gRPC) until
     SIGINT/SIGTERM; then stop accepting, drain every batcher, return (exit status 0).
@@ -98,12 +111,19 @@ def serve(
     <api_key>`` but health probes (and ``/metrics`` unless ``protect_metrics``);
     ``allow_policy_updates`` lets ``POST .../policy`` change a batch policy
     (:mod:`carpool.server.access`).
+    What is unanswered ``drain_timeout_s`` after the signal is cut
+    off: 503 / UNAVAILABLE.
 
     Raises:
         ConfigError: ``api_key`` is empty or not printable ASCII.
         PortInUse: ``port`` or ``grpc_port`` cannot be bound (before any model loads).
+        DrainTimedOut: the shutdown ran past ``drain_timeout_s`` (the process should exit
+            non-zero: ``carpool serve`` exits 1).
+        ConfigError: ``drain_timeout_s`` is not a finite number >= 0.
     """
     access = Access(api_key, protect_metrics, allow_policy_updates)
+    if isinstance(drain_timeout_s, bool) or not 0 <= drain_timeout_s < math.inf:
+        raise ConfigError("drain_timeout_s", drain_timeout_s, "a finite number of seconds >= 0")
     use_default_logging()
     app = KServeApp(repository, max_body_bytes=max_request_bytes, limits=limits, access=access)
     config = uvicorn.Config(
@@ -116,12 +136,14 @@ def serve(
         lifespan="off",  # the repository is started and drained by _serve
         ws="none",  # no websocket route: an upgrade is answered as plain HTTP, not a 500
         log_level=log_level,
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        timeout_graceful_shutdown=math.ceil(drain_timeout_s + CUT_OFF_ANSWER_S),
     )
     # uvloop, as HTTP ran before gRPC was added: grpc.aio (grpcio 1.85) serves on it; the
     # gRPC integration tests (tritonclient.grpc, SIGTERM drain, exit 0) run on this loop.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(repository, config, host, grpc_port, max_request_bytes, access))
+        runner.run(
+            _serve(repository, config, host, grpc_port, max_request_bytes, access, drain_timeout_s)
+        )
 
 
 def _freeze_startup_heap() -> None:
@@ -178,11 +200,16 @@ def exit_on_signal_while_building() -> Iterator[None]:
 def _exit_now(name: str) -> None:
     """End the process at once, status 0, saying that a signal came while loading."""
     logger.info(f"stopping: {name} while the models were loading; nothing was served")
+    _exit(0)
+
+
+def _exit(status: int) -> None:
+    """End the process at once with ``status``, once what was logged is written."""
     for handler in [*logger.handlers, *logging.getLogger().handlers]:
         handler.flush()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def _bind_port(host: str, port: int, *, wire: str = "HTTP") -> list[socket.socket]:
@@ -259,6 +286,7 @@ async def _serve(
     grpc_port: int | None,
     max_request_bytes: int,
     access: Access,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> None:
     loop = asyncio.get_running_loop()
     wants_grpc = grpc_port is not None and grpc_port > 0
@@ -286,6 +314,7 @@ async def _serve(
         restore_signals()
     grpc_server = None
     servicer = InferenceServicer(repository)
+    deadline = _DrainDeadline(repository, drain_timeout_s)
     try:
         if wants_grpc:
             _close(held)
@@ -307,11 +336,13 @@ async def _serve(
         def stop_grpc() -> None:  # stop accepting; let accepted RPCs finish within the grace
             nonlocal grpc_stopped
             if grpc_server is not None and grpc_stopped is None:
-                grpc_stopped = asyncio.ensure_future(grpc_server.stop(SHUTDOWN_GRACE_S))
+                grace_s = drain_timeout_s + CUT_OFF_ANSWER_S
+                grpc_stopped = asyncio.ensure_future(grpc_server.stop(grace_s))
                 servicer.drain()  # open streams end once answered, not at the grace's end
 
         def on_exit() -> None:
             logger.info("stopping: no new requests; answering the accepted ones")
+            deadline.arm()
             stop_grpc()
 
         # The signal handler may run outside a loop callback: hop onto the loop.
@@ -338,6 +369,8 @@ async def _serve(
                 await grpc_stopped
     finally:
         await repository.stop()
+        deadline.disarm()
+    deadline.check()
     logger.info("stopped")
 
 
@@ -359,6 +392,42 @@ async def _trim_after_bursts(
         await asyncio.sleep(TICK_S)
         if trimmer.tick():
             await loop.run_in_executor(None, trim)
+
+
+class _DrainDeadline:
+    """``drain_timeout_s`` after the stop signal: cut off what is still unanswered."""
+
+    def __init__(self, repository: ModelRepository, drain_timeout_s: float) -> None:
+        self._repository = repository
+        self._drain_timeout_s = drain_timeout_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._num_cut_off: int | None = None  # None: the deadline did not pass
+
+    def arm(self) -> None:
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._drain_timeout_s, self._cut)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _cut(self) -> None:
+        self._num_cut_off = self._repository.cut_off()
+        logger.warning(
+            f"stopping: --drain-timeout-s {self._drain_timeout_s:g} passed; "
+            f"{self._num_cut_off} request(s) still unanswered were cut off (503, gRPC "
+            "UNAVAILABLE); exiting with status 1"
+        )
+        self._timer = asyncio.get_running_loop().call_later(CUT_OFF_EXIT_S, self._exit)
+
+    def _exit(self) -> None:
+        logger.error(f"stopping: still not stopped {CUT_OFF_EXIT_S:g} s after the cut-off")
+        _exit(1)
+
+    def check(self) -> None:
+        """Raises DrainTimedOut when the deadline passed before the shutdown ended."""
+        if self._num_cut_off is not None:
+            raise DrainTimedOut(self._num_cut_off, self._drain_timeout_s)
 
 
 def _announce(http: uvicorn.Server, repository: ModelRepository, grpc: str | None) -> None:

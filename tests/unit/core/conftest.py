@@ -100,6 +100,13 @@ class BlockingSyncModel:
         return await asyncio.wait_for(self.entered.get(), SAFETY_S)
 
 
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait, in real time bounded by SAFETY_S, for what a replica thread does."""
+    async with asyncio.timeout(SAFETY_S):
+        while not condition():  # noqa: ASYNC110 - set by a thread, not the loop
+            await asyncio.sleep(0.001)
+
+
 class Spawner:
     """Creates tasks on the loop and makes sure none outlives the test."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import numpy as np
@@ -184,3 +185,19 @@ async def test_replicas_build_one_at_a_time_and_a_build_kept_waiting_is_logged(
         logging.getLogger("carpool.replicas").removeHandler(handler)
     assert release.is_set(), "the waiting build was not logged"
     assert overlapped == []
+
+
+@pytest.mark.parametrize(
+    ("executor", "batch_timeout_s", "warns"),
+    [("loop", 60.0, True), ("loop", None, False), ("thread", 60.0, False)],
+)
+async def test_a_model_on_the_loop_warns_once_that_batch_timeout_cannot_stop_it(
+    caplog: pytest.LogCaptureFixture, executor: str, batch_timeout_s: float | None, warns: bool
+) -> None:
+    policy = BatchPolicy(batch_timeout_s=batch_timeout_s)
+    batcher = Batcher(ThreadRecorder(), policy, executor=executor, switch_interval_s=None)
+    with caplog.at_level(logging.WARNING, logger="carpool"):
+        async with batcher:
+            await batcher.submit(np.ones(1, dtype=np.float32))
+    warnings = [r for r in caplog.records if "cannot stop a batch that hangs" in r.getMessage()]
+    assert len(warnings) == (1 if warns else 0)

@@ -279,3 +279,15 @@ def test_max_queued_is_the_smaller_of_the_model_and_class_bounds() -> None:
     assert policy.max_queued(None) == policy.max_queued("normal") == 10
     assert policy.max_queued("unknown") == 10  # refused later, at admission
     assert BatchPolicy(classes=(ClassPolicy("normal"),)).max_queued(None) is None
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan"), True, "60"])
+def test_batch_timeout_must_be_a_positive_finite_number_or_none(value: object) -> None:
+    with pytest.raises(ConfigError, match="batch_timeout_s") as caught:
+        BatchPolicy(batch_timeout_s=value)  # type: ignore[arg-type]
+    assert "or None for no limit" in str(caught.value)
+
+
+def test_batch_timeout_defaults_to_a_minute_and_none_means_no_limit() -> None:
+    assert BatchPolicy().batch_timeout_s == 60.0
+    assert BatchPolicy(batch_timeout_s=None).batch_timeout_s is None

@@ -38,7 +38,7 @@ def _request(payload: int, signature: object = None) -> Request:
 
 def _settler(oom: OomCap | None = None) -> Settler:
     telemetry = Telemetry("m", {c.name: c.slo_s for c in BatchPolicy().classes})
-    return Settler(telemetry, FakeClock(), oom or OomCap())
+    return Settler(telemetry, FakeClock(), oom or OomCap(), "m")
 
 
 def _model(bad: set[int], oom_above: int | None = None):  # type: ignore[no-untyped-def]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import numpy as np
@@ -124,7 +125,7 @@ async def test_body_over_the_limit_is_a_413() -> None:
     ("method", "path", "status"),
     [
         ("GET", "/v2/health/live", 200),
-        ("GET", "/v2/health/ready", 400),  # batchers not started
+        ("GET", "/v2/health/ready", 503),  # batchers not started
         ("GET", "/v2/models/m/versions/1", 200),
         ("GET", "/v2/models/m/versions/2", 404),
         ("GET", "/v2/models/m/nonsense", 404),
@@ -191,7 +192,7 @@ async def test_an_openai_route_without_the_api_key_answers_openais_error_object(
     ("path", "protect_metrics", "status"),
     [
         ("/v2/health/live", True, 200),
-        ("/v2/health/ready", True, 400),  # answered, not refused: batchers not started
+        ("/v2/health/ready", True, 503),  # answered, not refused: batchers not started
         ("/metrics", False, 200),
         ("/metrics", True, 401),
         ("/v2", False, 401),
@@ -252,3 +253,66 @@ async def test_a_policy_within_the_network_bounds_is_applied() -> None:
         await exchange.run(app)
         assert exchange.status == 200, exchange.body
         assert orjson.loads(exchange.body) | changes == orjson.loads(exchange.body)
+
+
+async def _ready_statuses(app: KServeApp) -> tuple[int | None, int | None]:
+    server, model = Exchange("GET", "/v2/health/ready"), Exchange("GET", "/v2/models/m/ready")
+    await server.run(app)
+    await model.run(app)
+    return server.status, model.status
+
+
+async def test_a_hung_batch_is_a_504_and_readiness_is_503_until_a_fresh_replica_loads() -> None:
+    clock = FakeClock()
+    entered, release, second_build = threading.Event(), threading.Event(), threading.Event()
+    builds: list[str] = []
+
+    def model(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if (inputs["x"] < 0).any():  # hangs on a negative input
+            entered.set()
+            release.wait(5.0)
+        return {"y": inputs["x"] * 2}
+
+    def factory(device: str) -> Any:
+        builds.append(device)
+        if len(builds) == 2:
+            second_build.wait(5.0)
+        return model
+
+    policy = BatchPolicy(max_batch_size=1, max_delay_s=0.0, batch_timeout_s=1.0)
+    batcher = Batcher(
+        fn_factory=factory, policy=policy, collate="dict", clock=clock, executor="thread"
+    )
+    served = ServedModel(
+        "m", "1", "python", (TensorSpec("x", "FP32", (2,)),), (TensorSpec("y", "FP32", (2,)),),
+        batcher,
+    )  # fmt: skip
+    app = KServeApp(ModelRepository([served]), max_body_bytes=1 << 20)
+    await app.repository.start()
+    try:
+        assert await _ready_statuses(app) == (200, 200)
+        hung = Exchange("POST", "/v2/models/m/infer", _infer_body(-1.0))
+        hung_task = asyncio.ensure_future(hung.run(app))
+        await asyncio.wait_for(asyncio.to_thread(entered.wait, 5.0), 5.0)
+
+        await clock.advance(1.0)
+
+        await asyncio.wait_for(hung_task, 5.0)
+        assert hung.status == 504
+        assert "batch_timeout_s=1 s" in orjson.loads(hung.body)["error"]
+        async with asyncio.timeout(5.0):
+            while len(builds) < 2:  # noqa: ASYNC110 - the replica thread builds
+                await asyncio.sleep(0.001)
+        assert await _ready_statuses(app) == (503, 503)
+
+        second_build.set()
+        async with asyncio.timeout(5.0):
+            while await _ready_statuses(app) != (200, 200):  # noqa: ASYNC110 - as above
+                await asyncio.sleep(0.001)
+        again = Exchange("POST", "/v2/models/m/infer", _infer_body(1.0))
+        await asyncio.wait_for(again.run(app), 5.0)
+        assert again.status == 200
+    finally:
+        release.set()
+        second_build.set()
+        await app.repository.stop()

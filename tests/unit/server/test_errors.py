@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from carpool.errors import (
+    BatchTimeout,
     CapacityError,
     Closed,
     DeadlineExceeded,
@@ -25,6 +26,7 @@ from carpool.server.errors import NotFound, error_message, grpc_status, http_err
         (DeadlineExceeded(1, 0.5, 0.6), "UNAVAILABLE", 503),
         (Closed("mlp"), "UNAVAILABLE", 503),
         (ModelError("boom"), "INTERNAL", 500),
+        (BatchTimeout("mlp", 60.0, 0, request_id=3), "DEADLINE_EXCEEDED", 504),
         (CapacityError(1, 64), "INTERNAL", 500),
         (RuntimeError("boom"), "INTERNAL", 500),
     ],
