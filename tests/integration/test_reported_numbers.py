@@ -157,6 +157,7 @@ class Ledger:
     failed: Counter[str] = field(default_factory=Counter)
     rejections: Counter[tuple[str, str]] = field(default_factory=Counter)  # (class, reason)
     bad: int = 0  # malformed: refused with 400 / INVALID_ARGUMENT before any class
+    refused_from_head: int = 0  # every queue full: refused from the head, class unread
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def answered(self, cls: str, values: list[int], client_s: float) -> None:
@@ -451,7 +452,10 @@ def gated_phase(served: Served, clients: Clients, ledger: Ledger, pool: ThreadPo
         for path, priority in ((INFER, 1), (ASGI, 3)):
             code, document, _ = _http(client, path, [41], priority)
             assert code == 429, document
-            ledger.refused(_class_of(priority), "queue_full")
+            if path == INFER:  # refused from its head: its class was never read
+                ledger.refused_from_head += 1
+            else:
+                ledger.refused(_class_of(priority), "queue_full")
     status, _, _ = _grpc(clients.grpc(), [42], 2)
     assert status == "UNAVAILABLE"
     ledger.refused("normal", "queue_full")
@@ -585,6 +589,7 @@ def check_classes(samples: Samples, ledger: Ledger) -> None:
     for reason in ("cancelled", "closed", "deadline", "invalid", "queue_full"):
         reported = per_class(samples, "carpool_rejections_total", reason=reason)
         assert reported == {c: ledger.rejections[c, reason] for c in CLASSES}, reason
+    assert value(samples, "carpool_refused_from_head_total") == ledger.refused_from_head
     assert per_class(samples, "carpool_pending_requests") == dict.fromkeys(CLASSES, 0)
     for name in ("carpool_request_latency_seconds", "carpool_queue_wait_seconds"):
         assert per_class(samples, name + "_count") == {c: ledger.ok[c] for c in CLASSES}, name

@@ -267,13 +267,13 @@ class Batcher(Lifecycle):
         return self._make_request(payloads, True, priority, timeout_s, cost, arrival_s)
 
     def refuse_early(self) -> QueueFull | None:
-        """The :class:`QueueFull` a request would get now whatever its class (counted as
-        a refusal of the default class), or None: lets a server refuse a request from its
-        head, before reading or decoding its body, when every queue it could join is at
-        its bound."""
+        """The :class:`QueueFull` a request would get now whatever its class (counted for
+        the model, its class unknown: ``num_refused_from_head``), or None: lets a server
+        refuse a request from its head, before reading or decoding its body, when every
+        queue it could join is at its bound."""
         error = self._queues.full()
         if error is not None:
-            self._telemetry.rejected(self._policy.default_class, "queue_full")
+            self._telemetry.refused_from_head()
         return error
 
     def cancel(self, request: Request) -> None:

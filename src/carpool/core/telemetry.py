@@ -206,6 +206,9 @@ class TelemetrySnapshot:
     replica_balance: float  # min busy / max busy; 1.0 is perfectly even
     memory: MemoryStats | None
     latency: LatencyStats
+    # Refused from their head (every queue full) before their body, and so their class,
+    # was read: counted for the model, in no class.
+    num_refused_from_head: int = 0
 
 
 class _ClassCounters:
@@ -281,6 +284,7 @@ class Telemetry:
         self._size_compute: defaultdict[int, float] = defaultdict(float)
         self._num_batches = 0
         self._num_items = 0
+        self._num_refused_from_head = 0
         self._ok_batches = 0
         self._ok_items = 0
         self._ok_sizes: Counter[int] = Counter()
@@ -307,6 +311,10 @@ class Telemetry:
         counters = self._classes.get(class_name)
         if counters is not None:
             counters.rejections[reason] += 1
+
+    def refused_from_head(self) -> None:
+        """A request refused before its class was known (:meth:`Batcher.refuse_early`)."""
+        self._num_refused_from_head += 1
 
     def batch_done(self, batch: Batch, replica: ReplicaCounters, compute_s: float) -> None:
         # Requests whose call came past their deadline, or after their callers cancelled
@@ -430,6 +438,7 @@ class Telemetry:
             model=self.model,
             uptime_s=uptime_s,
             num_pending=sum(pending_by_class.values()),
+            num_refused_from_head=self._num_refused_from_head,
             classes=classes,
             batches=BatchStats(
                 num_batches=self._num_batches,

@@ -457,8 +457,6 @@ class InferenceServicer:
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         arrival_s = time.monotonic()  # the message is in; the deadline counts from here
         model = self.repository.get(request.model_name, request.model_version or None)
-        if model.infer is None and (full := model.batcher.refuse_early()) is not None:
-            raise full  # every queue at its bound: refused before decoding the tensors
         infer = decode_infer_request(request)
         payload = model.payload(infer)
         options = model.submit_options(infer)

@@ -122,6 +122,12 @@ def _class_metrics(snapshots: list[Named]) -> Iterator[Metric]:
     rejected = CounterMetricFamily(
         "carpool_rejections", "Requests refused or dropped, by reason.", labels=[*labels, "reason"]
     )
+    from_head = CounterMetricFamily(
+        "carpool_refused_from_head",
+        "Requests refused from their head, every queue of the model full, before their body "
+        "(and so their class) was read; counted in no class.",
+        labels=["model"],
+    )
     pending = GaugeMetricFamily(
         "carpool_pending_requests", "Requests waiting in queue.", labels=labels
     )
@@ -142,6 +148,7 @@ def _class_metrics(snapshots: list[Named]) -> Iterator[Metric]:
         labels=labels,
     )
     for model, snap, *_ in snapshots:
+        from_head.add_metric([model], snap.num_refused_from_head)
         for name, c in snap.classes.items():
             key = [model, name]
             requests.add_metric(key, c.num_requests)
@@ -155,7 +162,8 @@ def _class_metrics(snapshots: list[Named]) -> Iterator[Metric]:
                 slo.add_metric(key, c.slo_attainment)
             latency.add_metric(key, _buckets(c.latency), _histogram_sum(c.latency))
             queue.add_metric(key, _buckets(c.queue_wait), _histogram_sum(c.queue_wait))
-    yield from (requests, items, completed, failed, rejected, pending, slo, latency, queue)
+    yield from (requests, items, completed, failed, rejected, from_head, pending, slo)
+    yield from (latency, queue)
 
 
 def _batch_metrics(snapshots: list[Named]) -> Iterator[Metric]:
