@@ -266,15 +266,22 @@ class Batcher(Lifecycle):
             raise Closed(self._name)
         return self._make_request(payloads, True, priority, timeout_s, cost, arrival_s)
 
-    def refuse_early(self) -> QueueFull | None:
+    def refuse_early(self, num_reserved: int = 0) -> QueueFull | None:
         """The :class:`QueueFull` a request would get now whatever its class (counted for
         the model, its class unknown: ``num_refused_from_head``), or None: lets a server
         refuse a request from its head, before reading or decoding its body, when every
-        queue it could join is at its bound."""
-        error = self._queues.full()
+        queue it could join is at its bound (counting ``num_reserved`` requests a server
+        promised a place)."""
+        error = self._queues.full(num_reserved)
         if error is not None:
             self._telemetry.refused_from_head()
         return error
+
+    @property
+    def num_free(self) -> int:
+        """How many more requests the queues could admit now (a large number when some
+        class has no bound)."""
+        return self._queues.num_free()
 
     def cancel(self, request: Request) -> None:
         """Withdraw a request from :meth:`enqueue_many`: dropped unanswered if still

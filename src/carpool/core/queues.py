@@ -16,6 +16,7 @@ from carpool.core.request import Request, RequestState
 from carpool.errors import ConfigError, QueueFull
 
 _QUEUED = RequestState.QUEUED
+UNBOUNDED = 1 << 30  # Queues.num_free with no bound in force
 
 
 class ClassQueue:
@@ -140,17 +141,33 @@ class Queues:
             raise QueueFull(queue.name, bound)
         queue.push(request)
 
-    def full(self) -> QueueFull | None:
+    def full(self, num_reserved: int = 0) -> QueueFull | None:
         """The refusal any request would get now, whatever its class: the bound across
-        classes is reached, or every class is at its own bound (then the first
-        class's); None while some class has room."""
-        if self.max_queue_size is not None and self.num_live >= self.max_queue_size:
+        classes is reached, counting ``num_reserved`` requests promised a place (a
+        server's waiting connections), or every class is at its own bound (then the
+        first class's); None while some class has room."""
+        num_live = self.num_live + num_reserved
+        if self.max_queue_size is not None and num_live >= self.max_queue_size:
             return QueueFull("all classes", self.max_queue_size)
         for queue in self.ordered:
             bound = queue.limits.max_queue_size
             if bound is None or queue.num_live < bound:
                 return None
         return QueueFull(self.ordered[0].name, self.ordered[0].limits.max_queue_size or 0)
+
+    def num_free(self) -> int:
+        """How many more requests could be admitted now, at most, whatever their class
+        (a large number when some class has no bound)."""
+        free = UNBOUNDED
+        if self.max_queue_size is not None:
+            free = max(0, self.max_queue_size - self.num_live)
+        by_class = 0
+        for queue in self.ordered:
+            bound = queue.limits.max_queue_size
+            if bound is None:
+                return free
+            by_class += max(0, bound - queue.num_live)
+        return min(free, by_class)
 
     def forget(self, request: Request) -> None:
         self.by_name[request.class_name].forget(request)

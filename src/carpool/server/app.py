@@ -55,6 +55,7 @@ from carpool.server.limits import InflightBytes, ServerLimits, over_inflight_byt
 from carpool.server.metrics import Metrics
 from carpool.server.repository import ModelRepository, ServedModel
 from carpool.server.stats import model_stats
+from carpool.server.waiting import WaitingRoom
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -103,6 +104,7 @@ class KServeApp:
         self.limits = limits if limits is not None else ServerLimits()
         self.inflight = InflightBytes(self.limits.max_inflight_bytes)
         self.access = access
+        self.waiting_room = WaitingRoom()
         self.metrics = Metrics(repository)
         self.plans = InferPlans()
         # The fast path's infer URLs, each with the model it names (fasthttp.py): at most

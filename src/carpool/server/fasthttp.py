@@ -134,6 +134,8 @@ class InferProtocol(HttpToolsProtocol):
         self._arrival_s = 0.0
         # Past the server's --max-connections: its first request is refused (503).
         self._over_capacity = False
+        self._in_room = False  # not read until its model has room (server/waiting.py)
+        self._has_place = False  # let out of it: its next request has a place kept
         # When the body of the request being received must be in (--body-timeout-s),
         # on the loop's clock; None between requests.
         self._body_deadline: float | None = None
@@ -587,6 +589,7 @@ class InferProtocol(HttpToolsProtocol):
                 self.cycle = cycle  # type: ignore[assignment]
                 if refusal is not None:
                     self._answer(cycle, *refusal)
+                    self._wait_for_room(model, refusal[0])
                 else:
                     self._dispatch(cycle, data[end - size : end])
                 start = end
@@ -723,9 +726,28 @@ class InferProtocol(HttpToolsProtocol):
     def _dispatch_received(self, cycle: FastCycle) -> None:
         if cycle.refusal is not None:
             self._answer(cycle, *cycle.refusal)
+            self._wait_for_room(cycle.model, cycle.refusal[0])
             return
         body, cycle.chunks = b"".join(cycle.chunks), []
         self._dispatch(cycle, body)
+
+    def _wait_for_room(self, model: ServedModel, status: int) -> None:
+        """After a 429 (every queue of ``model`` full), read no more of this connection
+        until the model has room: a client retrying at once would otherwise be read and
+        refused again and again, on the CPU the model needs."""
+        if status != 429 or self._in_room or self._is_closing():
+            return
+        self._in_room = True
+        self.flow.pause_reading()
+        self.kserve.waiting_room.wait(model.batcher, self._room_made)
+
+    def _room_made(self) -> bool:
+        self._in_room = False
+        if self._is_closing():
+            return False
+        self._has_place = True
+        self.flow.resume_reading()
+        return True
 
     def _hold(self, cycle: FastCycle, size_bytes: int) -> None:
         """Hold ``size_bytes`` more of ``cycle``'s body in the server's budget
@@ -748,7 +770,13 @@ class InferProtocol(HttpToolsProtocol):
         """The answer for a request refused from its head, or None: when every queue of
         the model is at its bound, a 429 prepared once per message, without reading or
         decoding the body (under overload, refusing must cost far less than serving)."""
-        error = model.batcher.refuse_early()
+        batcher = model.batcher
+        if self._has_place:  # it waited for this room: the waiting ones after it do not count
+            self._has_place = False
+            num_reserved = 0
+        else:
+            num_reserved = self.kserve.waiting_room.num_waiting_for(batcher)
+        error = batcher.refuse_early(num_reserved)
         return None if error is None else self._prepared(error)
 
     def _prepared(self, error: Exception) -> tuple[int, bytes, Headers]:

@@ -560,3 +560,46 @@ async def test_an_infer_with_the_api_key_takes_the_fast_path_and_its_repeats() -
         statuses = [status for status, _, _ in Responses(bytes(transport.data)).items]
         assert statuses == [200, 200, 200, 401]
         assert model.seen == [1.5, 1.5, 1.5]
+
+
+async def test_a_refused_connection_is_not_read_until_its_model_has_room() -> None:
+    async with _bounded(max_queue_size=1) as (connect, model, gate):
+        for value in (1.0, 2.0):  # one runs (held), one waits
+            connect()[0].data_received(_binary_request(value))
+            await asyncio.sleep(0.01)
+        refused, refused_transport = connect()
+        refused.data_received(_binary_request(3.0))
+        assert Responses(bytes(refused_transport.data)).items[0][0] == 429
+        assert refused.flow.read_paused  # its retry waits in the socket, costing nothing
+        room = refused.kserve.waiting_room
+        assert room.num_waiting == 1
+        gate.set()
+        await _until(lambda: not refused.flow.read_paused)
+        assert room.num_waiting == 0
+        refused.data_received(_binary_request(4.0))  # the retry, read once there is room
+        await _until(lambda: len(Responses(bytes(refused_transport.data)).items) == 2)
+        assert Responses(bytes(refused_transport.data)).items[1][0] == 200
+        assert 4.0 in model.seen
+
+
+async def test_a_waiting_connection_keeps_its_place_from_newcomers() -> None:
+    async with _bounded(max_queue_size=2) as (connect, model, gate):
+        queued = []
+        for value in (1.0, 2.0, 3.0):  # one runs (held), two wait in the queue
+            protocol, _ = connect()
+            protocol.data_received(_binary_request(value))
+            queued.append(protocol)
+            await asyncio.sleep(0.01)
+        waiting, _ = connect()
+        waiting.data_received(_binary_request(4.0))
+        assert waiting.flow.read_paused  # refused: it waits for room
+        queued[2].connection_lost(None)  # a place frees: the waiting connection's
+        newcomer, newcomer_transport = connect()
+        newcomer.data_received(_binary_request(5.0))
+        assert Responses(bytes(newcomer_transport.data)).items[0][0] == 429
+        await _until(lambda: not waiting.flow.read_paused)
+        assert newcomer.flow.read_paused  # behind it
+        waiting.data_received(_binary_request(6.0))  # its retry has the place
+        gate.set()
+        await _until(lambda: 6.0 in model.seen)
+        assert 5.0 not in model.seen

@@ -1,0 +1,62 @@
+"""Where an HTTP connection waits after a refusal, until its model's queues have room.
+
+A client refused with a 429 may send its next request at once (a closed loop that
+retries, a load balancer's health of its own). Read and refused again at once, a storm
+of retries takes the CPU the model needs: under 1,000 such connections, refusals cut the
+successful answers to 0.6 of capacity. So a connection that got a 429 from its head
+stops being read: its next request waits in the kernel's socket buffer, which costs the
+server nothing, until the model can admit requests again; then as many waiting
+connections as there is room for are read again, the longest waiting first. While
+connections wait, each holds a place in the queue: a request on another connection is
+refused (and its connection waits) rather than take the room they wait for, so no
+connection waits long. The refusal itself still goes out at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+from carpool.core.batcher import Batcher
+
+CHECK_S = 0.001  # how often the room is looked at while connections wait
+
+
+class WaitingRoom:
+    """Connections waiting, per model, for room in its queues."""
+
+    __slots__ = ("_timer", "_waiting")
+
+    def __init__(self) -> None:
+        self._waiting: dict[Batcher, deque[Callable[[], bool]]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    def num_waiting_for(self, batcher: Batcher) -> int:
+        """Connections waiting for ``batcher``: each holds a place in its queues, so a
+        request on another connection does not take the room they wait for."""
+        waiting = self._waiting.get(batcher)
+        return 0 if waiting is None else len(waiting)
+
+    def wait(self, batcher: Batcher, resume: Callable[[], bool]) -> None:
+        """``resume()`` once ``batcher`` has room, in turn; it returns False when its
+        connection is gone, which takes no room."""
+        self._waiting.setdefault(batcher, deque()).append(resume)
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(CHECK_S, self._check)
+
+    def _check(self) -> None:
+        self._timer = None
+        for batcher, waiting in list(self._waiting.items()):
+            room = batcher.num_free if batcher.is_running else len(waiting)
+            while waiting and room > 0:
+                if waiting.popleft()():
+                    room -= 1
+            if not waiting:
+                del self._waiting[batcher]
+        if self._waiting:
+            self._timer = asyncio.get_running_loop().call_later(CHECK_S, self._check)
