@@ -741,11 +741,11 @@ class InferProtocol(HttpToolsProtocol):
         self.flow.pause_reading()
         self.kserve.waiting_room.wait(model.batcher, self._room_made)
 
-    def _room_made(self) -> bool:
+    def _room_made(self, has_place: bool) -> bool:
         self._in_room = False
         if self._is_closing():
             return False
-        self._has_place = True
+        self._has_place = has_place
         self.flow.resume_reading()
         return True
 

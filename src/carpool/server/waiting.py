@@ -9,7 +9,9 @@ server nothing, until the model can admit requests again; then as many waiting
 connections as there is room for are read again, the longest waiting first. While
 connections wait, each holds a place in the queue: a request on another connection is
 refused (and its connection waits) rather than take the room they wait for, so no
-connection waits long. The refusal itself still goes out at once.
+connection waits long. The refusal itself still goes out at once, and a connection
+waits at most :data:`MAX_WAIT_S` (the ``Retry-After`` it was given): whatever it sends
+meanwhile, a request to another model or a health probe included, is read by then.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from carpool.core.batcher import Batcher
 
 CHECK_S = 0.001  # how often the room is looked at while connections wait
+MAX_WAIT_S = 1.0  # the Retry-After of the 429 that sent the connection here
 
 
 class WaitingRoom:
@@ -29,7 +32,7 @@ class WaitingRoom:
     __slots__ = ("_timer", "_waiting")
 
     def __init__(self) -> None:
-        self._waiting: dict[Batcher, deque[Callable[[], bool]]] = {}
+        self._waiting: dict[Batcher, deque[tuple[float, Callable[[bool], bool]]]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
     @property
@@ -42,21 +45,27 @@ class WaitingRoom:
         waiting = self._waiting.get(batcher)
         return 0 if waiting is None else len(waiting)
 
-    def wait(self, batcher: Batcher, resume: Callable[[], bool]) -> None:
-        """``resume()`` once ``batcher`` has room, in turn; it returns False when its
-        connection is gone, which takes no room."""
-        self._waiting.setdefault(batcher, deque()).append(resume)
+    def wait(self, batcher: Batcher, resume: Callable[[bool], bool]) -> None:
+        """``resume(True)`` once ``batcher`` has room, in turn, or ``resume(False)`` after
+        :data:`MAX_WAIT_S` without; it returns False when its connection is gone, which
+        takes no room."""
+        loop = asyncio.get_running_loop()
+        self._waiting.setdefault(batcher, deque()).append((loop.time(), resume))
         if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(CHECK_S, self._check)
+            self._timer = loop.call_later(CHECK_S, self._check)
 
     def _check(self) -> None:
         self._timer = None
+        loop = asyncio.get_running_loop()
+        too_long = loop.time() - MAX_WAIT_S
         for batcher, waiting in list(self._waiting.items()):
             room = batcher.num_free if batcher.is_running else len(waiting)
             while waiting and room > 0:
-                if waiting.popleft()():
+                if waiting.popleft()[1](True):
                     room -= 1
+            while waiting and waiting[0][0] <= too_long:
+                waiting.popleft()[1](False)
             if not waiting:
                 del self._waiting[batcher]
         if self._waiting:
-            self._timer = asyncio.get_running_loop().call_later(CHECK_S, self._check)
+            self._timer = loop.call_later(CHECK_S, self._check)

@@ -603,3 +603,22 @@ async def test_a_waiting_connection_keeps_its_place_from_newcomers() -> None:
         gate.set()
         await _until(lambda: 6.0 in model.seen)
         assert 5.0 not in model.seen
+
+
+async def test_a_connection_waits_for_room_at_most_its_retry_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from carpool.server import waiting
+
+    monkeypatch.setattr(waiting, "MAX_WAIT_S", 0.05)
+    async with _bounded(max_queue_size=1) as (connect, _, _):
+        for value in (1.0, 2.0):  # one runs (held), one waits: no room for a long while
+            connect()[0].data_received(_binary_request(value))
+            await asyncio.sleep(0.01)
+        refused, refused_transport = connect()
+        refused.data_received(_binary_request(3.0))
+        assert refused.flow.read_paused
+        await _until(lambda: not refused.flow.read_paused)  # read again: a health probe
+        refused.data_received(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")  # is answered
+        await _until(lambda: len(Responses(bytes(refused_transport.data)).items) == 2)
+        assert Responses(bytes(refused_transport.data)).items[1][0] == 200
