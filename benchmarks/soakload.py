@@ -117,6 +117,8 @@ class _Load:
         self.ready(connection)
 
     def closed(self, connection: _Connection, was_busy: bool) -> None:
+        if connection not in self.connections:
+            return  # closed before _open took it: _open tries again
         self.connections.discard(connection)
         if was_busy:
             self.tally.num_lost += 1
@@ -144,6 +146,10 @@ class _Load:
                     lambda: _Connection(self), self.host, self.port
                 )
             except OSError:  # refused, reset during the handshake, out of ports
+                self.tally.num_not_accepted += 1
+                await asyncio.sleep(RECONNECT_DELAY_S)
+                continue
+            if connection.transport is None:  # closed by the server before a byte was sent
                 self.tally.num_not_accepted += 1
                 await asyncio.sleep(RECONNECT_DELAY_S)
                 continue

@@ -8,7 +8,8 @@ An attempt ends in exactly one of these (``Outcome``):
 * ``error``: any other status (a 4xx or 500 is a fault of the benchmark or the server);
 * ``lost``: the request was written, then the connection was reset or closed (or answered
   bytes that are not HTTP) without a status;
-* ``not_accepted``: the connection was refused before anything was sent;
+* ``not_accepted``: the connection was refused (or closed by the server) before anything
+  was sent;
 * ``unanswered``: still waiting for its answer when the run gave up (``drain_s`` after
   the load stopped).
 
