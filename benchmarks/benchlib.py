@@ -126,15 +126,17 @@ def carpool_serve(port: int, grpc_port: int | str = 0, config: Path | None = Non
     ]
 
 
-def start_server(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """Starts ``argv`` pinned to SERVER_CPU with OMP_NUM_THREADS=1 (plus ``env``).
+def start_server(
+    argv: list[str], env: dict[str, str], log: Path, cpu: str = SERVER_CPU
+) -> subprocess.Popen[bytes]:
+    """Starts ``argv`` pinned to ``cpu`` with OMP_NUM_THREADS=1 (plus ``env``).
 
     It runs in its own session (so `stop_server` can end the whole group), from the
     repository root, with stdout and stderr going to ``log``.
     """
     with log.open("wb") as log_file:
         return subprocess.Popen(
-            ["taskset", "-c", SERVER_CPU, *argv],
+            ["taskset", "-c", cpu, *argv],
             env={**os.environ, "OMP_NUM_THREADS": "1", **env},
             stdout=log_file,
             stderr=subprocess.STDOUT,
@@ -143,15 +145,16 @@ def start_server(argv: list[str], env: dict[str, str], log: Path) -> subprocess.
         )
 
 
-def stop_server(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's whole process group (it was started as its own session)."""
+def stop_server(process: subprocess.Popen[bytes]) -> int:
+    """SIGTERM the server's whole process group (it was started as its own session); its
+    exit status (negative: the signal that ended it)."""
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=30)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)  # stragglers left in the group
-    process.wait(timeout=10)
+    return process.wait(timeout=10)
 
 
 def wait_kserve_ready(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from typing import Any
 
@@ -82,3 +84,20 @@ def hangs_on_negative(device: str) -> Any:
         return {"OUTPUT0": x * 2}
 
     return model
+
+
+LEAK_BYTES = 256 * 1024
+_LEAKED: list[bytes] = []
+
+
+def leaky(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+    """``OUTPUT0 = 2 * INPUT0``, keeping LEAK_BYTES (written, so resident) per call forever:
+    a model that leaks."""
+    _LEAKED.append(b"\x01" * LEAK_BYTES)
+    return {"OUTPUT0": inputs["INPUT0"] * 2}
+
+
+async def server_probe(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The server's asyncio tasks, threads and open descriptors, one row per input row."""
+    row = [len(asyncio.all_tasks()), threading.active_count(), len(os.listdir("/proc/self/fd"))]
+    return {"N": np.array([row] * len(inputs["X"]), dtype=np.int64)}
