@@ -83,7 +83,7 @@ async def one_client(port: int, pipeline: int, request: bytes, statuses: Counter
             statuses[status.decode()] += 1
         statuses["lost"] += pipeline - data.count(b"HTTP/1.1 ")
         writer.close()
-    except (OSError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError) as exc:
         statuses[type(exc).__name__] += pipeline
 
 
@@ -100,7 +100,8 @@ async def burst(port: int, pid: int, connections: int, pipeline: int) -> dict[st
     sampler = asyncio.create_task(sample())
     statuses: Counter[str] = Counter()
     start = time.perf_counter()
-    await asyncio.gather(*(one_client(port, pipeline, request, statuses) for _ in range(connections)))
+    clients = [one_client(port, pipeline, request, statuses) for _ in range(connections)]
+    await asyncio.gather(*clients)
     took_s = time.perf_counter() - start
     await asyncio.sleep(5.0)
     sampler.cancel()
