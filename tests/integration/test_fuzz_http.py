@@ -381,6 +381,7 @@ POLICY_VALUES = {
     "oom_recovery_s": st.floats(-1, 60),
     "max_batch_tokens": st.none() | st.integers(-1, 5000),
     "length_buckets": st.none() | st.just("auto") | st.lists(st.integers(-1, 64), max_size=3),
+    "batch_timeout_s": st.none() | st.floats(-1, 120),
 }
 assert set(POLICY_VALUES) == set(POLICY_FIELDS)
 POLICY_BODIES = _maybe({**POLICY_VALUES, "classes": st.just([]), "warp": st.just(9)})

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import gc
 import logging
 import math
@@ -32,11 +33,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 import uvicorn
 import uvloop
 
 from carpool.errors import ConfigError
+from carpool.server.accept import Acceptor
 from carpool.server.access import Access
 from carpool.server.app import KServeApp
 from carpool.server.banner import logger, ready_lines, use_default_logging
@@ -72,11 +75,24 @@ class _DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._on_exit = on_exit
         self._on_started = on_started
+        self._acceptor: Acceptor | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:  # bound; not when binding failed (uvicorn then exits)
+            if sockets:  # uvloop's accept, one a loop turn, is too slow under load
+                config, state = self.config, self.server_state
+                protocol: Any = config.http_protocol_class  # as uvicorn builds it
+                factory = functools.partial(
+                    protocol, config=config, server_state=state, app_state={}
+                )
+                self._acceptor = Acceptor(asyncio.get_running_loop(), sockets, factory)
             self._on_started(self)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._acceptor is not None:
+            self._acceptor.stop()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
