@@ -53,6 +53,8 @@ _CONTENT_ENCODING = b"content-encoding"
 _ACCEPT_ENCODING = b"accept-encoding"
 _AUTHORIZATION = b"authorization"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# The probes the protocol answers itself, each with whether it asks for readiness.
+_HEALTH = {b"/v2/health/live": False, b"/v2/health/ready": True}
 # Pipelined requests read ahead of the one being answered before reading pauses. Reading
 # on is how a hang-up is seen: a paused transport never reports one, and the queued
 # request would reach the model for nobody.
@@ -404,6 +406,8 @@ class InferProtocol(HttpToolsProtocol):
         self._wait_deadline = None  # the request is read on (or answered)
         if self._lingering:
             return  # parsed from the read that brought the body left unread: ignored
+        if self._take_health():
+            return
         model = self._fast_model()
         header_length = accept = declared = authorization = None
         if model is not None:
@@ -485,12 +489,37 @@ class InferProtocol(HttpToolsProtocol):
             cycle.refusal = self._early_refusal(model)
             if cycle.refusal is None and declared:
                 self._hold(cycle, declared)
+        self._schedule(cycle)
+
+    def _schedule(self, cycle: FastCycle) -> None:
+        """Begin ``cycle`` now, or queue it behind the request still being answered."""
         existing, self.cycle = self.cycle, cycle  # type: ignore[assignment]
         if existing is None or existing.response_complete:
             self._begin(cycle)
         else:  # pipelined behind a request still being answered
             self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
             self._limit_read_ahead()
+
+    def _take_health(self) -> bool:
+        """``GET /v2/health/live`` or ``/ready``, answered by the protocol itself (no
+        ASGI task): under overload a probe must not wait behind the tasks of request
+        handling, or a kubelet would restart a server that is only busy."""
+        asks_ready = _HEALTH.get(self.url)
+        if asks_ready is None or self.parser.get_method() != b"GET" or self._is_closing():
+            return False
+        parser = self.parser
+        version = parser.get_http_version()
+        keep_alive = version != "1.0" and parser.should_keep_alive()
+        path = self.url.decode("latin-1")
+        no_model: Any = None  # a probe names none; nothing reads it for an answer set here
+        cycle = FastCycle(
+            no_model, path, None, None, version, keep_alive, False, self.on_response_complete
+        )
+        is_ready = not asks_ready or self.kserve.repository.is_ready
+        cycle.refusal = (200, b"", ()) if is_ready else (503, b"", ())  # answered, body unread
+        self._first = None
+        self._schedule(cycle)
+        return True
 
     def on_body(self, body: bytes) -> None:
         self._progress = True

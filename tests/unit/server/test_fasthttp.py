@@ -622,3 +622,20 @@ async def test_a_connection_waits_for_room_at_most_its_retry_after(
         refused.data_received(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")  # is answered
         await _until(lambda: len(Responses(bytes(refused_transport.data)).items) == 2)
         assert Responses(bytes(refused_transport.data)).items[1][0] == 200
+
+
+async def test_health_probes_are_answered_without_a_task_in_their_turn(server: Server) -> None:
+    app, connect, _ = server
+    protocol, transport = connect()
+    live = b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n"
+    ready = b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n"
+    protocol.data_received(_binary_request(1.0) + ready + live)  # behind an infer
+    assert not protocol.server_state.tasks  # no ASGI task: nothing to queue behind
+    await _until(lambda: len(Responses(bytes(transport.data)).items) == 3)
+    statuses = [status for status, _, _ in Responses(bytes(transport.data)).items]
+    assert statuses == [200, 200, 200]  # in order: the infer's answer first
+    assert not transport.closed
+    await app.repository.stop()  # not ready any more; still alive
+    protocol.data_received(ready + live)
+    await _until(lambda: len(Responses(bytes(transport.data)).items) == 5)
+    assert [status for status, _, _ in Responses(bytes(transport.data)).items][3:] == [503, 200]
