@@ -34,6 +34,7 @@ from benchlib import (
     wait_kserve_ready,
     write_results,
 )
+from soakmonitor import read_rss_kib
 from wrkrun import free_port
 
 ROWS = 63  # 63 x 256 float32 = 63 KiB of tensor, plus its JSON header: ~64 KiB a body
@@ -41,9 +42,8 @@ CONFIGS = {"default budget": [], "no budget": ["--max-inflight-bytes", str(1 << 
 
 
 def rss_mib(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(r"VmRSS:\s+(\d+) kB", status)
-    return int(match.group(1)) / 1024 if match else float("nan")
+    kib = read_rss_kib(pid)
+    return float("nan") if kib is None else kib / 1024
 
 
 def request_bytes() -> bytes:
