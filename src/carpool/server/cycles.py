@@ -46,6 +46,7 @@ class FastCycle:
         "chunks",
         "disconnected",
         "encoding",
+        "head_answer",
         "header_length",
         "held",
         "http_version",
@@ -56,7 +57,6 @@ class FastCycle:
         "oversize",
         "path",
         "queued",
-        "refusal",
         "response_complete",
         "size",
         "started",
@@ -87,8 +87,9 @@ class FastCycle:
         self.size = 0
         self.held = 0  # body bytes held in the server's --max-inflight-bytes budget
         self.oversize = False  # the body passed the limit: a 413, the rest is ignored
-        # Refused from its head (a queue at its bound): this answer, the body ignored.
-        self.refusal: tuple[int, bytes, Any] | None = None
+        # Answered from its head, the body read and ignored: a refusal (a queue or the
+        # byte budget full) or a health probe's answer.
+        self.head_answer: tuple[int, bytes, Any] | None = None
         self.more_body = True
         self.started = False
         self.response_complete = False

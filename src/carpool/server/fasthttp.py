@@ -486,8 +486,8 @@ class InferProtocol(HttpToolsProtocol):
         if too_large:
             cycle.size, cycle.oversize, cycle.keep_alive = too_large, True, False
         else:
-            cycle.refusal = self._early_refusal(model)
-            if cycle.refusal is None and declared:
+            cycle.head_answer = self._early_refusal(model)
+            if cycle.head_answer is None and declared:
                 self._hold(cycle, declared)
         self._schedule(cycle)
 
@@ -516,7 +516,7 @@ class InferProtocol(HttpToolsProtocol):
             no_model, path, None, None, version, keep_alive, False, self.on_response_complete
         )
         is_ready = not asks_ready or self.kserve.repository.is_ready
-        cycle.refusal = (200, b"", ()) if is_ready else (503, b"", ())  # answered, body unread
+        cycle.head_answer = (200, b"", ()) if is_ready else (503, b"", ())
         self._first = None
         self._schedule(cycle)
         return True
@@ -527,13 +527,13 @@ class InferProtocol(HttpToolsProtocol):
         if not isinstance(cycle, FastCycle):
             super().on_body(body)
             return
-        if cycle.response_complete or cycle.oversize or cycle.refusal is not None:
+        if cycle.response_complete or cycle.oversize or cycle.head_answer is not None:
             return  # too large, or refused from its head: the body is ignored
         cycle.chunks.append(body)
         cycle.size += len(body)
         if cycle.size > cycle.held:  # chunked: no length was declared to hold
             self._hold(cycle, cycle.size - cycle.held)
-            if cycle.refusal is not None:
+            if cycle.head_answer is not None:
                 cycle.chunks = []
                 return
         if not cycle.started:
@@ -559,7 +559,7 @@ class InferProtocol(HttpToolsProtocol):
             return
         cycle.more_body = False
         first, self._first = self._first, None
-        if first is not None and not cycle.oversize and cycle.refusal is None:
+        if first is not None and not cycle.oversize and cycle.head_answer is None:
             self._keep_head(first, cycle)
         if cycle.started and not cycle.response_complete and not cycle.oversize:
             self._dispatch_received(cycle)
@@ -753,9 +753,9 @@ class InferProtocol(HttpToolsProtocol):
         self._answer(cycle, *error_response(PayloadTooLarge(cycle.size, limit)))
 
     def _dispatch_received(self, cycle: FastCycle) -> None:
-        if cycle.refusal is not None:
-            self._answer(cycle, *cycle.refusal)
-            self._wait_for_room(cycle.model, cycle.refusal[0])
+        if cycle.head_answer is not None:
+            self._answer(cycle, *cycle.head_answer)
+            self._wait_for_room(cycle.model, cycle.head_answer[0])
             return
         body, cycle.chunks = b"".join(cycle.chunks), []
         self._dispatch(cycle, body)
@@ -785,7 +785,7 @@ class InferProtocol(HttpToolsProtocol):
             cycle.held += size_bytes
         else:
             self._release(cycle)
-            cycle.refusal = self._overloaded()
+            cycle.head_answer = self._overloaded()
 
     def _release(self, cycle: FastCycle) -> None:
         if cycle.held:
