@@ -105,7 +105,7 @@ class KServeApp:
         self.inflight = InflightBytes(self.limits.max_inflight_bytes)
         self.access = access
         self.waiting_room = WaitingRoom()
-        self.metrics = Metrics(repository)
+        self.metrics = Metrics(repository, self.inflight)
         self.plans = InferPlans()
         # The fast path's infer URLs, each with the model it names (fasthttp.py): at most
         # two a model (with and without its version), as only the served ones are kept.

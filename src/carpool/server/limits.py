@@ -52,7 +52,7 @@ class InflightBytes:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.held_bytes = 0
-        self.num_refused = 0  # requests refused for it, for /metrics
+        self.num_refused = 0  # requests refused for it (carpool_refused_inflight_bytes_total)
 
     def take(self, size_bytes: int) -> bool:
         """Hold ``size_bytes`` more, or refuse (False) when that passes the budget. A

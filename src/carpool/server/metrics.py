@@ -30,6 +30,7 @@ from carpool.core.policy import BatchPolicy
 from carpool.core.telemetry import REJECTION_REASONS, LatencyStats, TelemetrySnapshot
 from carpool.generation.engine import GenerationSnapshot
 from carpool.server.generation import generation_models
+from carpool.server.limits import InflightBytes
 from carpool.server.repository import ModelRepository
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
@@ -366,12 +367,35 @@ class _Restricted(Collector):
                 yield kept
 
 
-class Metrics:
-    """A private registry holding the collector; ``render()`` is the scrape body."""
+class ServerCollector(Collector):
+    """The server's own figures: request bytes held across connections against
+    ``--max-inflight-bytes``, and the requests refused for it."""
 
-    def __init__(self, repository: ModelRepository) -> None:
+    def __init__(self, inflight: InflightBytes) -> None:
+        self._inflight = inflight
+
+    def collect(self) -> Iterator[Metric]:
+        held = GaugeMetricFamily(
+            "carpool_inflight_bytes",
+            "HTTP request body bytes held across connections, from head to answer.",
+        )
+        held.add_metric([], self._inflight.held_bytes)
+        refused = CounterMetricFamily(
+            "carpool_refused_inflight_bytes",
+            "Requests refused (503) because their body would pass --max-inflight-bytes.",
+        )
+        refused.add_metric([], self._inflight.num_refused)
+        yield from (held, refused)
+
+
+class Metrics:
+    """A private registry holding the collectors; ``render()`` is the scrape body."""
+
+    def __init__(self, repository: ModelRepository, inflight: InflightBytes | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(TelemetryCollector(repository))
+        if inflight is not None:
+            self.registry.register(ServerCollector(inflight))
 
     def render(
         self, accept: bytes | None = None, names: Collection[str] = ()

@@ -120,6 +120,9 @@ async def test_requests_past_the_bytes_held_get_503_and_keep_their_connection() 
         assert (status, headers[b"retry-after"]) == (503, b"1")
         assert b"--max-inflight-bytes" in body
         assert not transport.closed
+        scrape = app.metrics.render()[0].decode()
+        assert f"carpool_inflight_bytes {float(2 * one)}" in scrape
+        assert "carpool_refused_inflight_bytes_total 1.0" in scrape
         gate.set()
         await _until(lambda: all(t.data for _, t in held))
         assert app.inflight.held_bytes == 0
