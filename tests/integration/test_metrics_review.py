@@ -223,6 +223,7 @@ def test_client_input_never_adds_a_series(http: httpx.Client) -> None:
     # request ids and paths: each is refused or served under a known class, never a label.
     _stream_completion(http, max_tokens=1)  # every series a served request can add
     http.post(f"/v2/models/{MLP}/infer", json=_mlp_body(1))
+    http.post(f"/v2/models/{MLP}/infer", json=_mlp_body(1, priority=1))  # its SLO series
     before = set(_samples(http))
     for _ in range(25):
         bogus = uuid.uuid4().hex
