@@ -109,23 +109,10 @@ class Answers:
         self.statuses.append(self.parser.get_status_code())
 
 
-def _read_until_quiet(sock: socket.socket, received: bytearray) -> bool:
-    """Reads until QUIET_S pass without a byte; True if the server closed meanwhile."""
-    sock.settimeout(QUIET_S)
-    try:
-        while chunk := sock.recv(65536):
-            received += chunk
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        pass
-    return True
-
-
-def _read_until_closed(sock: socket.socket, received: bytearray) -> bool:
-    """Reads until the server ends the connection; False if it is still open after
-    CLOSE_LIMIT_S."""
-    sock.settimeout(CLOSE_LIMIT_S)
+def _read_until_closed(sock: socket.socket, received: bytearray, timeout_s: float) -> bool:
+    """Reads until the server ends the connection (True), or until ``timeout_s`` pass
+    without a byte (False: still open)."""
+    sock.settimeout(timeout_s)
     try:
         while chunk := sock.recv(65536):
             received += chunk
@@ -151,11 +138,11 @@ def _exchange(fuzzed: Fuzzed, pieces: list[bytes], ending: str) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             fuzzed.log.saw("reset", "", is_fault=False)
             return
-        closed = ending == "wait" and _read_until_quiet(sock, received)
+        closed = ending == "wait" and _read_until_closed(sock, received, QUIET_S)
         if not closed:
             with contextlib.suppress(OSError):  # already reset by the server
                 sock.shutdown(socket.SHUT_WR)
-            closed = _read_until_closed(sock, received)
+            closed = _read_until_closed(sock, received, CLOSE_LIMIT_S)
     sent = b"".join(pieces)
     what = f"{sent[:300]!r} ({len(sent)} bytes, {ending})"
     answers = Answers()
