@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterator
 from queue import Queue
 from typing import Any
@@ -10,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 from tritonclient.utils import InferenceServerException
@@ -242,3 +244,43 @@ def test_a_bad_request_on_a_stream_fails_alone(client: grpcclient.InferenceServe
     assert "shape [1, 255]" in errors[0].message()
     ids = {result.get_response().id for result, _ in answers if result is not None}
     assert ids == {"g-0", "g-1", "g-2"}
+
+
+def test_grpc_model_config_of_queue_bounds_past_tritons_field_widths(start_server: Any) -> None:
+    # A model-wide max_queue_size past uint32 and a class timeout past uint64 microseconds
+    # made gRPC ModelConfig fail (the JSON could not be put in the proto); a class timeout
+    # under half a microsecond was shown as 0, Triton's "no timeout".
+    config = textwrap.dedent("""\
+        models:
+          - name: double
+            kind: python
+            source: configmodels:double
+            inputs: [{name: INPUT0, datatype: FP32, shape: [4]}]
+            outputs: [{name: OUTPUT0, datatype: FP32, shape: [4]}]
+            max_queue_size: 10000000000
+            max_delay_s: 1.0e+20
+            classes:
+              - {name: forever, timeout_s: 1.0e+20}
+              - {name: instant, timeout_s: 1.0e-7}
+            default_class: forever
+        """)
+    served = start_server(config, grpc=True)
+    client = grpcclient.InferenceServerClient(served.grpc_url)
+    try:
+        batching = client.get_model_config("double", as_json=True)["config"]["dynamic_batching"]
+    finally:
+        client.close()
+    levels = batching["priority_queue_policy"]
+    # as_json writes uint64 as strings and uint32 as numbers, as protobuf's JSON does
+    assert levels["1"]["default_timeout_microseconds"] == str(2**64 - 1)
+    assert levels["1"]["max_queue_size"] == 2**32 - 1
+    assert levels["2"]["default_timeout_microseconds"] == "1"
+    assert batching["default_queue_policy"] == levels["1"]
+    assert batching["max_queue_delay_microseconds"] == str(2**64 - 1)
+    rest = httpclient.InferenceServerClient(served.http_url)
+    try:
+        rest_levels = rest.get_model_config("double")["dynamic_batching"]["priority_queue_policy"]
+    finally:
+        rest.close()
+    assert rest_levels["1"]["max_queue_size"] == 2**32 - 1  # both wires say the same
+    assert rest_levels["2"]["default_timeout_microseconds"] == 1

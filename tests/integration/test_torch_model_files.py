@@ -1,9 +1,9 @@
 """`carpool serve CONFIG.yaml` with torch models built here, as a Triton user writes the
 config, found in review against Triton's PyTorch backend. Each test failed before its fix.
 
-Every case is a startup that must end with exit status 2 and one line naming the file,
-the model's key and the reason, before any request: the server is a subprocess, so what
-torch itself logs to stderr counts too.
+Every failing case is a startup that must end with exit status 2 and one line naming the
+file, the model's key and the reason, before any request: the server is a subprocess, so
+what torch itself logs to stderr counts too. And a forward a decorator wraps is served.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import tritonclient.http as httpclient
 
 RUN_LIMIT_S = 120.0  # a net against a hung start, not a timing assertion
 
@@ -177,3 +180,59 @@ def test_max_batch_size_0_says_what_carpool_takes_for_tritons_no_batching(
     line = _serve_fails(folder, entry)
     assert "models[0].max_batch_size=0" in line
     assert "for Triton's 0 (no batching) give 1" in line
+
+
+# A forward decorated with functools.wraps by a decorator that supplies an argument
+# itself: the call reaches the wrapper, which takes x alone.
+DECORATED = """
+import functools
+
+import torch
+from torch import nn
+
+
+def with_bias(forward):
+    @functools.wraps(forward)
+    def wrapper(self, x):
+        return forward(self, x, torch.ones_like(x))
+
+    return wrapper
+
+
+class Biased(nn.Module):
+    @with_bias
+    def forward(self, x, bias):
+        return x + bias
+
+
+def biased():
+    return Biased()
+"""
+
+
+def test_torch_forward_decorated_to_supply_an_argument_is_served(
+    start_server: Any, tmp_path: Path
+) -> None:
+    # The load check read the wrapped function's (x, bias) through __wrapped__ and refused
+    # the one declared input: `carpool serve` exited 2 for a model that runs as declared.
+    config = textwrap.dedent("""\
+        models:
+          - name: biased
+            kind: torch
+            source: afternoon_models:biased
+            inputs: [{name: x, datatype: FP32, shape: [3]}]
+            outputs: [{name: y, datatype: FP32, shape: [3]}]
+        """)
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "afternoon_models.py").write_text(DECORATED, encoding="utf-8")
+    served = start_server(config, env={"PYTHONPATH": str(models)})
+    client = httpclient.InferenceServerClient(served.http_url)
+    try:
+        x = np.arange(6, dtype=np.float32).reshape(2, 3)
+        tensor = httpclient.InferInput("x", [2, 3], "FP32")
+        tensor.set_data_from_numpy(x)
+        result = client.infer("biased", [tensor])
+        np.testing.assert_array_equal(result.as_numpy("y"), x + 1)
+    finally:
+        client.close()

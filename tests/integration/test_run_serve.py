@@ -1,4 +1,4 @@
-"""Review of a day's changes: `carpool.server.run.serve` on real loopback sockets.
+"""`carpool.server.run.serve` (the Python API) on real loopback sockets.
 
 The tests whose docstrings start "Was:" failed before the fixes they name."""
 
