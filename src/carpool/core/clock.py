@@ -40,31 +40,45 @@ class MonotonicClock:
         """``callback`` at ``when_s`` or later, never before: uvloop rounds a timer's delay
         to the nearest millisecond, so its timers may fire half a millisecond early (a
         deadline would refuse a request still in time); one that does is armed again."""
-        loop = asyncio.get_running_loop()
-        timer = _LoopTimer()
-
-        def fire() -> None:
-            remaining_s = when_s - time.monotonic()
-            if remaining_s > 0:
-                timer.handle = loop.call_later(remaining_s, fire)
-            else:
-                callback()
-
-        # loop.time() is time.monotonic() for the standard and uvloop loops; converting
-        # through a delay keeps this correct for any loop whose epoch differs.
-        timer.handle = loop.call_later(max(0.0, when_s - time.monotonic()), fire)
-        return timer
+        return _LoopTimer(asyncio.get_running_loop(), when_s, callback)
 
 
 class _LoopTimer:
-    """A MonotonicClock timer: the loop's handle of its latest arming."""
+    """A MonotonicClock timer: the loop's handle of its latest arming.
 
-    __slots__ = ("handle",)
+    It lets go of its callback (and of what the callback holds: a request, its future)
+    when it fires or is cancelled. A closure that re-arms itself would be a reference
+    cycle, and every request with a deadline would then leave its objects to the cyclic
+    garbage collector, whose pauses grow with the traffic (docs/reliability.md).
+    """
 
-    handle: asyncio.TimerHandle
+    __slots__ = ("_callback", "_loop", "_when_s", "handle")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, when_s: float, callback: Callable[[], None]
+    ) -> None:
+        self._loop = loop
+        self._when_s = when_s
+        self._callback: Callable[[], None] | None = callback
+        # loop.time() is time.monotonic() for the standard and uvloop loops; converting
+        # through a delay keeps this correct for any loop whose epoch differs.
+        self.handle: asyncio.TimerHandle | None = loop.call_later(
+            max(0.0, when_s - time.monotonic()), self._fire
+        )
+
+    def _fire(self) -> None:
+        remaining_s = self._when_s - time.monotonic()
+        if remaining_s > 0:
+            self.handle = self._loop.call_later(remaining_s, self._fire)
+            return
+        callback, self._callback, self.handle = self._callback, None, None
+        if callback is not None:
+            callback()
 
     def cancel(self) -> None:
-        self.handle.cancel()
+        if self.handle is not None:
+            self.handle.cancel()
+        self._callback = self.handle = None
 
 
 class _FakeTimer:

@@ -183,6 +183,40 @@ def test_monotonic_clock_timers_never_fire_early_on_uvloop() -> None:
     assert min(uvloop.run(fire_all())) >= 0.0
 
 
+def test_monotonic_clock_timers_let_go_of_their_callbacks_without_the_collector() -> None:
+    """A timer fired or cancelled frees what its callback holds by reference counting
+    alone: a timer that kept a cycle left every request with a deadline (its future, its
+    payload) to the cyclic collector, whose pauses grew with the traffic."""
+    import gc
+    import weakref
+
+    import uvloop
+
+    class Held:
+        pass
+
+    async def arm_and_drop() -> list[weakref.ref[Held]]:
+        clock = MonotonicClock()
+        refs = []
+        for index in range(20):
+            held = Held()
+            refs.append(weakref.ref(held))
+            timer = clock.call_at(clock.now() + (0.001 if index % 2 else 3600.0), lambda h=held: h)
+            if index % 2 == 0:
+                timer.cancel()
+            del held, timer
+        await asyncio.sleep(0.05)  # the other half fire
+        return refs
+
+    gc.disable()
+    try:
+        for run in (uvloop.run, asyncio.run):
+            refs = run(arm_and_drop())
+            assert [ref() for ref in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("delta_s", [0.0, 1e-9, 123.0])
 async def test_advance_with_no_timers_only_moves_time(delta_s: float) -> None:
     clock = FakeClock(start_s=1.0)
