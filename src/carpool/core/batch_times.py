@@ -5,13 +5,24 @@ before the batch ends is not run (it could only be answered late). Each batch's 
 time updates a moving average for its size bucket (powers of two: 1, 2, 3-4, 5-8, ...),
 so the estimate follows a model whose speed drifts (a warmed-up GPU, a noisy
 neighbour) within a few batches, and one slow batch moves it by a fifth.
+
+An estimate must never shut a model out. Requests dropped on its word run no batch, so
+a wrong one would never be corrected: a first batch of a new shape (kernels chosen,
+weights packed, caches cold) can take a hundred times a warm one, and the timeout of
+every request that followed would look too short for good. So the first batch of each
+bucket is not learned, and an estimate not confirmed by a batch within
+:data:`MAX_AGE_S` is not used: at worst one batch that often runs on a model truly
+slower than the timeout, and measures it again.
 """
 
 from __future__ import annotations
 
 import math
 
+from carpool.core.clock import Clock
+
 SMOOTHING = 0.2  # weight of the newest batch in its bucket's average
+MAX_AGE_S = 1.0  # an estimate older than this is not trusted to drop a request
 
 
 def bucket_of(num_items: int) -> int:
@@ -22,25 +33,33 @@ def bucket_of(num_items: int) -> int:
 class BatchTimes:
     """Recent compute seconds per batch-size bucket; ``predict_s`` reads them."""
 
-    __slots__ = ("_mean_s",)
+    __slots__ = ("_clock", "_mean_s", "_seen", "_updated_s")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
         self._mean_s: dict[int, float] = {}
+        self._updated_s: dict[int, float] = {}
+        self._seen: set[int] = set()  # buckets whose first (cold) batch has run
 
     def observe(self, num_items: int, compute_s: float) -> None:
         """A batch of ``num_items`` computed in ``compute_s`` seconds."""
         if num_items < 1 or not (compute_s >= 0 and math.isfinite(compute_s)):
             return
         bucket = bucket_of(num_items)
+        if bucket not in self._seen:
+            self._seen.add(bucket)
+            return
         mean = self._mean_s.get(bucket)
         self._mean_s[bucket] = compute_s if mean is None else mean + SMOOTHING * (compute_s - mean)
+        self._updated_s[bucket] = self._clock.now()
 
     def predict_s(self, num_items: int) -> float:
         """The expected compute time of a batch of ``num_items``: its bucket's average;
         else the nearest larger bucket's (a batch is rarely slower than a larger one);
         else the largest smaller bucket's, scaled by size (an overestimate: time grows
-        slower than size); 0.0 before any batch was measured."""
-        means = self._mean_s
+        slower than size); 0.0 when no bucket was measured within :data:`MAX_AGE_S`."""
+        oldest_s = self._clock.now() - MAX_AGE_S
+        means = {b: s for b, s in self._mean_s.items() if self._updated_s[b] >= oldest_s}
         if not means:
             return 0.0
         bucket = bucket_of(num_items)

@@ -133,7 +133,7 @@ class Batcher(Lifecycle):
             self._intake.check(self._policy)
         self._request_ids = itertools.count()
         self._oom = OomCap()
-        self._batch_times = BatchTimes()
+        self._batch_times = BatchTimes(clock)
         dispatch = Dispatcher(
             name,
             devices=self._devices,

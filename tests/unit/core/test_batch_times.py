@@ -6,7 +6,20 @@ import math
 
 import pytest
 
-from carpool.core.batch_times import SMOOTHING, BatchTimes, bucket_of
+from carpool.core.batch_times import MAX_AGE_S, SMOOTHING, BatchTimes, bucket_of
+from carpool.core.clock import FakeClock
+
+
+def _warm(times: BatchTimes, *sizes: int) -> BatchTimes:
+    """Each bucket's first batch is taken as cold and not learned: run one first."""
+    for size in sizes:
+        times.observe(size, 99.0)
+    return times
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
 
 
 @pytest.mark.parametrize(
@@ -16,20 +29,28 @@ def test_sizes_share_a_bucket_up_to_each_power_of_two(num_items: int, bucket: in
     assert bucket_of(num_items) == bucket
 
 
-def test_nothing_measured_predicts_no_time() -> None:
-    assert BatchTimes().predict_s(16) == 0.0
+def test_nothing_measured_predicts_no_time(clock: FakeClock) -> None:
+    assert BatchTimes(clock).predict_s(16) == 0.0
 
 
-def test_a_bucket_follows_its_batches_by_a_moving_average() -> None:
-    times = BatchTimes()
+def test_the_first_batch_of_a_bucket_is_not_learned(clock: FakeClock) -> None:
+    times = BatchTimes(clock)
+    times.observe(16, 0.800)  # cold: kernels chosen, weights packed for this shape
+    assert times.predict_s(16) == 0.0
+    times.observe(16, 0.010)
+    assert times.predict_s(16) == pytest.approx(0.010)
+
+
+def test_a_bucket_follows_its_batches_by_a_moving_average(clock: FakeClock) -> None:
+    times = _warm(BatchTimes(clock), 16)
     times.observe(16, 0.010)
     assert times.predict_s(16) == pytest.approx(0.010)
     times.observe(12, 0.020)  # same bucket (9..16)
     assert times.predict_s(10) == pytest.approx(0.010 + SMOOTHING * 0.010)
 
 
-def test_drift_is_followed_within_a_few_dozen_batches() -> None:
-    times = BatchTimes()
+def test_drift_is_followed_within_a_few_dozen_batches(clock: FakeClock) -> None:
+    times = _warm(BatchTimes(clock), 8)
     for _ in range(50):
         times.observe(8, 0.010)
     for _ in range(30):
@@ -37,22 +58,35 @@ def test_drift_is_followed_within_a_few_dozen_batches() -> None:
     assert times.predict_s(8) == pytest.approx(0.030, rel=0.01)
 
 
-def test_an_unmeasured_size_reads_the_nearest_larger_bucket() -> None:
-    times = BatchTimes()
+def test_an_unmeasured_size_reads_the_nearest_larger_bucket(clock: FakeClock) -> None:
+    times = _warm(BatchTimes(clock), 2, 64)
     times.observe(2, 0.002)
     times.observe(64, 0.030)
     assert times.predict_s(8) == pytest.approx(0.030)
 
 
-def test_a_size_above_all_measured_scales_the_largest_by_size() -> None:
-    times = BatchTimes()
+def test_a_size_above_all_measured_scales_the_largest_by_size(clock: FakeClock) -> None:
+    times = _warm(BatchTimes(clock), 4)
     times.observe(4, 0.004)
     assert times.predict_s(16) == pytest.approx(0.016)
 
 
+async def test_an_estimate_no_batch_confirmed_lately_is_not_used(clock: FakeClock) -> None:
+    times = _warm(BatchTimes(clock), 8, 64)
+    times.observe(64, 0.030)
+    await clock.advance(MAX_AGE_S / 2)
+    times.observe(8, 0.900)  # a hiccup longer than any timeout: no batch would run
+    await clock.advance(MAX_AGE_S / 2 + 0.001)
+    assert times.predict_s(8) == pytest.approx(0.900)
+    assert times.predict_s(32) == pytest.approx(3.6)  # the 8s, scaled: the stale 64s are not read
+    await clock.advance(MAX_AGE_S / 2)
+    assert times.predict_s(8) == 0.0  # so a batch runs, and measures the model again
+    assert times.as_dict() == {8: pytest.approx(0.900), 64: pytest.approx(0.030)}
+
+
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
-def test_bad_samples_are_ignored(bad: float) -> None:
-    times = BatchTimes()
+def test_bad_samples_are_ignored(bad: float, clock: FakeClock) -> None:
+    times = _warm(BatchTimes(clock), 4)
     times.observe(4, bad)
     times.observe(0, 1.0)
     assert times.predict_s(4) == 0.0
