@@ -13,8 +13,8 @@ from carpool.core.batcher import Batcher
 from carpool.core.collate import RaggedDictCollator
 from carpool.core.telemetry import MemoryProbe
 from carpool.errors import ConfigError
+from carpool.generation.build import GenerationSettings
 from carpool.server.classification import read_labels
-from carpool.server.generation import GenerationSettings
 from carpool.server.outputs import checking_outputs
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.tensors import DATATYPES

@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 
 from carpool.core.policy import BatchPolicy
 from carpool.core.telemetry import REJECTION_REASONS, LatencyStats, TelemetrySnapshot
-from carpool.generation.engine import GenerationSnapshot
+from carpool.generation.telemetry import GenerationSnapshot
 from carpool.server.generation import generation_models
 from carpool.server.limits import InflightBytes
 from carpool.server.repository import ModelRepository

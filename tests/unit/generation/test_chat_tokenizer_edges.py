@@ -289,8 +289,9 @@ def _model_folder(folder: Path, bpe: Any) -> Path:
 
 
 async def _chat_prompt_ids(folder: Path, messages: list[dict[str, Any]]) -> list[int]:
+    from carpool.generation.build import GenerationSettings
     from carpool.server.completions import prepare
-    from carpool.server.generation import GenerationService, GenerationSettings
+    from carpool.server.generation import GenerationService
     from carpool.server.repository import ModelRepository
 
     settings = GenerationSettings(block_size=8, num_blocks=16, max_num_seqs=1, max_model_len=64)

@@ -12,9 +12,10 @@ from typing import Any
 import orjson
 import pytest
 
+from carpool.generation.build import GenerationSettings
 from carpool.server.app import KServeApp
 from carpool.server.completions import prepare
-from carpool.server.generation import GenerationService, GenerationSettings, generation_models
+from carpool.server.generation import GenerationService, generation_models
 from carpool.server.openai import BadParam
 
 from .apps import started_app

@@ -1,5 +1,5 @@
 """The generation service: KV-pool sizing from settings, the batcher slot that starts and
-drains the engine, the KServe face, and the scheduler adapter on the real scheduler."""
+drains the engine, the KServe face."""
 
 from __future__ import annotations
 
@@ -10,19 +10,9 @@ import pytest
 
 from carpool.config import ModelConfig, parse_config
 from carpool.errors import ConfigError, InvalidInput
-from carpool.generation.block_pool import BlockPool
-from carpool.generation.kv_cache import KVCacheManager
-from carpool.generation.request import FinishReason
-from carpool.generation.scheduler import Scheduler, SchedulerConfig
-from carpool.generation.types import SamplingParams, StepOutput
+from carpool.generation.build import GenerationSettings
 from carpool.server.builder import generation_settings
-from carpool.server.generation import (
-    RANDOM_WEIGHTS_LABEL,
-    GenerationService,
-    GenerationSettings,
-    SchedulerAdapter,
-    generation_models,
-)
+from carpool.server.generation import RANDOM_WEIGHTS_LABEL, GenerationService, generation_models
 from carpool.server.repository import ModelRepository
 
 
@@ -96,23 +86,6 @@ async def test_kserve_row_refused_stops_the_other_rows_of_its_request():
         assert snapshot.finished.get("abort", 0) == 1, snapshot.finished
     finally:
         await served.batcher.stop()
-
-
-def test_adapter_speaks_the_engine_s_protocol_over_the_real_scheduler():
-    pool = BlockPool(16, 4)
-    adapter = SchedulerAdapter(Scheduler(SchedulerConfig(eos_token_id=9), KVCacheManager(pool)))
-    adapter.add(0, (1, 2, 3), SamplingParams(max_tokens=2), "interactive")
-    with pytest.raises(InvalidInput, match="unknown priority class 'vip'"):
-        adapter.add(1, (1,), SamplingParams(), "vip")
-    assert adapter.has_work() and adapter.stats().num_waiting == 1
-    step = adapter.schedule()
-    (update,) = adapter.update(step, StepOutput((5,)))
-    assert (update.seq_id, update.new_token_ids, update.finish_reason) == (0, (5,), None)
-    step = adapter.schedule()
-    (update,) = adapter.update(step, StepOutput((6,)))
-    assert update.finish_reason is FinishReason.LENGTH
-    adapter.abort(0)  # finished already: a no-op
-    assert not adapter.has_work() and adapter.stats().kv_cache_usage == 0
 
 
 def test_config_keys_become_settings():
