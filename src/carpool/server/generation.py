@@ -8,9 +8,8 @@ small random-weight Llama with the byte tokenizer::
     GenerationService ── engine: GenerationEngine (carpool.generation.build)
                       └─ tokenizer, chat template, max_model_len, settings
 
-A served model has a batcher slot that the repository starts, stops and reads telemetry
-from. A generation model fills it with :class:`EngineBatcher`: an idle core batcher (the
-KServe face does not use it) whose ``start``/``stop`` also start and drain the engine.
+The engine schedules its requests itself: :meth:`ServedModel.of_generation` serves the
+service with no core batcher, and the repository starts and drains the engine.
 """
 
 from __future__ import annotations
@@ -21,14 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from carpool.core.batcher import Batcher
-from carpool.core.policy import DEFAULT_CLASSES, BatchPolicy
+from carpool.core.policy import DEFAULT_CLASSES
 from carpool.errors import ConfigError, InvalidInput
 from carpool.generation.build import GenerationSettings, build_engine, resolve_settings
 from carpool.generation.engine import GenerationEngine
 from carpool.generation.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from carpool.generation.types import SamplingParams
-from carpool.server.repository import EngineScheduling, ModelRepository, ServedModel, TensorSpec
 
 RANDOM_WEIGHTS_LABEL = "carpool (random weights, byte tokenizer: output is noise)"
 # The built-in random-weight model: ~0.3M parameters, fast on one CPU core.
@@ -64,7 +61,6 @@ class GenerationService:
         self.classes = classes  # the scheduler's priority classes, highest first
         self.tokenizer: Tokenizer = engine.tokenizer
         self.owned_by = owned_by
-        self.batcher = EngineBatcher(self)
 
     @property
     def max_model_len(self) -> int:
@@ -133,59 +129,25 @@ class GenerationService:
         parts = [e.text async for e in self.engine.generate(prompt, sampling, priority)]
         return "".join(parts)
 
-    def served_model(self) -> ServedModel:
-        return ServedModel(
-            name=self.name,
-            version="1",
-            platform="pytorch",
-            inputs=(TensorSpec("TEXT", "BYTES", ()),),
-            outputs=(TensorSpec("TEXT", "BYTES", ()),),
-            batcher=self.batcher,
-            infer=self.infer,
-            engine=self.scheduling(),
-        )
-
-    def scheduling(self) -> EngineScheduling:
-        """The engine settings that stand in for a batch policy (``/config``, ``/policy``)."""
+    def engine_settings(self) -> dict[str, int | str]:
+        """The engine settings that stand in for a batch policy (``/config``,
+        ``/policy``), by their config keys."""
         s = self.settings
-        return EngineScheduling(
-            {
-                "max_num_seqs": s.max_num_seqs,
-                "max_num_batched_tokens": s.max_num_batched_tokens,
-                "block_size": s.block_size,
-                "num_blocks": s.num_blocks or 0,  # resolved: never None here
-                "max_model_len": self.max_model_len,
-                "device": s.device,
-            }
+        return {
+            "max_num_seqs": s.max_num_seqs,
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "block_size": s.block_size,
+            "num_blocks": s.num_blocks or 0,  # resolved: never None here
+            "max_model_len": self.max_model_len,
+            "device": s.device,
+        }
+
+    def no_batch_policy(self) -> ConfigError:
+        """What ``GET`` and ``POST .../policy`` answer for this model (a 400)."""
+        named = ", ".join(f"{k}={v}" for k, v in self.engine_settings().items())
+        return ConfigError(
+            "policy",
+            self.name,
+            f"a batched model: a generation model has no batch policy; its engine schedules "
+            f"by its engine settings ({named}), set in its config entry",
         )
-
-
-def _never_called(batch: Any) -> Any:
-    raise AssertionError("a generation model's batcher gets no requests")
-
-
-class EngineBatcher(Batcher):
-    """Fills a generation model's batcher slot: starts and drains the engine with it."""
-
-    def __init__(self, service: GenerationService) -> None:
-        super().__init__(_never_called, BatchPolicy(), name=service.name, collate="list")
-        self.service = service
-
-    async def start(self) -> None:
-        await super().start()
-        await self.service.engine.start()
-
-    async def stop(self, drain: bool = True, *, timeout_s: float | None = None) -> None:
-        await self.service.engine.stop(drain=drain)
-        await super().stop(drain=drain, timeout_s=timeout_s)
-
-    def set_policy(self, policy: BatchPolicy) -> None:
-        """Refused: the engine schedules by its own settings, so a batch policy set here
-        would be answered as applied and change nothing (``POST .../policy`` is a 400,
-        and ``carpool tune`` is told so instead of measuring noise)."""
-        raise self.service.scheduling().no_batch_policy(self.service.name)
-
-
-def generation_models(repository: ModelRepository) -> dict[str, GenerationService]:
-    """The repository's generation models by name."""
-    return {m.name: m.batcher.service for m in repository if isinstance(m.batcher, EngineBatcher)}
