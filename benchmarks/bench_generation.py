@@ -192,7 +192,7 @@ def run_continuous(
         started = clock()
         result = scheduler.schedule()
         output = runner.execute(result.step_input)
-        events = scheduler.update(result.step_input, output)
+        events = scheduler.update_from_output(result, output)
         ended = clock()
         steps.append(
             StepTiming(

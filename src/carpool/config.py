@@ -80,7 +80,7 @@ POLICY_FIELDS = (
     "length_buckets",
     "batch_timeout_s",
 )
-# Keys only a generation model takes (carpool.server.generation.GenerationSettings).
+# Keys only a generation model takes (carpool.generation.build.GenerationSettings).
 GENERATION_FIELDS = (
     "block_size",
     "num_blocks",

@@ -1,4 +1,4 @@
-"""One generation request, its status, and when it stops.
+"""One generation request and its status.
 
 Status only moves forward, except a preempted request that is admitted again::
 
@@ -7,7 +7,10 @@ Status only moves forward, except a preempted request that is admitted again::
        │           ▼
        └──── PREEMPTED        (any unfinished status ──▶ FINISHED_ABORTED)
 
-The statuses are an ordered ``IntEnum``: ``status > PREEMPTED`` means finished.
+The statuses are an ordered ``IntEnum``: ``status > PREEMPTED`` means finished. The
+scheduler finishes a request at ``max_tokens`` (length); a stop token or stop string,
+which the output processor finds (``output.py``), and a client that left finish it
+through ``Scheduler.finish_request``.
 
 A request's sequence is ``prompt_token_ids + output_token_ids`` (``all_token_ids``);
 ``num_computed_tokens`` of them have K/V in the cache. After preemption by recompute it
@@ -17,13 +20,9 @@ drops to zero and both prompt and generated tokens are computed again.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from carpool.generation.tokenizer import REPLACEMENT_CHAR
 from carpool.generation.types import SamplingParams
-
-Detokenize = Callable[[Sequence[int]], str]
 
 
 class RequestStatus(enum.IntEnum):
@@ -42,6 +41,11 @@ class RequestStatus(enum.IntEnum):
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self)
 
+    @staticmethod
+    def finished_by(reason: FinishReason) -> RequestStatus:
+        """The finished status of a request that ended for ``reason``."""
+        return _FINISHED_BY[reason]
+
 
 class FinishReason(enum.StrEnum):
     """OpenAI's ``finish_reason`` values (``abort`` is ours: the client went away)."""
@@ -56,6 +60,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
+_FINISHED_BY = {reason: status for status, reason in _FINISH_REASONS.items()}
 
 
 @dataclass(slots=True, eq=False)
@@ -75,9 +80,6 @@ class GenRequest:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 before it
     num_preemptions: int = 0
     admit_seq: int = -1  # order of the latest admission: higher is more recent
-    stop_reason: int | str | None = None  # the stop token id or stop string that matched
-    text_end: int | None = None  # stop strings: visible text = decoded output[:text_end]
-    num_checked_chars: int = 0  # stop strings: output text already searched
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -111,64 +113,14 @@ class GenRequest:
 
 @dataclass(frozen=True, slots=True)
 class RequestEvent:
-    """What one request did this step, for streaming: new tokens, and how it finished."""
+    """What the scheduler did with one request this step: the token it appended, and how
+    the request finished if it did (``length`` at ``max_tokens``, ``abort``; the output
+    processor, ``output.py``, finds the stops its tokens and text make)."""
 
     request_id: int
     new_token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None  # the stop token id or stop string that matched
-    text_end: int | None = None  # stop string: visible text = decoded output[:text_end]
 
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
-
-
-def check_stop(
-    request: GenRequest, *, eos_token_id: int | None, detokenize: Detokenize | None
-) -> bool:
-    """After a token was appended: finish ``request`` if it should stop; True when it did.
-
-    In order: EOS (unless ``ignore_eos``), a stop token id, a stop string (needs
-    ``detokenize``; sets ``text_end`` so the stop string is trimmed), ``max_tokens``.
-    Token ids that stop a request stay in ``output_token_ids``; the engine hides EOS text.
-    """
-    sampling = request.sampling
-    last = request.output_token_ids[-1]
-    if (eos_token_id is not None and last == eos_token_id and not sampling.ignore_eos) or (
-        last in sampling.stop_token_ids
-    ):
-        request.status = RequestStatus.FINISHED_STOPPED
-        request.stop_reason = last
-        return True
-    if sampling.stop and detokenize is not None:
-        match = _find_stop_string(request, detokenize)
-        if match is not None:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason, request.text_end = match
-            return True
-    if request.num_output_tokens >= sampling.max_tokens:
-        request.status = RequestStatus.FINISHED_LENGTH
-        return True
-    return False
-
-
-def _find_stop_string(request: GenRequest, detokenize: Detokenize) -> tuple[str, int] | None:
-    """The earliest stop string in the new tail of the output text, and where it starts.
-
-    Only the tail is searched: from ``len(stop) - 1`` characters before the text already
-    checked, so a stop string spanning two tokens is still found. A trailing U+FFFD is not
-    checked yet: it may be a character still incomplete that the next token completes.
-    """
-    text = detokenize(request.output_token_ids)
-    stops = request.sampling.stop
-    start = max(0, request.num_checked_chars - max(len(s) for s in stops) + 1)
-    request.num_checked_chars = len(text.rstrip(REPLACEMENT_CHAR))
-    best: tuple[str, int] | None = None
-    for stop in stops:
-        if not stop:
-            continue
-        at = text.find(stop, start)
-        if at != -1 and (best is None or at < best[1]):
-            best = (stop, at)
-    return best

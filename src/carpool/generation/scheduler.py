@@ -3,8 +3,10 @@
 One step is a sequence of named phases under ``max_num_batched_tokens`` tokens and
 ``max_num_seqs`` sequences::
 
-    schedule():  running ──▶ (preempt when blocks run out) ──▶ waiting ──▶ StepInput
-    update():    append sampled tokens ──▶ cache full blocks ──▶ stop checks ──▶ events
+    schedule():            running ──▶ (preempt when blocks run out) ──▶ waiting
+                           ──▶ ScheduleResult (the StepInput, and what was preempted)
+    update_from_output():  append sampled tokens ──▶ cache full blocks ──▶ max_tokens
+                           ──▶ one RequestEvent per request that sampled
 
 *Running* goes first, by class rank then admission: a decode token each, or the next
 chunk of a prefill in progress; a prefill chunk never takes the tokens of the decodes
@@ -15,9 +17,14 @@ a step that preempted nothing, sharing their longest cached prefix; a prompt lon
 the budget left is split over steps (chunked prefill); one that does not fit stops
 admission, so shorter ones behind it cannot starve it.
 
-Call ``schedule`` and ``update`` alternately, from one thread; ``add_request`` and
-``abort`` may come in between. Blocks freed by ``abort`` are reused only by a later
-``schedule``, so a step in flight keeps its K/V.
+A request ends here at ``max_tokens`` (its KV room was reserved for that many); a stop
+token or stop string (the output processor, ``output.py``, finds them) or a client that
+left ends it through :meth:`Scheduler.finish_request`.
+
+Call ``schedule`` and ``update_from_output`` alternately, from one thread;
+``add_request`` and ``finish_request`` may come in between. Blocks freed by
+``finish_request`` are reused only by a later ``schedule``, so a step in flight keeps its
+K/V.
 """
 
 from __future__ import annotations
@@ -30,27 +37,19 @@ from dataclasses import dataclass, field
 from carpool.core.policy import DEFAULT_CLASS, DEFAULT_CLASSES
 from carpool.errors import ConfigError, InvalidInput, ModelError
 from carpool.generation.kv_cache import KVCacheManager
-from carpool.generation.request import (
-    Detokenize,
-    FinishReason,
-    GenRequest,
-    RequestEvent,
-    RequestStatus,
-    check_stop,
-)
+from carpool.generation.request import FinishReason, GenRequest, RequestEvent, RequestStatus
 from carpool.generation.types import SamplingParams, SeqChunk, StepInput, StepOutput
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Limits of one step, and how requests stop.
+    """Limits of one step, and the priority classes.
 
     Args:
         max_num_batched_tokens: tokens in one step, prefill and decode together.
         max_num_seqs: sequences running at once (each decodes one token a step).
         long_prefill_token_threshold: most tokens of one prefill chunk; 0: no cap beyond
             the budget.
-        eos_token_id: the tokenizer's end-of-sequence token; None: stop on it never.
         classes: priority class names, highest first (those of ``core.policy``).
         default_class: the class of a request that names none.
 
@@ -61,7 +60,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     long_prefill_token_threshold: int = 0
-    eos_token_id: int | None = None
     classes: tuple[str, ...] = tuple(c.name for c in DEFAULT_CLASSES)
     default_class: str = DEFAULT_CLASS
 
@@ -96,17 +94,18 @@ class ScheduleResult:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStats:
-    """Counters for metrics; ``num_*_tokens`` and ``num_preemptions`` only grow."""
+    """What the scheduler and its KV-cache manager count, for metrics (vLLM's names in
+    parentheses); every ``num_*`` but the first two only grows."""
 
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_prefix_queried_tokens: int
-    num_prefix_hit_tokens: int
-    num_preemptions: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_finished: int
+    num_running: int  # (num_requests_running)
+    num_waiting: int  # (num_requests_waiting)
+    kv_cache_usage: float  # blocks in use / all blocks (kv_cache_usage_perc)
+    num_prefix_cache_queries: int  # prompt tokens looked up (prefix_cache_queries)
+    num_prefix_cache_hits: int  # of those, found cached (prefix_cache_hits)
+    num_preemptions: int  # (num_preemptions)
+    num_prompt_tokens: int  # of admitted requests, counted once each
+    num_generation_tokens: int  # appended to requests
+    num_finished: int  # by any reason, aborts included
 
 
 @dataclass(slots=True)
@@ -127,21 +126,13 @@ class Scheduler:
     """Continuous batching over a paged KV cache (see the module docstring).
 
     Args:
-        config: the step limits and stop settings.
+        config: the step limits and priority classes.
         kv_cache: where the requests' K/V lives.
-        detokenize: token ids to text, for stop strings; without it ``stop`` is ignored.
     """
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        kv_cache: KVCacheManager,
-        *,
-        detokenize: Detokenize | None = None,
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.detokenize = detokenize
         self._ranks = {name: rank for rank, name in enumerate(config.classes)}
         self._waiting: list[deque[GenRequest]] = [deque() for _ in config.classes]
         self._running: list[GenRequest] = []  # sorted by _running_order
@@ -206,8 +197,9 @@ class Scheduler:
         self._waiting[request.rank].append(request)
         return request
 
-    def abort(self, request_id: int) -> RequestEvent | None:
-        """Finish a waiting or running request now and free its blocks (client went away).
+    def finish_request(self, request_id: int, reason: FinishReason) -> RequestEvent | None:
+        """Finish a waiting or running request now and free its blocks: ``abort`` when
+        its client went away, ``stop`` when its output processor found a stop.
 
         Returns:
             Its final event, or None when the request is unknown or already finished.
@@ -219,9 +211,9 @@ class Scheduler:
             self._running.remove(request)
         else:
             self._waiting[request.rank].remove(request)
-        request.status = RequestStatus.FINISHED_ABORTED
+        request.status = RequestStatus.finished_by(reason)
         self._release(request)
-        return RequestEvent(request_id, (), FinishReason.ABORT)
+        return RequestEvent(request_id, (), reason)
 
     def get_request(self, request_id: int) -> GenRequest | None:
         """An unfinished request, or None."""
@@ -338,14 +330,16 @@ class Scheduler:
 
     # -- after the step ran ---------------------------------------------------------------
 
-    def update(self, step: StepInput, output: StepOutput) -> list[RequestEvent]:
-        """Apply the runner's output for ``step``: one event per request that sampled.
+    def update_from_output(self, result: ScheduleResult, output: StepOutput) -> list[RequestEvent]:
+        """Apply the runner's output for the step ``result`` scheduled: one event per
+        request that sampled, finished (``length``) when it reached ``max_tokens``.
 
-        Chunks of requests aborted since ``schedule`` are skipped.
+        Chunks of requests finished since ``schedule`` are skipped.
 
         Raises:
-            ModelError: when ``output`` does not match ``step`` (no state has changed).
+            ModelError: when ``output`` does not match the step (no state has changed).
         """
+        step = result.step_input
         if len(output.sampled) != len(step.chunks):
             raise ModelError(
                 f"runner returned {len(output.sampled)} samples for {len(step.chunks)} chunks"
@@ -371,16 +365,11 @@ class Scheduler:
     def _append_token(self, request: GenRequest, token_id: int) -> RequestEvent:
         request.append_output_token(token_id)
         self.num_generation_tokens += 1
-        if check_stop(request, eos_token_id=self.config.eos_token_id, detokenize=self.detokenize):
+        if request.num_output_tokens >= request.sampling.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH
             self._running.remove(request)
             self._release(request)
-        return RequestEvent(
-            request.request_id,
-            (token_id,),
-            request.finish_reason,
-            request.stop_reason,
-            request.text_end,
-        )
+        return RequestEvent(request.request_id, (token_id,), request.finish_reason)
 
     def _release(self, request: GenRequest) -> None:
         self.kv_cache.free(request.request_id)
@@ -409,9 +398,9 @@ class Scheduler:
         return SchedulerStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
-            kv_usage=self.kv_cache.usage,
-            num_prefix_queried_tokens=self.kv_cache.num_queried_tokens,
-            num_prefix_hit_tokens=self.kv_cache.num_hit_tokens,
+            kv_cache_usage=self.kv_cache.usage,
+            num_prefix_cache_queries=self.kv_cache.num_queried_tokens,
+            num_prefix_cache_hits=self.kv_cache.num_hit_tokens,
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,

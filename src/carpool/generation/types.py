@@ -2,9 +2,9 @@
 
 One engine step::
 
-    Scheduler.schedule() ──▶ StepInput(chunks) ──▶ ModelRunner.execute() ──▶ StepOutput
-         ▲                                                                      │
-         └──────────────── Scheduler.update(step, output) ◀─────────────────────┘
+    Scheduler.schedule() ──▶ ScheduleResult(StepInput(chunks)) ──▶ ModelRunner.execute()
+         ▲                                                                  │
+         └─────── Scheduler.update_from_output(result, StepOutput) ◀────────┘
 
 A chunk is one sequence's share of the step: a slice of its prompt (prefill, possibly one
 of several chunks) or its one newest token (decode). ``start_pos`` is the position of the

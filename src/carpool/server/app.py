@@ -191,22 +191,19 @@ class KServeApp:
             return await self._infer(model, scope, receive, send)
         if action == "policy":
             _allow(method, path, "GET", "POST")
-            if model.engine is not None:  # GET and POST alike: no batch policy to show or set
-                raise model.engine.no_batch_policy(model.name)
+            batcher = model.require_batcher()  # a generation model: no batch policy, a 400
             if method == "POST":
                 if not self.access.allow_policy_updates:
                     raise PolicyUpdatesOff(model.name)
-                model.batcher.update_policy(
-                    **_policy_changes(await self._read_body(scope, receive))
-                )
-            return await _json(send, _policy_document(model.batcher.policy))
+                batcher.update_policy(**_policy_changes(await self._read_body(scope, receive)))
+            return await _json(send, _policy_document(batcher.policy))
         if action not in (None, "ready", "config", "stats"):
             raise NotFound(f"path {path!r}", ["ready", "config", "stats", "infer", "policy"])
         _allow(method, path, "GET")
         if action is None:
             return await _json(send, model.metadata())
         if action == "ready":
-            status = 200 if model.batcher.is_ready else 503
+            status = 200 if model.is_ready else 503
             return await _respond(send, status, b"", ())
         if action == "config":
             return await _json(send, model.config())

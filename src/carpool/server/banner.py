@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 
 from carpool import __version__
-from carpool.server.generation import generation_models
 from carpool.server.repository import ModelRepository, ServedModel
 
 logger = logging.getLogger("carpool.server")
@@ -39,11 +38,10 @@ def use_default_logging() -> None:
 def ready_lines(repository: ModelRepository, http: str, grpc: str | None) -> list[str]:
     """The startup summary: one line per model, then the addresses."""
     models = list(repository)
-    generation = generation_models(repository)
     width = max((len(m.name) for m in models), default=0)
     lines = [f"carpool {__version__}: {len(models)} model(s) ready"]
     for model in models:
-        lines.append(f"  {model.name:<{width}}  {_describe(model, model.name in generation)}")
+        lines.append(f"  {model.name:<{width}}  {_describe(model)}")
     lines.append(f"HTTP  http://{http}  KServe v2 /v2, OpenAI /v1, Prometheus /metrics")
     if grpc is not None:
         lines.append(f"gRPC  {grpc}  KServe v2 inference.GRPCInferenceService")
@@ -51,12 +49,13 @@ def ready_lines(repository: ModelRepository, http: str, grpc: str | None) -> lis
     return lines
 
 
-def _describe(model: ServedModel, is_generation: bool) -> str:
-    if is_generation:
+def _describe(model: ServedModel) -> str:
+    batcher = model.batcher
+    if batcher is None:  # a generation model: its engine schedules every step
         return "generation: continuous batching, /v1/completions and /v1/chat/completions"
-    policy = model.batcher.policy
+    policy = batcher.policy
     batching = f"batch <= {policy.max_batch_size} within {policy.max_delay_s * 1e3:g} ms"
-    replicas = model.batcher.num_replicas
+    replicas = batcher.num_replicas
     if replicas > 1:
         batching += f", {replicas} replicas"
     if model.embeddings is not None:

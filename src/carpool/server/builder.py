@@ -1,4 +1,5 @@
-"""Served models built from a :class:`~carpool.config.ServeConfig`: one batcher per model."""
+"""Served models built from a :class:`~carpool.config.ServeConfig`: one batcher per
+model, or one generation engine."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from carpool.core.batcher import Batcher
 from carpool.core.collate import RaggedDictCollator
 from carpool.core.telemetry import MemoryProbe
 from carpool.errors import ConfigError
+from carpool.generation.build import GenerationSettings
 from carpool.server.classification import read_labels
-from carpool.server.generation import GenerationSettings
 from carpool.server.outputs import checking_outputs
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.tensors import DATATYPES
@@ -74,13 +75,14 @@ def build_model(
             max_inputs=model.max_inputs,
             executor=model.executor or EmbeddingService.DEFAULT_EXECUTOR,
         )
-        return service.served_model()
+        return ServedModel.of_embeddings(service)
     if model.kind == "generation":
         from carpool.server.generation import GenerationService
 
-        return GenerationService.from_folder(
-            model.name, model.source, generation_settings(model)
-        ).served_model()
+        settings = generation_settings(model)
+        return ServedModel.of_generation(
+            GenerationService.from_folder(model.name, model.source, settings)
+        )
     runner = build_runner(model, key=key, file=file)
     inputs, outputs = runner.inputs, runner.outputs
     batcher = Batcher(

@@ -40,7 +40,7 @@ from carpool.generation.engine import GenerationEvent, Usage
 from carpool.generation.tokenizer import check_token_ids
 from carpool.generation.types import SamplingParams
 from carpool.server.errors import NotFound, openai_error
-from carpool.server.generation import GenerationService, generation_models
+from carpool.server.generation import GenerationService
 from carpool.server.openai import BadParam, json_object, priority_class
 from carpool.server.repository import ModelRepository
 
@@ -240,7 +240,7 @@ def _service(repository: ModelRepository, doc: dict[str, Any]) -> GenerationServ
     name = doc.get("model")
     if not isinstance(name, str):
         raise BadParam("model", f"model={name!r}: expected the name of a generation model")
-    services = generation_models(repository)
+    services = repository.generation_services()
     service = services.get(name)
     if service is None:
         raise NotFound(f"generation model {name!r}", sorted(services), is_model=True)

@@ -67,8 +67,8 @@ def default_models() -> list[ServedModel]:
         from carpool.server.embeddings import EmbeddingService
 
         policy = BatchPolicy(max_batch_size=64, max_delay_s=0.005, max_batch_tokens=4096)
-        models.append(EmbeddingService(EMBEDDINGS_NAME, folder, policy).served_model())
+        models.append(ServedModel.of_embeddings(EmbeddingService(EMBEDDINGS_NAME, folder, policy)))
     from carpool.server.generation import GenerationService
 
-    models.append(GenerationService.tiny_random(GENERATION_NAME).served_model())
+    models.append(ServedModel.of_generation(GenerationService.tiny_random(GENERATION_NAME)))
     return models

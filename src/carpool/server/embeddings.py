@@ -6,8 +6,8 @@ arrays reach the model packed (no padding, ``collate="packed"``)::
 
     "a cat" ─tokenize─▶ [101 1037 4937 102] ─submit─▶ batcher ─Packed─▶ encoder ─▶ row
 
-KServe face: input ``TEXT`` (BYTES, one UTF-8 text per row), output ``EMBEDDING``
-(FP32, ``dimensions`` per row).
+KServe face (:meth:`ServedModel.of_embeddings`): input ``TEXT`` (BYTES, one UTF-8 text
+per row), output ``EMBEDDING`` (FP32, ``dimensions`` per row).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from carpool.core.batcher import Batcher
 from carpool.core.layout import Packed
 from carpool.core.policy import BatchPolicy
 from carpool.errors import ConfigError, InvalidInput
-from carpool.server.repository import ServedModel, TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -185,15 +184,3 @@ class EmbeddingService:
                 ) from None
         embedded = await self.embed_texts(texts, **options)
         return {"EMBEDDING": embedded.vectors}
-
-    def served_model(self) -> ServedModel:
-        return ServedModel(
-            name=self.name,
-            version="1",
-            platform="pytorch",
-            inputs=(TensorSpec("TEXT", "BYTES", ()),),
-            outputs=(TensorSpec("EMBEDDING", "FP32", (self.dimensions,)),),
-            batcher=self.batcher,
-            infer=self.infer,
-            embeddings=self,
-        )

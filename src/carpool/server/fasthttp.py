@@ -588,7 +588,12 @@ class InferProtocol(HttpToolsProtocol):
             if end > length or not data.startswith(head, start):
                 break
             model = kserve.infer_routes.get(url)
-            if model is None or model.infer is not None or not model.batcher.is_running:
+            if (
+                model is None
+                or model.infer is not None
+                or model.batcher is None  # a generation model: its engine answers
+                or not model.batcher.is_running
+            ):
                 break  # the parser's path decides, as for the first such request
             if transport.is_closing() or self._lingering:  # as _is_closing, inline
                 return b""  # after a 413: the rest of the read is ignored
@@ -682,8 +687,9 @@ class InferProtocol(HttpToolsProtocol):
             # Its answer may have landed with the done-callback not yet run: cancelling
             # is then too late, and uvicorn marks only the newest cycle disconnected.
             cycle.disconnected = True
-            if cycle.queued is not None:
-                cycle.model.batcher.cancel(cycle.queued)
+            batcher = cycle.model.batcher
+            if cycle.queued is not None and batcher is not None:
+                batcher.cancel(cycle.queued)
                 cycle.queued = None
         # uvicorn tells only the newest cycle; an ASGI request running with a pipelined one
         # behind it would go on to write to the closed transport (uvloop raises) and keep
@@ -714,7 +720,9 @@ class InferProtocol(HttpToolsProtocol):
             if model is None:
                 return None
             routes[url] = model
-        return model if model.infer is None and model.batcher.is_running else None
+        batcher = model.batcher  # None for a generation model: its engine answers
+        is_fast = model.infer is None and batcher is not None and batcher.is_running
+        return model if is_fast else None
 
     def _route(self, url: bytes) -> ServedModel | None:
         """The served model an infer URL names, without a query or escapes (those, and
@@ -768,6 +776,7 @@ class InferProtocol(HttpToolsProtocol):
             return
         self._in_room = True
         self.flow.pause_reading()
+        assert model.batcher is not None  # a model on the fast path
         self.kserve.waiting_room.wait(model.batcher, self._room_made)
 
     def _room_made(self, has_place: bool) -> bool:
@@ -800,6 +809,7 @@ class InferProtocol(HttpToolsProtocol):
         the model is at its bound, a 429 prepared once per message, without reading or
         decoding the body (under overload, refusing must cost far less than serving)."""
         batcher = model.batcher
+        assert batcher is not None  # a model on the fast path
         if self._has_place:  # it waited for this room: the waiting ones after it do not count
             self._has_place = False
             num_reserved = 0
@@ -826,7 +836,9 @@ class InferProtocol(HttpToolsProtocol):
         try:
             call = prepare_infer(model, body, cycle.header_length, self.kserve.plans)
             options = call.plan.options
-            queued = model.batcher.enqueue_many(call.payload, **options, arrival_s=cycle.arrival_s)
+            batcher = model.batcher
+            assert batcher is not None  # a model on the fast path
+            queued = batcher.enqueue_many(call.payload, **options, arrival_s=cycle.arrival_s)
         except Exception as exc:
             self._answer(cycle, *error_response(exc))
             return

@@ -341,7 +341,7 @@ class InferenceServicer:
             model = self.repository.get(request.name, request.version or None)
         except NotFound:  # not an error: Triton answers ready=false, as REST's 404 reads
             return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=model.batcher.is_ready)
+        return pb.ModelReadyResponse(ready=model.is_ready)
 
     async def ServerMetadata(
         self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext[Any, Any]

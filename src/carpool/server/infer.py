@@ -73,7 +73,7 @@ class InferPlan:
     options: dict[str, Any]
     wanted: list[TensorSpec]
     binary: set[str]
-    policy: BatchPolicy  # the one ``options`` were resolved under (its priority classes)
+    policy: BatchPolicy | None  # the one ``options`` were resolved under (its priority classes)
     answers: dict[tuple[tuple[int, ...], ...], bytes] | None = field(default_factory=dict)
     # Answers all in JSON: the answer cut where each output's data goes, by output shapes.
     json_answers: dict[tuple[tuple[int, ...], ...], tuple[bytes, ...]] | None = None
@@ -147,7 +147,7 @@ def prepare_infer(
     plan = plans.get(model, header_bytes)
     if plan is not None:  # the same header as an earlier request: checked then
         layout = plan.layout
-        if layout is not None and plan.policy is model.batcher.policy:
+        if layout is not None and plan.policy is model.policy:
             return InferCall(plan.header.request_id, binary_payload(layout, binary), plan)
         request = decode_with_header(plan.header, binary)
         return _planned_call(model, plan, request)
@@ -167,7 +167,7 @@ def _prepare_json(model: ServedModel, body: bytes, plans: InferPlans) -> InferCa
     key = json_shape_key(document) if is_strict else None
     plan = plans.get(model, key, is_json=True) if key is not None else None
     if plan is not None:
-        if plan.policy is model.batcher.policy:  # the request's objects are not needed
+        if plan.policy is model.policy:  # the request's objects are not needed
             return InferCall(plan.header.request_id, json_payload(plan.header, document), plan)
         request = decode_json_with_header(plan.header, document)
         return _planned_call(model, plan, request)
@@ -183,7 +183,7 @@ def _prepare_json(model: ServedModel, body: bytes, plans: InferPlans) -> InferCa
 def _planned_call(model: ServedModel, plan: InferPlan, request: InferRequest) -> InferCall:
     """A request of a known plan; its options are resolved again if the model's batch
     policy (and with it the priority classes) changed since."""
-    policy = model.batcher.policy
+    policy = model.policy
     if plan.policy is not policy:
         plan.options, plan.policy = model.submit_options(request), policy
     return InferCall(request.request_id, {t.name: t.array for t in request.inputs}, plan)
@@ -195,7 +195,7 @@ def _first_call(model: ServedModel, header: InferHeader, request: InferRequest) 
     wanted = _wanted_outputs(model, request)
     classes = class_counts(request.outputs, wanted)
     options = model.submit_options(request)
-    policy = model.batcher.policy
+    policy = model.policy
     plan = InferPlan(header, options, wanted, _binary(request, wanted), policy, classes=classes)
     if (
         classes is not None

@@ -28,8 +28,7 @@ from prometheus_client.registry import Collector
 
 from carpool.core.policy import BatchPolicy
 from carpool.core.telemetry import REJECTION_REASONS, LatencyStats, TelemetrySnapshot
-from carpool.generation.engine import GenerationSnapshot
-from carpool.server.generation import generation_models
+from carpool.generation.telemetry import GenerationSnapshot
 from carpool.server.limits import InflightBytes
 from carpool.server.repository import ModelRepository
 
@@ -90,19 +89,17 @@ class TelemetryCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         # Labelled by the repository's (unique) names: a batcher's own name defaults to
-        # its function's, which two models may share. A generation model's batcher only
-        # starts and stops its engine (it is never given a request): its series would
-        # read 0 requests, 0 batches and an idle replica while the engine serves, so it
-        # has only the carpool_generation_* ones.
-        services = generation_models(self._repository)
+        # its function's, which two models may share. A generation model has no batcher
+        # (its engine schedules its requests): it has only the carpool_generation_* ones.
         snapshots = [
-            (m.name, m.batcher.snapshot(quantiles=False), self._bounds_of(m.name, m.batcher.policy))
+            (m.name, b.snapshot(quantiles=False), self._bounds_of(m.name, b.policy))
             for m in self._repository
-            if m.name not in services
+            if (b := m.batcher) is not None
         ]
         yield from _class_metrics(snapshots)
         yield from _batch_metrics(snapshots)
         yield from _replica_metrics(snapshots)
+        services = self._repository.generation_services()
         yield from _generation_metrics(
             [(name, g.engine.snapshot(quantiles=False)) for name, g in services.items()]
         )

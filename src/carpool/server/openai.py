@@ -26,7 +26,6 @@ from carpool.core.admission import is_timeout
 from carpool.errors import InvalidInput
 from carpool.server.embeddings import EmbeddingService
 from carpool.server.errors import NotFound
-from carpool.server.generation import generation_models
 from carpool.server.repository import ModelRepository
 
 _KNOWN_FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "priority", "timeout_s")
@@ -46,15 +45,11 @@ class BadParam(InvalidInput):
         return (self.param, self.reason), {"code": self.code}
 
 
-def embedding_models(repository: ModelRepository) -> dict[str, EmbeddingService]:
-    return {m.name: m.embeddings for m in repository if m.embeddings is not None}
-
-
 def list_models(repository: ModelRepository) -> bytes:
     """``GET /v1/models``: every model with an OpenAI face (generation models name their
     owner, which tells random weights apart)."""
-    owners = {name: "carpool" for name in embedding_models(repository)}
-    owners |= {name: g.owned_by for name, g in generation_models(repository).items()}
+    owners = {name: "carpool" for name in repository.embedding_services()}
+    owners |= {name: g.owned_by for name, g in repository.generation_services().items()}
     data = [
         {"id": name, "object": "model", "created": _STARTED, "owned_by": owner}
         for name, owner in owners.items()
@@ -125,7 +120,7 @@ def _model(repository: ModelRepository, doc: dict[str, Any]) -> EmbeddingService
     name = doc.get("model")
     if not isinstance(name, str):
         raise BadParam("model", f"model={name!r}: expected the name of an embeddings model")
-    services = embedding_models(repository)
+    services = repository.embedding_services()
     service = services.get(name)
     if service is None:
         raise NotFound(f"embeddings model {name!r}", sorted(services), is_model=True)

@@ -1,13 +1,25 @@
-"""The models a server serves: their declared tensors, batchers and KServe metadata.
+"""The models a server serves: their declared tensors, what runs them, KServe metadata.
 
 A served model's function takes ``{input name: array}`` with the batch along axis 0 and
 returns ``{output name: array}`` aligned with it. Declared shapes leave out the batch
 dimension (as Triton's ``dims`` do); metadata shows it as ``-1``.
+
+What a model answers is explicit in its :class:`ServedModel`::
+
+    every model         KServe v2 infer (HTTP, gRPC): ``infer`` or, without it, the batcher
+    batcher             a core batcher batches its requests (KServe models, embeddings);
+                        it has a batch policy (``/policy``, ``dynamic_batching``)
+    embeddings          also OpenAI ``/v1/embeddings`` (its texts go to that batcher)
+    generation          OpenAI ``/v1/completions``, ``/v1/chat/completions``: no batcher,
+                        its engine schedules every step by its engine settings
+
+The services (``server/embeddings.py``, ``server/generation.py``) know nothing of this
+module: :meth:`ServedModel.of_embeddings` and :meth:`ServedModel.of_generation` serve them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +33,7 @@ from carpool.server.tensors import DATATYPES, InferRequest
 
 if TYPE_CHECKING:
     from carpool.server.embeddings import EmbeddingService
+    from carpool.server.generation import GenerationService
 
 TIMEOUT_PARAMETER_UNIT_S = 1e-6  # Triton's "timeout" request parameter is in microseconds
 
@@ -61,34 +74,23 @@ class TensorSpec:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class EngineScheduling:
-    """How a model whose own engine schedules its requests (generation) runs them, in
-    place of a batch policy: ``settings`` by their config keys, ``max_num_seqs`` and
-    ``device`` among them."""
-
-    settings: dict[str, int | str]
-
-    def no_batch_policy(self, model: str) -> ConfigError:
-        """What ``GET`` and ``POST .../policy`` answer for such a model (a 400)."""
-        named = ", ".join(f"{k}={v}" for k, v in self.settings.items())
-        return ConfigError(
-            "policy",
-            model,
-            f"a batched model: a generation model has no batch policy; its engine schedules "
-            f"by its engine settings ({named}), set in its config entry",
-        )
+KServeInfer = Callable[[dict[str, np.ndarray], dict[str, Any]], Awaitable[Any]]
 
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """One model behind one batcher.
+    """One model, and what runs its requests: a core batcher or a generation engine.
 
-    ``infer``, when given, answers KServe requests instead of submitting the payload to
-    the batcher as one request (an embeddings model tokenizes first). ``embeddings`` is
-    set for models that also answer OpenAI's ``/v1/embeddings``. ``engine`` is set for a
-    model whose engine schedules its requests (generation): its batcher slot only starts
-    and stops the engine, and holds no batch policy.
+    ``batcher`` batches a model's requests (a KServe model's, an embeddings model's
+    texts); a generation model has none: its engine schedules its requests at every
+    step, so it has no batch policy. ``infer``, when given, answers KServe requests
+    instead of submitting the payload to the batcher as one request (an embeddings model
+    tokenizes first, a generation model generates). ``embeddings`` and ``generation``
+    are the services behind the OpenAI endpoints.
+
+    Raises:
+        ConfigError: a model with neither or both of ``batcher`` and ``generation``, or
+            with no way to answer KServe (no batcher and no ``infer``).
     """
 
     name: str
@@ -96,10 +98,115 @@ class ServedModel:
     platform: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-    batcher: Batcher
-    infer: Callable[[dict[str, np.ndarray], dict[str, Any]], Awaitable[Any]] | None = None
+    batcher: Batcher | None = None
+    infer: KServeInfer | None = None
     embeddings: EmbeddingService | None = None
-    engine: EngineScheduling | None = None
+    generation: GenerationService | None = None
+
+    def __post_init__(self) -> None:
+        if (self.batcher is None) == (self.generation is None):
+            runs = "both" if self.batcher is not None else "neither"
+            raise ConfigError(
+                f"model {self.name!r}", runs, "a batcher or a generation engine to run it"
+            )
+        if self.batcher is None and self.infer is None:
+            raise ConfigError(
+                f"model {self.name!r}.infer", None, "its engine's KServe face (no batcher)"
+            )
+
+    @classmethod
+    def of_embeddings(cls, service: EmbeddingService) -> ServedModel:
+        """An embeddings model: KServe ``TEXT`` (BYTES, one UTF-8 text a row) in,
+        ``EMBEDDING`` (FP32) out, and ``/v1/embeddings``; each text is one request to
+        its batcher."""
+        return cls(
+            name=service.name,
+            version="1",
+            platform="pytorch",
+            inputs=(TensorSpec("TEXT", "BYTES", ()),),
+            outputs=(TensorSpec("EMBEDDING", "FP32", (service.dimensions,)),),
+            batcher=service.batcher,
+            infer=service.infer,
+            embeddings=service,
+        )
+
+    @classmethod
+    def of_generation(cls, service: GenerationService) -> ServedModel:
+        """A generation model: KServe ``TEXT`` rows in, each row's continuation out as
+        ``TEXT``, and ``/v1/completions`` and ``/v1/chat/completions``."""
+        return cls(
+            name=service.name,
+            version="1",
+            platform="pytorch",
+            inputs=(TensorSpec("TEXT", "BYTES", ()),),
+            outputs=(TensorSpec("TEXT", "BYTES", ()),),
+            infer=service.infer,
+            generation=service,
+        )
+
+    # -- what runs the requests: the batcher or the engine ------------------------------
+
+    async def start(self) -> None:
+        if self.generation is not None:
+            await self.generation.engine.start()
+        else:
+            await self._batcher().start()
+
+    async def stop(self) -> None:
+        """Stop taking requests and answer every one accepted (drain)."""
+        if self.generation is not None:
+            await self.generation.engine.stop(drain=True)
+        else:
+            await self._batcher().stop(drain=True)
+
+    def cut_off(self) -> int:
+        """Cut the batcher's drain off (:meth:`Batcher.cut_off`); how many requests it
+        failed. A generation engine's requests are not cut off: 0."""
+        return 0 if self.batcher is None else self.batcher.cut_off()
+
+    @property
+    def is_ready(self) -> bool:
+        """Running and able to take requests: the batcher has a replica that is not
+        being replaced after a hang; the engine's step loop runs."""
+        if self.generation is not None:
+            return self.generation.engine.is_running
+        return self._batcher().is_ready
+
+    @property
+    def num_pending(self) -> int:
+        """Requests accepted and not yet answered."""
+        if self.generation is not None:
+            return self.generation.engine.num_active
+        return self._batcher().num_pending
+
+    @property
+    def policy(self) -> BatchPolicy | None:
+        """The batcher's policy; None for a generation model (it has none)."""
+        return None if self.batcher is None else self.batcher.policy
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        """The priority classes a request may name, highest first."""
+        if self.generation is not None:
+            return self.generation.classes
+        return tuple(c.name for c in self._batcher().policy.classes)
+
+    def require_batcher(self) -> Batcher:
+        """The batcher, for what only a batched model has: the policy ``GET`` and
+        ``POST .../policy`` show and set, what ``carpool tune`` and ``bench`` drive.
+
+        Raises:
+            ConfigError: for a generation model (a 400 on ``/policy``): its engine
+                schedules by its engine settings, so a batch policy would be answered as
+                set and change nothing.
+        """
+        if self.generation is not None:
+            raise self.generation.no_batch_policy()
+        return self._batcher()
+
+    def _batcher(self) -> Batcher:
+        assert self.batcher is not None, "a model without a generation engine has a batcher"
+        return self.batcher
 
     async def run(
         self,
@@ -112,7 +219,7 @@ class ServedModel:
         counts from."""
         if self.infer is not None:
             return await self.infer(payload, options)
-        result = await self.batcher.submit_many(payload, **options, arrival_s=arrival_s)
+        result = await self._batcher().submit_many(payload, **options, arrival_s=arrival_s)
         return self.outputs_of(result)
 
     def outputs_of(self, result: Any) -> dict[str, Any]:
@@ -150,8 +257,8 @@ class ServedModel:
         its engine schedules (generation) has no ``dynamic_batching``: requests join and
         leave its batch at every step; ``max_batch_size`` is the most sequences a step
         runs (``max_num_seqs``), as Triton's TensorRT-LLM models declare it."""
-        if self.engine is not None:
-            settings = self.engine.settings
+        if self.generation is not None:
+            settings = self.generation.engine_settings()
             return {
                 "name": self.name,
                 "platform": self.platform,
@@ -160,7 +267,8 @@ class ServedModel:
                 "output": [_config_tensor(t) for t in self.outputs],
                 "instance_group": _instance_groups((str(settings["device"]),)),
             }
-        policy = self.batcher.policy
+        batcher = self._batcher()
+        policy = batcher.policy
         return {
             "name": self.name,
             "platform": self.platform,
@@ -179,7 +287,7 @@ class ServedModel:
                     for level, c in enumerate(policy.classes, start=1)
                 },
             },
-            "instance_group": _instance_groups(self.batcher.devices),
+            "instance_group": _instance_groups(batcher.devices),
         }
 
     def payload(self, request: InferRequest) -> dict[str, np.ndarray]:
@@ -235,11 +343,11 @@ class ServedModel:
         if isinstance(priority, str):
             options["priority"] = priority
         elif isinstance(priority, int) and not isinstance(priority, bool) and priority >= 0:
-            classes = self.batcher.policy.classes
+            classes = self.class_names
             if 1 <= priority <= len(classes):
-                options["priority"] = classes[priority - 1].name
+                options["priority"] = classes[priority - 1]
         elif priority is not None:
-            names = [c.name for c in self.batcher.policy.classes]
+            names = list(self.class_names)
             raise InvalidInput(
                 f"parameter 'priority'={priority!r}: expected an integer >= 0 (1 highest) "
                 f"or a class name {names}"
@@ -264,9 +372,9 @@ class ServedModel:
         """The deadline of class ``name`` (None: the default class), which a request's
         own ``timeout`` may shorten and never lengthen, as Triton's
         ``allow_timeout_override``; None for no deadline or a class the batcher will
-        refuse by name."""
-        policy = self.batcher.policy
-        if name is not None and name not in policy.limits:
+        refuse by name (a generation model's classes have none)."""
+        policy = self.policy
+        if policy is None or (name is not None and name not in policy.limits):
             return None
         return policy.class_limits(name).timeout_s
 
@@ -368,8 +476,16 @@ class ModelRepository:
         if len(self._models) != len(models):
             raise ConfigError("models[].name", [m.name for m in models], "unique model names")
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[ServedModel]:
         return iter(self._models.values())
+
+    def embedding_services(self) -> dict[str, EmbeddingService]:
+        """The models that answer ``/v1/embeddings``, by name."""
+        return {m.name: m.embeddings for m in self._models.values() if m.embeddings is not None}
+
+    def generation_services(self) -> dict[str, GenerationService]:
+        """The models that answer ``/v1/completions`` and ``/v1/chat/completions``."""
+        return {m.name: m.generation for m in self._models.values() if m.generation is not None}
 
     def get(self, name: str, version: str | None = None) -> ServedModel:
         model = self._models.get(name)
@@ -381,29 +497,28 @@ class ModelRepository:
 
     async def start(self) -> None:
         for model in self._models.values():
-            await model.batcher.start()
+            await model.start()
 
     async def stop(self) -> None:
         for model in self._models.values():
-            await model.batcher.stop(drain=True)
+            await model.stop()
 
     def cut_off(self) -> int:
-        """Cut every model's drain off (:meth:`Batcher.cut_off`): what is still queued or
-        running fails with Closed. Returns how many requests were cut off."""
-        return sum(model.batcher.cut_off() for model in self._models.values())
+        """Cut every batcher's drain off (:meth:`Batcher.cut_off`): what is still queued
+        or running fails with Closed. Returns how many requests were cut off."""
+        return sum(model.cut_off() for model in self._models.values())
 
     @property
     def is_ready(self) -> bool:
-        """Every model is ready (:attr:`Batcher.is_ready`): running, with a replica that
-        is not being replaced after a hang."""
-        return all(m.batcher.is_ready for m in self._models.values())
+        """Every model is ready (:attr:`ServedModel.is_ready`)."""
+        return all(m.is_ready for m in self._models.values())
 
     def index(self, *, is_ready_only: bool = False) -> list[dict[str, str]]:
         """Triton's repository index: every model (only the ready ones when
         ``is_ready_only``) with its version and state, ``READY`` or ``UNAVAILABLE``."""
         entries = []
         for model in self._models.values():
-            is_model_ready = model.batcher.is_ready
+            is_model_ready = model.is_ready
             if is_model_ready or not is_ready_only:
                 state = "READY" if is_model_ready else "UNAVAILABLE"
                 entries.append(

@@ -400,7 +400,7 @@ async def _trim_after_bursts(
         return
 
     def is_idle() -> bool:
-        return app.inflight.held_bytes == 0 and all(m.batcher.num_pending == 0 for m in repository)
+        return app.inflight.held_bytes == 0 and all(m.num_pending == 0 for m in repository)
 
     trimmer = Trimmer(lambda: http.server_state.total_requests, is_idle, trim)
     loop = asyncio.get_running_loop()

@@ -6,7 +6,6 @@ from typing import Any
 
 from carpool.core.telemetry import LatencyStats
 from carpool.generation.engine import GenerationEngine
-from carpool.server.generation import EngineBatcher
 from carpool.server.repository import ServedModel
 
 
@@ -26,9 +25,9 @@ def model_stats(model: ServedModel) -> dict[str, Any]:
     response cache: ``cache_hit`` and ``cache_miss``, which Triton always writes, are
     zero. A generation model reports its engine's requests instead (see
     :func:`_generation_stats`)."""
-    if isinstance(model.batcher, EngineBatcher):
-        return _generation_stats(model, model.batcher.service.engine)
-    snap = model.batcher.snapshot()
+    if model.generation is not None:
+        return _generation_stats(model, model.generation.engine)
+    snap = model.require_batcher().snapshot()
     completed = sum(c.num_completed for c in snap.classes.values())
     failed = sum(c.num_failed + sum(c.rejections.values()) for c in snap.classes.values())
     queue_ns = sum(
@@ -104,16 +103,16 @@ def _ns(seconds: float) -> int:
 
 
 def _generation_stats(model: ServedModel, engine: GenerationEngine) -> dict[str, Any]:
-    """A generation model's statistics from its engine, whose requests never pass its
-    batcher slot. A request is one sequence the engine generated (a KServe row, an OpenAI
-    completion); as Triton's vLLM backend counts them, ``inference_count`` is the
-    successful ones. ``success``: those that ended by ``stop`` or ``length``, ns from
-    arrival at the engine to the last token; ``fail``: those that ended by ``abort`` (the
-    client left, or the server stopped without draining) or ``error``, with their ns.
-    ``queue``: each successful one's arrival to its first step; ``compute_infer``: the
-    rest, its first step to its end (vLLM's ``request_inference_time``, waits after a
-    preemption included). ``execution_count`` and ``batch_stats`` are the engine's forward
-    passes (steps), by the sequences each ran, with their compute time."""
+    """A generation model's statistics from its engine (it has no batcher). A request is
+    one sequence the engine generated (a KServe row, an OpenAI completion); as Triton's
+    vLLM backend counts them, ``inference_count`` is the successful ones. ``success``:
+    those that ended by ``stop`` or ``length``, ns from arrival at the engine to the last
+    token; ``fail``: those that ended by ``abort`` (the client left, or the server stopped
+    without draining) or ``error``, with their ns. ``queue``: each successful one's
+    arrival to its first step; ``compute_infer``: the rest, its first step to its end
+    (vLLM's ``request_inference_time``, waits after a preemption included).
+    ``execution_count`` and ``batch_stats`` are the engine's forward passes (steps), by
+    the sequences each ran, with their compute time."""
     snap = engine.snapshot(quantiles=False)
     ok, failed = snap.succeeded, snap.failed
     return _document(

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import math
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import numpy as np
 from carpool.core.telemetry import TelemetrySnapshot
 from carpool.errors import CarpoolError, ConfigError
 from carpool.tools import benchreport
+from carpool.tools.bench_types import BenchConfig, Point, PointResult
 from carpool.tools.httpclient import HttpClient, split_url
 from carpool.tools.loadgen import (
     Arrival,
@@ -34,14 +34,13 @@ from carpool.tools.loadgen import (
     LoadGenerator,
     RunResult,
     Target,
-    Times,
     parse_duration,
     parse_schedule,
     read_trace,
 )
 from carpool.tools.outputs import writable_path
 from carpool.tools.serverstats import ServerStats, stats_from_metrics, stats_from_snapshots
-from carpool.tools.summary import Summary, summarize
+from carpool.tools.summary import summarize
 from carpool.tools.targets import (
     DEFAULT_TEXT,
     InProcessTarget,
@@ -50,40 +49,6 @@ from carpool.tools.targets import (
     make_target,
     resolve_target,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Point:
-    """One point of the sweep: closed loop at ``concurrency``, or open loop on ``arrivals``
-    (a steady rate or a schedule) or a replayed ``trace``."""
-
-    label: str
-    concurrency: int | None = None
-    arrivals: ArrivalProcess | None = None
-    trace: Times | None = field(default=None, compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class BenchConfig:
-    spec: TargetSpec
-    points: tuple[Point, ...]
-    duration_s: float
-    warmup_s: float
-    seed: int
-    drain_timeout_s: float
-    json_path: Path | None
-    csv_path: Path | None
-    plots_dir: Path | None
-    show_progress: bool
-
-
-@dataclass(frozen=True, slots=True)
-class PointResult:
-    label: str
-    summary: Summary
-    server: ServerStats | None
-    latencies_s: list[float]  # successful requests, for the CDF plot (not in the JSON)
-
 
 _TARGET_HELP = (
     "http://host:port, or module:attr (a batched callable, a factory taking device or no "

@@ -21,13 +21,11 @@ import platform
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from carpool.tools.bench_types import BenchConfig, PointResult
 from carpool.tools.loadgen import Progress
 from carpool.tools.summary import Percentiles
-
-if TYPE_CHECKING:
-    from carpool.tools.bench import BenchConfig, PointResult
 
 REFRESH_S = 0.5
 CSV_COLUMNS = (

@@ -39,18 +39,17 @@ from carpool.tools.doctor_checks import (
     make_items,
     measure_lengths,
 )
+from carpool.tools.doctor_report import machine_info, render_text, write_json
 from carpool.tools.doctor_sweep import (
-    BatchTiming,
     CudaProbe,
-    KneeVerdict,
     MemoryProbe,
-    MemoryVerdict,
     RssProbe,
     batch_sizes,
     find_knee,
     max_batch_under_budget,
     measure_sweep,
 )
+from carpool.tools.doctor_types import DoctorOptions, DoctorReport
 from carpool.tools.modelref import (
     MODEL_FORMS,
     ConfiguredModel,
@@ -70,77 +69,6 @@ if TYPE_CHECKING:
     from carpool.server.builder import ModelRunner
 
 _MIB = 1024 * 1024
-
-
-# -- options ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class DoctorOptions:
-    """What to measure. ``shape`` is one item's shape; ``-1`` marks the variable dim."""
-
-    shape: tuple[int, ...]
-    dtype: str = "float32"
-    max_batch: int = 128
-    device: str = "cpu"
-    repeats: int = 15
-    warmup: int = 3
-    seed: int = 0
-    memory_budget_bytes: int | None = None
-    lengths: tuple[int, ...] = ()
-    pad_axis: int | None = None
-    num_probes: int = 3
-    rtol: float | None = None
-    knee_gain: float = 1.3
-    input_name: str | None = None
-    length_batch_size: int = 16
-
-    def __post_init__(self) -> None:
-        if not self.shape or any(d == 0 or d < -1 for d in self.shape):
-            raise ConfigError("shape", self.shape, "positive dims, with -1 for a variable one")
-        if sum(d == -1 for d in self.shape) > 1:
-            raise ConfigError("shape", self.shape, "at most one variable (-1) dim")
-        if self.dtype != "bfloat16":
-            try:
-                np.dtype(self.dtype)
-            except TypeError:
-                raise ConfigError("dtype", self.dtype, "a dtype name such as float32") from None
-        if self.max_batch < 1:
-            raise ConfigError("max_batch", self.max_batch, "an integer >= 1")
-        if self.rtol is not None and not self.rtol >= 0:
-            raise ConfigError("rtol", self.rtol, "a tolerance >= 0")
-        if self.repeats < 1 or self.warmup < 0:
-            raise ConfigError("repeats", (self.repeats, self.warmup), "repeats >= 1, warmup >= 0")
-        if any(n < 1 for n in self.lengths):
-            raise ConfigError("lengths", self.lengths, "positive lengths")
-        if self.lengths and self.variable_axis is None:
-            raise ConfigError("lengths", self.lengths, "a --shape with a -1 dim or a --pad-axis")
-        if -1 in self.shape and not self.lengths:
-            raise ConfigError("lengths", self.lengths, "--lengths when --shape has a -1 dim")
-        if self.pad_axis is not None and not 0 <= self.pad_axis < len(self.shape):
-            raise ConfigError("pad_axis", self.pad_axis, f"an item axis in [0, {len(self.shape)})")
-        if self.knee_gain <= 1.0:
-            raise ConfigError("knee_gain", self.knee_gain, "a throughput gain > 1.0")
-        if self.num_probes < 1:
-            raise ConfigError("num_probes", self.num_probes, "an integer >= 1")
-
-    @property
-    def variable_axis(self) -> int | None:
-        """The item axis whose length varies: the ``-1`` dim, else ``pad_axis``."""
-        return self.shape.index(-1) if -1 in self.shape else self.pad_axis
-
-    def item_shape(self, length: int | None = None) -> tuple[int, ...]:
-        """One item's concrete shape, with the variable axis set to ``length`` if given."""
-        axis = self.variable_axis
-        dims = list(self.shape)
-        if axis is not None and (length is not None or dims[axis] == -1):
-            dims[axis] = length if length is not None else max(self.lengths)
-        return tuple(dims)
-
-    @property
-    def sweep_length(self) -> int | None:
-        """The length the sweep runs at: the longest one (worst case for memory and time)."""
-        return max(self.lengths) if self.lengths else None
 
 
 # -- the model, adapted ------------------------------------------------------------------------
@@ -287,21 +215,6 @@ def _synchronous(
 # -- all of it ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class DoctorReport:
-    """Everything ``carpool doctor`` measured and concluded about one model."""
-
-    source: str
-    options: DoctorOptions
-    machine: dict[str, Any]
-    memory_kind: str  # rss | cuda
-    sweep: list[BatchTiming]
-    knee: KneeVerdict
-    memory: MemoryVerdict | None
-    invariance: InvarianceVerdict
-    lengths: LengthReport | None
-
-
 def _neighbours(
     options: DoctorOptions, rng: np.random.Generator, probe_shape: tuple[int, ...]
 ) -> dict[str, Callable[[int], Array]]:
@@ -367,7 +280,6 @@ def run_doctor(
     Raises:
         ModelError: when the model raises on a batch it should take.
     """
-    from carpool.tools.doctor_report import machine_info
     from carpool.tools.machine import model_kernels
 
     rng = np.random.default_rng(options.seed)
@@ -547,8 +459,6 @@ def _prepare(args: argparse.Namespace) -> tuple[str, DoctorOptions, Callable[[],
 def main(argv: list[str] | None = None) -> None:
     """``carpool doctor SOURCE --shape ... [--json OUT]``, or ``carpool doctor --config FILE
     --model NAME``; exits 2 on a bad option or model."""
-    from carpool.tools.doctor_report import render_text, write_json
-
     args = _parser().parse_args(_glue_shape(sys.argv[1:] if argv is None else argv))
     try:
         label, options, load = _prepare(args)

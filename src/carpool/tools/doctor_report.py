@@ -15,12 +15,10 @@ import platform
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from carpool.tools.doctor_types import DoctorReport
 from carpool.tools.machine import cpu_flags, cpu_model, torch_kernels
-
-if TYPE_CHECKING:
-    from carpool.tools.doctor import DoctorReport
 
 _MIB = 1024 * 1024
 

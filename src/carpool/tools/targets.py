@@ -353,7 +353,7 @@ class InProcessTarget:
         self._inputs: tuple[TensorSpec, ...] | None = None
         if isinstance(ref, ConfiguredModel):
             served = ref.served("bench")
-            self._batcher, self._inputs = served.batcher, served.inputs
+            self._batcher, self._inputs = served.require_batcher(), served.inputs
         else:
             self._batcher = _batcher_of(ref)
         self.description = f"in-process {ref.label}"

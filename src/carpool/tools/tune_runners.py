@@ -203,7 +203,7 @@ class InProcessRunner:
             return Batcher(
                 self._fn, policy, fn_factory=self._factory, num_replicas=num_replicas, name=name
             )
-        batcher = self._entry.served("tune", num_replicas=num_replicas).batcher
+        batcher = self._entry.served("tune", num_replicas=num_replicas).require_batcher()
         batcher.set_policy(policy)
         return batcher
 

@@ -289,13 +289,14 @@ def _model_folder(folder: Path, bpe: Any) -> Path:
 
 
 async def _chat_prompt_ids(folder: Path, messages: list[dict[str, Any]]) -> list[int]:
+    from carpool.generation.build import GenerationSettings
     from carpool.server.completions import prepare
-    from carpool.server.generation import GenerationService, GenerationSettings
-    from carpool.server.repository import ModelRepository
+    from carpool.server.generation import GenerationService
+    from carpool.server.repository import ModelRepository, ServedModel
 
     settings = GenerationSettings(block_size=8, num_blocks=16, max_num_seqs=1, max_model_len=64)
     service = GenerationService.from_folder("m", folder, settings)
-    repository = ModelRepository([service.served_model()])
+    repository = ModelRepository([ServedModel.of_generation(service)])
     body = orjson.dumps({"model": "m", "messages": messages, "max_tokens": 1})
     call = await prepare(repository, body, is_chat=True)
     return call.prompt_ids

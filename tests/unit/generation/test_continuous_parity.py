@@ -108,7 +108,7 @@ def _serve(
         result = scheduler.schedule()
         if not result.is_empty:
             assert result.step_input.num_tokens <= max_tokens_per_step
-            for event in scheduler.update(result.step_input, runner.execute(result.step_input)):
+            for event in scheduler.update_from_output(result, runner.execute(result.step_input)):
                 outputs[event.request_id] += list(event.new_token_ids)
         step += 1
         assert step < 10_000, "the scheduler stopped making progress"
@@ -117,7 +117,7 @@ def _serve(
     assert pool.num_free == num_blocks  # every block is back once all requests drained
     return [outputs[i] for i in range(len(prompts))], {
         "preemptions": stats.num_preemptions,
-        "prefix_hits": stats.num_prefix_hit_tokens,
+        "prefix_hits": stats.num_prefix_cache_hits,
     }
 
 

@@ -1,6 +1,5 @@
-"""The engine against a fake scheduler (whole-prompt prefill, one block per 4 tokens) and
-a fake runner that plays a script of tokens per sequence; time is a counter the runner
-moves one step at a time."""
+"""The engine over the real scheduler (64 blocks of 4 tokens) and a fake runner that plays
+a script of tokens per sequence; time is a counter the runner moves one step at a time."""
 
 from __future__ import annotations
 
@@ -8,22 +7,20 @@ import asyncio
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import pytest
 
 from carpool.errors import Closed, InvalidInput, ModelError
-from carpool.generation.engine import (
-    FinishReason,
-    GenerationEngine,
-    GenerationEvent,
-    SchedulerStats,
-    SeqUpdate,
-)
+from carpool.generation.block_pool import BlockPool
+from carpool.generation.engine import GenerationEngine, GenerationEvent
+from carpool.generation.kv_cache import KVCacheManager
+from carpool.generation.request import FinishReason, RequestEvent
+from carpool.generation.scheduler import Scheduler, SchedulerConfig
 from carpool.generation.tokenizer import ByteTokenizer
-from carpool.generation.types import SamplingParams, SeqChunk, StepInput, StepOutput
+from carpool.generation.types import SamplingParams, StepInput, StepOutput
 
 BLOCK_SIZE = 4
+NUM_BLOCKS = 64
 EOS = ByteTokenizer.EOS_ID
 
 
@@ -40,96 +37,23 @@ class StepClock:
         raise AssertionError("the engine sets no timers")
 
 
-@dataclass
-class _Seq:
-    prompt: tuple[int, ...]
-    sampling: SamplingParams
-    num_computed: int = 0
-    output: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
+class RecordingScheduler(Scheduler):
+    """The real scheduler, noting each request the engine finishes and why."""
 
+    def __init__(self) -> None:
+        config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8)
+        super().__init__(config, KVCacheManager(BlockPool(NUM_BLOCKS, BLOCK_SIZE)))
+        self.finished: list[tuple[int, FinishReason]] = []
 
-class FakeScheduler:
-    """Admits waiting sequences while blocks last; decodes every running one."""
+    def finish_request(self, request_id: int, reason: FinishReason) -> RequestEvent | None:
+        event = super().finish_request(request_id, reason)
+        if event is not None:
+            self.finished.append((request_id, reason))
+        return event
 
-    def __init__(self, num_blocks: int = 64) -> None:
-        self.free_blocks = list(range(num_blocks))
-        self.num_blocks = num_blocks
-        self.waiting: list[int] = []
-        self.running: dict[int, _Seq] = {}
-        self.seqs: dict[int, _Seq] = {}
-        self.aborted: list[int] = []
-        self.priorities: dict[int, str | None] = {}
-
-    def add(
-        self,
-        seq_id: int,
-        prompt_ids: tuple[int, ...],
-        sampling: SamplingParams,
-        priority: str | None,
-    ) -> None:
-        if priority not in (None, "interactive"):
-            raise InvalidInput(f"priority={priority!r}: expected 'interactive'")
-        self.seqs[seq_id] = _Seq(prompt_ids, sampling)
-        self.priorities[seq_id] = priority
-        self.waiting.append(seq_id)
-
-    def _grow(self, seq: _Seq, num_tokens: int) -> None:
-        while len(seq.blocks) * BLOCK_SIZE < num_tokens:
-            seq.blocks.append(self.free_blocks.pop())
-
-    def schedule(self) -> StepInput:
-        chunks = []
-        for seq_id, seq in self.running.items():
-            self._grow(seq, seq.num_computed + 1)
-            token = seq.output[-1]
-            chunks.append(
-                SeqChunk(seq_id, (token,), seq.num_computed, tuple(seq.blocks), True, seq.sampling)
-            )
-        while self.waiting:
-            seq = self.seqs[self.waiting[0]]
-            if -(-len(seq.prompt) // BLOCK_SIZE) > len(self.free_blocks):
-                break
-            seq_id = self.waiting.pop(0)
-            self._grow(seq, len(seq.prompt))
-            self.running[seq_id] = seq
-            chunks.append(SeqChunk(seq_id, seq.prompt, 0, tuple(seq.blocks), True, seq.sampling))
-        return StepInput(tuple(chunks))
-
-    def update(self, step: StepInput, output: StepOutput) -> list[SeqUpdate]:
-        updates = []
-        for chunk, token in zip(step.chunks, output.sampled, strict=True):
-            seq = self.seqs.get(chunk.seq_id)
-            if seq is None or token is None:
-                continue
-            seq.num_computed = chunk.start_pos + len(chunk.token_ids)
-            seq.output.append(token)
-            reason = None
-            if len(seq.output) >= seq.sampling.max_tokens:
-                reason = FinishReason.LENGTH
-                self._release(chunk.seq_id)
-            updates.append(SeqUpdate(chunk.seq_id, (token,), reason))
-        return updates
-
-    def _release(self, seq_id: int) -> None:
-        seq = self.seqs.pop(seq_id, None)
-        self.running.pop(seq_id, None)
-        if seq_id in self.waiting:
-            self.waiting.remove(seq_id)
-        if seq is not None:
-            self.free_blocks.extend(seq.blocks)
-
-    def abort(self, seq_id: int) -> None:
-        if seq_id in self.seqs:
-            self.aborted.append(seq_id)
-        self._release(seq_id)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def stats(self) -> SchedulerStats:
-        used = self.num_blocks - len(self.free_blocks)
-        return SchedulerStats(len(self.running), len(self.waiting), used / self.num_blocks)
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache.pool.num_free
 
 
 class ScriptRunner:
@@ -166,8 +90,8 @@ def clock() -> StepClock:
 
 
 @pytest.fixture
-def scheduler() -> FakeScheduler:
-    return FakeScheduler()
+def scheduler() -> RecordingScheduler:
+    return RecordingScheduler()
 
 
 @pytest.fixture
@@ -247,10 +171,10 @@ async def test_cancelled_consumer_aborts_and_frees_its_blocks(engine, scheduler,
     events = engine.generate(_prompt("x" * 20), SamplingParams(max_tokens=40))
     first = await anext(events)
     assert first.finish_reason is None
-    assert len(scheduler.free_blocks) < scheduler.num_blocks
+    assert scheduler.num_free_blocks < NUM_BLOCKS
     await events.aclose()  # the client went away
-    await eventually(lambda: scheduler.aborted == [0])
-    assert len(scheduler.free_blocks) == scheduler.num_blocks
+    await eventually(lambda: scheduler.finished == [(0, FinishReason.ABORT)])
+    assert scheduler.num_free_blocks == NUM_BLOCKS
     assert engine.snapshot().finished == {"abort": 1}
 
 
@@ -263,15 +187,20 @@ async def test_cancelling_the_consumer_task_aborts_the_request(engine, scheduler
     runner.gate.release(100)
     with pytest.raises(asyncio.CancelledError):
         await task
-    await eventually(lambda: scheduler.aborted == [0] and not scheduler.has_work())
+    await eventually(lambda: scheduler.finished == [(0, FinishReason.ABORT)])
+    assert not scheduler.has_unfinished()
 
 
-async def test_eos_stops_counts_the_token_but_shows_no_text(engine, runner):
+async def test_eos_stops_counts_the_token_but_shows_no_text(engine, scheduler, runner):
     runner.scripts[0] = [*b"ok", EOS, *b"never"]
     events = await _collect(engine, _prompt("q"))
     assert "".join(e.text for e in events) == "ok"
     assert events[-1].finish_reason is FinishReason.STOP
     assert events[-1].usage is not None and events[-1].usage.completion_tokens == 3
+    # The scheduler is told before its next step: it frees the blocks, runs no more.
+    await eventually(lambda: scheduler.finished == [(0, FinishReason.STOP)])
+    assert scheduler.num_free_blocks == NUM_BLOCKS
+    assert len(runner.steps) == 3
 
 
 async def test_ignore_eos_keeps_generating(engine, runner):
@@ -301,21 +230,14 @@ async def test_stop_token_ids_stop_like_eos(engine, runner):
     assert events[-1].finish_reason is FinishReason.STOP
 
 
-async def test_engine_enforces_max_tokens_when_the_scheduler_does_not(engine, scheduler, runner):
+async def test_the_scheduler_ends_a_request_at_max_tokens_in_that_step(engine, scheduler, runner):
     runner.scripts[0] = list(b"abcdef")
-    params = SamplingParams(max_tokens=3)
-    scheduler.add = _without_limit(scheduler.add)  # type: ignore[method-assign]
-    events = [e async for e in engine.generate(_prompt("q"), params)]
+    events = await _collect(engine, _prompt("q"), max_tokens=3)
     assert "".join(e.text for e in events) == "abc"
     assert events[-1].finish_reason is FinishReason.LENGTH
-    await eventually(lambda: not scheduler.has_work())
-
-
-def _without_limit(add):
-    def add_unlimited(seq_id, prompt_ids, sampling, priority):
-        add(seq_id, prompt_ids, SamplingParams(max_tokens=1000), priority)
-
-    return add_unlimited
+    assert len(runner.steps) == 3  # no step past max_tokens
+    assert not scheduler.has_unfinished() and scheduler.finished == []  # it needed no telling
+    assert scheduler.num_free_blocks == NUM_BLOCKS
 
 
 async def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine, runner):
@@ -328,7 +250,7 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine, 
 
 async def test_the_scheduler_refusing_a_request_raises_to_its_caller(engine):
     params = SamplingParams(max_tokens=2)
-    with pytest.raises(InvalidInput, match="priority='bulk'"):
+    with pytest.raises(InvalidInput, match="unknown priority class 'bulk'"):
         _ = [e async for e in engine.generate(_prompt("q"), params, priority="bulk")]
     events = [e async for e in engine.generate(_prompt("q"), params, priority="interactive")]
     assert events[-1].finish_reason is FinishReason.LENGTH

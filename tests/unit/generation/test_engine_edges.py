@@ -2,8 +2,8 @@
 
 The engine runs over the real scheduler, KV-cache manager, block pool and a tiny
 random-weight Llama (byte tokenizer): a seeded request must not notice preemption, a
-failing step returns every block, a bad prompt is refused alone. The scheduler's own
-stop-string check and top-p filtering are driven directly.
+failing step returns every block, a bad prompt is refused alone. Top-p filtering and the
+scheduler's aborts are driven directly.
 """
 
 from __future__ import annotations
@@ -16,22 +16,17 @@ import torch
 
 from carpool.errors import InvalidInput, ModelError
 from carpool.generation.block_pool import BlockPool
-from carpool.generation.engine import (
-    FinishReason,
-    GenerationEngine,
-    GenerationEvent,
-)
+from carpool.generation.engine import GenerationEngine, GenerationEvent
 from carpool.generation.kv_cache import KVCacheManager
-from carpool.generation.request import RequestStatus
+from carpool.generation.request import FinishReason, RequestStatus
 from carpool.generation.runner import ModelRunner
 from carpool.generation.sampling import apply_top_k_top_p
 from carpool.generation.scheduler import Scheduler, SchedulerConfig
-from carpool.generation.tokenizer import ByteTokenizer
+from carpool.generation.tokenizer import ByteTokenizer, Tokenizer
 from carpool.generation.types import SamplingParams, StepInput, StepOutput
 from carpool.generation.weights import random_llama
-from carpool.server.generation import SchedulerAdapter
 
-from .test_scheduler import make_scheduler, run_to_end, scripted
+from .test_scheduler import make_scheduler, run_to_end
 
 TOKENIZER = ByteTokenizer()
 TINY = {
@@ -57,19 +52,18 @@ class FlakyRunner:
 
 
 def _engine(
-    num_blocks: int, *, block_size: int = 4, max_tokens_per_step: int = 64, fail_at: int = 0
+    num_blocks: int,
+    *,
+    block_size: int = 4,
+    max_tokens_per_step: int = 64,
+    fail_at: int = 0,
+    tokenizer: Tokenizer = TOKENIZER,
 ) -> tuple[GenerationEngine, Scheduler, FlakyRunner]:
     model = random_llama(TINY, seed=0)
     runner = FlakyRunner(ModelRunner(model, num_blocks, block_size, prepack=False, seed=0), fail_at)
-    config = SchedulerConfig(
-        max_num_batched_tokens=max_tokens_per_step,
-        max_num_seqs=8,
-        eos_token_id=ByteTokenizer.EOS_ID,
-    )
+    config = SchedulerConfig(max_num_batched_tokens=max_tokens_per_step, max_num_seqs=8)
     scheduler = Scheduler(config, KVCacheManager(BlockPool(num_blocks, block_size)))
-    engine = GenerationEngine(
-        SchedulerAdapter(scheduler), runner, TOKENIZER, max_model_len=num_blocks * block_size
-    )
+    engine = GenerationEngine(scheduler, runner, tokenizer, max_model_len=num_blocks * block_size)
     return engine, scheduler, runner
 
 
@@ -87,20 +81,6 @@ def _assert_all_blocks_free(scheduler: Scheduler) -> None:
 
 
 # -- bugs -----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("stop", ["é", "xé"])
-def test_scheduler_finds_a_stop_string_completed_by_a_characters_last_byte(stop: str) -> None:
-    # "é" is the bytes C3 A9: after C3 the text ends in U+FFFD, which A9 turns into "é".
-    script = [*b"x", 0xC3, 0xA9, *b"yz"]
-    scheduler, runner = make_scheduler(
-        detokenize=TOKENIZER.decode, next_token=scripted(script, prompt_len=1)
-    )
-    scheduler.add_request(1, [1], SamplingParams(max_tokens=5, stop=(stop,)))
-    outputs, finals, _ = run_to_end(scheduler, runner)
-    assert outputs[1] == script[:3]
-    assert (finals[1].finish_reason, finals[1].stop_reason) == (FinishReason.STOP, stop)
-    assert TOKENIZER.decode(outputs[1])[: finals[1].text_end] == "xé"[: "xé".index(stop)]
 
 
 async def test_prompt_token_outside_the_vocabulary_is_refused_and_spares_the_batch() -> None:
@@ -137,8 +117,7 @@ class PoisonTokenizer(ByteTokenizer):
 
 
 async def test_a_request_whose_text_cannot_be_made_fails_alone_and_serving_goes_on() -> None:
-    engine, scheduler, _ = _engine(num_blocks=32)
-    engine.tokenizer = PoisonTokenizer()
+    engine, scheduler, _ = _engine(num_blocks=32, tokenizer=PoisonTokenizer())
     await engine.start()
     try:
         poisoned = _run(engine, [*b"bell", 0x07], max_tokens=4)
@@ -202,19 +181,19 @@ def test_aborting_mid_chunked_prefill_and_after_preemption_leaks_no_block() -> N
     for _ in range(40):  # until request 1 has been preempted and waits to be recomputed
         result = scheduler.schedule()
         preempted |= set(result.preempted_request_ids)
-        scheduler.update(result.step_input, runner.execute(result.step_input))
+        scheduler.update_from_output(result, runner.execute(result.step_input))
         scheduler.kv_cache.check_invariants()
         request = scheduler.get_request(1)
         if 1 in preempted and request is not None and request.status is RequestStatus.PREEMPTED:
             break
     else:
         pytest.fail("request 1 was never preempted")
-    scheduler.abort(1)
+    scheduler.finish_request(1, FinishReason.ABORT)
     scheduler.kv_cache.check_invariants()
     result = scheduler.schedule()  # request 2 starts a chunked prefill of its 9 tokens
     assert [c.needs_logits for c in result.step_input.chunks if c.seq_id == 2] == [False]
-    scheduler.update(result.step_input, runner.execute(result.step_input))
-    scheduler.abort(2)
+    scheduler.update_from_output(result, runner.execute(result.step_input))
+    scheduler.finish_request(2, FinishReason.ABORT)
     scheduler.kv_cache.check_invariants()
     run_to_end(scheduler, runner)
     _assert_all_blocks_free(scheduler)

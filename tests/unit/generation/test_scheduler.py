@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from carpool.errors import InvalidInput, ModelError
 from carpool.generation.block_pool import BlockPool
 from carpool.generation.kv_cache import KVCacheManager
-from carpool.generation.request import Detokenize, FinishReason, RequestEvent, RequestStatus
+from carpool.generation.request import FinishReason, RequestEvent, RequestStatus
 from carpool.generation.scheduler import (
     Scheduler,
     SchedulerConfig,
@@ -73,8 +73,6 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 8,
     long_prefill_token_threshold: int = 0,
-    eos_token_id: int | None = None,
-    detokenize: Detokenize | None = None,
     next_token: NextToken = mix_token,
 ) -> tuple[Scheduler, FakeRunner]:
     pool = BlockPool(num_blocks, block_size)
@@ -82,15 +80,14 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         long_prefill_token_threshold=long_prefill_token_threshold,
-        eos_token_id=eos_token_id,
     )
-    scheduler = Scheduler(config, KVCacheManager(pool), detokenize=detokenize)
+    scheduler = Scheduler(config, KVCacheManager(pool))
     return scheduler, FakeRunner(pool, next_token)
 
 
 def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[ScheduleResult, list[RequestEvent]]:
     result = scheduler.schedule()
-    events = scheduler.update(result.step_input, runner.execute(result.step_input))
+    events = scheduler.update_from_output(result, runner.execute(result.step_input))
     scheduler.kv_cache.check_invariants()
     return result, events
 
@@ -254,13 +251,17 @@ def test_prefix_cache_hit_skips_cached_tokens() -> None:
     request = scheduler.get_request(2)
     assert request is not None and request.num_cached_tokens == 8
     stats = scheduler.stats()
-    assert (stats.num_prefix_queried_tokens, stats.num_prefix_hit_tokens) == (21, 8)
+    assert (stats.num_prefix_cache_queries, stats.num_prefix_cache_hits) == (21, 8)
     outputs, _, _ = run_to_end(scheduler, runner)
     assert [*request.output_token_ids] == reference_output([*prompt, 50], 2)
     assert outputs[2] == reference_output([*prompt, 50], 2)[1:]
 
 
-# -- abort ----------------------------------------------------------------------------------
+# -- finishing from outside: abort, stop ------------------------------------------------------
+
+
+def abort(scheduler: Scheduler, request_id: int) -> RequestEvent | None:
+    return scheduler.finish_request(request_id, FinishReason.ABORT)
 
 
 def test_abort_frees_a_running_request_blocks_at_once() -> None:
@@ -268,11 +269,22 @@ def test_abort_frees_a_running_request_blocks_at_once() -> None:
     scheduler.add_request(1, list(range(9)))
     step(scheduler, runner)
     assert scheduler.kv_cache.pool.num_used == 3
-    event = scheduler.abort(1)
+    event = abort(scheduler, 1)
     assert event == RequestEvent(1, (), FinishReason.ABORT)
     assert scheduler.kv_cache.pool.num_used == 0
     assert not scheduler.has_unfinished()
-    assert scheduler.abort(1) is None
+    assert abort(scheduler, 1) is None
+
+
+def test_a_stop_found_by_the_output_processor_finishes_the_request_as_stopped() -> None:
+    scheduler, runner = make_scheduler()
+    request = scheduler.add_request(1, [1, 2], SamplingParams(max_tokens=10))
+    step(scheduler, runner)
+    event = scheduler.finish_request(1, FinishReason.STOP)
+    assert event == RequestEvent(1, (), FinishReason.STOP)
+    assert request.status is RequestStatus.FINISHED_STOPPED
+    assert scheduler.kv_cache.pool.num_used == 0 and not scheduler.has_unfinished()
+    assert scheduler.stats().num_finished == 1
 
 
 def test_abort_removes_a_waiting_request() -> None:
@@ -280,7 +292,7 @@ def test_abort_removes_a_waiting_request() -> None:
     scheduler.add_request(1, [1, 2])
     scheduler.add_request(2, [3, 4])
     step(scheduler, runner)
-    assert scheduler.abort(2) is not None
+    assert abort(scheduler, 2) is not None
     assert scheduler.num_waiting == 0
     scheduler.kv_cache.check_invariants()
 
@@ -291,53 +303,42 @@ def test_abort_while_a_step_is_in_flight_skips_its_output() -> None:
     scheduler.add_request(2, [3, 4])
     result = scheduler.schedule()
     output = runner.execute(result.step_input)
-    scheduler.abort(1)
-    events = scheduler.update(result.step_input, output)
+    abort(scheduler, 1)
+    events = scheduler.update_from_output(result, output)
     assert [e.request_id for e in events] == [2]
     next_step = scheduler.schedule()
     assert next_step.step_input.finished_seq_ids == (1,)
     assert [c.seq_id for c in next_step.step_input.chunks] == [2]
 
 
-# -- stopping -------------------------------------------------------------------------------
+# -- stopping: max_tokens (stop tokens and strings: test_output.py) ---------------------------
 
 
 def scripted(tokens: Sequence[int], prompt_len: int) -> NextToken:
     return lambda sequence: tokens[len(sequence) - prompt_len]
 
 
-def test_stop_token_ids_eos_and_length() -> None:
-    script = [20, 21, 2, 22, 23, 24]
-    scheduler, runner = make_scheduler(eos_token_id=2, next_token=scripted(script, 2))
-    scheduler.add_request(1, [1, 1], SamplingParams(max_tokens=6))
-    scheduler.add_request(2, [1, 1], SamplingParams(max_tokens=6, stop_token_ids=(21,)))
-    scheduler.add_request(3, [1, 1], SamplingParams(max_tokens=6, ignore_eos=True))
-    scheduler.add_request(4, [1, 1], SamplingParams(max_tokens=2, ignore_eos=True))
+def test_max_tokens_finishes_with_length_in_the_step_that_reached_it() -> None:
+    scheduler, runner = make_scheduler()
+    scheduler.add_request(1, [1, 1], SamplingParams(max_tokens=1))
+    scheduler.add_request(2, [1, 1], SamplingParams(max_tokens=3))
+    outputs, finals, results = run_to_end(scheduler, runner)
+    assert {r: len(tokens) for r, tokens in outputs.items()} == {1: 1, 2: 3}
+    assert finals[1].finish_reason is finals[2].finish_reason is FinishReason.LENGTH
+    assert len(results) == 3  # no step past the last token
+    assert scheduler.stats().num_generation_tokens == 1 + 3
+    assert scheduler.kv_cache.pool.num_free == scheduler.kv_cache.pool.num_blocks
+
+
+def test_tokens_that_would_stop_a_request_do_not_stop_it_here() -> None:
+    """EOS and stop token ids are the output processor's (one place, every EOS id):
+    the scheduler appends them like any token."""
+    script = [20, 21, 2, 22]
+    scheduler, runner = make_scheduler(next_token=scripted(script, 2))
+    scheduler.add_request(1, [1, 1], SamplingParams(max_tokens=4, stop_token_ids=(21, 2)))
     outputs, finals, _ = run_to_end(scheduler, runner)
-    assert outputs == {1: [20, 21, 2], 2: [20, 21], 3: script, 4: [20, 21]}
-    assert (finals[1].finish_reason, finals[1].stop_reason) == (FinishReason.STOP, 2)
-    assert (finals[2].finish_reason, finals[2].stop_reason) == (FinishReason.STOP, 21)
-    assert finals[3].finish_reason is FinishReason.LENGTH
-    assert finals[4].finish_reason is FinishReason.LENGTH
-    assert scheduler.stats().num_generation_tokens == 3 + 2 + 6 + 2
-
-
-def test_stop_string_is_found_through_the_detokenizer_and_trimmed() -> None:
-    words = {20: "Hello", 21: ",", 22: " wor", 23: "ld", 24: "!"}
-
-    def detokenize(token_ids: Sequence[int]) -> str:
-        return "".join(words[t] for t in token_ids)
-
-    scheduler, runner = make_scheduler(
-        detokenize=detokenize, next_token=scripted([20, 21, 22, 23, 24], 1)
-    )
-    scheduler.add_request(1, [1], SamplingParams(max_tokens=5, stop=("world",)))
-    outputs, finals, _ = run_to_end(scheduler, runner)
-    final = finals[1]
-    assert outputs[1] == [20, 21, 22, 23]
-    assert (final.finish_reason, final.stop_reason) == (FinishReason.STOP, "world")
-    assert final.text_end is not None
-    assert detokenize(outputs[1])[: final.text_end] == "Hello, "
+    assert outputs[1] == script
+    assert finals[1].finish_reason is FinishReason.LENGTH
 
 
 # -- boundaries -----------------------------------------------------------------------------
@@ -372,9 +373,9 @@ def test_output_that_does_not_match_the_step_is_a_model_error() -> None:
     scheduler.add_request(1, [1, 2])
     result = scheduler.schedule()
     with pytest.raises(ModelError):
-        scheduler.update(result.step_input, StepOutput((None,)))
+        scheduler.update_from_output(result, StepOutput((None,)))
     with pytest.raises(ModelError):
-        scheduler.update(result.step_input, StepOutput(()))
+        scheduler.update_from_output(result, StepOutput(()))
     request = scheduler.get_request(1)
     assert request is not None and request.num_computed_tokens == 0
 
@@ -461,7 +462,7 @@ def test_every_request_finishes_once_with_its_reference_output(workload: Workloa
                 scheduler.add_request(
                     request_id, arrival.prompt, sampling, class_name=arrival.class_name
                 )
-            if arrival.abort_step == step_n and (event := scheduler.abort(request_id)) is not None:
+            if arrival.abort_step == step_n and (event := abort(scheduler, request_id)) is not None:
                 assert request_id not in finals
                 finals[request_id] = event
         if step_n > 6 and not scheduler.has_unfinished():
@@ -494,5 +495,5 @@ def test_every_request_finishes_once_with_its_reference_output(workload: Workloa
     assert scheduler.kv_cache.request_ids() == ()
     stats = scheduler.stats()
     note_event(f"preempted: {stats.num_preemptions > 0}")
-    note_event(f"prefix hit: {stats.num_prefix_hit_tokens > 0}")
+    note_event(f"prefix hit: {stats.num_prefix_cache_hits > 0}")
     note_event(f"aborted: {any(e.finish_reason is FinishReason.ABORT for e in finals.values())}")

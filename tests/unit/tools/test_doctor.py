@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from carpool.cli import app
 from carpool.errors import ConfigError, ModelError
-from carpool.tools.doctor import DoctorOptions, DoctorReport, load_target, run_doctor
+from carpool.tools.doctor import load_target, run_doctor
+from carpool.tools.doctor_types import DoctorOptions, DoctorReport
 
 HERE = Path(__file__).resolve().parent
 

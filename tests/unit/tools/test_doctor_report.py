@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from carpool.tools.doctor import DoctorOptions, DoctorReport, load_target, run_doctor
+from carpool.tools.doctor import load_target, run_doctor
 from carpool.tools.doctor_report import machine_info, render_text, report_dict, write_json
+from carpool.tools.doctor_types import DoctorOptions, DoctorReport
 
 
 class TickClock:
