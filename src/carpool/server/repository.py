@@ -17,7 +17,7 @@ from carpool.core.batcher import Batcher
 from carpool.core.policy import BatchPolicy
 from carpool.errors import ConfigError, InvalidInput, ModelError
 from carpool.server.errors import NotFound
-from carpool.server.tensors import DATATYPES, InferRequest
+from carpool.server.kserve.tensors import DATATYPES, InferRequest
 
 if TYPE_CHECKING:
     from carpool.server.embeddings import EmbeddingService

@@ -11,8 +11,8 @@ import pytest
 
 from carpool import Batcher, BatchPolicy, ClassPolicy, ConfigError, DeadlineExceeded, InvalidInput
 from carpool.server.errors import NotFound, http_error
+from carpool.server.kserve.tensors import InferRequest, InputTensor
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
-from carpool.server.tensors import InferRequest, InputTensor
 
 
 def _model(name: str = "m") -> ServedModel:
