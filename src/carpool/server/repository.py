@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from carpool.core.batcher import Batcher
+from carpool.core.collate import shared_rows
 from carpool.core.policy import BatchPolicy
 from carpool.errors import ConfigError, InvalidInput, ModelError
 from carpool.server.errors import NotFound
@@ -196,7 +197,6 @@ class ServedModel:
                 f"unknown input {unknown[0]!r} for model {self.name!r}; expected {sorted(declared)}"
             )
         payload: dict[str, np.ndarray] = {}
-        rows: set[int] = set()
         for spec in self.inputs:
             tensor = given.get(spec.name)
             if tensor is None:
@@ -211,10 +211,7 @@ class ServedModel:
                     f"{[-1, *spec.shape]} (-1: any size; the first dimension is the batch)"
                 )
             payload[spec.name] = tensor.array
-            rows.add(tensor.shape[0])
-        if len(rows) > 1:
-            raise InvalidInput(f"inputs disagree on the batch dimension: {sorted(rows)}")
-        if rows == {0}:
+        if payload and shared_rows(payload) == 0:
             raise InvalidInput("the batch dimension is 0: send at least one row")
         return payload
 
