@@ -16,7 +16,7 @@ import numpy as np
 from carpool.core.batcher import Batcher
 from carpool.core.collate import shared_rows
 from carpool.core.policy import BatchPolicy
-from carpool.errors import ConfigError, InvalidInput, ModelError
+from carpool.errors import ConfigError, InvalidInput
 from carpool.server.errors import NotFound
 from carpool.server.kserve.tensors import DATATYPES, InferRequest
 
@@ -117,25 +117,11 @@ class ServedModel:
         return self.outputs_of(result)
 
     def outputs_of(self, result: Any) -> dict[str, Any]:
-        """The batcher's result for one request as ``{output name: array}``.
-
-        Raises:
-            ModelError: the model did not return a dict holding every declared output.
-        """
-        if not isinstance(result, dict):
-            raise ModelError(
-                f"model {self.name!r} returned a {type(result).__name__}; expected a dict of "
-                f"its declared outputs {[spec.name for spec in self.outputs]}"
-            )
-        # Per-token outputs of ragged rows come back as lists.
-        outputs = {k: np.stack(v) if isinstance(v, list) else v for k, v in result.items()}
-        for spec in self.outputs:
-            if spec.name not in outputs:
-                raise ModelError(
-                    f"model {self.name!r} returned outputs {sorted(outputs)}; the config "
-                    f"declares {[s.name for s in self.outputs]}"
-                )
-        return outputs
+        """The batcher's result for one request as ``{output name: array}``: per-token
+        outputs of ragged rows come back as lists of rows, stacked here. The result was
+        checked against the declared outputs once, per batch, before it was split
+        (:func:`carpool.server.outputs.check_outputs`)."""
+        return {k: np.stack(v) if isinstance(v, list) else v for k, v in result.items()}
 
     def metadata(self) -> dict[str, Any]:
         return {

@@ -233,3 +233,12 @@ def test_queue_full_says_when_to_retry() -> None:
     mapped = http_error(QueueFull("normal", 10))
     assert mapped.status == 429
     assert (b"retry-after", b"1") in mapped.headers
+
+
+def test_outputs_of_stacks_the_rows_of_per_token_outputs() -> None:
+    """Ragged rows' per-token outputs come back from the split as lists of rows; the
+    result itself was checked against the declared outputs once, per batch."""
+    rows = [np.zeros(4, np.float32), np.ones(4, np.float32)]
+    outputs = _model().outputs_of({"y": rows, "n": np.array([2])})
+    assert outputs["y"].shape == (2, 4) and outputs["y"][1].tolist() == [1.0] * 4
+    assert outputs["n"].tolist() == [2]
