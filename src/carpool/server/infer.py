@@ -25,8 +25,6 @@ from carpool.server.kserve.rest import (
 )
 
 __all__ = [
-    "JSON_HEADERS",
-    "Answer",
     "Headers",
     "InferCall",
     "InferPlan",

@@ -1,11 +1,13 @@
 """The KServe v2 codec: wire bytes into a typed request, a typed result into wire bytes,
 for REST (JSON and Triton's binary tensor extension) and gRPC alike::
 
-    REST body ─► rest_decode ─┐                            ┌─► rest_encode ─► REST body
-      (JSON data: json_data)  ├─► InferRequest ─► model ─► │   (rest: planned answers)
-    gRPC message ─► grpc_codec┘   inputs as arrays,        └─► grpc_codec ─► gRPC message
-                                  requested outputs,
-                                  parameters
+    REST body ─► rest_decode ─┐                          ┌─► rest_encode ─► REST body
+                              ├─► InferRequest ─► model ─┤
+    gRPC message ─► grpc_codec┘                          └─► grpc_codec ─► gRPC message
+
+Inputs leave as arrays with the outputs asked for and the parameters (``InferRequest``);
+JSON ``data`` is read by :mod:`.json_data`, and REST answers are planned per output shape
+by :mod:`.rest`.
 
 - :mod:`.tensors`: datatypes, the typed values (``InferRequest``, ``InputTensor``,
   ``RequestedOutput``, ``OutputTensor``), BYTES elements, and raw bytes both ways (one

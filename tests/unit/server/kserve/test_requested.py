@@ -9,7 +9,6 @@ import numpy as np
 import orjson
 import pytest
 
-from carpool import Batcher
 from carpool.errors import InvalidInput
 from carpool.server.kserve.grpc_codec import decode_infer_request as decode_grpc_request
 from carpool.server.kserve.requested import answer_tensors, wanted_outputs
@@ -17,22 +16,9 @@ from carpool.server.kserve.rest import InferPlans, prepare_infer
 from carpool.server.kserve.rest_decode import decode_infer_request as decode_rest_request
 from carpool.server.kserve.tensors import OutputTensor, RequestedOutput
 from carpool.server.proto import grpc_service_pb2 as pb
-from carpool.server.repository import ServedModel, TensorSpec
+from carpool.server.repository import TensorSpec
 
-
-def _model() -> ServedModel:
-    return ServedModel(
-        "m",
-        "1",
-        "python",
-        (TensorSpec("x", "FP32", (2,)),),
-        (TensorSpec("y", "FP32", (-1,)), TensorSpec("z", "INT64", (1,))),
-        Batcher(lambda inputs: inputs),
-    )
-
-
-def _json_document(data: list[Any], **extra: Any) -> dict[str, Any]:
-    return {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": data}], **extra}
+from .test_rest import _json_document, _model
 
 
 def _rest_outputs(outputs: list[dict[str, Any]]) -> tuple[RequestedOutput, ...] | None:
