@@ -264,6 +264,19 @@ def test_a_planned_binary_request_follows_a_policy_change() -> None:
     np.testing.assert_array_equal(call.payload["x"], np.ones((1, 2), np.float32))
 
 
+def test_a_plan_is_resolved_again_once_the_policy_version_moves() -> None:
+    """Staleness is the batcher's policy version, not which policy object it holds: a
+    policy set again (even the same object) makes the plan resolve its options anew."""
+    model, plans = _model(), InferPlans()
+    body, length = _body(np.ones((1, 2)))
+    first = prepare_infer(model, body, length, plans)
+    assert first.plan.policy_version == model.batcher.policy_version == 0
+    model.batcher.set_policy(model.batcher.policy)
+    call = prepare_infer(model, body, length, plans)
+    assert call.plan is first.plan and call.plan.policy_version == 1
+    assert call.options == {"priority": "interactive"}
+
+
 @pytest.mark.parametrize(
     "values", [[3.5, 4], [[3.5, 4]], [1e39, -2], [True, 0]], ids=["flat", "nested", "big", "bool"]
 )
