@@ -113,6 +113,7 @@ class Batcher(Lifecycle):
         name = name or getattr(fn or fn_factory, "__name__", None) or "model"
         self._devices = replica_devices(num_replicas, devices)
         self._policy = policy if policy is not None else BatchPolicy()
+        self._policy_version = 0
         if policy_check is not None:
             policy_check(self._policy)
         self._intake = Intake(collate)
@@ -166,6 +167,13 @@ class Batcher(Lifecycle):
     @property
     def policy(self) -> BatchPolicy:
         return self._policy
+
+    @property
+    def policy_version(self) -> int:
+        """How many times the policy was replaced (``set_policy``, ``update_policy``): what
+        a caller worked out from the policy (a cached request's priority class and
+        deadline) holds while this number is unchanged."""
+        return self._policy_version
 
     @property
     def is_running(self) -> bool:
@@ -427,6 +435,7 @@ class Batcher(Lifecycle):
         self._intake.check(policy)
         self._queues.reconfigure(policy)
         self._policy = policy
+        self._policy_version += 1
         self._dispatch.watchdog.timeout_s = policy.batch_timeout_s
         self._telemetry.set_classes({c.name: c.slo_s for c in policy.classes})
         self._dispatch.wake_all()

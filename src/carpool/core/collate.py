@@ -15,13 +15,13 @@ torch is imported only when a torch payload is actually seen.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from carpool.core.layout import Packed, Padded
-from carpool.errors import ConfigError
+from carpool.errors import ConfigError, InvalidInput
 
 
 class MalformedOutput(Exception):
@@ -143,10 +143,7 @@ class DictCollator:
             (array,) = payload.values()
             shape = getattr(array, "shape", None)  # np.shape() is a Python-level call
             return int((shape if shape is not None else np.shape(array))[0])
-        counts = {int(np.shape(a)[0]) for a in payload.values()}
-        if len(counts) != 1:
-            raise ValueError(f"inputs disagree on the batch dimension: {sorted(counts)}")
-        return counts.pop()
+        return shared_rows(payload)
 
     def collate(self, payloads: list[Any], is_many: list[bool]) -> Any:
         names = payloads[0].keys()
@@ -261,6 +258,20 @@ class RaggedDictCollator(DictCollator):
 
     def split(self, outputs: Any, counts: list[int], is_many: list[bool]) -> list[Any]:
         return split_outputs(_unpack(outputs), counts, is_many)
+
+
+def shared_rows(payload: Mapping[str, Any]) -> int:
+    """The number of rows (the length along axis 0, the batch dimension) that every input
+    of a named payload has: the one check that named inputs agree on the batch dimension,
+    for the server's requests as for the Python API's.
+
+    Raises:
+        InvalidInput: the inputs disagree, naming the lengths.
+    """
+    counts = {int(np.shape(array)[0]) for array in payload.values()}
+    if len(counts) != 1:
+        raise InvalidInput(f"inputs disagree on the batch dimension: {sorted(counts)}")
+    return counts.pop()
 
 
 def _first_item(payload: Any, is_many: bool) -> Any:

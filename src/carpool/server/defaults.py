@@ -7,6 +7,7 @@ from typing import Any
 
 from carpool.core.batcher import Batcher
 from carpool.core.policy import BatchPolicy
+from carpool.server.outputs import checking_outputs
 from carpool.server.repository import ServedModel, TensorSpec
 
 
@@ -46,8 +47,9 @@ def default_models() -> list[ServedModel]:
     text it writes is noise (``/v1/models`` says so in ``owned_by``)."""
     from carpool.models.mlp import W1_INPUT_DIM, W1_OUTPUT_DIM
 
+    outputs = (TensorSpec("OUTPUT0", "FP32", (W1_OUTPUT_DIM,)),)
     mlp = Batcher(
-        fn_factory=w1_factory,
+        fn_factory=checking_outputs(w1_factory, outputs),
         policy=BatchPolicy(max_batch_size=64, max_delay_s=0.002),
         name="mlp",
         collate="dict",
@@ -58,7 +60,7 @@ def default_models() -> list[ServedModel]:
             version="1",
             platform="pytorch",
             inputs=(TensorSpec("INPUT0", "FP32", (W1_INPUT_DIM,)),),
-            outputs=(TensorSpec("OUTPUT0", "FP32", (W1_OUTPUT_DIM,)),),
+            outputs=outputs,
             batcher=mlp,
         )
     ]

@@ -61,7 +61,7 @@ def inflate(body: bytes, encoding: bytes, limit_bytes: int) -> bytes:
 
 
 # Clients repeat one Accept-Encoding value (httpx, aiohttp, requests send theirs on every
-# request): parsed once, not on every infer (1-2 us of string work on the event loop).
+# request): parsed once, not on every infer (docs/benchmarks.md has what that saves).
 @functools.lru_cache(maxsize=64)
 def response_encoding(accept_encoding: bytes) -> bytes | None:
     """The coding to answer in under an ``Accept-Encoding`` value (RFC 9110 12.5.3), as

@@ -1,16 +1,9 @@
 """KServe v2 (Open Inference Protocol) over gRPC, served from the same repository as REST.
 
-Only the wire differs from REST: a ``ModelInferRequest`` is decoded into the same
-:class:`~carpool.server.tensors.InferRequest`, checked by the same ``ServedModel.payload``
-and ``submit_options``, and submitted to the same batcher, so gRPC and HTTP requests share
-batches. Input data comes either raw or typed::
-
-    raw_input_contents = [ bytes of input 0 ][ bytes of input 1 ] ...   one entry per input
-    inputs[i].contents = InferTensorContents{ <type>_contents: [v0, v1, ...] }
-
-Raw bytes are little-endian row-major values (BYTES: per element a 4-byte little-endian
-length, then the bytes; BF16: 2 bytes each, decoded to float32). Outputs always go back
-raw, in ``raw_output_contents``, as Triton answers ``tritonclient``.
+Only the wire differs from REST: a ``ModelInferRequest`` is decoded by the KServe codec
+(:mod:`carpool.server.kserve.grpc_codec`) into the same typed request, checked by the same
+``ServedModel.payload`` and ``submit_options``, and submitted to the same batcher, so gRPC
+and HTTP requests share batches; the answer is encoded by the same codec.
 
 Configuration and statistics are the REST JSON (``ServedModel.config()``,
 :func:`~carpool.server.stats.model_stats`) parsed into the proto messages, so both wires
@@ -26,21 +19,18 @@ decoupled (a request done early waits for the ones before it)::
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
 import grpc  # type: ignore[import-untyped]  # grpcio ships no type hints
-import numpy as np
-import numpy.typing as npt
 from google.protobuf import json_format  # type: ignore[import-untyped]  # no stubs installed
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from carpool import __version__
 from carpool.errors import InvalidInput
 from carpool.server.access import Access, grpc_interceptors
-from carpool.server.classification import class_count_of, class_counts, classify
+from carpool.server.classification import class_counts
 from carpool.server.errors import (
     DEFAULT_MAX_REQUEST_BYTES,
     NotFound,
@@ -48,20 +38,11 @@ from carpool.server.errors import (
     error_message,
     grpc_status,
 )
+from carpool.server.kserve.grpc_codec import decode_infer_request, encode_infer_response
+from carpool.server.kserve.requested import wanted_outputs
 from carpool.server.proto import grpc_service_pb2 as pb
-from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
+from carpool.server.repository import ModelRepository, ServedModel
 from carpool.server.stats import model_stats
-from carpool.server.tensors import (
-    DATATYPES,
-    UNSUPPORTED_OUTPUT_PARAMETERS,
-    InferRequest,
-    InputTensor,
-    RequestedOutput,
-    check_empty_shape,
-    deserialize_bytes_tensor,
-    tensor_bytes,  # the REST codec's raw encoding, so both wires send identical bytes
-    unsupported_output_parameter,
-)
 
 __all__ = [
     "EXTENSIONS",
@@ -70,8 +51,6 @@ __all__ = [
     "MAX_STREAM_UNANSWERED",
     "InferenceServicer",
     "bind_grpc_server",
-    "decode_infer_request",
-    "encode_infer_response",
     "host_port",
     "model_config",
     "model_statistics",
@@ -92,214 +71,6 @@ MAX_RESPONSE_BYTES = 2**31 - 1
 # keep answers for as long as it sent (700 MB of RSS in 25 s). Several batches' worth, so
 # that one busy stream still fills batches while its earlier answers go out.
 MAX_STREAM_UNANSWERED = 256
-
-_KNOWN = ", ".join(DATATYPES)
-# The InferTensorContents field of each datatype; FP16 and BF16 have none (raw only).
-_CONTENTS_FIELD = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
-
-
-# ---------------------------------------------------------------------------------------
-# Requests
-
-
-def decode_infer_request(request: pb.ModelInferRequest) -> InferRequest:
-    """Decode a gRPC inference request into the server's wire-neutral form.
-
-    Raises:
-        InvalidInput: the request is malformed; the message names the input and field.
-    """
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidInput(
-            f"raw_input_contents has {len(raw)} entries but the request has "
-            f"{len(request.inputs)} inputs; send one per input, in input order, or none"
-        )
-    tensors: list[InputTensor] = []
-    seen: set[str] = set()
-    for index, tensor in enumerate(request.inputs):
-        if tensor.name in seen:
-            raise InvalidInput(f"input {tensor.name!r}: name appears more than once in 'inputs'")
-        seen.add(tensor.name)
-        tensors.append(_decode_input(tensor, raw[index] if raw else None))
-    return InferRequest(
-        request_id=request.id or None,
-        inputs=tuple(tensors),
-        outputs=_requested_outputs(request) if request.outputs else None,
-        parameters=_parameters(request.parameters),
-        is_binary_output_default=True,
-    )
-
-
-def _decode_input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> InputTensor:
-    where = f"input {tensor.name!r}"
-    if tensor.datatype not in DATATYPES:
-        raise InvalidInput(f"{where}: datatype {tensor.datatype!r} is not one of {_KNOWN}")
-    if "shared_memory_region" in tensor.parameters:
-        raise InvalidInput(f"{where}: shared memory is not supported; send the data inline")
-    shape = tuple(tensor.shape)
-    if any(dim < 0 for dim in shape):
-        raise InvalidInput(f"{where}: shape must be integers >= 0, got {list(shape)}")
-    num_elements = math.prod(shape)
-    if not num_elements:
-        check_empty_shape(where, tensor.datatype, shape)
-    if raw is None:
-        flat = _from_contents(where, tensor.datatype, num_elements, tensor.contents)
-    else:
-        if tensor.HasField("contents"):
-            raise InvalidInput(f"{where}: has both typed contents and raw_input_contents")
-        flat = _from_raw(where, tensor.datatype, num_elements, raw)
-    return InputTensor(tensor.name, tensor.datatype, shape, flat.reshape(shape))
-
-
-def _from_raw(where: str, datatype: str, num_elements: int, raw: bytes) -> npt.NDArray[Any]:
-    if datatype == "BYTES":
-        return deserialize_bytes_tensor(raw, num_elements, what=f"{where}: raw BYTES data")
-    wire = np.dtype("<u2") if datatype == "BF16" else DATATYPES[datatype].newbyteorder("<")
-    expected = num_elements * wire.itemsize
-    if len(raw) != expected:
-        raise InvalidInput(
-            f"{where}: raw_input_contents has {len(raw)} bytes but {num_elements} elements "
-            f"of {datatype} need {expected}"
-        )
-    values = np.frombuffer(raw, dtype=wire, count=num_elements)
-    if datatype == "BF16":
-        return (values.astype(np.uint32) << 16).view(np.float32)
-    return values.astype(DATATYPES[datatype], copy=True)  # owned, native, writable
-
-
-def _from_contents(
-    where: str, datatype: str, num_elements: int, contents: pb.InferTensorContents
-) -> npt.NDArray[Any]:
-    field = _CONTENTS_FIELD.get(datatype)
-    if field is None:
-        raise InvalidInput(f"{where}: {datatype} data must be sent as raw_input_contents")
-    others = [f.name for f, _ in contents.ListFields() if f.name != field]
-    if others:
-        raise InvalidInput(f"{where}: {datatype} data belongs in {field}, not {others[0]}")
-    values = getattr(contents, field)
-    if len(values) != num_elements:
-        raise InvalidInput(
-            f"{where}: shape has {num_elements} elements but {field} has {len(values)}"
-        )
-    if datatype == "BYTES":
-        array = np.empty(num_elements, dtype=object)
-        array[:] = list(values)
-        return array
-    dtype = DATATYPES[datatype]
-    if dtype.kind in "iu" and dtype.itemsize < 4 and num_elements:
-        wide = np.array(values, dtype=np.int64)
-        limits = np.iinfo(dtype)
-        if wide.min() < limits.min or wide.max() > limits.max:
-            raise InvalidInput(
-                f"{where}: {datatype} data must be integers in [{limits.min}, {limits.max}]"
-            )
-        return wide.astype(dtype)
-    return np.array(values, dtype=dtype)
-
-
-def _parameter(value: pb.InferParameter) -> Any:
-    choice = value.WhichOneof("parameter_choice")
-    return None if choice is None else getattr(value, choice)
-
-
-def _parameters(parameters: Any) -> dict[str, Any]:
-    return {key: _parameter(value) for key, value in parameters.items()}
-
-
-def _requested_outputs(request: pb.ModelInferRequest) -> tuple[RequestedOutput, ...]:
-    requested: list[RequestedOutput] = []
-    seen: set[str] = set()
-    for output in request.outputs:
-        where = f"output {output.name!r}"
-        if output.name in seen:
-            raise InvalidInput(f"{where}: name appears more than once in 'outputs'")
-        seen.add(output.name)
-        for unsupported in UNSUPPORTED_OUTPUT_PARAMETERS:
-            value = (
-                _parameter(output.parameters[unsupported])
-                if unsupported in output.parameters
-                else None
-            )
-            if value:
-                raise unsupported_output_parameter(where, unsupported, value)
-        class_count = 0
-        if "classification" in output.parameters:
-            class_count = _class_count(where, output.parameters["classification"])
-        requested.append(RequestedOutput(output.name, True, class_count))
-    return tuple(requested)
-
-
-def _class_count(where: str, value: pb.InferParameter) -> int:
-    """A ``classification`` parameter: an int64_param >= 1, as Triton reads it."""
-    choice = value.WhichOneof("parameter_choice")
-    if choice != "int64_param":
-        given = "no value" if choice is None else f"{choice} {_parameter(value)!r}"
-        raise InvalidInput(
-            f"{where}: parameters.classification is {given}; expected an int64_param >= 1 "
-            "(tritonclient's class_count), the number of top classes to return"
-        )
-    return class_count_of(where, value.int64_param)
-
-
-# ---------------------------------------------------------------------------------------
-# Responses
-
-
-def encode_infer_response(
-    model: ServedModel,
-    request_id: str | None,
-    wanted: list[TensorSpec],
-    result: dict[str, npt.NDArray[Any]],
-    classes: dict[str, int] | None = None,
-) -> pb.ModelInferResponse:
-    """The response carrying ``wanted`` outputs of ``result`` as raw contents; those named
-    in ``classes`` as their top classes (BYTES, see :mod:`carpool.server.classification`)."""
-    response = pb.ModelInferResponse(
-        model_name=model.name, model_version=model.version, id=request_id or ""
-    )
-    for spec in wanted:
-        array = np.asarray(result[spec.name])
-        datatype = spec.datatype
-        if classes is not None and spec.name in classes:
-            array = classify(array, datatype, classes[spec.name], spec.labels)
-            datatype = "BYTES"
-        response.outputs.add(name=spec.name, datatype=datatype, shape=array.shape)
-        response.raw_output_contents.append(tensor_bytes(datatype, array))
-    return response
-
-
-def wanted_outputs(model: ServedModel, request: InferRequest) -> list[TensorSpec]:
-    """The declared outputs the request asked for, all of them when it named none.
-
-    Raises:
-        InvalidInput: an output the model does not declare.
-    """
-    if request.outputs is None:
-        return list(model.outputs)
-    by_name = {spec.name: spec for spec in model.outputs}
-    unknown = [o.name for o in request.outputs if o.name not in by_name]
-    if unknown:
-        raise InvalidInput(
-            f"unknown output {unknown[0]!r} for model {model.name!r}; expected {sorted(by_name)}"
-        )
-    return [by_name[o.name] for o in request.outputs]
-
-
-# ---------------------------------------------------------------------------------------
-# The service
 
 
 class InferenceServicer:
@@ -460,7 +231,7 @@ class InferenceServicer:
         infer = decode_infer_request(request)
         payload = model.payload(infer)
         options = model.submit_options(infer)
-        wanted = wanted_outputs(model, infer)
+        wanted = wanted_outputs(model, infer.outputs)
         classes = class_counts(infer.outputs, wanted)
         result = await model.run(payload, options, arrival_s)
         return encode_infer_response(model, infer.request_id, wanted, result, classes)

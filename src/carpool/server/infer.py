@@ -1,272 +1,41 @@
-"""A KServe inference request from body to answer, shared by the HTTP paths.
+"""The KServe infer route as the HTTP layer calls it.
 
-``prepare_infer`` decodes and checks a body against its model; ``infer_response`` encodes
-the model's outputs; ``error_response`` maps a failure to its status and document.
-
-Binary requests (what ``tritonclient`` sends by default) carry their tensors after a JSON
-header that a client repeats byte for byte for every request of one shape. So everything
-that depends only on that header is worked out once per model and header and kept in an
-:class:`InferPlan`: the header's parse and checks, the model's input checks, the batcher
-options, the outputs asked for, and the JSON header of the answer for each output shape.
-A request then costs the decoding of its tensor bytes, its place in a batch and the copy
-of its outputs.
+:func:`prepare_infer` and :func:`infer_response` are the REST face of the KServe codec
+(:mod:`carpool.server.kserve.rest`, with its per-header :class:`InferPlans`); here are the
+answers that are HTTP's own: a failure as its status and error document
+(:func:`error_response`), and an answer compressed as the client accepts
+(:func:`compressed`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
-
-import numpy as np
 import orjson
 
-from carpool.core.policy import BatchPolicy
-from carpool.errors import InvalidInput
-from carpool.server.classification import class_counts, classified_outputs
-from carpool.server.decode import (
-    BinaryLayout,
-    InferHeader,
-    binary_layout,
-    binary_payload,
-    decode_json_with_header,
-    decode_with_header,
-    header_of,
-    infer_header,
-    json_payload,
-    json_shape_key,
-    parse_json_document,
-    split_infer_body,
-)
 from carpool.server.encoding import MIN_COMPRESSED_BYTES, compress
 from carpool.server.errors import http_error, openai_error
-from carpool.server.repository import ServedModel, TensorSpec
-from carpool.server.tensors import (
-    InferRequest,
-    OutputTensor,
-    encode_infer_response,
-    fill_json_answer,
-    json_answer_parts,
-    tensor_bytes,
+from carpool.server.kserve.rest import (
+    JSON_HEADERS,
+    Answer,
+    Headers,
+    InferCall,
+    InferPlan,
+    InferPlans,
+    infer_response,
+    prepare_infer,
 )
 
-Headers = tuple[tuple[bytes, bytes], ...]
-Answer = tuple[int, bytes, Headers]
+__all__ = [
+    "Headers",
+    "InferCall",
+    "InferPlan",
+    "InferPlans",
+    "compressed",
+    "error_response",
+    "infer_response",
+    "prepare_infer",
+]
 
-JSON_HEADERS: Headers = ((b"content-type", b"application/json"),)
-_BINARY_TYPE = (b"content-type", b"application/octet-stream")
-_HEADER_LENGTH = b"inference-header-content-length"
-PLANS_PER_MODEL = 64
-ANSWER_HEADERS_PER_PLAN = 16
-
-
-@dataclass(slots=True)
-class InferPlan:
-    """What every request sending one JSON header asks of one model, checked once.
-
-    ``answers`` keeps the answer's JSON header by the output shapes (only when every
-    output goes back as fixed-size binary data, whose header then depends on nothing else).
-    ``classes`` names the outputs asked as their top classes (Triton's classification
-    extension) and how many, None when there is none.
-    """
-
-    header: InferHeader
-    options: dict[str, Any]
-    wanted: list[TensorSpec]
-    binary: set[str]
-    policy: BatchPolicy | None  # the one ``options`` were resolved under (its priority classes)
-    answers: dict[tuple[tuple[int, ...], ...], bytes] | None = field(default_factory=dict)
-    # Answers all in JSON: the answer cut where each output's data goes, by output shapes.
-    json_answers: dict[tuple[tuple[int, ...], ...], tuple[bytes, ...]] | None = None
-    classes: dict[str, int] | None = None
-    # Where a binary header's inputs lie in the body: its requests' payloads are read
-    # straight from their bytes (None: JSON, BYTES or BF16 inputs, decoded in full).
-    layout: BinaryLayout | None = None
-
-
-@dataclass(slots=True)  # not frozen: a frozen dataclass takes 0.25 us longer to make
-class InferCall:
-    """A decoded, checked KServe inference request, ready for its model (not to be
-    changed once made)."""
-
-    request_id: str | None
-    payload: dict[str, np.ndarray]
-    plan: InferPlan
-
-    @property
-    def options(self) -> dict[str, Any]:
-        """Batcher keywords (priority, timeout) from the request parameters."""
-        return self.plan.options
-
-
-class InferPlans:
-    """Plans by model and key: a binary request's header bytes, or a JSON request's
-    document without its data (kept apart, so that no binary header can meet a JSON
-    plan). Bounded per model, the oldest plan goes first; keys longer than
-    ``MAX_KEY_BYTES`` are not kept."""
-
-    MAX_KEY_BYTES = 4096
-
-    def __init__(self) -> None:
-        self._by_model: dict[tuple[str, bool], dict[bytes, InferPlan]] = {}
-
-    def get(self, model: ServedModel, key: bytes, *, is_json: bool = False) -> InferPlan | None:
-        plans = self._by_model.get((model.name, is_json))
-        return None if plans is None else plans.get(key)
-
-    def put(
-        self, model: ServedModel, key: bytes, plan: InferPlan, *, is_json: bool = False
-    ) -> None:
-        if len(key) > self.MAX_KEY_BYTES:
-            return
-        plans = self._by_model.setdefault((model.name, is_json), {})
-        if len(plans) >= PLANS_PER_MODEL:
-            del plans[next(iter(plans))]
-        plans[key] = plan
-
-
-def prepare_infer(
-    model: ServedModel, body: bytes, header_length: bytes | None, plans: InferPlans
-) -> InferCall:
-    """Decode and check an infer body; ``header_length`` is the value of the
-    Inference-Header-Content-Length HTTP header (None: the whole body is JSON).
-
-    Raises:
-        InvalidInput: naming what was wrong and what was expected.
-    """
-    length = None
-    if header_length is not None:
-        try:
-            length = int(header_length)
-        except ValueError:
-            raise InvalidInput(
-                f"header Inference-Header-Content-Length={header_length!r}: expected a byte count"
-            ) from None
-    header_bytes, binary = split_infer_body(body, length)
-    if length is None:
-        return _prepare_json(model, header_bytes, plans)
-    plan = plans.get(model, header_bytes)
-    if plan is not None:  # the same header as an earlier request: checked then
-        layout = plan.layout
-        if layout is not None and plan.policy is model.policy:
-            return InferCall(plan.header.request_id, binary_payload(layout, binary), plan)
-        request = decode_with_header(plan.header, binary)
-        return _planned_call(model, plan, request)
-    header = infer_header(header_bytes)
-    call = _first_call(model, header, decode_with_header(header, binary))
-    if header.is_cacheable:
-        call.plan.layout = binary_layout(header)
-        plans.put(model, header_bytes, call.plan)
-    return call
-
-
-def _prepare_json(model: ServedModel, body: bytes, plans: InferPlans) -> InferCall:
-    """A JSON request: planned by its document without the tensor data, so requests that
-    differ only in their numbers share the checks."""
-    document, is_strict = parse_json_document(body)
-    # A document with NaN or Infinity is not planned: its key would write them as null.
-    key = json_shape_key(document) if is_strict else None
-    plan = plans.get(model, key, is_json=True) if key is not None else None
-    if plan is not None:
-        if plan.policy is model.policy:  # the request's objects are not needed
-            return InferCall(plan.header.request_id, json_payload(plan.header, document), plan)
-        request = decode_json_with_header(plan.header, document)
-        return _planned_call(model, plan, request)
-    header = header_of(document)
-    call = _first_call(model, header, decode_with_header(header, memoryview(b"")))
-    if key is not None:  # kept without this request's data: later ones bring their own
-        specs = tuple(replace(spec, data=[]) for spec in header.specs)
-        call.plan.header = replace(header, specs=specs)
-        plans.put(model, key, call.plan, is_json=True)
-    return call
-
-
-def _planned_call(model: ServedModel, plan: InferPlan, request: InferRequest) -> InferCall:
-    """A request of a known plan; its options are resolved again if the model's batch
-    policy (and with it the priority classes) changed since."""
-    policy = model.policy
-    if plan.policy is not policy:
-        plan.options, plan.policy = model.submit_options(request), policy
-    return InferCall(request.request_id, {t.name: t.array for t in request.inputs}, plan)
-
-
-def _first_call(model: ServedModel, header: InferHeader, request: InferRequest) -> InferCall:
-    """The call and its new plan: the model's checks of the request's inputs and outputs."""
-    payload = model.payload(request)
-    wanted = _wanted_outputs(model, request)
-    classes = class_counts(request.outputs, wanted)
-    options = model.submit_options(request)
-    policy = model.policy
-    plan = InferPlan(header, options, wanted, _binary(request, wanted), policy, classes=classes)
-    if (
-        classes is not None
-        or plan.binary != {spec.name for spec in wanted}
-        or any(spec.datatype == "BYTES" for spec in wanted)
-    ):
-        plan.answers = None  # JSON or variable-size outputs: encoded in full each time
-        if classes is None and not plan.binary and _has_fixed_size_numbers(wanted):
-            plan.json_answers = {}  # all JSON numbers: cut where each output's data goes
-    return InferCall(request.request_id, payload, plan)
-
-
-def infer_response(model: ServedModel, call: InferCall, result: dict[str, Any]) -> Answer:
-    """(status, body, headers) answering ``call`` with the model's ``result``."""
-    plan = call.plan
-    answers = plan.answers
-    if answers is not None:
-        arrays = [result[spec.name] for spec in plan.wanted]
-        shapes = tuple([array.shape for array in arrays])
-        json_header = answers.get(shapes)
-        if json_header is not None:
-            chunks = [tensor_bytes(s.datatype, a) for s, a in zip(plan.wanted, arrays, strict=True)]
-            return 200, b"".join([json_header, *chunks]), _binary_headers(len(json_header))
-    if plan.json_answers is not None:
-        body = _planned_json_answer(model, call, result)
-        if body is not None:
-            return 200, body, JSON_HEADERS
-    if plan.classes is None:
-        outputs = [OutputTensor(s.name, result[s.name], s.datatype) for s in plan.wanted]
-    else:
-        outputs = classified_outputs(plan.wanted, result, plan.classes)
-    data, json_length = encode_infer_response(
-        model.name, model.version, call.request_id, outputs, plan.binary
-    )
-    if json_length is None:
-        return 200, data, JSON_HEADERS
-    if answers is not None and len(answers) < ANSWER_HEADERS_PER_PLAN:
-        answers[tuple(o.array.shape for o in outputs)] = data[:json_length]
-    return 200, data, _binary_headers(json_length)
-
-
-def _planned_json_answer(
-    model: ServedModel, call: InferCall, result: dict[str, Any]
-) -> bytes | None:
-    """The answer of a plan answered all in JSON, filled into the parts kept for its
-    output shapes; None when the full encoder must write it (outputs that are not arrays,
-    NaN or infinities, more shapes than a plan keeps)."""
-    plan = call.plan
-    answers = plan.json_answers
-    assert answers is not None
-    arrays = [result[spec.name] for spec in plan.wanted]
-    if not all(type(array) is np.ndarray for array in arrays):
-        return None
-    shapes = tuple(array.shape for array in arrays)
-    parts = answers.get(shapes)
-    if parts is None:
-        if len(answers) >= ANSWER_HEADERS_PER_PLAN:
-            return None
-        described = [
-            (s.name, s.datatype, a.shape) for s, a in zip(plan.wanted, arrays, strict=True)
-        ]
-        parts = json_answer_parts(model.name, model.version, call.request_id, described)
-        if parts is None:
-            return None
-        answers[shapes] = parts
-    return fill_json_answer(parts, [spec.datatype for spec in plan.wanted], arrays)
-
-
-def _has_fixed_size_numbers(wanted: list[TensorSpec]) -> bool:
-    """Whether every output is a number type JSON can carry (not BYTES, not BF16)."""
-    return not any(spec.datatype in ("BYTES", "BF16") for spec in wanted)
+_VARY = (b"vary", b"accept-encoding")
 
 
 def compressed(answer: Answer, encoding: bytes | None) -> Answer:
@@ -290,39 +59,3 @@ def error_response(exc: Exception, *, is_openai: bool = False) -> Answer:
         return error.status, orjson.dumps(document), (*JSON_HEADERS, *error.headers)
     error = http_error(exc)
     return error.status, orjson.dumps({"error": error.message}), (*JSON_HEADERS, *error.headers)
-
-
-_VARY = (b"vary", b"accept-encoding")
-_BINARY_HEADERS: dict[int, Headers] = {}  # by JSON header length: 0.3 us less an answer
-_MAX_BINARY_HEADERS = 1024
-
-
-def _binary_headers(json_length: int) -> Headers:
-    headers = _BINARY_HEADERS.get(json_length)
-    if headers is None:
-        headers = (_BINARY_TYPE, (_HEADER_LENGTH, b"%d" % json_length))
-        if len(_BINARY_HEADERS) < _MAX_BINARY_HEADERS:
-            _BINARY_HEADERS[json_length] = headers
-    return headers
-
-
-def _wanted_outputs(model: ServedModel, request: InferRequest) -> list[TensorSpec]:
-    if request.outputs is None:
-        return list(model.outputs)
-    by_name = {spec.name: spec for spec in model.outputs}
-    wanted = []
-    for output in request.outputs:
-        spec = by_name.get(output.name)
-        if spec is None:
-            raise InvalidInput(
-                f"unknown output {output.name!r} for model {model.name!r}; "
-                f"expected {sorted(by_name)}"
-            )
-        wanted.append(spec)
-    return wanted
-
-
-def _binary(request: InferRequest, wanted: list[TensorSpec]) -> set[str]:
-    if request.outputs is None:
-        return {s.name for s in wanted} if request.is_binary_output_default else set()
-    return {o.name for o in request.outputs if o.is_binary}

@@ -8,7 +8,10 @@ by the cast, a shape that contradicts the metadata. As Triton's backends do ("un
 shape for output ..."), such a batch fails instead, with a message naming the output,
 what was declared and what came; its requests get a 500 and the server goes on serving.
 
-Checked per batch, not per request: one look at each output of the batch's result.
+Checked per batch, not per request: one look at each output of the batch's result. This
+is the one check of a model's outputs: the batcher's split only counts rows, and
+``ServedModel.outputs_of`` and the KServe encoders trust what it let through. A served
+batched model gets it from its builder (:func:`checking_outputs`).
 """
 
 from __future__ import annotations

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from carpool.core.batcher import Batcher
+from carpool.core.collate import shared_rows
 from carpool.core.policy import BatchPolicy
-from carpool.errors import ConfigError, InvalidInput, ModelError
+from carpool.errors import ConfigError, InvalidInput
 from carpool.server.errors import NotFound
-from carpool.server.tensors import DATATYPES, InferRequest
+from carpool.server.kserve.tensors import DATATYPES, InferRequest
 
 if TYPE_CHECKING:
     from carpool.server.embeddings import EmbeddingService
@@ -185,6 +186,12 @@ class ServedModel:
         return None if self.batcher is None else self.batcher.policy
 
     @property
+    def policy_version(self) -> int:
+        """The batcher's :attr:`~carpool.core.batcher.Batcher.policy_version`; 0 for a
+        generation model (its classes never change)."""
+        return 0 if self.batcher is None else self.batcher.policy_version
+
+    @property
     def class_names(self) -> tuple[str, ...]:
         """The priority classes a request may name, highest first."""
         if self.generation is not None:
@@ -223,25 +230,11 @@ class ServedModel:
         return self.outputs_of(result)
 
     def outputs_of(self, result: Any) -> dict[str, Any]:
-        """The batcher's result for one request as ``{output name: array}``.
-
-        Raises:
-            ModelError: the model did not return a dict holding every declared output.
-        """
-        if not isinstance(result, dict):
-            raise ModelError(
-                f"model {self.name!r} returned a {type(result).__name__}; expected a dict of "
-                f"its declared outputs {[spec.name for spec in self.outputs]}"
-            )
-        # Per-token outputs of ragged rows come back as lists.
-        outputs = {k: np.stack(v) if isinstance(v, list) else v for k, v in result.items()}
-        for spec in self.outputs:
-            if spec.name not in outputs:
-                raise ModelError(
-                    f"model {self.name!r} returned outputs {sorted(outputs)}; the config "
-                    f"declares {[s.name for s in self.outputs]}"
-                )
-        return outputs
+        """The batcher's result for one request as ``{output name: array}``: per-token
+        outputs of ragged rows come back as lists of rows, stacked here. The result was
+        checked against the declared outputs once, per batch, before it was split
+        (:func:`carpool.server.outputs.check_outputs`)."""
+        return {k: np.stack(v) if isinstance(v, list) else v for k, v in result.items()}
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -304,7 +297,6 @@ class ServedModel:
                 f"unknown input {unknown[0]!r} for model {self.name!r}; expected {sorted(declared)}"
             )
         payload: dict[str, np.ndarray] = {}
-        rows: set[int] = set()
         for spec in self.inputs:
             tensor = given.get(spec.name)
             if tensor is None:
@@ -319,10 +311,7 @@ class ServedModel:
                     f"{[-1, *spec.shape]} (-1: any size; the first dimension is the batch)"
                 )
             payload[spec.name] = tensor.array
-            rows.add(tensor.shape[0])
-        if len(rows) > 1:
-            raise InvalidInput(f"inputs disagree on the batch dimension: {sorted(rows)}")
-        if rows == {0}:
+        if payload and shared_rows(payload) == 0:
             raise InvalidInput("the batch dimension is 0: send at least one row")
         return payload
 

@@ -1,5 +1,5 @@
 """Which coding an infer answer goes back in (``Accept-Encoding``, RFC 9110 12.5.3), and
-the compressed bytes themselves."""
+the compressed bytes themselves (answers compressed: test_infer.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from carpool.server.encoding import compress, response_encoding
-from carpool.server.infer import compressed
 
 
 @pytest.mark.parametrize(
@@ -62,18 +61,6 @@ def test_compress_writes_what_http_clients_inflate(encoding: bytes, inflate: obj
     assert inflate(packed) == body  # type: ignore[operator]
 
 
-def test_compressed_leaves_small_failed_and_unasked_answers_as_they_are() -> None:
-    big = b"x" * 4096
-    headers = ((b"content-type", b"application/json"),)
-    assert compressed((200, big, headers), None) == (200, big, headers)
-    assert compressed((200, b"x" * 1023, headers), b"gzip") == (200, b"x" * 1023, headers)
-    assert compressed((400, big, headers), b"gzip") == (400, big, headers)
-    status, body, new_headers = compressed((200, big, headers), b"gzip")
-    assert status == 200
-    assert gzip.decompress(body) == big
-    assert new_headers == (*headers, (b"content-encoding", b"gzip"), (b"vary", b"accept-encoding"))
-
-
 # -- properties ---------------------------------------------------------------------------
 
 _TOKENS = st.sampled_from(
@@ -99,17 +86,3 @@ def test_response_encoding_never_raises_and_only_picks_what_was_named_or_starred
         if chosen is not None:
             named = accept.lower()
             assert chosen in named or (chosen == b"gzip" and b"x-gzip" in named) or b"*" in named
-
-
-@settings(max_examples=50, deadline=None)
-@given(st.binary(max_size=20_000), st.sampled_from([b"gzip", b"deflate"]))
-def test_compressed_answers_always_inflate_to_the_plain_one(body: bytes, encoding: bytes) -> None:
-    headers = ((b"content-type", b"application/json"),)
-    status, packed, new_headers = compressed((200, body, headers), encoding)
-    assert status == 200
-    if len(body) < 1024:
-        assert (packed, new_headers) == (body, headers)
-    else:
-        inflate = gzip.decompress if encoding == b"gzip" else zlib.decompress
-        assert inflate(packed) == body
-        assert new_headers[-2:] == ((b"content-encoding", encoding), (b"vary", b"accept-encoding"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
@@ -10,9 +11,10 @@ import numpy as np
 import pytest
 
 from carpool import Batcher, BatchPolicy, ClassPolicy, ConfigError, DeadlineExceeded, InvalidInput
+from carpool.core.collate import DictCollator
 from carpool.server.errors import NotFound, http_error
+from carpool.server.kserve.tensors import InferRequest, InputTensor
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
-from carpool.server.tensors import InferRequest, InputTensor
 
 
 def _model(name: str = "m") -> ServedModel:
@@ -61,6 +63,22 @@ def test_payload_accepts_declared_shapes_with_wildcards() -> None:
 def test_payload_rejects_what_does_not_match_naming_it(tensor: InputTensor, fragment: str) -> None:
     with pytest.raises(InvalidInput, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         _model().payload(_request(tensor))
+
+
+def test_inputs_that_disagree_on_the_batch_dimension_are_refused_as_the_collator_does() -> None:
+    """The one check of the batch dimension (core's shared_rows): the payload of a request
+    is refused with the message the batcher's dict collator gives a Python caller."""
+    spec = TensorSpec("b", "FP32", (4,))
+    model = ServedModel(
+        "m", "1", "python", (*_model().inputs, spec), _model().outputs, _model().batcher
+    )
+    request = _request(_tensor((2, 7, 4)), _tensor((3, 4), name="b"))
+    with pytest.raises(InvalidInput) as refused:
+        model.payload(request)
+    assert str(refused.value) == "inputs disagree on the batch dimension: [2, 3]"
+    arrays = {tensor.name: tensor.array for tensor in request.inputs}
+    with pytest.raises(InvalidInput, match=re.escape(str(refused.value))):
+        DictCollator().num_items(arrays)
 
 
 def test_missing_input_is_named() -> None:
@@ -215,3 +233,12 @@ def test_queue_full_says_when_to_retry() -> None:
     mapped = http_error(QueueFull("normal", 10))
     assert mapped.status == 429
     assert (b"retry-after", b"1") in mapped.headers
+
+
+def test_outputs_of_stacks_the_rows_of_per_token_outputs() -> None:
+    """Ragged rows' per-token outputs come back from the split as lists of rows; the
+    result itself was checked against the declared outputs once, per batch."""
+    rows = [np.zeros(4, np.float32), np.ones(4, np.float32)]
+    outputs = _model().outputs_of({"y": rows, "n": np.array([2])})
+    assert outputs["y"].shape == (2, 4) and outputs["y"][1].tolist() == [1.0] * 4
+    assert outputs["n"].tolist() == [2]

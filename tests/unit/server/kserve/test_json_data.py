@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from carpool.errors import InvalidInput
-from carpool.server.decode import _flat_numbers, _from_json_lists, _InputSpec
+from carpool.server.kserve.json_data import _flat_numbers, _from_json_lists, array_from_json
+from carpool.server.kserve.rest_decode import InputSpec
 
 NUMERIC = ["UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"]
 NUMERIC += ["FP16", "FP32", "FP64"]
@@ -32,11 +33,11 @@ _elements = st.one_of(
 )
 
 
-def _spec(datatype: str, count: int) -> _InputSpec:
-    return _InputSpec("x", datatype, (count,), count, None, 0)
+def _spec(datatype: str, count: int) -> InputSpec:
+    return InputSpec("x", datatype, (count,), count, None, 0)
 
 
-def _general(spec: _InputSpec, data: list[Any]) -> np.ndarray | str:
+def _general(spec: InputSpec, data: list[Any]) -> np.ndarray | str:
     try:
         return _from_json_lists(spec, data)
     except InvalidInput as error:
@@ -112,3 +113,13 @@ def test_fast_path_arrays_are_writable(datatype: str) -> None:
 )
 def test_fast_path_declines_what_it_does_not_check(datatype: str, data: list[Any]) -> None:
     assert _flat_numbers(_spec(datatype, 2), data) is None
+
+
+def test_flat_and_nested_json_data_give_the_same_fp32_values() -> None:
+    """Was: the struct fast path (flat lists) rounded int -> float64 -> float32 while the
+    general path (nested lists) casts int64 -> float32 directly; for integers above 2**53
+    the two differ by one float32 ulp."""
+    n = 2**53 + 2**29 + 1
+    spec = InputSpec("x", "FP32", (1, 1), 1, None, 0)
+    flat, nested = array_from_json(spec, [n]), array_from_json(spec, [[n]])
+    assert flat.tolist() == nested.tolist(), f"flat {flat.tolist()} vs nested {nested.tolist()}"

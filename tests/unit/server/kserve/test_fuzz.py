@@ -1,6 +1,7 @@
-"""The KServe v2 codecs fuzzed: request bodies built by Triton's own clients, decoded by the
-server, and answers decoded by the same clients; then mutated bodies and random gRPC
-messages, which must be refused as the client's fault (a 4xx naming what was wrong).
+"""The KServe v2 codec fuzzed on both wires: request bodies built by Triton's own clients,
+decoded by the server, and answers decoded by the same clients; then mutated bodies and
+random gRPC messages, which must be refused as the client's fault (a 4xx naming what was
+wrong).
 
 Properties:
 
@@ -42,13 +43,13 @@ from tritonclient.http._utils import _get_inference_request as http_request_of
 
 from carpool import Batcher, ClassPolicy
 from carpool.errors import InvalidInput
-from carpool.server import grpc as grpc_codec
-from carpool.server.decode import decode_infer_request
 from carpool.server.errors import http_error
-from carpool.server.infer import InferPlans, infer_response, prepare_infer
+from carpool.server.kserve import grpc_codec
+from carpool.server.kserve.rest import InferPlans, infer_response, prepare_infer
+from carpool.server.kserve.rest_decode import decode_infer_request
+from carpool.server.kserve.tensors import DATATYPES, serialize_bytes_tensor
 from carpool.server.proto import grpc_service_pb2 as pb
 from carpool.server.repository import ServedModel, TensorSpec
-from carpool.server.tensors import DATATYPES, serialize_bytes_tensor
 
 SETTINGS = settings(
     max_examples=150,
