@@ -10,14 +10,19 @@ import carpool
 from carpool import errors
 from carpool.errors import (
     BatchTimeout,
+    CallNotRun,
     CapacityError,
     CarpoolError,
     Closed,
     ConfigError,
     DeadlineExceeded,
+    Displaced,
+    Hung,
     InvalidInput,
     ModelError,
     QueueFull,
+    StartedLate,
+    Withdrawn,
 )
 
 ALL_ERRORS = [
@@ -32,11 +37,18 @@ ALL_ERRORS = [
 ]
 
 
+# Signals between core's stages: they never reach a caller.
+SIGNALS = {CallNotRun, StartedLate, Withdrawn, Displaced, Hung}
+
+
 def _defined_exception_classes() -> list[type[BaseException]]:
+    """The public errors of carpool.errors: every exception class there but the signals."""
     return [
         obj
         for _, obj in inspect.getmembers(errors, inspect.isclass)
-        if issubclass(obj, BaseException) and obj.__module__ == errors.__name__
+        if issubclass(obj, BaseException)
+        and obj.__module__ == errors.__name__
+        and obj not in SIGNALS
     ]
 
 
@@ -46,6 +58,16 @@ def test_every_exception_in_errors_module_is_a_carpool_error() -> None:
     assert len(classes) == 9
     for cls in classes:
         assert issubclass(cls, CarpoolError), cls
+
+
+def test_signals_between_stages_are_neither_carpool_errors_nor_public() -> None:
+    """One that escaped would be a bug: the wire reads it as an internal error, and an
+    ``except CarpoolError`` does not swallow it."""
+    for cls in SIGNALS:
+        assert cls.__module__ == errors.__name__
+        assert not issubclass(cls, CarpoolError), cls
+        assert not hasattr(carpool, cls.__name__), cls
+    assert all(issubclass(c, CallNotRun) for c in (StartedLate, Withdrawn, Displaced))
 
 
 def test_every_exception_is_exported_from_the_package() -> None:

@@ -12,9 +12,10 @@ from carpool import CapacityError, ModelError
 from carpool.core.admission import OomCap
 from carpool.core.clock import FakeClock
 from carpool.core.policy import BatchPolicy
-from carpool.core.replicas import RunOutput
+from carpool.core.collate import ListCollator
+from carpool.core.replicas import Cancels, ModelCall, RunOutput
 from carpool.core.request import Request, RequestState
-from carpool.core.settle import Settler, by_signature
+from carpool.core.settle import Settler, Start, by_signature
 from carpool.core.telemetry import Telemetry
 
 _ids = itertools.count()
@@ -44,9 +45,9 @@ def _settler(oom: OomCap | None = None) -> Settler:
 def _model(bad: set[int], oom_above: int | None = None):  # type: ignore[no-untyped-def]
     calls: list[list[int]] = []
 
-    def start(requests: list[Request]) -> Awaitable[RunOutput]:
+    def start(call: ModelCall) -> Awaitable[RunOutput]:
         async def run() -> RunOutput:
-            payloads = [r.payload for r in requests]
+            payloads = call.payloads
             calls.append(payloads)
             if oom_above is not None and len(payloads) > oom_above:
                 raise MemoryError("too big")
@@ -59,10 +60,15 @@ def _model(bad: set[int], oom_above: int | None = None):  # type: ignore[no-unty
     return start, calls
 
 
+async def _settle(settler: Settler, requests: list[Request], start: Start) -> RunOutput | None:
+    call = ModelCall(requests, ListCollator(), Cancels())
+    return await settler.settle(call, start(call), start)
+
+
 async def test_results_reach_each_future_in_order() -> None:
     requests = [_request(i) for i in range(4)]
     start, _ = _model(set())
-    output = await _settler().settle(requests, start(requests), start)
+    output = await _settle(_settler(), requests, start)
     assert output is not None
     assert [r.future.result() for r in requests] == [0, 10, 20, 30]
     assert all(r.state is RequestState.DONE for r in requests)
@@ -71,7 +77,7 @@ async def test_results_reach_each_future_in_order() -> None:
 async def test_bisection_fails_only_the_poisoned_request() -> None:
     requests = [_request(i) for i in range(8)]
     start, calls = _model({5})
-    assert await _settler().settle(requests, start(requests), start) is None
+    assert await _settle(_settler(), requests, start) is None
     for request in requests:
         if request.payload == 5:
             with pytest.raises(ModelError, match="ValueError: poison"):
@@ -85,7 +91,7 @@ async def test_out_of_memory_splits_and_lowers_the_cap() -> None:
     oom = OomCap()
     requests = [_request(i) for i in range(8)]
     start, _ = _model(set(), oom_above=2)
-    await _settler(oom).settle(requests, start(requests), start)
+    await _settle(_settler(oom), requests, start)
     assert [r.future.result() for r in requests] == [i * 10 for i in range(8)]
     assert oom.current(0.0, BatchPolicy(max_batch_size=8)) == 2
 
@@ -93,7 +99,7 @@ async def test_out_of_memory_splits_and_lowers_the_cap() -> None:
 async def test_a_request_out_of_memory_alone_gets_capacity_error() -> None:
     (request,) = requests = [_request(1)]
     start, _ = _model(set(), oom_above=0)
-    await _settler().settle(requests, start(requests), start)
+    await _settle(_settler(), requests, start)
     with pytest.raises(CapacityError):
         request.future.result()
 
