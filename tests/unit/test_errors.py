@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
+import pickle
 
 import pytest
 
@@ -183,3 +185,29 @@ def test_config_error_names_the_file_when_given() -> None:
     error = ConfigError("models[0].max_delay_s", -1, "a number >= 0", file="serve.yaml")
     assert error.file == "serve.yaml"
     assert str(error) == "serve.yaml: invalid models[0].max_delay_s=-1: expected a number >= 0"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConfigError("max_batch_size", 0, "an integer >= 1", file="carpool.yaml"),
+        InvalidInput("bad payload", request_id=3),
+        QueueFull("normal", 8),
+        DeadlineExceeded(4, 0.1, 0.25),
+        ModelError("the model raised ValueError: no", request_id=5),
+        CapacityError(6, 2),
+        Closed("w1"),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+@pytest.mark.parametrize("clone", [copy.copy, lambda e: pickle.loads(pickle.dumps(e))])
+def test_errors_survive_pickle_and_copy_with_their_fields_and_message(error, clone):
+    """An error crossing a process (multiprocessing, a process pool) or copied keeps its
+    class, message and fields; before, most raised TypeError when rebuilt, and Closed
+    nested its own message."""
+    fields = {k: v for k, v in vars(error).items() if not k.startswith("_")}
+    again = clone(error)
+    assert type(again) is type(error)
+    assert str(again) == str(error)
+    assert {k: v for k, v in vars(again).items() if not k.startswith("_")} == fields
+    assert isinstance(again, CarpoolError)
