@@ -220,14 +220,23 @@ async def test_cancelled_stop_still_answers_every_accepted_request(make_batcher,
         await batcher.submit(4)
 
 
-async def test_stop_during_start_leaves_the_batcher_stopped(make_batcher, spawn):
-    batcher = make_batcher(max_delay_s=0.0)
-    starting = spawn(batcher.start())
-    await asyncio.sleep(0)  # start() is now loading the replicas
-    assert not starting.done()
+async def test_stop_during_start_leaves_the_batcher_stopped(make_batcher, fake_model, spawn):
+    building, built = threading.Event(), threading.Event()
 
-    await batcher.stop()
-    await finish(starting)
+    def build(device: str) -> Any:
+        building.set()
+        built.wait(SAFETY_S)
+        return fake_model
+
+    batcher = make_batcher(fn_factory=build, max_delay_s=0.0)
+    starting = spawn(batcher.start())
+    await until(building.is_set)
+    assert not starting.done()  # start() waits for the model its factory is building
+
+    stopping = spawn(batcher.stop())
+    await settle()  # stop() now waits for the start in progress
+    built.set()
+    await finish(starting, stopping)
 
     assert not batcher.is_running
     with pytest.raises(Exception, match="not accepting requests"):
