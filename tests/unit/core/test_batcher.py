@@ -752,6 +752,41 @@ def test_empty_devices_is_refused_naming_devices():
     assert info.value.field == "devices"
 
 
+def _double(batch: Any) -> Any:
+    return batch * 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"fn": 42}, "fn"),
+        ({"fn": None, "fn_factory": "cpu"}, "fn_factory"),
+        ({"policy": {"max_batch_size": 8}}, "policy"),
+        ({"policy": 8}, "policy"),
+        ({"devices": "cuda:0"}, "devices"),
+        ({"devices": [0, 1]}, "devices[]"),
+        ({"collate": 42}, "collate"),
+        ({"name": 5}, "name"),
+        ({"clock": 5}, "clock"),
+        ({"on_trace": "print"}, "on_trace"),
+        ({"memory_probe": 5}, "memory_probe"),
+        ({"policy_check": 5}, "policy_check"),
+        ({"slow_request_s": -1.0}, "slow_request_s"),
+        ({"slow_request_s": "0.2"}, "slow_request_s"),
+        ({"switch_interval_s": True}, "switch_interval_s"),
+    ],
+)
+def test_batcher_refuses_an_argument_of_the_wrong_kind_naming_it(
+    kwargs: dict[str, Any], field: str
+) -> None:
+    options = {"fn": _double, **kwargs}
+    fn = options.pop("fn")
+    with pytest.raises(ConfigError) as caught:
+        Batcher(fn, **options)
+    assert caught.value.field == field
+    assert "expected" in str(caught.value)
+
+
 async def test_cost_fn_that_cannot_price_a_payload_is_invalid_input(make_batcher):
     batcher = make_batcher(collate="list", max_batch_cost=10.0, cost_fn=len)
     with pytest.raises(InvalidInput, match="cost_fn"):

@@ -294,3 +294,19 @@ def test_decorator_refuses_a_keyword_that_is_no_sequence_with_config_error(keywo
     with pytest.raises(ConfigError) as caught:
         carpool.batched(**{keyword: value})(lambda batch: batch)
     assert caught.value.field == keyword
+
+
+def _double(batch: Any) -> Any:
+    return batch * 2
+
+
+def test_batched_decorator_refuses_what_is_not_callable() -> None:
+    with pytest.raises(ConfigError) as caught:
+        carpool.batched(42)
+    assert caught.value.field == "fn"
+
+
+def test_batched_decorator_refuses_a_device_string_that_is_not_a_list() -> None:
+    with pytest.raises(ConfigError) as caught:
+        carpool.batched(devices="cuda:0")(_double)  # type: ignore[arg-type]
+    assert caught.value.field == "devices"

@@ -305,3 +305,9 @@ def test_malformed_policy_field_raises_config_error_naming_it(field, value):
     """docs/core.md: 'a bad value raises ConfigError naming the field'."""
     with pytest.raises(ConfigError, match=field):
         BatchPolicy(**{field: value})
+
+
+def test_policy_refuses_length_buckets_that_are_not_a_list() -> None:
+    with pytest.raises(ConfigError) as caught:
+        BatchPolicy(length_buckets=5)  # type: ignore[arg-type]
+    assert caught.value.field == "length_buckets"

@@ -655,3 +655,15 @@ async def test_invalid_policy_update_raises_config_error_naming_the_field(
     assert field in str(caught.value)
     assert batcher.policy is before
     assert await batcher.submit(1) == 10
+
+
+def _double(batch: Any) -> Any:
+    return batch * 2
+
+
+def test_set_policy_refuses_what_is_not_a_batch_policy() -> None:
+    batcher = Batcher(_double, clock=FakeClock())
+    with pytest.raises(ConfigError) as caught:
+        batcher.set_policy({"max_batch_size": 8})  # type: ignore[arg-type]
+    assert caught.value.field == "policy"
+    assert batcher.policy.max_batch_size == 32  # unchanged
