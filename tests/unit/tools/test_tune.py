@@ -61,7 +61,9 @@ async def test_taguchi_runs_the_array_then_confirms_the_predicted_best() -> None
     outcome = await _tuner(space).run("taguchi")
     assert outcome.design is not None and outcome.design.array.name == "L16(4^5)"
     stages = [r.stage for r in outcome.results]
-    assert stages.count("oa") == 16 or stages[-1] == "confirm"
+    # The best the effects predict is one of the array's rows here: no run is left to
+    # confirm it (a predicted row the array did not run gets a "confirm" trial).
+    assert stages == ["oa"] * 16
     assert outcome.effects is not None and len(outcome.effects) == 2
     assert outcome.best is not None and outcome.best.config.as_dict() == _true_best(space)
 
@@ -218,7 +220,7 @@ async def test_halving_does_not_recommend_a_config_its_longer_trial_refuted() ->
 
     outcome = await Tuner(space, Constraints(0.05), measure, eta=2).run("halving")
     best = outcome.best
-    assert best is None or best.config.as_dict() != {"max_batch_size": 2}
+    assert best is not None and best.config.as_dict() == {"max_batch_size": 1}
 
 
 def test_exactly_one_percent_failed_is_not_under_one_percent() -> None:

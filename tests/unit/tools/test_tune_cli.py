@@ -132,7 +132,7 @@ def test_tune_server_down_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{_closed_port()}/v2/models/m"
     with pytest.raises(SystemExit) as exit_info:
         main([url, "--slo-p99-ms", "50", "--out", str(tmp_path / "o.yaml")])
-    assert exit_info.value.code in (1, 2)
+    assert exit_info.value.code == 1  # the target failed, not the usage
 
 
 def test_tune_bad_model_config_fails_before_any_trial(
