@@ -380,8 +380,17 @@ class ModelRepository:
         return model
 
     async def start(self) -> None:
-        for model in self._models.values():
-            await model.batcher.start()
+        """Start every model, or none: when one fails, those started are stopped again
+        (their replica threads, and the GIL switch interval they hold, released)."""
+        started = []
+        try:
+            for model in self._models.values():
+                await model.batcher.start()
+                started.append(model)
+        except BaseException:
+            for model in started:
+                await model.batcher.stop(drain=False)
+            raise
 
     async def stop(self) -> None:
         for model in self._models.values():

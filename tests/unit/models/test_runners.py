@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -605,6 +606,8 @@ def test_an_onnx_device_error_at_startup_names_the_models_key(tmp_path: Path) ->
     assert load_config(config).models[1].device == "gpu"  # passes the config's own checks
     line = _one_line(_serve(config))
     assert "models[1].device='gpu'" in line
+    # Model a had started: it is stopped again, its replica thread gone.
+    assert [t.name for t in threading.enumerate() if t.name.startswith("carpool-a-")] == []
 
 
 # -- what a served model reports -------------------------------------------------------------
