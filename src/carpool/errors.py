@@ -5,16 +5,40 @@
     CarpoolError                  root: catch this to catch anything carpool raises
     ├── ConfigError               a policy or config value is invalid (names the field)
     ├── InvalidInput              one request's payload cannot be batched or run
+    │   └── BadParam              ... named by an OpenAI parameter (server/openai.py)
     ├── QueueFull                 admission refused: a queue bound was reached
     ├── DeadlineExceeded          the request's deadline passed before it ran
     ├── ModelError                the model raised on this request (carries the cause)
     │   └── BatchTimeout          its batch ran past batch_timeout_s; the replica was replaced
     ├── CapacityError             out of memory even at the smallest batch
-    └── Closed                    the batcher is stopped or stopping
+    ├── Closed                    the batcher is stopped or stopping
+    │
+    │   the server's own (carpool.server.errors: facts of HTTP and gRPC, not of batching)
+    ├── NotFound                  an unknown path, model or version
+    ├── MethodNotAllowed          a known path asked with another method
+    ├── NotSupported              a Triton extension carpool does not serve
+    ├── Unauthorized              no API key, or not the server's
+    ├── PolicyUpdatesOff          POST .../policy to a server that does not take them
+    ├── PayloadTooLarge           a body over --max-request-bytes
+    ├── Overloaded                a server limit (connections, bytes held) was reached
+    ├── PortInUse                 a port to listen on cannot be bound
+    └── DrainTimedOut             a shutdown ran past --drain-timeout-s
 
 Each exception keeps its facts as attributes (request id, limit, value) and builds its
 message in ``__init__``: what was expected, what came, what to do. Wire formats (HTTP
-status, KServe or OpenAI error bodies) are mapped elsewhere, in ``carpool.server``.
+status, KServe or OpenAI error bodies, gRPC codes) are mapped in one module,
+``carpool.server.errors``.
+
+Below the hierarchy, outside it, are the signals a replica's model call gives the
+:class:`~carpool.core.settle.Settler` about what became of the call. They never reach a
+caller (the settler answers each request with one of the errors above), so none is a
+``CarpoolError``: one that escaped would be a bug, and reads as an internal error::
+
+    CallNotRun                    the call did not run; its requests are answered or run again
+    ├── StartedLate               its turn came past one of its requests' deadline
+    ├── Withdrawn                 its turn came with requests their callers cancelled
+    └── Displaced                 it waited on a replica thread given up after a hang
+    Hung                          it ran past batch_timeout_s (its requests get BatchTimeout)
 """
 
 from __future__ import annotations
@@ -181,3 +205,49 @@ class Closed(CarpoolError):
 
     def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
         return (self.name,), {}
+
+
+# -- signals between core's stages (see the module docstring) --------------------------
+
+
+class CallNotRun(Exception):
+    """A model call that did not run: its requests are answered or run again without it."""
+
+
+class StartedLate(CallNotRun):
+    """A model call reached its turn after the earliest deadline of its requests: it did
+    not run (a batch that waited behind a busy replica, or a later group or bisection
+    half of one). ``started_s`` is when it would have started."""
+
+    def __init__(self, started_s: float) -> None:
+        super().__init__(f"the call reached its turn at {started_s:.6f}, past a deadline")
+        self.started_s = started_s
+
+
+class Withdrawn(CallNotRun):
+    """A model call reached its turn with some of its requests cancelled by their callers
+    (a batch that waited behind a busy replica, or a later group or bisection half of
+    one): it did not run, so the others can run without them."""
+
+    def __init__(self, started_s: float) -> None:
+        super().__init__(f"the call reached its turn at {started_s:.6f} with requests cancelled")
+        self.started_s = started_s
+
+
+class Displaced(CallNotRun):
+    """A model call waited on a replica thread that was given up (behind a call that
+    hung): it never started, so it can run again on the replica's fresh thread."""
+
+    def __init__(self, at_s: float) -> None:
+        super().__init__(f"the call never started: its thread was given up at {at_s:.6f}")
+        self.at_s = at_s
+
+
+class Hung(Exception):
+    """A model call ran past ``batch_timeout_s``: its replica gave up on it."""
+
+    def __init__(self, started_s: float, timeout_s: float, replica_id: int) -> None:
+        super().__init__(f"the call started at {started_s:.6f} and ran past {timeout_s} s")
+        self.started_s = started_s
+        self.timeout_s = timeout_s
+        self.replica_id = replica_id

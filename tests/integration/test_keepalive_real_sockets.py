@@ -39,7 +39,7 @@ import httpx
 import orjson
 import pytest
 
-from .conftest import ServedProcess, start_served_process, wait_until
+from .conftest import ServedProcess, read_until_closed, start_served_process, wait_until
 
 KEEP_ALIVE_S = 5.0  # uvicorn's timeout_keep_alive, which carpool serve keeps
 CLOSE_MIN_S = 4.5  # a close or 408 this long after the wait's start, at the earliest
@@ -538,3 +538,158 @@ def test_a_model_running_6_s_is_answered_not_cut(runs: Runs, path: str) -> None:
 
 def test_sigterm_closes_idle_connections_at_once_and_exits_promptly(runs: Runs) -> None:
     _outcome(runs, "sigterm")
+
+
+# -- one connection to a server of its own: the wait armed at connect, and routes --------
+
+CONNECTION_MODELS = '''\
+"""The models of test_keepalive_real_sockets' connection tests."""
+
+import time
+
+
+def good(inputs):
+    return {"Y": inputs["X"] * 2}
+
+
+def sleepy(inputs):
+    """Longer than uvicorn's timeout_keep_alive (5 s): its wait fires during the answer."""
+    time.sleep(5.5)
+    return {"Y": inputs["X"] * 2}
+'''
+
+
+def _entry(name: str, output: str, datatype: str, shape: str) -> str:
+    return f"""\
+  - name: {name}
+    kind: python
+    source: connection_models:{name}
+    inputs: [{{name: X, datatype: FP32, shape: [4]}}]
+    outputs: [{{name: {output}, datatype: {datatype}, shape: {shape}}}]
+    max_batch_size: 8
+    max_delay_s: 0.0
+"""
+
+
+CONNECTION_CONFIG = (
+    "models:\n" + _entry("good", "Y", "FP32", "[4]") + _entry("sleepy", "Y", "FP32", "[4]")
+)
+X = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]  # two rows of four
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
+    folder = tmp_path_factory.mktemp("connection")
+    (folder / "connection_models.py").write_text(CONNECTION_MODELS, encoding="utf-8")
+    process = start_served_process(CONNECTION_CONFIG, folder)
+    try:
+        yield process
+    finally:
+        assert process.stop() == 0, process.output()
+
+
+def _connect(served: ServedProcess) -> socket.socket:
+    host, port = served.http_url.split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def _post(path: bytes, body: bytes) -> bytes:
+    head = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % (path, len(body))
+    return head + body
+
+
+def _good_request() -> bytes:
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 4], "data": X[:4]}]}
+    return _post(b"/v2/models/good/infer", orjson.dumps(body))
+
+
+def _read_answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
+    """``count`` answers (status, body) read off a keep-alive connection."""
+    data = b""
+    answers: list[tuple[int, bytes]] = []
+    while len(answers) < count:
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"closed after {len(answers)} answers"
+            data += chunk
+        head, _, data = data.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in lines
+            if line.lower().startswith(b"content-length:")
+        )
+        while len(data) < length:
+            chunk = sock.recv(65536)
+            assert chunk, "closed in the middle of an answer"
+            data += chunk
+        answers.append((int(lines[0].split()[1]), data[:length]))
+        data = data[length:]
+    assert data == b"", data
+    return answers
+
+
+def test_a_head_stalled_after_answers_gets_408(served: ServedProcess) -> None:
+    """The wait after the last answer is the deadline for the next head: the timer armed
+    at connect catches up with it, and a half request line then gets its 408."""
+    with _connect(served) as sock:
+        for _ in range(3):
+            sock.sendall(_good_request())
+            assert [status for status, _ in _read_answers(sock, 1)] == [200]
+        sock.sendall(b"POST /v2/mod")
+        answer = read_until_closed(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"408", answer
+    message = orjson.loads(body)["error"]
+    assert f"request head did not arrive in full within {KEEP_ALIVE_S:g} s" in message
+
+
+def test_pipelined_fast_and_asgi_requests_then_a_stalled_body_gets_408(
+    served: ServedProcess,
+) -> None:
+    """Fast and ASGI requests pipelined in one write are answered in order; a body that
+    then stops arriving gets a 408 naming the body."""
+    ready = b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n"
+    body = orjson.dumps(
+        {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 4], "data": X[:4]}]}
+    )
+    stalled = b"POST /v2/models/good/infer HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (len(body) + 5)
+    with _connect(served) as sock:
+        sock.sendall(_good_request() + ready + _good_request() + ready)
+        statuses = [status for status, _ in _read_answers(sock, 4)]
+        assert statuses == [200, 200, 200, 200]
+        sock.sendall(stalled + body)
+        answer = read_until_closed(sock)
+    head, _, error = answer.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"408", answer
+    assert "request body did not arrive in full" in orjson.loads(error)["error"]
+
+
+def test_an_answer_longer_than_the_keep_alive_wait_keeps_its_connection(
+    served: ServedProcess,
+) -> None:
+    """The timer armed at connect fires while the model works past timeout_keep_alive: the
+    answer arrives and the connection serves the next request, then closes idle."""
+    body = orjson.dumps(
+        {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 4], "data": X[:4]}]}
+    )
+    with _connect(served) as sock:
+        sock.sendall(_post(b"/v2/models/sleepy/infer", body))
+        assert [status for status, _ in _read_answers(sock, 1)] == [200]
+        sock.sendall(_good_request())
+        assert [status for status, _ in _read_answers(sock, 1)] == [200]
+        assert read_until_closed(sock) == b""  # idle: closed without a word
+
+
+def test_versioned_and_wrong_version_urls_are_routed_each_time(served: ServedProcess) -> None:
+    """The route cache keeps only served URLs: a wrong version stays a 404 however often it
+    is asked, and the versioned URL of the right one is answered on the fast path."""
+    base = f"http://{served.http_url}/v2/models/good"
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 4], "data": X[:4]}]}
+    with httpx.Client(timeout=30) as client:
+        for _ in range(3):
+            assert client.post(f"{base}/versions/1/infer", json=body).status_code == 200
+            assert client.post(f"{base}/versions/2/infer", json=body).status_code == 404
+            assert client.post(f"{base}/infer", json=body).status_code == 200
+            missing = client.post(f"http://{served.http_url}/v2/models/nope/infer", json=body)
+            assert missing.status_code == 404

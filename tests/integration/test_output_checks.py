@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -20,6 +21,8 @@ from .conftest import ServedProcess, start_served_process
 
 MODELS = '''\
 """The models of test_output_checks."""
+
+import ml_dtypes
 
 
 def narrow(inputs):
@@ -36,6 +39,21 @@ def halves(inputs):
 
 def good(inputs):
     return {"Y": inputs["X"] * 2}
+
+
+def str_list(inputs):
+    """BYTES output as a Python list of str, one per row."""
+    return {"S": [f"row{i}" for i in range(len(inputs["X"]))]}
+
+
+def rows_list(inputs):
+    """FP32 [4] output as a Python list of the batch's rows."""
+    return {"Y": [row * 2 for row in inputs["X"]]}
+
+
+def bf16_rows(inputs):
+    """FP32 [4] output computed in bfloat16 (ml_dtypes): widening to FP32 is exact."""
+    return {"Y": (inputs["X"] * 2).astype(ml_dtypes.bfloat16)}
 '''
 
 
@@ -56,8 +74,12 @@ CONFIG = "models:\n" + "".join(
         _entry("narrow", "Y", "FP32", "[4]"),
         _entry("halves", "N", "INT64", "[1]"),
         _entry("good", "Y", "FP32", "[4]"),
+        _entry("str_list", "S", "BYTES", "[]"),
+        _entry("rows_list", "Y", "FP32", "[4]"),
+        _entry("bf16_rows", "Y", "FP32", "[4]"),
     ]
 )
+X = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]  # two rows of four
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +140,50 @@ def test_floats_for_a_declared_int64_output_are_refused_not_truncated(
         client.infer("halves", [tensor])
     assert grpc_caught.value.status() == "StatusCode.INTERNAL"
     assert "output 'N'" in grpc_caught.value.message()
+
+
+# -- outputs returned as lists or in bfloat16, answered as declared ---------------------------
+
+
+def _infer_json(served: ServedProcess, model: str) -> httpx.Response:
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [2, 4], "data": X}]}
+    return httpx.post(f"http://{served.http_url}/v2/models/{model}/infer", json=body, timeout=30)
+
+
+def test_a_bytes_output_returned_as_a_list_of_str_is_answered(served: ServedProcess) -> None:
+    """Was: a python model returning ``{"S": ["row0", "row1"]}`` for a BYTES output, the
+    usual Python way to return strings, was answered ``["row0", "row1"]`` before the output
+    checks; now every batch fails with 500 "output 'S': the model returned list; expected
+    an array of shape [-1]"."""
+    response = _infer_json(served, "str_list")
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["data"] == ["row0", "row1"]
+
+
+def test_an_output_returned_as_a_list_of_rows_is_answered(served: ServedProcess) -> None:
+    """Was: a list of the batch's rows (one array per item), which the batcher splits and
+    the server stacks per request, was answered before the output checks; now a 500
+    "output 'Y': the model returned list; expected an array of shape [-1, 4]"."""
+    response = _infer_json(served, "rows_list")
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["data"] == [2 * v for v in X]
+
+
+def test_bfloat16_results_for_a_declared_fp32_output_are_answered(
+    served: ServedProcess,
+) -> None:
+    """Was: an ml_dtypes bfloat16 array (NumPy kind 'V') for a declared FP32 output is
+    refused with "the model returned bfloat16, which the declared FP32 cannot carry without
+    losing values", although bfloat16 widens to FP32 exactly and was answered before; only
+    a declared BF16 output takes bfloat16."""
+    response = _infer_json(served, "bf16_rows")
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["data"] == [2 * v for v in X]
+
+
+def test_a_good_model_is_answered_between_failing_batches(served: ServedProcess) -> None:
+    """A batch that fails its checks does not stop the server: the next one is served."""
+    _infer_json(served, "str_list")
+    response = _infer_json(served, "good")
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["data"] == [2 * v for v in X]

@@ -52,3 +52,16 @@ def test_a_taken_http_port_leaves_the_grpc_port_free() -> None:
             serve(ModelRepository([]), port=taken.getsockname()[1], grpc_port=grpc_port)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", grpc_port))  # raises when gRPC still holds it
+
+
+def test_serve_with_one_port_for_both_wires_fails_at_once_naming_it() -> None:
+    """Was: ``serve(port=P, grpc_port=P)`` (the CLI refuses it; the Python API does not)
+    bound P twice, both non-listening with SO_REUSEADDR, loaded the models, let grpcio
+    listen on P and then crashed with AttributeError when uvicorn could not listen.
+    Before the gRPC port was held by a plain socket it was PortInUse at once."""
+    port = free_port()
+    raised = serve_on_thread(ModelRepository([]), port=port, grpc_port=port)
+    assert isinstance(raised, PortInUse), raised
+    assert f"HTTP port 127.0.0.1:{port}: could not bind" in str(raised)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))  # raises when a socket still holds it

@@ -1,9 +1,15 @@
-"""The command line: names and flags are a contract with users' scripts."""
+"""The command line: names, flags and exit statuses are a contract with users' scripts.
+
+Bad input to ``carpool serve``, ``bench`` and ``doctor`` exits 2 with one line, before a
+long run, never with a traceback (``carpool tune``'s: tools/test_tune_cli.py)."""
 
 from __future__ import annotations
 
+import socket
+import textwrap
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from carpool import __version__
@@ -53,3 +59,119 @@ def test_a_model_file_that_fails_to_load_exits_2_with_one_line(tmp_path: Path) -
 def test_without_a_command_it_shows_help() -> None:
     result = runner.invoke(app, [])
     assert "serve" in result.output and "demo" in result.output
+
+
+PYTHON_MODEL = """\
+models:
+  - name: m
+    kind: python
+    source: numpy:negative
+    inputs: [{name: INPUT0, datatype: FP32, shape: [4]}]
+    outputs: [{name: OUTPUT0, datatype: FP32, shape: [4]}]
+"""
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_serve_non_utf8_config_exits_2_without_traceback(tmp_path: Path) -> None:
+    # e.g. `carpool serve model.onnx` by mistake: load_config catches OSError only.
+    path = tmp_path / "serve.yaml"
+    path.write_bytes(b"\x80\x81\xff\x00binary")
+    result = runner.invoke(app, ["serve", str(path)])
+    assert not isinstance(result.exception, UnicodeDecodeError), result.exception
+    assert result.exit_code == 2
+
+
+def test_serve_unknown_log_level_is_a_usage_error(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text(PYTHON_MODEL)
+    result = runner.invoke(app, ["serve", str(path), "--log-level", "bogus", "--grpc-port", "0"])
+    assert not isinstance(result.exception, KeyError), repr(result.exception)
+    assert result.exit_code == 2
+
+
+def test_bench_unwritable_json_fails_before_the_run(tmp_path: Path) -> None:
+    # --json is only written after the whole sweep; an unusable path then raises a traceback.
+    from carpool.tools.bench import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "numpy:negative",
+                "--input-shape",
+                "1,4",
+                "--duration",
+                "0.1s",
+                "--warmup",
+                "0",
+                "--no-progress",
+                "--json",
+                str(blocker / "out.json"),
+            ]
+        )
+    assert exit_info.value.code == 2
+
+
+def test_bench_missing_model_is_a_bad_flag_exit_2() -> None:
+    # bench.main: "exits 2 on a bad flag, 1 when the target fails"; no --model is a bad flag.
+    from carpool.tools.bench import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([f"http://127.0.0.1:{_closed_port()}", "--duration", "0.1s", "--warmup", "0"])
+    assert exit_info.value.code == 2
+
+
+FAST_DOCTOR = ["--shape", "4", "--max-batch", "2", "--repeats", "1", "--warmup", "0"]
+
+
+def test_doctor_factory_that_raises_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/doctor.md: exit 2 for "a model that cannot be loaded".
+    from carpool.tools.doctor import main
+
+    (tmp_path / "review_broken_factory.py").write_text(
+        textwrap.dedent(
+            """\
+            def make(device):
+                raise RuntimeError("no weights here")
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["review_broken_factory:make", *FAST_DOCTOR])
+    assert exit_info.value.code == 2
+
+
+def test_doctor_threads_zero_is_a_usage_error() -> None:
+    from carpool.tools.doctor import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["numpy:negative", *FAST_DOCTOR, "--threads", "0"])
+    assert exit_info.value.code == 2
+
+
+def test_doctor_negative_rtol_is_a_usage_error() -> None:
+    # --rtol -1 is accepted and reports a cross-sample dependency for an output that moved by 0.
+    from carpool.tools.doctor import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["numpy:negative", *FAST_DOCTOR, "--rtol", "-1"])
+    assert exit_info.value.code == 2
+
+
+def test_doctor_unwritable_json_fails_before_measuring(tmp_path: Path) -> None:
+    from carpool.tools.doctor import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["numpy:negative", *FAST_DOCTOR, "--json", str(blocker / "out.json")])
+    assert exit_info.value.code == 2

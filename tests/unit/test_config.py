@@ -222,6 +222,13 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     assert error.field == "file" and "nope.yaml" in str(error)
 
 
+def test_config_duplicate_key_is_an_error(tmp_path: Path) -> None:
+    # PyYAML keeps the last of two equal keys: max_batch_size 8 silently becomes 64.
+    path = _write(tmp_path, _with_model_line("max_batch_size: 8"))  # and 64 further down
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        load_config(path)
+
+
 def test_reports_how_many_more_problems_there_are(config_dir: Path) -> None:
     text = VALID.replace("max_delay_s: 0.002", "max_delay_s: -1").replace(
         "max_batch_size: 64", "max_batch_size: 0"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
+import pickle
 
 import pytest
 
@@ -10,14 +12,19 @@ import carpool
 from carpool import errors
 from carpool.errors import (
     BatchTimeout,
+    CallNotRun,
     CapacityError,
     CarpoolError,
     Closed,
     ConfigError,
     DeadlineExceeded,
+    Displaced,
+    Hung,
     InvalidInput,
     ModelError,
     QueueFull,
+    StartedLate,
+    Withdrawn,
 )
 
 ALL_ERRORS = [
@@ -32,11 +39,18 @@ ALL_ERRORS = [
 ]
 
 
+# Signals between core's stages: they never reach a caller.
+SIGNALS = {CallNotRun, StartedLate, Withdrawn, Displaced, Hung}
+
+
 def _defined_exception_classes() -> list[type[BaseException]]:
+    """The public errors of carpool.errors: every exception class there but the signals."""
     return [
         obj
         for _, obj in inspect.getmembers(errors, inspect.isclass)
-        if issubclass(obj, BaseException) and obj.__module__ == errors.__name__
+        if issubclass(obj, BaseException)
+        and obj.__module__ == errors.__name__
+        and obj not in SIGNALS
     ]
 
 
@@ -46,6 +60,16 @@ def test_every_exception_in_errors_module_is_a_carpool_error() -> None:
     assert len(classes) == 9
     for cls in classes:
         assert issubclass(cls, CarpoolError), cls
+
+
+def test_signals_between_stages_are_neither_carpool_errors_nor_public() -> None:
+    """One that escaped would be a bug: the wire reads it as an internal error, and an
+    ``except CarpoolError`` does not swallow it."""
+    for cls in SIGNALS:
+        assert cls.__module__ == errors.__name__
+        assert not issubclass(cls, CarpoolError), cls
+        assert not hasattr(carpool, cls.__name__), cls
+    assert all(issubclass(c, CallNotRun) for c in (StartedLate, Withdrawn, Displaced))
 
 
 def test_every_exception_is_exported_from_the_package() -> None:
@@ -161,3 +185,29 @@ def test_config_error_names_the_file_when_given() -> None:
     error = ConfigError("models[0].max_delay_s", -1, "a number >= 0", file="serve.yaml")
     assert error.file == "serve.yaml"
     assert str(error) == "serve.yaml: invalid models[0].max_delay_s=-1: expected a number >= 0"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConfigError("max_batch_size", 0, "an integer >= 1", file="carpool.yaml"),
+        InvalidInput("bad payload", request_id=3),
+        QueueFull("normal", 8),
+        DeadlineExceeded(4, 0.1, 0.25),
+        ModelError("the model raised ValueError: no", request_id=5),
+        CapacityError(6, 2),
+        Closed("w1"),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+@pytest.mark.parametrize("clone", [copy.copy, lambda e: pickle.loads(pickle.dumps(e))])
+def test_errors_survive_pickle_and_copy_with_their_fields_and_message(error, clone):
+    """An error crossing a process (multiprocessing, a process pool) or copied keeps its
+    class, message and fields; before, most raised TypeError when rebuilt, and Closed
+    nested its own message."""
+    fields = {k: v for k, v in vars(error).items() if not k.startswith("_")}
+    again = clone(error)
+    assert type(again) is type(error)
+    assert str(again) == str(error)
+    assert {k: v for k, v in vars(again).items() if not k.startswith("_")} == fields
+    assert isinstance(again, CarpoolError)

@@ -365,7 +365,8 @@ class Batcher(Lifecycle):
         except InvalidInput:
             self._telemetry.rejected(limits.name, "invalid")
             raise
-        # In field order, positionally: by keyword this call took 0.4 us longer.
+        # In field order, positionally: cheaper than by keyword on the request path
+        # (docs/benchmarks.md); a test pins each field to its name.
         request = Request(
             next(self._request_ids),  # request_id
             payload,

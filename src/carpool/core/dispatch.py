@@ -30,7 +30,7 @@ import asyncio
 import inspect
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,7 +38,16 @@ from carpool.core.admission import Intake, OomCap
 from carpool.core.batch_times import BatchTimes
 from carpool.core.clock import Clock
 from carpool.core.queues import Queues
-from carpool.core.replicas import BatchFn, FnFactory, Replica, RunOutput, io_turn, switch_interval
+from carpool.core.replicas import (
+    BatchFn,
+    Cancels,
+    FnFactory,
+    ModelCall,
+    Replica,
+    RunOutput,
+    io_turn,
+    switch_interval,
+)
 from carpool.core.request import Batch, Outcome, Request, RequestState
 from carpool.core.scheduler import Decision
 from carpool.core.settle import Settler, by_signature
@@ -364,38 +373,20 @@ class Dispatcher:
                 self.idle.remove(waiter)
 
     def _launch(self, replica: Replica, batch: Batch, now: float) -> _InFlight:
-        """Mark the batch's requests running and start the model on each group."""
+        """Mark the batch's requests running and start the model on each signature group."""
         idle_since = replica.idle_since_s
         replica.idle_since_s = None
         if idle_since is not None:
             oldest = min(r.arrival_s for r in batch.requests)
             replica.counters.fill_wait_s += max(0.0, now - max(idle_since, oldest))
         batch.start(replica.replica_id, now, idle_since)
-        groups = by_signature(batch.requests)
-        cancels = _Cancels()
-        attempts = [self._start(replica, g, cancels) for g in groups]
-        launched = self._launched[batch.batch_id] = _InFlight(batch, groups, attempts, now, cancels)
-        return launched
-
-    def _starter(
-        self, replica: Replica, cancels: _Cancels
-    ) -> Callable[[list[Request]], Awaitable[RunOutput]]:
-        return lambda requests: self._start(replica, requests, cancels)
-
-    def _start(
-        self, replica: Replica, requests: list[Request], cancels: _Cancels
-    ) -> Awaitable[RunOutput]:
         collator = self._intake.collator
         assert collator is not None, "a request was admitted, so the collator is known"
-        deadlines = [r.deadline_s for r in requests if r.deadline_s is not None]
-        return replica.start(
-            collator,
-            [r.payload for r in requests],
-            [r.is_many for r in requests],
-            [r.num_items for r in requests],
-            min(deadlines) if deadlines else None,
-            lambda: cancels.seen and any(r.future.cancelled() for r in requests),
-        )
+        cancels = Cancels()
+        calls = [ModelCall(group, collator, cancels) for group in by_signature(batch.requests)]
+        attempts = [replica.start(call) for call in calls]
+        launched = self._launched[batch.batch_id] = _InFlight(batch, calls, attempts, now, cancels)
+        return launched
 
     async def _land(self, replica: Replica, inflight: _InFlight, holds_replica: bool) -> None:
         """Wait for a launched batch and answer each of its requests."""
@@ -403,12 +394,10 @@ class Dispatcher:
         # A batch queued behind another cannot have started before that one ended.
         started_s = max(inflight.launched_s, replica.last_landed_s)
         try:
-            for i, (group, attempt) in enumerate(
-                zip(inflight.groups, inflight.attempts, strict=True)
+            for i, (call, attempt) in enumerate(
+                zip(inflight.calls, inflight.attempts, strict=True)
             ):
-                output = await self._settler.settle(
-                    group, attempt, self._starter(replica, inflight.cancels)
-                )
+                output = await self._settler.settle(call, attempt, replica.start)
                 if i == 0 and output is not None:
                     started_s = output.started_s
         finally:
@@ -423,7 +412,8 @@ class Dispatcher:
             if self._batch_times is not None:
                 self._batch_times.observe(batch.num_items, compute_s)
             if self._intake.has_lengths:
-                self._telemetry.tokens(*self._intake.token_slots(inflight.groups))
+                groups = [call.requests for call in inflight.calls]
+                self._telemetry.tokens(*self._intake.token_slots(groups))
             if self._memory_probe is not None:
                 try:
                     used, total = self._memory_probe()
@@ -440,25 +430,13 @@ class Dispatcher:
 
 @dataclass(slots=True)
 class _InFlight:
-    """A batch handed to a replica: its signature groups and their model calls."""
+    """A batch handed to a replica: a model call per signature group, and their attempts."""
 
     batch: Batch
-    groups: list[list[Request]]
+    calls: list[ModelCall]
     attempts: list[Awaitable[RunOutput]]
     launched_s: float
-    cancels: _Cancels
-
-
-class _Cancels:
-    """Whether a caller cancelled a request of a launched batch. Set on the loop, read by
-    the replica's thread when one of the batch's model calls reaches its turn: only then
-    are the call's requests looked at, so a batch nobody cancels pays one attribute read
-    per call."""
-
-    __slots__ = ("seen",)
-
-    def __init__(self) -> None:
-        self.seen = False
+    cancels: Cancels
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

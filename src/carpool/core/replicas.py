@@ -3,6 +3,10 @@
 A synchronous model runs on its replica's own thread, so the event loop keeps accepting
 requests while a batch computes (NumPy and torch release the GIL in their kernels);
 collation and splitting stay on the loop. An ``async`` model runs on the loop.
+
+A replica takes one :class:`ModelCall` at a time (:meth:`Replica.start`): the requests
+whose payloads go through the model together, and gives back a :class:`RunOutput`, one
+result per request and when the call ran.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from carpool.core.collate import Collator
+from carpool.core.request import Request
 from carpool.core.telemetry import ReplicaCounters
 from carpool.core.watchdog import (
     CallWatch,
@@ -29,7 +34,7 @@ from carpool.core.watchdog import (
     awaited_within,
     is_cancelling,
 )
-from carpool.errors import ConfigError
+from carpool.errors import ConfigError, StartedLate, Withdrawn
 
 log = logging.getLogger("carpool.replicas")
 
@@ -71,7 +76,7 @@ def runs_on_loop(executor: str, device: str) -> bool:
     ``"auto"`` means yes only for a CPU model in a process confined to one CPU: there a
     replica thread cannot compute in parallel with the loop, it only takes turns with it
     on the one core, and each turn costs a context switch and the caches the other side
-    filled (W1 over HTTP on one core: 18% more requests per second on the loop; see
+    filled (W1 over HTTP on one core served more requests per second on the loop: see
     ``docs/benchmarks.md``). The loop then waits for each batch, as it would for its turn.
     Under ``"auto"`` a replica whose batch computes longer than
     ``LONGEST_BATCH_ON_LOOP_S`` (in CPU time of the loop's thread) moves to its thread for
@@ -185,26 +190,6 @@ async def _raise(exc: Exception) -> RunOutput:
     raise exc
 
 
-class StartedLate(Exception):
-    """A model call reached its turn after the earliest deadline of its requests: it did
-    not run (a batch that waited behind a busy replica, or a later group or bisection
-    half of one). ``started_s`` is when it would have started."""
-
-    def __init__(self, started_s: float) -> None:
-        super().__init__(f"the call reached its turn at {started_s:.6f}, past a deadline")
-        self.started_s = started_s
-
-
-class Withdrawn(Exception):
-    """A model call reached its turn with some of its requests cancelled by their callers
-    (a batch that waited behind a busy replica, or a later group or bisection half of
-    one): it did not run, so the others can run without them."""
-
-    def __init__(self, started_s: float) -> None:
-        super().__init__(f"the call reached its turn at {started_s:.6f} with requests cancelled")
-        self.started_s = started_s
-
-
 _LATE = object()  # what a replica thread returns for a call it did not run
 _WITHDRAWN = object()  # ... for a call it did not run because requests were cancelled
 
@@ -226,13 +211,13 @@ class Replica:
     the next without a round trip through the event loop. Batches that could still grow
     are never queued this way; they close only when the replica is free. A request of a
     waiting batch that expires or is cancelled meanwhile is still withdrawn: the thread
-    asks when the batch's turn comes (``deadline_s``, ``withdrawn``), and skips a call
+    asks when the batch's turn comes (:meth:`ModelCall.check_turn`), and skips a call
     that holds one; the loop runs the rest of it again without them.
 
     With a ``watchdog`` whose ``timeout_s`` is set, a call that runs past it is given up
     (see :mod:`carpool.core.watchdog`): an ``async`` model's call is cancelled; on a
-    thread, the call raises :class:`~carpool.core.watchdog.Hung`, the calls queued behind
-    it :class:`~carpool.core.watchdog.Displaced`, and the replica goes on with a fresh
+    thread, the call raises :class:`~carpool.errors.Hung`, the calls queued behind
+    it :class:`~carpool.errors.Displaced`, and the replica goes on with a fresh
     thread, where a ``factory`` builds its model again first (``is_healthy`` is False
     until that build ends: :meth:`renewed`). A sync model on the event loop's thread
     cannot be watched.
@@ -401,44 +386,35 @@ class Replica:
         finally:
             BUILD_LOCK.release()
 
-    def start(
-        self,
-        collator: Collator,
-        payloads: list[Any],
-        is_many: list[bool],
-        counts: list[int],
-        deadline_s: float | None = None,
-        withdrawn: Callable[[], bool] | None = None,
-    ) -> Awaitable[RunOutput]:
-        """Begin collate → model → split; the future holds one result per payload.
+    def start(self, call: ModelCall) -> Awaitable[RunOutput]:
+        """Begin collate → model → split; the awaitable gives one result per request.
 
-        ``deadline_s``, the earliest deadline of the call's requests, is checked when the
-        model's turn comes (a call may wait behind the replica's previous one): past it the
-        model is not called and the awaitable raises :class:`StartedLate`. ``withdrawn``
-        is asked then too: when it says some of the call's requests were cancelled, the
-        model is not called and the awaitable raises :class:`Withdrawn`. A call given up
-        by the watchdog raises :class:`~carpool.core.watchdog.Hung` (or ``Displaced``)."""
-        call = _Call(collator, payloads, is_many, counts, deadline_s, withdrawn)
+        The call's ``deadline_s`` is checked when the model's turn comes (a call may wait
+        behind the replica's previous one): past it the model is not called and the
+        awaitable raises :class:`~carpool.errors.StartedLate`. :meth:`ModelCall.is_withdrawn`
+        is asked then too: when some of the call's requests were cancelled, the model is
+        not called and the awaitable raises :class:`~carpool.errors.Withdrawn`. A call
+        given up by the watchdog raises :class:`~carpool.errors.Hung` (or ``Displaced``)."""
         if self._is_async:
             return self._run_async(call)  # awaited in place: it runs on the loop anyway
         # Collation and splitting run on the loop: the replica thread then holds the GIL
         # only to call the model (whose kernels release it), instead of contending with
         # the loop for it over Python-level stacking and slicing.
         try:
-            batch = collator.collate(payloads, is_many)
+            batch = call.collate()
         except Exception as exc:
             return _raise(exc)
         if self._on_loop:
             return self._run_on_loop(call, batch)
         return self._run_threaded(call, batch)
 
-    async def _run_async(self, call: _Call) -> RunOutput:
+    async def _run_async(self, call: ModelCall) -> RunOutput:
         fn = self._fn
         assert fn is not None, "a replica runs only after load()"
         now = self._now
         started = now()
         call.check_turn(started)
-        batch = call.collator.collate(call.payloads, call.is_many)
+        batch = call.collate()
         timeout_s = self._watchdog.timeout_s if self._watchdog is not None else None
         if timeout_s is None:
             outputs = await fn(batch)
@@ -448,7 +424,7 @@ class Replica:
             outputs = await awaited_within(fn(batch), clock, started, timeout_s, self.replica_id)
         return call.output(outputs, started, now())
 
-    async def _run_on_loop(self, call: _Call, batch: Any) -> RunOutput:
+    async def _run_on_loop(self, call: ModelCall, batch: Any) -> RunOutput:
         fn = self._fn
         assert fn is not None, "a replica runs only after load()"
         started = self._now()
@@ -460,9 +436,9 @@ class Replica:
             self._judge_loop_batch(ended - started, thread_cpu_s() - cpu_started)
         return call.output(outputs, started, ended)
 
-    def _run_threaded(self, call: _Call, batch: Any) -> Awaitable[RunOutput]:
+    def _run_threaded(self, call: ModelCall, batch: Any) -> Awaitable[RunOutput]:
         now = self._now
-        deadline_s, withdrawn = call.deadline_s, call.withdrawn
+        deadline_s = call.deadline_s
         timeout_s = self._watchdog.timeout_s if self._watchdog is not None else None
         thread = self._thread
         watch = CallWatch(thread, timeout_s) if timeout_s is not None else None
@@ -474,7 +450,7 @@ class Replica:
                 watch.started_s = started
             if deadline_s is not None and started >= deadline_s:
                 return _LATE, started, started
-            if withdrawn is not None and withdrawn():  # read on this thread: see Batcher
+            if call.is_withdrawn():  # read on this thread: see Cancels
                 return _WITHDRAWN, started, started
             model = self._fn  # read here: a hang has it built again on this thread
             if model is None:
@@ -516,22 +492,60 @@ class Replica:
             self._thread.shutdown(wait=True)
 
 
-@dataclass(slots=True)
-class _Call:
-    """One model call's inputs, as :meth:`Replica.start` took them."""
+class Cancels:
+    """Whether a caller cancelled a request of a launched batch. Set on the loop, read by
+    the replica's thread when one of the batch's model calls reaches its turn: only then
+    are the call's requests looked at, so a batch nobody cancels pays one attribute read
+    per call."""
 
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen = False
+
+
+@dataclass(slots=True, eq=False)
+class ModelCall:
+    """What a replica runs in one model call: requests of one
+    :class:`~carpool.core.request.Batch` that collate together (a signature group of it,
+    or a bisection half of one), the collator that joins their payloads, and the batch's
+    :class:`Cancels`. ``deadline_s`` is the earliest deadline of its requests.
+
+    The collated input is not kept here but made as the call starts and held only while
+    it runs: a call that ran out of memory must free it before its halves run."""
+
+    requests: list[Request]
     collator: Collator
-    payloads: list[Any]
-    is_many: list[bool]
-    counts: list[int]
-    deadline_s: float | None
-    withdrawn: Callable[[], bool] | None
+    cancels: Cancels
+    payloads: list[Any] = field(init=False)
+    is_many: list[bool] = field(init=False)
+    counts: list[int] = field(init=False)
+    deadline_s: float | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        requests = self.requests
+        self.payloads = [r.payload for r in requests]
+        self.is_many = [r.is_many for r in requests]
+        self.counts = [r.num_items for r in requests]
+        deadlines = [r.deadline_s for r in requests if r.deadline_s is not None]
+        self.deadline_s = min(deadlines) if deadlines else None
+
+    def part(self, requests: list[Request]) -> ModelCall:
+        """The same call for some of its requests (a half, or those left to run)."""
+        return ModelCall(requests, self.collator, self.cancels)
+
+    def collate(self) -> Any:
+        return self.collator.collate(self.payloads, self.is_many)
+
+    def is_withdrawn(self) -> bool:
+        """Whether a caller cancelled one of this call's requests."""
+        return self.cancels.seen and any(r.future.cancelled() for r in self.requests)
 
     def check_turn(self, started_s: float) -> None:
         """Raise StartedLate or Withdrawn when the call must not run now."""
         if self.deadline_s is not None and started_s >= self.deadline_s:
             raise StartedLate(started_s)
-        if self.withdrawn is not None and self.withdrawn():
+        if self.is_withdrawn():
             raise Withdrawn(started_s)
 
     def output(self, outputs: Any, started_s: float, ended_s: float) -> RunOutput:

@@ -14,7 +14,7 @@ comes after a request's deadline (it waited behind the replica's previous batch)
 run: the expired requests get :class:`DeadlineExceeded`, the others run without them; so
 does a call that reaches its turn holding requests their callers cancelled meanwhile (the
 cancelled ones are counted as such, never computed). A call that ran past
-``batch_timeout_s`` (:class:`~carpool.core.watchdog.Hung`) fails every one of its requests
+``batch_timeout_s`` (:class:`~carpool.errors.Hung`) fails every one of its requests
 with :class:`BatchTimeout`, without bisecting: halves would hang the same way. A call that
 waited behind it on the thread that was given up (``Displaced``) runs again.
 """
@@ -29,13 +29,22 @@ from collections.abc import Awaitable, Callable, Hashable
 from carpool.core.admission import OomCap
 from carpool.core.clock import Clock
 from carpool.core.collate import MalformedOutput
-from carpool.core.replicas import RunOutput, StartedLate, Withdrawn, is_out_of_memory
+from carpool.core.replicas import ModelCall, RunOutput, is_out_of_memory
 from carpool.core.request import Outcome, Request, RequestState
 from carpool.core.telemetry import Telemetry
-from carpool.core.watchdog import Displaced, Hung
-from carpool.errors import BatchTimeout, CapacityError, CarpoolError, DeadlineExceeded, ModelError
+from carpool.errors import (
+    BatchTimeout,
+    CallNotRun,
+    CapacityError,
+    CarpoolError,
+    DeadlineExceeded,
+    Hung,
+    ModelError,
+    StartedLate,
+)
 
-Start = Callable[[list[Request]], Awaitable[RunOutput]]
+# How a call is run again, for a part of its requests: the replica's start.
+Start = Callable[[ModelCall], Awaitable[RunOutput]]
 
 
 class Settler:
@@ -50,18 +59,20 @@ class Settler:
         self._name = name  # the model's, for BatchTimeout
 
     async def settle(
-        self, requests: list[Request], attempt: Awaitable[RunOutput], start: Start
+        self, call: ModelCall, attempt: Awaitable[RunOutput], start: Start
     ) -> RunOutput | None:
-        """Answer ``requests`` from ``attempt``; on failure run halves again with ``start``.
+        """Answer ``call``'s requests from ``attempt`` (``start(call)``, begun already); on
+        failure run parts of it again with ``start``.
 
         Returns the call's output when it succeeded as a whole, else None."""
-        output, _ = await self._settle(requests, attempt, start, is_split=False)
+        output, _ = await self._settle(call, attempt, start, is_split=False)
         return output
 
     async def _settle(
-        self, requests: list[Request], attempt: Awaitable[RunOutput], start: Start, is_split: bool
+        self, call: ModelCall, attempt: Awaitable[RunOutput], start: Start, is_split: bool
     ) -> tuple[RunOutput | None, bool]:
         """:meth:`settle`, plus whether this call ran out of memory as a whole."""
+        requests = call.requests
         try:
             try:
                 output = await attempt
@@ -80,7 +91,7 @@ class Settler:
                 )
                 self.fail(request, timeout, hung)
             return None, False
-        except (StartedLate, Withdrawn, Displaced) as skipped:
+        except CallNotRun as skipped:
             # The call did not run: its expired (or cancelled) requests leave it, the rest
             # run again without them (all of them, when its thread was given up).
             for request in requests:
@@ -89,8 +100,8 @@ class Settler:
                         self.expire(request)
                 elif request.future.cancelled():
                     self.withdraw(request)
-            rest = [r for r in requests if r.state is RequestState.RUNNING]
-            if not rest:
+            rest = call.part([r for r in requests if r.state is RequestState.RUNNING])
+            if not rest.requests:
                 return None, False
             return await self._settle(rest, start(rest), start, is_split)
         except MalformedOutput as exc:
@@ -122,12 +133,12 @@ class Settler:
         else:
             return self._answer(requests, output), False
         half = len(requests) // 2
-        parts = (requests[:half], requests[half:])
+        parts = (call.part(requests[:half]), call.part(requests[half:]))
         out_of_memory = [
             (await self._settle(part, start(part), start, is_split=True))[1] for part in parts
         ]
         # Both halves out of memory: the size is too large, not one request in it.
-        smaller = min(sum(r.num_items for r in part) for part in parts)
+        smaller = min(sum(part.counts) for part in parts)
         if all(out_of_memory) and smaller > 1:
             self._oom.note(smaller, self._clock.now())
         return None, oom

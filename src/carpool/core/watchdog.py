@@ -31,6 +31,7 @@ from concurrent.futures import Executor, Future
 from typing import Any
 
 from carpool.core.clock import Clock, TimerHandle
+from carpool.errors import Displaced, Hung
 
 log = logging.getLogger("carpool.replicas")
 
@@ -44,25 +45,6 @@ class Watchdog:
     def __init__(self, clock: Clock, timeout_s: float | None) -> None:
         self.clock = clock
         self.timeout_s = timeout_s
-
-
-class Hung(Exception):
-    """A model call ran past ``batch_timeout_s``: its replica gave up on it."""
-
-    def __init__(self, started_s: float, timeout_s: float, replica_id: int) -> None:
-        super().__init__(f"the call started at {started_s:.6f} and ran past {timeout_s} s")
-        self.started_s = started_s
-        self.timeout_s = timeout_s
-        self.replica_id = replica_id
-
-
-class Displaced(Exception):
-    """A model call waited on a replica thread that was given up (behind a call that
-    hung): it never started, so it can run again on the replica's fresh thread."""
-
-    def __init__(self, at_s: float) -> None:
-        super().__init__(f"the call never started: its thread was given up at {at_s:.6f}")
-        self.at_s = at_s
 
 
 class CallWatch:

@@ -21,20 +21,11 @@ Only attention needs the boundaries; ``attention=`` picks how it honours them:
   ``cu_seqlens`` directly; CUDA with float16/bfloat16 only (not run in this repository's tests,
   which have no GPU).
 
-Measured on a shared 2-core x86-64 CPU, torch 2.13.0+cpu, ``torch.set_num_threads(1)``,
-all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads), 64 texts: 70% of 8-32 tokens, 30% of
-128-256 tokens (seed 0: T = 4687, L_max = 253, 16192 tokens once padded), best of 5 (3 for b). Whole
-``TextEncoder.__call__`` (embeddings, 6 layers, pooling) with each variant:
-
-    a loop 1535 ms, b block_mask 22649 ms, c padded 2234 ms, d nested 5331 ms
-
-and attention alone (6 calls on one layer's q/k/v): a 426 ms, b 15191 ms, c 1241 ms,
-d 5476 ms. A loop over per-text transposed views (no head-major copy) was within noise of a.
-The padded baseline (``forward_padded``: 64 × 253 tokens through every layer) took 5439 ms:
-packing is 3.5× faster on this batch. ``"loop"`` is the CPU default: its cost follows the
-sum of L² per text; its 64 × 6 SDPA calls cost little next to that. ``"block_mask"`` pays
-for T² scores; ``"padded"`` for n × L_max² (pads inside attention only); ``"nested"`` falls
-back to the math kernel on the CPU.
+``"loop"`` is the CPU default: its cost follows the sum of L² per text, and its calls
+(one per text and layer) cost little next to that. ``"block_mask"`` pays for T² scores;
+``"padded"`` for n × L_max² (pads inside attention only); ``"nested"`` falls back to the
+math kernel on the CPU. How each variant measured against the others and against the
+padded baseline (``forward_padded``) is in docs/benchmarks.md ("BERT attention variants").
 """
 
 from __future__ import annotations
@@ -170,7 +161,7 @@ def _attend_loop(seg: Segments) -> Attend:
     def attend(qkv: torch.Tensor) -> torch.Tensor:
         # Head-major [3, heads, T, D]: each text's slice is contiguous per head.
         # 4-D slices [1, heads, L, D]: SDPA takes its fused CPU kernel (3-D ones fall back
-        # to the math path, 1.8x slower here).
+        # to the slower math path; docs/benchmarks.md).
         q, k, v = qkv.permute(1, 2, 0, 3).contiguous()[:, None].unbind(0)
         out = torch.empty_like(q)
         for s, e in pairs:

@@ -12,11 +12,9 @@
                                 mean_sqrt_len_tokens}; several are concatenated in that order
 
 Texts are tokenized one array per text; a batch runs as one packed matrix (see
-``carpool.models.bert`` for the layout and the measured attention variants), and pooling
-reduces each text's own segment of rows: no pad token is computed or averaged.
-
-On the mixed batch of ``carpool.models.bert`` (64 texts, T = 4687, one CPU thread), the whole
-packed call took 1535 ms and ``embed_padded`` (64 × 253 tokens computed) 5439 ms.
+``carpool.models.bert`` for the layout and the attention variants, measured against
+``embed_padded`` in docs/benchmarks.md), and pooling reduces each text's own segment of
+rows: no pad token is computed or averaged.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 CHECKED_TORCH_VERSION = "2.13.0"
 # dtypes the prepacked path is tried for (float16 on a CPU is left to aten).
 _CANDIDATE_DTYPES = (torch.float32, torch.bfloat16)
-# The probe's shapes: big enough to take oneDNN's blocked path, small enough to cost ~1 ms.
+# The probe's shapes: big enough to take oneDNN's blocked path, small enough to cost little
+# of a model's load.
 _PROBE_ROWS, _PROBE_IN, _PROBE_OUT = 8, 64, 48
 
 
@@ -76,8 +77,8 @@ def can_prepack(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
 
 
 # Set to "aten" to keep every model on nn.Linear: held to AVX2, oneDNN's prepacked float32
-# ran within 5% of plain nn.Linear (docs/benchmarks.md), too close to decide by timing
-# at load; this lets an operator choose by measuring their own machine.
+# and plain nn.Linear ran within noise of each other (docs/benchmarks.md), too close to
+# decide by timing at load; this lets an operator choose by measuring their own machine.
 LINEAR_KERNEL_ENV = "CARPOOL_LINEAR_KERNEL"
 
 

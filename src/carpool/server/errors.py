@@ -1,10 +1,13 @@
 """Maps carpool's errors to HTTP statuses, gRPC status codes and KServe v2 error
-messages; nowhere else does.
+messages; nowhere else does. The server's own errors are defined here too, each a
+:class:`~carpool.errors.CarpoolError` (the whole hierarchy is drawn in
+:mod:`carpool.errors`).
 
 =================  ====  ==================  =============================================
 error              HTTP  gRPC                why
 =================  ====  ==================  =============================================
 InvalidInput       400   INVALID_ARGUMENT    the client sent something unusable
+ConfigError        400   INVALID_ARGUMENT    a policy sent to POST .../policy is invalid
 Unauthorized       401   UNAUTHENTICATED     no API key, or not the server's (server/access.py)
 PolicyUpdatesOff   403   PERMISSION_DENIED   POST .../policy without --allow-policy-updates
 NotFound           404   NOT_FOUND           unknown model or version
@@ -19,7 +22,10 @@ Overloaded         503   UNAVAILABLE         a server limit (connections, bytes 
 BatchTimeout       504   DEADLINE_EXCEEDED   the batch ran past the model's batch_timeout_s
 ModelError         500   INTERNAL            the model raised on this request
 CapacityError      500   INTERNAL            out of memory even alone
+anything else      500   INTERNAL            a bug: the message says ``internal error``
 =================  ====  ==================  =============================================
+
+``PortInUse`` and ``DrainTimedOut`` end ``carpool serve`` rather than answer a request.
 
 Both wires carry the same message (:func:`error_message`). OpenAI-compatible endpoints
 wrap it in OpenAI's error object (:func:`openai_error`).
@@ -57,7 +63,7 @@ def echo(text: str, limit: int = MAX_ECHO_CHARS) -> str:
     return f"{text[:limit]}... (cut: {len(text)} characters)"
 
 
-class NotFound(Exception):
+class NotFound(CarpoolError):
     """An unknown path, model or version (a server-level fact: core has no model names).
     ``is_model``: a model or version, which OpenAI's error object calls
     ``model_not_found``. ``what`` (which names the client's input) is cut to
@@ -69,17 +75,25 @@ class NotFound(Exception):
         self.is_model = is_model
         super().__init__(f"{echo(what)} not found; available: {', '.join(known) or 'none'}")
 
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.what, self.known), {"is_model": self.is_model}
 
-class MethodNotAllowed(Exception):
+
+class MethodNotAllowed(CarpoolError):
     """A known path asked with a method it does not answer."""
 
     def __init__(self, method: str, path: str, allowed: tuple[str, ...]) -> None:
+        self.method = method
+        self.path = path
         self.allowed = allowed
         asked = echo(f"{method} {path!r}")
         super().__init__(f"{asked} is not allowed; expected {' or '.join(allowed)}")
 
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.method, self.path, self.allowed), {}
 
-class NotSupported(Exception):
+
+class NotSupported(CarpoolError):
     """An endpoint of a Triton extension that carpool does not implement (repository
     load/unload, shared memory, tracing, log settings). Triton answers a feature it does
     not support with ``TRITONSERVER_ERROR_UNSUPPORTED``: HTTP 501, gRPC UNIMPLEMENTED."""
@@ -92,8 +106,11 @@ class NotSupported(Exception):
             "GET /v2 lists the extensions carpool serves)"
         )
 
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.feature, self.extension), {}
 
-class Unauthorized(Exception):
+
+class Unauthorized(CarpoolError):
     """A request without the server's API key (``carpool serve --api-key``); ``reason``
     says what was wrong without repeating what was sent. Answered before the body is
     read (``is_unread``: the connection is then closed)."""
@@ -109,8 +126,11 @@ class Unauthorized(Exception):
             "(--api-key or CARPOOL_API_KEY)"
         )
 
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.reason,), {}
 
-class PolicyUpdatesOff(Exception):
+
+class PolicyUpdatesOff(CarpoolError):
     """``POST .../policy`` to a server not started with ``--allow-policy-updates``."""
 
     is_unread = True
@@ -123,12 +143,15 @@ class PolicyUpdatesOff(Exception):
             f"{echo(model)!r} while it serves (GET .../policy shows it either way)"
         )
 
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.model,), {}
 
-class PortInUse(Exception):
+
+class PortInUse(CarpoolError):
     """A port the server was told to listen on cannot be bound."""
 
 
-class DrainTimedOut(Exception):
+class DrainTimedOut(CarpoolError):
     """A shutdown ran past ``--drain-timeout-s``: the ``num_cut_off`` requests the models
     had not answered by then were answered 503 (gRPC: UNAVAILABLE)."""
 
@@ -140,30 +163,42 @@ class DrainTimedOut(Exception):
             "request(s) still unanswered were cut off with 503 / UNAVAILABLE"
         )
 
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.num_cut_off, self.drain_timeout_s), {}
+
 
 # The largest request, an HTTP body or a gRPC message, unless `carpool serve
 # --max-request-bytes` says otherwise: Triton's default too (--http-max-input-size).
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 
 
-class PayloadTooLarge(Exception):
+class PayloadTooLarge(CarpoolError):
     """A body over the limit; ``is_unread`` when the rest of it was left unread (then the
     connection cannot carry another request and is closed)."""
 
     def __init__(self, size_bytes: int, limit_bytes: int, *, is_unread: bool = False) -> None:
+        self.size_bytes = size_bytes
+        self.limit_bytes = limit_bytes
+        self.is_unread = is_unread
         super().__init__(
             f"request body of {size_bytes} bytes exceeds the limit of {limit_bytes} bytes "
             "(carpool serve --max-request-bytes)"
         )
-        self.is_unread = is_unread
+
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.size_bytes, self.limit_bytes), {"is_unread": self.is_unread}
 
 
-class Overloaded(Exception):
+class Overloaded(CarpoolError):
     """A request refused because the server is at one of its own limits
     (:mod:`carpool.server.limits`): ``what`` names the limit and its flag."""
 
     def __init__(self, what: str) -> None:
+        self.what = what
         super().__init__(f"the server is at its limit of {what}; retry later")
+
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.what,), {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,17 +226,6 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (CapacityError, 500),
 )
 
-
-_ServerError = (
-    NotFound
-    | MethodNotAllowed
-    | NotSupported
-    | PayloadTooLarge
-    | Unauthorized
-    | PolicyUpdatesOff
-    | Overloaded
-)
-
 # grpc.StatusCode member names, so this module needs no grpc import.
 _GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
     (InvalidInput, "INVALID_ARGUMENT"),
@@ -222,7 +246,7 @@ _GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
 
 def error_message(exc: BaseException) -> str:
     """The message either wire answers ``exc`` with."""
-    if isinstance(exc, CarpoolError | _ServerError):
+    if isinstance(exc, CarpoolError):
         return str(exc)
     return f"internal error: {type(exc).__name__}: {exc}"
 

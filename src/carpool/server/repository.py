@@ -153,12 +153,12 @@ class ServedModel:
         else:
             await self._batcher().start()
 
-    async def stop(self) -> None:
-        """Stop taking requests and answer every one accepted (drain)."""
+    async def stop(self, *, drain: bool = True) -> None:
+        """Stop taking requests and answer every one accepted (``drain``), or fail them."""
         if self.generation is not None:
-            await self.generation.engine.stop(drain=True)
+            await self.generation.engine.stop(drain=drain)
         else:
-            await self._batcher().stop(drain=True)
+            await self._batcher().stop(drain=drain)
 
     def cut_off(self) -> int:
         """Cut the batcher's drain off (:meth:`Batcher.cut_off`); how many requests it
@@ -485,8 +485,17 @@ class ModelRepository:
         return model
 
     async def start(self) -> None:
-        for model in self._models.values():
-            await model.start()
+        """Start every model, or none: when one fails, those started are stopped again
+        (their replica threads, and the GIL switch interval they hold, released)."""
+        started = []
+        try:
+            for model in self._models.values():
+                await model.start()
+                started.append(model)
+        except BaseException:
+            for model in started:
+                await model.stop(drain=False)
+            raise
 
     async def stop(self) -> None:
         for model in self._models.values():

@@ -100,6 +100,22 @@ class BlockingSyncModel:
         return await asyncio.wait_for(self.entered.get(), SAFETY_S)
 
 
+async def finish(*tasks: asyncio.Task[Any]) -> list[Any]:
+    """Each task's result or exception, waited for at most SAFETY_S."""
+    return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), SAFETY_S)
+
+
+async def occupy(
+    batcher: Batcher, model: Any, spawn: Any, clock: FakeClock, blocker: Any = -1
+) -> asyncio.Task[Any]:
+    """Make the (single) replica busy: a blocker request runs and is held in the model."""
+    model.hold()
+    task = spawn(batcher.submit(blocker))
+    await clock.advance(batcher.policy.max_delay_s)
+    assert model.running == 1, "the blocker should be running"
+    return task
+
+
 async def until(condition: Callable[[], bool]) -> None:
     """Wait, in real time bounded by SAFETY_S, for what a replica thread does."""
     async with asyncio.timeout(SAFETY_S):

@@ -4,6 +4,10 @@ Time is a FakeClock: batches close only when a test advances it (or when a size 
 is reached). Most models are async fakes that run on the loop, so each step is
 deterministic; a few tests use a sync model blocked on a ``threading.Event`` to check
 what happens off the loop.
+
+Behaviour with a module of its own is tested there: failures in test_settle.py, replica
+loops in test_dispatch.py, start and stop in test_lifecycle.py, policy updates in
+test_policy_update.py.
 """
 
 from __future__ import annotations
@@ -22,38 +26,20 @@ import pytest
 from carpool import (
     Batcher,
     BatchPolicy,
-    CapacityError,
     ClassPolicy,
     Closed,
     ConfigError,
     DeadlineExceeded,
     InvalidInput,
-    ModelError,
     QueueFull,
     RequestTrace,
 )
 from carpool.core.clock import FakeClock, settle
 from carpool.core.request import Outcome
 
-SAFETY_S = 5.0  # a net against a hung test, never a timing assertion
+from .conftest import SAFETY_S, finish, occupy
 
 THREE_CLASSES = (ClassPolicy("interactive"), ClassPolicy("normal"), ClassPolicy("background"))
-
-
-async def finish(*tasks: asyncio.Task[Any]) -> list[Any]:
-    """Results (or exceptions) of tasks that may be waiting on a replica thread."""
-    return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), SAFETY_S)
-
-
-async def occupy(
-    batcher: Batcher, model: Any, spawn: Any, clock: FakeClock, blocker: Any = -1
-) -> asyncio.Task:
-    """Make the (single) replica busy: a blocker request runs and is held in the model."""
-    model.hold()
-    task = spawn(batcher.submit(blocker))
-    await clock.advance(batcher.policy.max_delay_s)
-    assert model.running == 1, "the blocker should be running"
-    return task
 
 
 # -- closing batches: size, delay, preferred sizes, cost ----------------------------------
@@ -184,6 +170,16 @@ async def test_cost_keyword_overrides_cost_fn(make_batcher, fake_model, fake_clo
     await fake_clock.advance(1.0)
     assert fake_model.batches == [["a"], ["b", "y" * 12]]
     assert (a.result(), b.result(), long.result()) == ("a" * 10, "b" * 10, "y" * 120)
+
+
+async def test_numpy_integer_cost_is_accepted(make_batcher, spawn):
+    """cost=array.sum() or np.prod(shape) is a NumPy integer: a valid finite cost."""
+    batcher = make_batcher(max_delay_s=0.0)
+    await batcher.start()
+    payload = np.ones(3)
+    task = spawn(batcher.submit(payload, cost=np.int64(3)))
+    await settle()
+    np.testing.assert_array_equal(await asyncio.wait_for(task, SAFETY_S), payload * 10)
 
 
 # -- admission: queue bounds, deadlines --------------------------------------------------
@@ -444,6 +440,34 @@ async def test_request_waiting_past_max_wait_goes_before_younger_higher_classes(
     assert sorted(x for b in fake_model.batches[1:] for x in b) == ["b1", "i1", "i2"]
 
 
+async def test_aged_lower_class_does_not_starve_an_older_higher_class_request(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    # Aging exists so that no class starves. An aged "normal" request goes before every
+    # *younger* request, but an "interactive" request that has waited even longer must
+    # not be passed over: under a sustained normal backlog every normal head is aged, and
+    # interactive (which never ages) would otherwise never run again.
+    classes = (ClassPolicy("interactive"), ClassPolicy("normal", max_wait_s=1.0))
+    batcher = make_batcher(
+        max_batch_size=1, max_delay_s=0.0, classes=classes, fill_from_lower=False
+    )
+    await batcher.start()
+    fake_model.hold()
+    blocker = spawn(batcher.submit(0, priority="normal"))
+    await settle()
+    assert fake_model.running == 1  # the one replica is busy from now on
+
+    interactive = spawn(batcher.submit(1, priority="interactive"))
+    await fake_clock.advance(0.5)
+    backlog = [spawn(batcher.submit(i, priority="normal")) for i in (2, 3)]
+    await fake_clock.advance(1.5)  # the normal backlog is aged; interactive is older still
+
+    fake_model.release()
+    await finish(blocker, interactive, *backlog)
+    order = [batch[0] for batch in fake_model.batches]
+    assert order == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize(("share", "running_at_once"), [(0.5, 1), (1.0, 2)])
 async def test_share_limits_batches_a_class_leads_at_once(
     make_batcher, fake_model, spawn, share, running_at_once
@@ -467,368 +491,6 @@ async def test_share_limits_batches_a_class_leads_at_once(
     fake_model.release()
     await settle()
     assert [t.result() for t in (*background, normal)] == [10, 20, 30]
-
-
-# -- failures -----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "payloads", [["a", "poison", "b", "c"], ["poison", "a", "b", "poison"]], ids=["one", "two"]
-)
-async def test_model_error_reaches_only_the_poisoned_requests(
-    make_batcher, fake_model, spawn, payloads
-):
-    fake_model.fail_if = lambda items: ValueError("poison!") if "poison" in items else None
-    batcher = make_batcher(collate="list", max_batch_size=4, max_delay_s=10.0)
-    tasks = [spawn(batcher.submit(p)) for p in payloads]
-    await settle()
-    outcomes = await finish(*tasks)
-
-    for payload, outcome in zip(payloads, outcomes, strict=True):
-        if payload == "poison":
-            assert isinstance(outcome, ModelError)
-            assert isinstance(outcome.__cause__, ValueError)
-            assert "poison!" in str(outcome)
-        else:
-            assert outcome == payload * 10
-    stats = batcher.snapshot().classes["normal"]
-    assert (stats.num_failed, stats.num_completed) == (
-        payloads.count("poison"),
-        len(payloads) - payloads.count("poison"),
-    )
-
-
-async def test_output_count_mismatch_fails_every_request_of_the_batch(make_batcher, spawn):
-    async def drops_last(batch: list[int]) -> list[int]:
-        return batch[:-1]
-
-    batcher = make_batcher(fn=drops_last, max_batch_size=3, max_delay_s=10.0)
-    tasks = [spawn(batcher.submit(i)) for i in range(3)]
-    await settle()
-    outcomes = await finish(*tasks)
-
-    assert all(isinstance(o, ModelError) for o in outcomes)
-    for outcome in outcomes:
-        assert "2 outputs" in str(outcome)
-        assert "3 items" in str(outcome)
-
-
-async def test_out_of_memory_splits_the_batch_and_lowers_the_effective_size(
-    make_batcher, fake_model, spawn
-):
-    fake_model.oom_above = 2
-    batcher = make_batcher(max_batch_size=8, max_delay_s=10.0, oom_recovery_s=10.0)
-    tasks = [spawn(batcher.submit(i)) for i in range(8)]
-    await settle()
-
-    assert [t.result() for t in tasks] == [i * 10 for i in range(8)]
-    assert fake_model.sizes[0] == 8
-    assert max(fake_model.sizes[1:]) <= 4
-    assert batcher.effective_max_batch_size == 2
-
-
-async def test_effective_size_doubles_back_after_oom_recovery_s(
-    make_batcher, fake_model, fake_clock, spawn
-):
-    fake_model.oom_above = 2
-    batcher = make_batcher(max_batch_size=8, max_delay_s=10.0, oom_recovery_s=10.0)
-    for i in range(8):
-        spawn(batcher.submit(i))
-    await settle()
-    fake_model.oom_above = None  # memory is free again
-    calls = len(fake_model.batches)
-
-    async def round_of_eight() -> list[int]:
-        nonlocal calls
-        tasks = [spawn(batcher.submit(i)) for i in range(8)]
-        await settle()
-        assert [t.result() for t in tasks] == [i * 10 for i in range(8)]
-        sizes, calls = fake_model.sizes[calls:], len(fake_model.batches)
-        return sizes
-
-    assert await round_of_eight() == [2, 2, 2, 2]
-    await fake_clock.advance(9.5)
-    assert await round_of_eight() == [2, 2, 2, 2]
-    await fake_clock.advance(0.5)
-    assert await round_of_eight() == [4, 4]
-    assert batcher.effective_max_batch_size == 4
-    await fake_clock.advance(10.0)
-    assert await round_of_eight() == [8]
-    assert batcher.effective_max_batch_size == 8
-
-
-async def test_request_out_of_memory_alone_gets_capacity_error(make_batcher, fake_model, spawn):
-    fake_model.oom_above = 0
-    batcher = make_batcher(max_batch_size=2, max_delay_s=10.0)
-    tasks = [spawn(batcher.submit(i)) for i in range(2)]
-    await settle()
-    outcomes = await finish(*tasks)
-
-    assert all(isinstance(o, CapacityError) for o in outcomes)
-    assert all(isinstance(o.__cause__, MemoryError) for o in outcomes)
-    assert batcher.snapshot().classes["normal"].num_failed == 2
-
-
-async def test_request_larger_than_the_oom_cap_still_runs(
-    make_batcher, fake_model, fake_clock, spawn
-):
-    fake_model.oom_above = 2
-    batcher = make_batcher(max_batch_size=8, max_delay_s=1.0, oom_recovery_s=10.0)
-    for i in range(8):
-        spawn(batcher.submit(i))
-    await settle()
-    assert batcher.effective_max_batch_size == 2
-    fake_model.oom_above = None
-
-    task = spawn(batcher.submit_many(np.arange(4)))
-    await fake_clock.advance(1.0)
-
-    assert task.done(), "a request admitted under max_batch_size must not wait forever"
-    np.testing.assert_array_equal(task.result(), np.arange(4) * 10)
-
-
-async def test_payloads_of_different_shapes_run_in_separate_groups(make_batcher, spawn):
-    shapes: list[tuple[int, ...]] = []
-
-    async def row_sums(x: np.ndarray) -> np.ndarray:
-        shapes.append(x.shape)
-        return x.sum(axis=1)
-
-    batcher = make_batcher(fn=row_sums, max_batch_size=3, max_delay_s=10.0)
-    tasks = [spawn(batcher.submit(p)) for p in (np.ones(3), np.full(4, 2.0), np.ones(3))]
-    await settle()
-
-    assert [t.result() for t in tasks] == [3.0, 8.0, 3.0]
-    assert shapes == [(2, 3), (1, 4)]
-    assert batcher.snapshot().batches.num_batches == 1
-
-
-# -- replicas and threads -----------------------------------------------------------------
-
-
-async def test_sync_model_runs_off_the_loop_and_batches_grow_while_it_is_busy(
-    make_batcher, sync_model, spawn
-):
-    batcher = make_batcher(fn=sync_model, max_batch_size=16, max_delay_s=0.0)
-    first = spawn(batcher.submit(0))
-    items, thread_name = await sync_model.wait_entered()
-    assert items == [0]
-    assert thread_name.startswith("carpool-")
-    assert thread_name != threading.current_thread().name
-
-    queued = [spawn(batcher.submit(i)) for i in range(1, 6)]
-    await settle()
-    assert batcher.num_pending == 5  # accepted while the model is blocked
-    assert not any(t.done() for t in (first, *queued))
-
-    sync_model.gate.set()
-    assert await finish(first, *queued) == [0, 10, 20, 30, 40, 50]
-    assert sync_model.sizes == [1, 5]
-
-
-async def test_two_replicas_run_batches_at_once(make_batcher, sync_model, spawn):
-    batcher = make_batcher(fn=sync_model, num_replicas=2, max_batch_size=2, max_delay_s=0.0)
-    first = spawn(batcher.submit(0))
-    _, thread_a = await sync_model.wait_entered()
-    second = spawn(batcher.submit(1))
-    _, thread_b = await sync_model.wait_entered()
-    assert thread_a != thread_b  # both replicas busy at once
-
-    queued = [spawn(batcher.submit(i)) for i in range(2, 8)]
-    await settle()
-    assert batcher.num_pending == 6
-    sync_model.gate.set()
-    assert await finish(first, second, *queued) == [i * 10 for i in range(8)]
-
-    snap = batcher.snapshot()
-    assert all(r.num_batches >= 1 for r in snap.replicas)
-    assert sum(r.num_items for r in snap.replicas) == 8
-    assert snap.batches.size_histogram == {1: 2, 2: 3}
-
-
-# -- lifecycle ----------------------------------------------------------------------------
-
-
-async def test_context_manager_drains_every_accepted_request(
-    make_batcher, fake_model, fake_clock, spawn
-):
-    batcher = make_batcher(max_delay_s=10.0)
-    async with batcher:
-        assert batcher.is_running
-        tasks = [spawn(batcher.submit(i)) for i in range(3)]
-        await settle()
-        assert fake_model.batches == []
-
-    assert not batcher.is_running
-    assert await finish(*tasks) == [0, 10, 20]
-    assert fake_clock.now() == 1000.0  # answered without the delay expiring
-
-
-async def test_stop_without_drain_fails_queued_requests_with_closed(
-    make_batcher, fake_model, spawn
-):
-    batcher = make_batcher(max_delay_s=10.0)
-    tasks = [spawn(batcher.submit(i)) for i in range(3)]
-    await settle()
-
-    await batcher.stop(drain=False)
-
-    outcomes = await finish(*tasks)
-    assert all(isinstance(o, Closed) for o in outcomes)
-    assert fake_model.batches == []
-    assert batcher.snapshot().classes["normal"].rejections == {"closed": 3}
-
-
-@pytest.mark.parametrize("drain", [True, False])
-async def test_submit_after_stop_raises_closed(make_batcher, drain):
-    batcher = make_batcher()
-    await batcher.start()
-    await batcher.stop(drain=drain)
-    with pytest.raises(Closed):
-        await batcher.submit(1)
-
-
-async def test_first_submit_starts_the_batcher(make_batcher):
-    batcher = make_batcher(max_delay_s=0.0)
-    assert not batcher.is_running
-    assert await batcher.submit(2) == 20
-    assert batcher.is_running
-
-
-async def test_stop_leaves_no_tasks_or_threads_behind(make_batcher, sync_model, spawn):
-    sync_model.gate.set()
-    threads_before = set(threading.enumerate())
-    tasks_before = asyncio.all_tasks()
-    batcher = make_batcher(fn=sync_model, num_replicas=2, max_delay_s=0.0, max_batch_size=1)
-
-    await batcher.start()
-    assert await finish(*(spawn(batcher.submit(i)) for i in range(4))) == [0, 10, 20, 30]
-    assert any(t.name.startswith("carpool-") for t in threading.enumerate())
-    assert len(asyncio.all_tasks() - tasks_before) == 2
-    await batcher.stop()
-
-    assert set(threading.enumerate()) == threads_before
-    assert asyncio.all_tasks() == tasks_before
-
-
-async def test_start_is_idempotent(make_batcher):
-    batcher = make_batcher(num_replicas=2)
-    tasks_before = asyncio.all_tasks()
-    await batcher.start()
-    await batcher.start()
-    await asyncio.gather(batcher.start(), batcher.start())
-
-    new_tasks = asyncio.all_tasks() - tasks_before
-    assert len(new_tasks) == 2
-    assert batcher.snapshot().replicas[1].replica_id == 1
-    assert len(batcher.snapshot().replicas) == 2
-
-
-async def test_restarts_after_stop(make_batcher):
-    batcher = make_batcher(max_delay_s=0.0)
-    await batcher.start()
-    assert await batcher.submit(1) == 10
-    await batcher.stop()
-    await batcher.start()
-
-    assert batcher.is_running
-    assert await batcher.submit(2) == 20
-
-
-# -- policy updates -----------------------------------------------------------------------
-
-
-async def test_policy_check_refuses_a_policy_at_construction_and_on_update() -> None:
-    def at_most_eight(policy: BatchPolicy) -> None:
-        if policy.max_batch_size > 8:
-            raise ConfigError("max_batch_size", policy.max_batch_size, "8 or less")
-
-    with pytest.raises(ConfigError, match="8 or less"):
-        Batcher(lambda xs: xs, BatchPolicy(max_batch_size=9), policy_check=at_most_eight)
-    batcher = Batcher(lambda xs: xs, BatchPolicy(max_batch_size=4), policy_check=at_most_eight)
-    async with batcher:
-        with pytest.raises(ConfigError, match="8 or less"):
-            batcher.update_policy(max_batch_size=16)
-        assert batcher.policy.max_batch_size == 4  # unchanged
-        assert batcher.update_policy(max_batch_size=8).max_batch_size == 8
-
-
-async def test_update_policy_takes_effect_for_the_next_batch(
-    make_batcher, fake_model, fake_clock, spawn
-):
-    batcher = make_batcher(max_batch_size=2, max_delay_s=0.0)
-    await occupy(batcher, fake_model, spawn, fake_clock)
-    for i in range(4):
-        spawn(batcher.submit(i))
-    await settle()
-
-    new = batcher.update_policy(max_batch_size=4)
-    fake_model.release()
-    await settle()
-
-    assert new.max_batch_size == 4
-    assert batcher.policy is new
-    assert fake_model.batches[1:] == [[0, 1, 2, 3]]
-
-
-async def test_update_policy_shortening_max_delay_releases_a_waiting_batch(
-    make_batcher, fake_model, spawn
-):
-    batcher = make_batcher(max_delay_s=10.0)
-    task = spawn(batcher.submit(1))
-    await settle()
-    assert fake_model.batches == []
-
-    batcher.update_policy(max_delay_s=0.0)
-    await settle()
-
-    assert fake_model.batches == [[1]]
-    assert task.result() == 10
-
-
-async def test_update_policy_below_a_queued_requests_size_still_runs_it(
-    make_batcher, fake_model, fake_clock, spawn
-):
-    batcher = make_batcher(max_batch_size=4, max_delay_s=0.0)
-    await occupy(batcher, fake_model, spawn, fake_clock)
-    many = spawn(batcher.submit_many([1, 2, 3, 4]))
-    await settle()
-
-    batcher.update_policy(max_batch_size=2)
-    fake_model.release()
-    await settle()
-    assert many.result() == [10, 20, 30, 40]
-
-    singles = [spawn(batcher.submit(i)) for i in (5, 6, 7)]
-    await fake_clock.advance(0.0)
-    assert [t.result() for t in singles] == [50, 60, 70]
-    assert fake_model.batches[1:] == [[1, 2, 3, 4], [5, 6], [7]]
-
-
-@pytest.mark.parametrize(
-    ("changes", "field"),
-    [
-        ({"max_batch_size": 0}, "max_batch_size"),
-        ({"max_delay_s": -1.0}, "max_delay_s"),
-        ({"preferred_batch_sizes": (64,)}, "preferred_batch_sizes"),
-        ({"max_queue_size": 0}, "max_queue_size"),
-        ({"bogus": 1}, "policy"),
-    ],
-)
-async def test_invalid_policy_update_raises_config_error_naming_the_field(
-    make_batcher, changes, field
-):
-    batcher = make_batcher(max_delay_s=0.0)
-    await batcher.start()
-    before = batcher.policy
-
-    with pytest.raises(ConfigError) as caught:
-        batcher.update_policy(**changes)
-
-    assert caught.value.field == field
-    assert field in str(caught.value)
-    assert batcher.policy is before
-    assert await batcher.submit(1) == 10
 
 
 # -- submit_many --------------------------------------------------------------------------
@@ -937,6 +599,25 @@ async def test_trace_hook_sees_where_each_requests_time_went(
     )
 
 
+async def test_raising_on_trace_hook_does_not_strand_the_batch(
+    make_batcher, spawn, caplog, loop_errors
+):
+    def hook(trace: object) -> None:
+        raise RuntimeError("bug in the hook")
+
+    batcher = make_batcher(max_batch_size=2, max_delay_s=10.0, on_trace=hook)
+    with caplog.at_level(logging.ERROR, logger="carpool"):
+        first = [spawn(batcher.submit(i)) for i in range(2)]
+        await settle()
+        assert all(t.done() for t in first), "every request of the batch is answered"
+        later = [spawn(batcher.submit(i)) for i in range(2, 4)]
+        await settle()
+    assert [t.result() for t in first + later] == [0, 10, 20, 30]
+    assert "on_trace" in caplog.text
+    await batcher.stop()
+    assert loop_errors == []
+
+
 async def test_snapshot_reports_latency_percentiles_and_effective_compute_ratio(
     make_batcher, fake_model, fake_clock, spawn
 ):
@@ -1007,11 +688,33 @@ async def test_memory_probe_feeds_memory_volatility(make_batcher):
     assert memory.volatility == pytest.approx(0.2)
 
 
+async def test_raising_memory_probe_does_not_kill_the_replica(make_batcher, spawn, caplog):
+    def probe() -> tuple[int, int]:
+        raise OSError("device went away")
+
+    batcher = make_batcher(max_batch_size=1, max_delay_s=10.0, memory_probe=probe)
+    with caplog.at_level(logging.ERROR, logger="carpool"):
+        tasks = [spawn(batcher.submit(i)) for i in range(3)]
+        await settle()
+    assert [t.result() for t in tasks if t.done()] == [0, 10, 20]
+    assert "memory_probe" in caplog.text
+    await batcher.stop()
+
+
 async def test_unknown_priority_is_rejected(make_batcher):
     batcher = make_batcher()
     with pytest.raises(InvalidInput, match="unknown priority 'urgent'"):
         await batcher.submit(1, priority="urgent")
     assert batcher.num_pending == 0
+
+
+async def test_unhashable_priority_is_invalid_input(make_batcher):
+    """docs/core.md: an unknown priority is InvalidInput (not a bare TypeError)."""
+    batcher = make_batcher(max_delay_s=0.0)
+    await batcher.start()
+    priority: Any = ["interactive"]
+    with pytest.raises(InvalidInput, match="priority"):
+        await batcher.submit(1, priority=priority)
 
 
 # -- construction -------------------------------------------------------------------------
@@ -1057,18 +760,45 @@ def test_contradictory_construction_raises_config_error(kwargs, field):
     assert caught.value.field == field
 
 
-async def test_effective_size_recovers_once_per_elapsed_period_without_new_batches(
-    make_batcher, fake_model, fake_clock, spawn
-):
-    fake_model.oom_above = 1
-    batcher = make_batcher(max_batch_size=8, max_delay_s=10.0, oom_recovery_s=10.0)
-    for i in range(8):
-        spawn(batcher.submit(i))
-    await settle()
-    assert batcher.effective_max_batch_size == 1
-    # Three quiet periods pass with nothing submitted: the cap doubles three times.
-    await fake_clock.advance(30.0)
-    assert batcher.effective_max_batch_size == 8
+def test_empty_devices_is_refused_naming_devices():
+    with pytest.raises(ConfigError, match="devices") as info:
+        Batcher(lambda batch: batch, devices=[])
+    assert info.value.field == "devices"
+
+
+def _double(batch: Any) -> Any:
+    return batch * 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"fn": 42}, "fn"),
+        ({"fn": None, "fn_factory": "cpu"}, "fn_factory"),
+        ({"policy": {"max_batch_size": 8}}, "policy"),
+        ({"policy": 8}, "policy"),
+        ({"devices": "cuda:0"}, "devices"),
+        ({"devices": [0, 1]}, "devices[]"),
+        ({"collate": 42}, "collate"),
+        ({"name": 5}, "name"),
+        ({"clock": 5}, "clock"),
+        ({"on_trace": "print"}, "on_trace"),
+        ({"memory_probe": 5}, "memory_probe"),
+        ({"policy_check": 5}, "policy_check"),
+        ({"slow_request_s": -1.0}, "slow_request_s"),
+        ({"slow_request_s": "0.2"}, "slow_request_s"),
+        ({"switch_interval_s": True}, "switch_interval_s"),
+    ],
+)
+def test_batcher_refuses_an_argument_of_the_wrong_kind_naming_it(
+    kwargs: dict[str, Any], field: str
+) -> None:
+    options = {"fn": _double, **kwargs}
+    fn = options.pop("fn")
+    with pytest.raises(ConfigError) as caught:
+        Batcher(fn, **options)
+    assert caught.value.field == field
+    assert "expected" in str(caught.value)
 
 
 async def test_cost_fn_that_cannot_price_a_payload_is_invalid_input(make_batcher):
@@ -1093,47 +823,23 @@ async def test_preferred_size_closes_early_only_when_filled_exactly(
     assert await finish(first, second) == [[10, 20, 30], [40, 50, 60]]
 
 
-class _PermitModel:
-    """A sync model that needs one permit per call: the test releases calls one by one."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.permits = threading.Semaphore(0)
-        self.entered: asyncio.Queue[list[Any]] = asyncio.Queue()
-
-    def __call__(self, batch: Any) -> Any:
-        items = list(batch)
-        self.loop.call_soon_threadsafe(self.entered.put_nowait, items)
-        if not self.permits.acquire(timeout=5.0):
-            raise RuntimeError("test never released the model")
-        return [x * 10 for x in items]
-
-
-async def test_busy_sync_replica_queues_only_a_full_batch_behind_the_running_one(
-    make_batcher, spawn
+async def test_preferred_size_filled_by_a_prefix_is_sent_when_a_many_request_straddles_a_larger(
+    make_batcher, fake_model, fake_clock, spawn
 ):
-    model = _PermitModel(asyncio.get_running_loop())
-    batcher = make_batcher(fn=model, collate="list", max_batch_size=2, max_delay_s=10.0)
-    first = spawn(batcher.submit(0))
+    """Preferred (2, 4); requests of 1, 1 and 3 items: no FIFO prefix makes 4, but the
+    first two make 2, a preferred size the queue can fill now (Triton sends it). Trimming
+    towards 4 used to go past 2 and then give up, so everything waited for the delay."""
+    batcher = make_batcher(
+        collate="list", max_batch_size=8, max_delay_s=1.0, preferred_batch_sizes=(2, 4)
+    )
+    tasks = [spawn(batcher.submit(1)), spawn(batcher.submit(2))]
+    tasks.append(spawn(batcher.submit_many([3, 4, 5])))
     await settle()
-    assert batcher.num_pending == 1  # alone, it waits for its delay
-    second = spawn(batcher.submit(1))  # now full: it runs
-    assert await asyncio.wait_for(model.entered.get(), 5.0) == [0, 1]
-    rest = [spawn(batcher.submit(i)) for i in range(2, 7)]
-    await settle()
-    assert batcher.num_pending == 5  # the replica is busy: nothing closes meanwhile
+    assert fake_model.sizes == [2]
 
-    model.permits.release()  # [0, 1] finishes
-    assert await asyncio.wait_for(model.entered.get(), 5.0) == [2, 3]
-    await settle()
-    # [4, 5] is full, so it already waits on the replica's thread; [6] could still grow
-    # and stays queued until the replica is free.
-    assert batcher.num_pending == 1
-
-    model.permits.release(3)
-    assert await asyncio.wait_for(model.entered.get(), 5.0) == [4, 5]
-    assert await finish(first, second, *rest[:4]) == [0, 10, 20, 30, 40, 50]
-    assert not rest[4].done()
+    await fake_clock.advance(1.0)
+    assert fake_model.sizes == [2, 3]
+    assert await finish(*tasks) == [10, 20, [30, 40, 50]]
 
 
 async def test_replica_thread_inherits_the_torch_thread_count(make_batcher, monkeypatch):

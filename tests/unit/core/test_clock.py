@@ -141,9 +141,13 @@ def test_monotonic_clock_never_goes_back() -> None:
 async def test_monotonic_clock_timer_can_be_cancelled_before_it_fires() -> None:
     clock = MonotonicClock()
     fired: list[bool] = []
-    handle = clock.call_at(clock.now() + 3600.0, lambda: fired.append(True))
+    handle = clock.call_at(clock.now() - 1.0, lambda: fired.append(True))  # due at once
     handle.cancel()
-    await asyncio.sleep(0)
+    # A timer armed after it and due at once too: by the time it has fired, the loop has
+    # run (or skipped) the cancelled one.
+    later = asyncio.get_running_loop().create_future()
+    clock.call_at(clock.now() - 1.0, lambda: later.set_result(None))
+    await asyncio.wait_for(later, timeout=60)
     assert fired == []
 
 

@@ -282,3 +282,31 @@ def test_a_method_on_a_class_without_dict_says_why() -> None:
 
     with pytest.raises(TypeError, match="__slots__"):
         Slotted().run  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("keyword", "value"),
+    [("preferred_batch_sizes", 8), ("classes", ClassPolicy("normal")), ("classes", None)],
+)
+def test_decorator_refuses_a_keyword_that_is_no_sequence_with_config_error(keyword, value):
+    """The keywords are BatchPolicy's fields, validated the same way: ConfigError naming
+    the field (BatchPolicy(preferred_batch_sizes=8) says so), not a bare TypeError."""
+    with pytest.raises(ConfigError) as caught:
+        carpool.batched(**{keyword: value})(lambda batch: batch)
+    assert caught.value.field == keyword
+
+
+def _double(batch: Any) -> Any:
+    return batch * 2
+
+
+def test_batched_decorator_refuses_what_is_not_callable() -> None:
+    with pytest.raises(ConfigError) as caught:
+        carpool.batched(42)
+    assert caught.value.field == "fn"
+
+
+def test_batched_decorator_refuses_a_device_string_that_is_not_a_list() -> None:
+    with pytest.raises(ConfigError) as caught:
+        carpool.batched(devices="cuda:0")(_double)  # type: ignore[arg-type]
+    assert caught.value.field == "devices"

@@ -291,3 +291,23 @@ def test_batch_timeout_must_be_a_positive_finite_number_or_none(value: object) -
 def test_batch_timeout_defaults_to_a_minute_and_none_means_no_limit() -> None:
     assert BatchPolicy().batch_timeout_s == 60.0
     assert BatchPolicy(batch_timeout_s=None).batch_timeout_s is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("preferred_batch_sizes", 8),
+        ("classes", ("interactive", "normal")),
+        ("classes", ClassPolicy("normal")),
+    ],
+)
+def test_malformed_policy_field_raises_config_error_naming_it(field, value):
+    """docs/core.md: 'a bad value raises ConfigError naming the field'."""
+    with pytest.raises(ConfigError, match=field):
+        BatchPolicy(**{field: value})
+
+
+def test_policy_refuses_length_buckets_that_are_not_a_list() -> None:
+    with pytest.raises(ConfigError) as caught:
+        BatchPolicy(length_buckets=5)  # type: ignore[arg-type]
+    assert caught.value.field == "length_buckets"

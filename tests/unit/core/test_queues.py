@@ -1,15 +1,21 @@
-"""Per-class queues: admission bounds, lazy deletion, FIFO pops, reconfiguration."""
+"""Per-class queues: admission bounds, lazy deletion, FIFO pops, reconfiguration; and,
+through the Batcher, that cancelled requests do not pile up behind a waiting head."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 
+import numpy as np
 import pytest
 
 from carpool import BatchPolicy, ClassPolicy, ConfigError, QueueFull
+from carpool.core.clock import settle
 from carpool.core.queues import Queues
 from carpool.core.request import Request, RequestState
+
+from .conftest import finish
 
 _ids = itertools.count()
 
@@ -280,3 +286,31 @@ async def test_reconfigure_applies_new_class_bound_to_later_admissions() -> None
     with pytest.raises(QueueFull) as excinfo:
         queues.admit(_request("lo"))
     assert excinfo.value.limit == 1
+
+
+# -- through the batcher ----------------------------------------------------------------------
+
+
+async def test_cancelled_requests_do_not_pile_up_behind_a_waiting_head(
+    make_batcher, fake_model, spawn
+):
+    # A queue bound caps the *live* requests; cancelled ones are only marked and stay
+    # in the deque (with their payloads) until the head moves. A head that waits long
+    # (a long delay, a capped class) must not let clients that give up and retry grow
+    # the queue's memory without bound.
+    payloads: list[weakref.ref[np.ndarray]] = []
+    batcher = make_batcher(max_batch_size=8, max_delay_s=100.0, max_queue_size=2)
+    await batcher.start()
+    head = spawn(batcher.submit(np.zeros(4)))
+    await settle()
+    for _ in range(200):
+        payload = np.zeros((1, 4))
+        payloads.append(weakref.ref(payload))
+        request = batcher.enqueue_many(payload)
+        batcher.cancel(request)
+        del payload, request
+    assert batcher.num_pending == 1
+    retained = sum(ref() is not None for ref in payloads)
+    assert retained <= 64, f"{retained} payloads of cancelled requests are still held"
+    await batcher.stop(drain=True)
+    assert (await finish(head))[0].shape == (4,)

@@ -158,3 +158,49 @@ def test_measure_lengths_times_with_the_injected_clock() -> None:
     assert report.cv_uniform == pytest.approx(0.0, abs=1e-9)
     assert report.bucket_edges == [8, 32, 128]
     assert 0.0 < report.padding_waste < 1.0
+
+
+def _nan_where_negative(batch: np.ndarray) -> dict[str, np.ndarray]:
+    """Row-wise: log of the first feature, NaN for negative inputs, whatever the batch."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return {"output": np.log(batch[:, :1].astype(np.float64))}
+
+
+def test_nan_outputs_that_batching_does_not_change_pass() -> None:
+    rng = np.random.default_rng(0)
+    probes = [np.array([-1.0, 2.0]), np.array([3.0, 1.0])]
+    verdict = check_invariance(
+        _nan_where_negative,
+        probes,
+        {"random": lambda n: rng.standard_normal((n, 2))},
+        [8],
+    )
+    assert verdict.is_passed, verdict.reasons
+
+
+def test_nan_that_only_batching_produces_is_flagged_at_that_size_only() -> None:
+    def leaks_at_eight(batch: np.ndarray) -> dict[str, np.ndarray]:
+        out = batch[:, :1].astype(np.float64).copy()
+        if len(batch) >= 8:
+            out[:] = np.nan
+        return {"output": out}
+
+    rng = np.random.default_rng(0)
+    verdict = check_invariance(
+        leaks_at_eight,
+        [np.array([1.0, 2.0])],
+        {"random": lambda n: rng.standard_normal((n, 2))},
+        [2, 8],
+    )
+    assert not verdict.is_passed
+    [flagged] = [d for d in verdict.deviations if d.is_flagged]
+    assert flagged.batch_size == 8 and flagged.max_rel == math.inf
+
+
+def test_deviation_matches_nan_and_inf_in_the_same_places() -> None:
+    ref = np.array([np.nan, np.inf, -np.inf, 1.0])
+    assert deviation(ref.copy(), ref) == (0.0, 0.0)
+    moved = np.array([np.nan, np.inf, -np.inf, 1.5])
+    assert deviation(moved, ref) == pytest.approx((0.5, 0.5 / 1.5))
+    assert deviation(np.array([np.nan, np.inf, np.inf, 1.0]), ref) == (math.inf, math.inf)
+    assert deviation(np.array([1.0, np.inf, -np.inf, 1.0]), ref) == (math.inf, math.inf)

@@ -175,3 +175,15 @@ def test_rss_probe_reports_growth_while_an_array_is_alive() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert int(run.stdout.strip()) >= 48 * MIB
+
+
+def test_knee_of_a_single_batch_size_does_not_claim_throughput_still_grows() -> None:
+    verdict = find_knee([(1, 100.0)])
+    assert verdict.knee_batch_size is None
+    assert "still grows" not in verdict.reason
+    assert "one batch size" in verdict.reason
+
+
+def test_knee_of_a_model_whose_throughput_never_improves_is_batch_one() -> None:
+    verdict = find_knee([(1, 100.0), (2, 100.0), (4, 99.0), (8, 100.0)])
+    assert verdict.knee_batch_size == 1

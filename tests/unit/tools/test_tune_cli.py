@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 import types
 from collections.abc import Iterator
@@ -85,6 +86,80 @@ def test_bad_usage_exits_2(
     else:
         assert exit_info.value.code == 2
         assert "carpool tune:" in capsys.readouterr().err
+
+
+FAST_TUNE = [
+    "--shape",
+    "4",
+    "--trial-duration",
+    "0.1",
+    "--window",
+    "0.1",
+    "--warmup",
+    "0",
+    "--param",
+    "max_batch_size=1",
+]
+
+
+def test_tune_window_zero_is_a_usage_error(tmp_path: Path) -> None:
+    from carpool.tools.tune_cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["numpy:negative", "--slo-p99-ms", "50", "--out", str(tmp_path / "o.yaml"),
+              "--shape", "4", "--window", "0"])  # fmt: skip
+    assert exit_info.value.code == 2
+
+
+def test_tune_nonpositive_slo_is_a_usage_error(tmp_path: Path) -> None:
+    from carpool.tools.tune_cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["numpy:negative", "--slo-p99-ms", "-5", "--out", str(tmp_path / "o.yaml"),
+              *FAST_TUNE])  # fmt: skip
+    assert exit_info.value.code == 2
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_tune_server_down_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    from carpool.tools.tune_cli import main
+
+    url = f"http://127.0.0.1:{_closed_port()}/v2/models/m"
+    with pytest.raises(SystemExit) as exit_info:
+        main([url, "--slo-p99-ms", "50", "--out", str(tmp_path / "o.yaml")])
+    assert exit_info.value.code == 1  # the target failed, not the usage
+
+
+def test_tune_bad_model_config_fails_before_any_trial(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from carpool.tools.tune_cli import main
+
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["numpy:negative", "--slo-p99-ms", "50", "--out", str(tmp_path / "o.yaml"),
+              "--model-config", str(missing), *FAST_TUNE])  # fmt: skip
+    assert exit_info.value.code == 2
+    assert "#0" not in capsys.readouterr().out, "trials ran before --model-config was read"
+
+
+def test_tune_unwritable_out_fails_before_any_trial(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from carpool.tools.tune_cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["numpy:negative", "--slo-p99-ms", "50", "--out", str(blocker / "o.yaml"),
+              *FAST_TUNE])  # fmt: skip
+    assert exit_info.value.code == 2
+    assert "#0" not in capsys.readouterr().out
 
 
 def test_tune_takes_a_zero_argument_factory(target: str, tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Changing a batcher's policy while it serves (``update_policy``), reviewed under load.
+"""Changing a batcher's policy while it serves (``update_policy``), under load and one
+change at a time.
 
 A seeded random run changes every field that can change (sizes, delays, preferred sizes,
 queue bounds, timeouts, classes added, removed, renamed and reordered, shares, costs)
@@ -9,7 +10,8 @@ the run checks that every accepted request is answered once, by those rules, tha
 refused update changes nothing, and that afterwards every class gets exactly its share of
 the replicas (its running count neither leaked up nor went negative).
 
-Smaller tests pin each edge on its own. Time is a FakeClock throughout.
+Smaller tests pin each edge on its own, and each kind of update (validated first, in force
+for the next batch). Time is a FakeClock throughout.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from carpool import (
 )
 from carpool.core.clock import FakeClock, settle
 from carpool.core.scheduler import share_cap
+
+from .conftest import occupy
 
 SAFETY_S = 5.0  # a net against a hung test, never a timing assertion
 NUM_REPLICAS = 3
@@ -511,3 +515,155 @@ async def test_lowering_max_batch_tokens_below_a_queued_packed_request_runs_it_a
         gate.set()
         assert await wait_all(blocker, *queued) == [1, *lengths]
         assert seen == [[1], [6], [2, 2], [5]]
+
+
+async def test_update_policy_refuses_max_batch_tokens_the_collator_cannot_measure():
+    """Building a batcher with max_batch_tokens and a NumPy collator is a ConfigError;
+    update_policy ("validated first") accepts the same setting and then ignores it."""
+    with pytest.raises(ConfigError, match="max_batch_tokens"):
+        Batcher(lambda b: b, BatchPolicy(max_batch_tokens=8), collate="numpy")
+
+    batcher = Batcher(lambda b: b, BatchPolicy(), collate="numpy", clock=FakeClock())
+    with pytest.raises(ConfigError, match="max_batch_tokens"):
+        batcher.update_policy(max_batch_tokens=8)
+
+
+async def test_class_removed_and_restored_while_its_batch_runs_keeps_its_share_cap(
+    fake_clock, fake_model, spawn
+):
+    classes = (
+        ClassPolicy("interactive"),
+        ClassPolicy("normal"),
+        ClassPolicy("background", share=0.5),  # one of two replicas
+    )
+    batcher = Batcher(
+        fake_model,
+        BatchPolicy(max_batch_size=1, max_delay_s=0.0, classes=classes),
+        clock=fake_clock,
+        num_replicas=2,
+    )
+    await batcher.start()
+    try:
+        fake_model.hold()
+        first = spawn(batcher.submit(1, priority="background"))
+        await settle()
+        assert fake_model.running == 1
+
+        batcher.update_policy(classes=classes[:2])  # no background request is queued
+        batcher.update_policy(classes=classes)
+
+        second = spawn(batcher.submit(2, priority="background"))
+        await settle()
+        assert fake_model.running == 1, "background now leads batches on both replicas"
+    finally:
+        fake_model.release()
+        await asyncio.wait_for(batcher.stop(drain=True), SAFETY_S)
+    assert [first.result(), second.result()] == [10, 20]
+
+
+# -- each update on its own --------------------------------------------------------------------
+
+
+async def test_policy_check_refuses_a_policy_at_construction_and_on_update() -> None:
+    def at_most_eight(policy: BatchPolicy) -> None:
+        if policy.max_batch_size > 8:
+            raise ConfigError("max_batch_size", policy.max_batch_size, "8 or less")
+
+    with pytest.raises(ConfigError, match="8 or less"):
+        Batcher(lambda xs: xs, BatchPolicy(max_batch_size=9), policy_check=at_most_eight)
+    batcher = Batcher(lambda xs: xs, BatchPolicy(max_batch_size=4), policy_check=at_most_eight)
+    async with batcher:
+        with pytest.raises(ConfigError, match="8 or less"):
+            batcher.update_policy(max_batch_size=16)
+        assert batcher.policy.max_batch_size == 4  # unchanged
+        assert batcher.update_policy(max_batch_size=8).max_batch_size == 8
+
+
+async def test_update_policy_takes_effect_for_the_next_batch(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_batch_size=2, max_delay_s=0.0)
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    for i in range(4):
+        spawn(batcher.submit(i))
+    await settle()
+
+    new = batcher.update_policy(max_batch_size=4)
+    fake_model.release()
+    await settle()
+
+    assert new.max_batch_size == 4
+    assert batcher.policy is new
+    assert fake_model.batches[1:] == [[0, 1, 2, 3]]
+
+
+async def test_update_policy_shortening_max_delay_releases_a_waiting_batch(
+    make_batcher, fake_model, spawn
+):
+    batcher = make_batcher(max_delay_s=10.0)
+    task = spawn(batcher.submit(1))
+    await settle()
+    assert fake_model.batches == []
+
+    batcher.update_policy(max_delay_s=0.0)
+    await settle()
+
+    assert fake_model.batches == [[1]]
+    assert task.result() == 10
+
+
+async def test_update_policy_below_a_queued_requests_size_still_runs_it(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    batcher = make_batcher(max_batch_size=4, max_delay_s=0.0)
+    await occupy(batcher, fake_model, spawn, fake_clock)
+    many = spawn(batcher.submit_many([1, 2, 3, 4]))
+    await settle()
+
+    batcher.update_policy(max_batch_size=2)
+    fake_model.release()
+    await settle()
+    assert many.result() == [10, 20, 30, 40]
+
+    singles = [spawn(batcher.submit(i)) for i in (5, 6, 7)]
+    await fake_clock.advance(0.0)
+    assert [t.result() for t in singles] == [50, 60, 70]
+    assert fake_model.batches[1:] == [[1, 2, 3, 4], [5, 6], [7]]
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_delay_s": -1.0}, "max_delay_s"),
+        ({"preferred_batch_sizes": (64,)}, "preferred_batch_sizes"),
+        ({"max_queue_size": 0}, "max_queue_size"),
+        ({"bogus": 1}, "policy"),
+    ],
+)
+async def test_invalid_policy_update_raises_config_error_naming_the_field(
+    make_batcher, changes, field
+):
+    batcher = make_batcher(max_delay_s=0.0)
+    await batcher.start()
+    before = batcher.policy
+
+    with pytest.raises(ConfigError) as caught:
+        batcher.update_policy(**changes)
+
+    assert caught.value.field == field
+    assert field in str(caught.value)
+    assert batcher.policy is before
+    assert await batcher.submit(1) == 10
+
+
+def _double(batch: Any) -> Any:
+    return batch * 2
+
+
+def test_set_policy_refuses_what_is_not_a_batch_policy() -> None:
+    batcher = Batcher(_double, clock=FakeClock())
+    with pytest.raises(ConfigError) as caught:
+        batcher.set_policy({"max_batch_size": 8})  # type: ignore[arg-type]
+    assert caught.value.field == "policy"
+    assert batcher.policy.max_batch_size == 32  # unchanged

@@ -1,8 +1,10 @@
-"""`carpool serve` as a Triton/vLLM user runs it, found in review: each test was a bug a
-person would hit (a message in pydantic's words, a config the CLI refused or accepted
-wrongly, a module beside the config that did not import, a taken port found only after
-the models loaded, a signal while loading ending by the signal) and failed before its fix.
-Every process binds 127.0.0.1 (or ::1), is bounded in time, and is stopped here."""
+"""`carpool serve` as a Triton/vLLM user runs it: its config file, its ports and its
+start-up. Each test was a bug a person would hit (a message in pydantic's words, a config
+the CLI refused or accepted wrongly, a module beside the config that did not import, a
+taken port found only after the models loaded or told in a traceback, a second server
+taking the first one's ports, an out-of-range port, a signal while loading ending by the
+signal) and failed before its fix. Every process binds 127.0.0.1 (or ::1), is bounded in
+time, and is stopped here."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import httpx
 import pytest
 
 from .conftest import free_port, wait_until
+from .test_serve_config import CONFIG as SERVE_CONFIG
 
 RUN_LIMIT_S = 60.0  # a net against a hung process, never a timing assertion
 CARPOOL = Path(sys.executable).parent / "carpool"  # the console script users run
@@ -308,6 +311,45 @@ def test_a_taken_port_fails_before_any_model_loads(gated: Gated, which: str) -> 
     assert "ERROR:" not in done.stderr
 
 
+def test_a_second_server_on_the_same_ports_fails_at_once_while_the_first_loads(
+    tmp_path: Path,
+) -> None:
+    """Was: both ports were held, while the models loaded, by sockets bound with
+    SO_REUSEADDR and not listening, which Linux lets any other socket with SO_REUSEADDR
+    bind as well (uvicorn's, grpcio's, a second ``carpool serve``'s). Before the gRPC
+    port was held that way grpcio listened on it, so a second server failed at once; now
+    a second ``carpool serve`` on the same ports passed its check, loaded, and took both
+    ports over, and the first failed once its models were loaded. The ports are now held
+    exclusively (SO_REUSEADDR only where a closed connection's TIME_WAIT needs it)."""
+    folder = tmp_path / "gated"
+    folder.mkdir()
+    gated = Gated(folder, "replica")
+    port, grpc_port = free_port(), free_port()
+    ports = ("--port", str(port), "--grpc-port", str(grpc_port))
+    first = _start(str(gated.config), *ports, cwd=folder, env=gated.env)
+    second = None
+    try:
+        wait_until(lambda: gated.loading.exists() or first.poll() is not None, "loading")
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "serve.yaml").write_text(MODEL)
+        second = _start(str(other / "serve.yaml"), *ports, cwd=other)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: second.poll() is not None or _is_ready(url), "the second to end")
+        out = _finish(second)
+        assert second.returncode == 3, out
+        assert f"port 127.0.0.1:{port}: could not bind" in out, out
+        gated.gate.unlink()
+        wait_until(lambda: _is_ready(url) or first.poll() is not None, "the first ready")
+        assert first.poll() is None
+    finally:
+        if second is not None and second.poll() is None:
+            _finish(second)
+        gated.gate.unlink(missing_ok=True)
+        out = _finish(first)
+    assert first.returncode == 0, out
+
+
 def test_ipv6_loopback_serves_both_wires_with_bracketed_addresses(tmp_path: Path) -> None:
     # gRPC was bound as "::1:PORT" (grpcio: "Misformatted domain name"), reported as
     # "could not bind (address in use?)"; the ready line said http://::1:PORT.
@@ -338,6 +380,43 @@ def test_ipv6_loopback_serves_both_wires_with_bracketed_addresses(tmp_path: Path
         out = _finish(process)
     assert process.returncode == 0, out
     assert f"http://[::1]:{port}" in out and f"gRPC  [::1]:{grpc_port}" in out, out
+
+
+HERE = Path(__file__).resolve().parent
+
+
+# The python model of the serve-config tests, without the ONNX one (its file is built there).
+CONFIG = SERVE_CONFIG.split("  - name: affine")[0]
+
+
+def _run_serve(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str] | None:
+    """The finished ``carpool serve``, or None when it was still serving after 20 s."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(CONFIG)
+    paths = [str(HERE), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    command = [sys.executable, "-m", "carpool.cli", "serve", str(config), *flags]
+    try:
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=20)
+    except subprocess.TimeoutExpired:  # subprocess.run kills the child
+        return None
+
+
+def test_grpc_port_in_use_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = _run_serve(tmp_path, "--port", "0", "--grpc-port", str(port))
+    assert done is not None and done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr[-600:]
+
+
+def test_http_port_out_of_range_is_refused(tmp_path: Path) -> None:
+    # Was: it served on 70000 - 65536 = 4464 while logging ...:70000.
+    done = _run_serve(tmp_path, "--port", "70000", "--grpc-port", "0")
+    assert done is not None, "carpool serve --port 70000 started serving"
+    assert done.returncode == 2
 
 
 # -- lifecycle -----------------------------------------------------------------------------------

@@ -1,0 +1,266 @@
+"""Where a batcher's batches run (``carpool.core.dispatch``), driven through the Batcher:
+each replica's loop pulls a batch when it is free, a busy sync replica queues only a full
+batch behind the one it computes, idle replicas wake for work that ages past a class's cap,
+a drain ends every loop, and a loop survives callbacks that raise.
+
+Time is a FakeClock (``conftest.py``); sync models are released by the test, and every
+wait has a short safety timeout, so a hang shows as a failure, never a stuck run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from carpool import ClassPolicy, DeadlineExceeded
+from carpool.core.clock import settle
+
+from .conftest import SAFETY_S, finish
+
+# -- replicas pull batches when free ----------------------------------------------------------
+
+
+async def test_sync_model_runs_off_the_loop_and_batches_grow_while_it_is_busy(
+    make_batcher, sync_model, spawn
+):
+    batcher = make_batcher(fn=sync_model, max_batch_size=16, max_delay_s=0.0)
+    first = spawn(batcher.submit(0))
+    items, thread_name = await sync_model.wait_entered()
+    assert items == [0]
+    assert thread_name.startswith("carpool-")
+    assert thread_name != threading.current_thread().name
+
+    queued = [spawn(batcher.submit(i)) for i in range(1, 6)]
+    await settle()
+    assert batcher.num_pending == 5  # accepted while the model is blocked
+    assert not any(t.done() for t in (first, *queued))
+
+    sync_model.gate.set()
+    assert await finish(first, *queued) == [0, 10, 20, 30, 40, 50]
+    assert sync_model.sizes == [1, 5]
+
+
+async def test_two_replicas_run_batches_at_once(make_batcher, sync_model, spawn):
+    batcher = make_batcher(fn=sync_model, num_replicas=2, max_batch_size=2, max_delay_s=0.0)
+    first = spawn(batcher.submit(0))
+    _, thread_a = await sync_model.wait_entered()
+    second = spawn(batcher.submit(1))
+    _, thread_b = await sync_model.wait_entered()
+    assert thread_a != thread_b  # both replicas busy at once
+
+    queued = [spawn(batcher.submit(i)) for i in range(2, 8)]
+    await settle()
+    assert batcher.num_pending == 6
+    sync_model.gate.set()
+    assert await finish(first, second, *queued) == [i * 10 for i in range(8)]
+
+    snap = batcher.snapshot()
+    assert all(r.num_batches >= 1 for r in snap.replicas)
+    assert sum(r.num_items for r in snap.replicas) == 8
+    assert snap.batches.size_histogram == {1: 2, 2: 3}
+
+
+class PermitModel:
+    """A sync model that needs one permit per call: the test releases calls one by one."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.permits = threading.Semaphore(0)
+        self.entered: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self.calls: list[list[Any]] = []
+
+    def __call__(self, batch: Any) -> Any:
+        items = list(batch)
+        self.calls.append(items)
+        self.loop.call_soon_threadsafe(self.entered.put_nowait, items)
+        if not self.permits.acquire(timeout=SAFETY_S):
+            raise RuntimeError("test never released the model")
+        return [x * 10 for x in items]
+
+    async def next_call(self) -> list[Any]:
+        return await asyncio.wait_for(self.entered.get(), SAFETY_S)
+
+
+@pytest.fixture
+async def permit_model() -> Any:
+    model = PermitModel(asyncio.get_running_loop())
+    yield model
+    model.permits.release(100)  # let the replica thread end at teardown
+
+
+async def test_busy_sync_replica_queues_only_a_full_batch_behind_the_running_one(
+    make_batcher, spawn
+):
+    model = PermitModel(asyncio.get_running_loop())
+    batcher = make_batcher(fn=model, collate="list", max_batch_size=2, max_delay_s=10.0)
+    first = spawn(batcher.submit(0))
+    await settle()
+    assert batcher.num_pending == 1  # alone, it waits for its delay
+    second = spawn(batcher.submit(1))  # now full: it runs
+    assert await asyncio.wait_for(model.entered.get(), 5.0) == [0, 1]
+    rest = [spawn(batcher.submit(i)) for i in range(2, 7)]
+    await settle()
+    assert batcher.num_pending == 5  # the replica is busy: nothing closes meanwhile
+
+    model.permits.release()  # [0, 1] finishes
+    assert await asyncio.wait_for(model.entered.get(), 5.0) == [2, 3]
+    await settle()
+    # [4, 5] is full, so it already waits on the replica's thread; [6] could still grow
+    # and stays queued until the replica is free.
+    assert batcher.num_pending == 1
+
+    model.permits.release(3)
+    assert await asyncio.wait_for(model.entered.get(), 5.0) == [4, 5]
+    assert await finish(first, second, *rest[:4]) == [0, 10, 20, 30, 40, 50]
+    assert not rest[4].done()
+
+
+async def test_deadline_passing_while_a_batch_waits_behind_a_busy_replica_never_runs_it(
+    make_batcher, permit_model, fake_clock, spawn
+):
+    """A sync replica queues a full batch behind the one it computes. A request in that
+    batch whose deadline passes before its turn must get DeadlineExceeded and never reach
+    the model; its batch-mates still run."""
+    batcher = make_batcher(fn=permit_model, collate="list", max_batch_size=2, max_delay_s=10.0)
+    first = [spawn(batcher.submit(i)) for i in (0, 1)]
+    assert await permit_model.next_call() == [0, 1]
+    second = [spawn(batcher.submit(i)) for i in (2, 3)]
+    late = spawn(batcher.submit(4, timeout_s=1.0))
+    mate = spawn(batcher.submit(5))
+    await settle()
+    permit_model.permits.release()  # [0, 1] ends; [2, 3] runs, [4, 5] queues behind it
+    assert await permit_model.next_call() == [2, 3]
+    await settle()
+    assert batcher.num_pending == 0
+
+    await fake_clock.advance(2.0)  # request 4's deadline passes while [2, 3] computes
+    permit_model.permits.release(3)
+    results = await finish(*first, *second, late, mate)
+
+    assert results[:4] == [0, 10, 20, 30]
+    assert isinstance(results[4], DeadlineExceeded)
+    assert results[5] == 50
+    assert [4] not in permit_model.calls and all(4 not in c for c in permit_model.calls)
+    assert batcher.snapshot().classes["normal"].rejections["deadline"] == 1
+
+
+async def test_every_sync_replica_works_while_one_queues_a_full_batch(
+    make_batcher, sync_model, spawn
+):
+    batcher = make_batcher(sync_model, num_replicas=2, max_batch_size=2, max_delay_s=10.0)
+    await batcher.start()
+    await settle()
+
+    tasks = [spawn(batcher.submit(i)) for i in range(6)]
+    await settle()
+    # One replica runs [0, 1] and queues the full [2, 3] behind it; that queued batch
+    # occupies no second replica, so the other one must take [4, 5] now.
+    assert batcher.num_pending == 0
+
+    sync_model.gate.set()
+    assert await finish(*tasks) == [0, 10, 20, 30, 40, 50]
+
+
+async def test_batch_queued_behind_another_class_keeps_its_share_cap(
+    make_batcher, sync_model, spawn
+):
+    classes = (ClassPolicy("interactive"), ClassPolicy("background", share=0.5))
+    batcher = make_batcher(
+        sync_model,
+        num_replicas=2,
+        max_batch_size=2,
+        max_delay_s=10.0,
+        classes=classes,
+        default_class="interactive",
+    )
+    await batcher.start()
+    await settle()
+    running_bg = [spawn(batcher.submit(i, priority="background")) for i in (0, 1)]
+    await settle()
+    assert batcher.num_pending == 0  # background leads its one allowed replica
+
+    interactive = [spawn(batcher.submit(i, priority="interactive")) for i in (2, 3)]
+    waiting_bg = [spawn(batcher.submit(i, priority="background")) for i in (4, 5)]
+    await settle()
+    # The other replica takes the interactive batch. Queuing [4, 5] behind it would
+    # put background on both replicas once it runs: share=0.5 forbids that.
+    assert batcher.num_pending == 2
+
+    sync_model.gate.set()
+    results = await finish(*running_bg, *interactive, *waiting_bg)
+    assert results == [0, 10, 20, 30, 40, 50]
+
+
+# -- a drain ends every replica loop ------------------------------------------------------------
+
+
+async def test_drain_returns_when_the_work_an_idle_replica_waited_for_is_cancelled(
+    make_batcher, fake_model, spawn
+):
+    # Background may lead a batch on one of the two replicas at a time. While draining,
+    # the other replica finds only capped background work and waits. That work is then
+    # cancelled; when the running batch lands nothing is left, and the waiting replica
+    # must still be told to end, or stop() never returns.
+    classes = (ClassPolicy("normal"), ClassPolicy("background", share=0.5))
+    batcher = make_batcher(num_replicas=2, max_batch_size=1, max_delay_s=10.0, classes=classes)
+    await batcher.start()
+    fake_model.hold()
+    running = spawn(batcher.submit(0, priority="background"))
+    queued = spawn(batcher.submit(1, priority="background"))
+    await settle()
+    assert fake_model.running == 1 and batcher.num_pending == 1
+    stopping = spawn(batcher.stop(drain=True))
+    await settle()
+    queued.cancel()
+    await settle()
+    fake_model.release()
+    assert await finish(running) == [0]
+    await asyncio.wait_for(stopping, SAFETY_S)
+    assert fake_model.batches == [[0]]
+
+
+async def test_drain_returns_when_the_work_an_idle_replica_waited_for_expires(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    classes = (ClassPolicy("normal"), ClassPolicy("background", share=0.5))
+    batcher = make_batcher(num_replicas=2, max_batch_size=1, max_delay_s=10.0, classes=classes)
+    await batcher.start()
+    fake_model.hold()
+    running = spawn(batcher.submit(0, priority="background"))
+    queued = spawn(batcher.submit(1, priority="background", timeout_s=1.0))
+    await settle()
+    stopping = spawn(batcher.stop(drain=True))
+    await fake_clock.advance(1.0)
+    fake_model.release()
+    results = await finish(running, queued)
+    assert results[0] == 0 and isinstance(results[1], DeadlineExceeded)
+    await asyncio.wait_for(stopping, SAFETY_S)
+
+
+# -- idle replicas wake for aged work --------------------------------------------------------
+
+
+async def test_idle_replica_runs_an_aged_batch_of_a_capped_class(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    classes = (ClassPolicy("normal"), ClassPolicy("background", share=0.5, max_wait_s=1.0))
+    batcher = make_batcher(num_replicas=2, max_delay_s=0.01, classes=classes)
+    await batcher.start()
+    fake_model.hold()
+    first = spawn(batcher.submit(1, priority="background"))
+    await fake_clock.advance(0.01)
+    assert fake_model.running == 1
+    second = spawn(batcher.submit(2, priority="background"))
+    await fake_clock.advance(0.5)
+    assert fake_model.running == 1, "background may lead one batch on two replicas"
+
+    # Past max_wait_s the request is aged, which lifts the cap: the idle replica must
+    # wake up for it without waiting for another arrival or for the running batch.
+    await fake_clock.advance(1.0)
+    assert fake_model.running == 2
+
+    fake_model.release()
+    assert await finish(first, second) == [10, 20]

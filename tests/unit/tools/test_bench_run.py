@@ -1,0 +1,87 @@
+"""``carpool bench`` run end to end on a tiny in-process model (``run_bench``), and what
+its text table reports: the offered rate beside the achieved one, the warm-up kept out of
+the measured schedule, time to first token for streams of one token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from carpool.tools.bench import BenchConfig, Point, PointResult, run_bench
+from carpool.tools.benchreport import text_table
+from carpool.tools.loadgen import Arrival, ArrivalProcess, Mode, RequestRecord, RunResult
+from carpool.tools.summary import summarize
+from carpool.tools.targets import TargetSpec
+
+MODULE = """
+import numpy as np
+
+def double(batch):
+    return np.asarray(batch) * 2
+"""
+
+
+def _bench_config(point: Point, *, duration_s: float, warmup_s: float) -> BenchConfig:
+    return BenchConfig(
+        spec=TargetSpec(target="edgemodels:double", input_shape=(1, 4)),
+        points=(point,),
+        duration_s=duration_s,
+        warmup_s=warmup_s,
+        seed=3,
+        drain_timeout_s=5.0,
+        json_path=None,
+        csv_path=None,
+        plots_dir=None,
+        show_progress=False,
+    )
+
+
+@pytest.fixture
+def edgemodels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "edgemodels.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.usefixtures("edgemodels")
+async def test_offered_rate_is_the_scheduled_requests_over_the_duration() -> None:
+    # 100 req/s for 50 ms is 5 sends at 0, 10, ..., 40 ms: 100 req/s offered, not 5 / 40 ms.
+    point = Point("rate=100", arrivals=ArrivalProcess.steady(100.0, Arrival.CONSTANT))
+    [result] = await run_bench(_bench_config(point, duration_s=0.05, warmup_s=0.0))
+    assert result.summary.num_requests == 5
+    assert result.summary.offered_rate_rps == pytest.approx(100.0)
+
+
+@pytest.mark.usefixtures("edgemodels")
+async def test_the_warmup_does_not_change_the_measured_schedule() -> None:
+    point = Point("rate=400", arrivals=ArrivalProcess.steady(400.0, Arrival.POISSON))
+    counts = set()
+    for warmup_s in (0.0, 0.01, 0.03):
+        [result] = await run_bench(_bench_config(point, duration_s=0.05, warmup_s=warmup_s))
+        counts.add(result.summary.num_requests)
+    expected = len(ArrivalProcess.steady(400.0, Arrival.POISSON).send_times(
+        0.05, np.random.default_rng(3)
+    ))  # fmt: skip
+    assert counts == {expected}
+
+
+def test_text_table_shows_the_offered_rate_next_to_the_achieved_one() -> None:
+    records = [
+        RequestRecord(i, i * 0.01, sent_s=i * 0.01, done_s=i * 0.01 + 0.5) for i in range(10)
+    ]
+    result = RunResult(Mode.OPEN, records, 0.0, 0.1, offered_rate_rps=100.0)
+    summary = summarize(result)
+    table = text_table([PointResult("rate=100", summary, None, [])])
+    # 10 answers over 0.59 s: the server received less than was offered, and says so.
+    assert summary.rate_rps == pytest.approx(10 / 0.59)
+    assert "offered 100.0 req/s, achieved 16.9 req/s" in table
+
+
+def test_text_table_shows_ttft_for_single_token_streams() -> None:
+    records = [RequestRecord(i, 0.0, sent_s=0.0, done_s=0.1) for i in range(3)]
+    for record in records:  # one token each: a first token, no gaps between tokens
+        record.first_token_s, record.itl_s, record.num_tokens = 0.05, [], 1
+    result = RunResult(Mode.CLOSED, records, 0.0, 0.1, concurrency=1)
+    table = text_table([PointResult("c=1", summarize(result), None, [])])
+    assert "ttft p50 50.00 ms" in table
