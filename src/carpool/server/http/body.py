@@ -35,6 +35,9 @@ def declared_too_large(content_length: bytes | None, max_body_bytes: int) -> Pay
     return None
 
 
+_TAKEN, _TOO_LARGE, _OVER_BUDGET = BodyCheck.TAKEN, BodyCheck.TOO_LARGE, BodyCheck.OVER_BUDGET
+
+
 class BodyBytes:
     """A request body as it arrives, and the bytes of it held in the server's budget."""
 
@@ -58,10 +61,10 @@ class BodyBytes:
         self.chunks.append(chunk)
         size = self.size_bytes = self.size_bytes + len(chunk)
         if size > max_body_bytes:
-            return BodyCheck.TOO_LARGE
+            return _TOO_LARGE
         if size > self.held_bytes and not self.hold(size - self.held_bytes, inflight):
-            return BodyCheck.OVER_BUDGET
-        return BodyCheck.TAKEN
+            return _OVER_BUDGET
+        return _TAKEN
 
     def too_large(self, max_body_bytes: int) -> PayloadTooLarge:
         """The 413 for this body, past ``max_body_bytes`` with the rest of it unread."""

@@ -33,7 +33,8 @@ access_log = logging.getLogger("carpool.server.access")
 _IDLE, _HEAD, _BODY = ConnectionState.IDLE, ConnectionState.HEAD, ConnectionState.BODY
 _REFUSED, _LINGERING = ConnectionState.REFUSED, ConnectionState.LINGERING
 _CLOSED = ConnectionState.CLOSED
-_INFER = ExchangeKind.INFER
+_INFER, _REFUSAL = ExchangeKind.INFER, ExchangeKind.REFUSAL
+_WAITING = Room.WAITING  # Enum members as module names: class attributes are slow to read
 
 
 class Connection(Framing):
@@ -43,6 +44,8 @@ class Connection(Framing):
     def __init__(self, server: HttpServer, first_read: bytes = b"") -> None:
         super().__init__(server)
         self.tasks = server.tasks
+        self._date, self._answer_heads = server.date, server.answer_heads
+        self._keep_alive_s = server.timeout_keep_alive_s
         self.client: tuple[str, int] | None = None
         self.room = Room.OUT
         self._first_read = first_read
@@ -169,10 +172,10 @@ class Connection(Framing):
         if self.running is exchange:
             self.running = None
         exchange.is_answered = True  # decided, if held: no other answer, nor its body read
-        defaults = self._server.date.headers
+        defaults = self._date.headers
         keep_alive = exchange.keep_alive
         if exchange.kind is _INFER or exchange.request is None:  # answers of few shapes
-            head = self._server.answer_heads.head(defaults, status, headers, len(body), keep_alive)
+            head = self._answer_heads.head(defaults, status, headers, len(body), keep_alive)
         else:
             head = answer_head(defaults, status, headers, len(body), keep_alive)
             if exchange.method == "HEAD":
@@ -199,9 +202,7 @@ class Connection(Framing):
 
     async def stream(self, exchange: Exchange, stream: Stream) -> None:
         """A 200 whose body is sent in chunks as they come, each when the client reads."""
-        head = answer_head(
-            self._server.date.headers, 200, stream.headers, None, exchange.keep_alive
-        )
+        head = answer_head(self._date.headers, 200, stream.headers, None, exchange.keep_alive)
         async with aclosing(stream.chunks) as chunks:
             if not await self._writable():
                 return
@@ -231,7 +232,7 @@ class Connection(Framing):
         if queue and queue[0] is exchange:
             queue.popleft()
         self._timer.deadline = None
-        if self.room is not Room.WAITING:
+        if self.room is not _WAITING:
             self.resume_reading()
         if not queue:
             self._arm_wait()
@@ -249,7 +250,7 @@ class Connection(Framing):
     def _arm_wait(self) -> None:
         """Start a wait of the server's keep-alive time, or to the body's deadline if that
         comes first."""
-        deadline = self.loop.time() + self._server.timeout_keep_alive_s
+        deadline = self.loop.time() + self._keep_alive_s
         body_deadline = self._body_deadline
         if body_deadline is not None and body_deadline < deadline:
             deadline = body_deadline  # the whole body's time runs out first
@@ -277,7 +278,7 @@ class Connection(Framing):
             )
             return
         what = "body" if self.state is _BODY else "head"
-        timeout_s = self._server.timeout_keep_alive_s
+        timeout_s = self._keep_alive_s
         self._refuse(408, f"the request {what} did not arrive in full within {timeout_s} s")
 
     # -- refusals and closing -------------------------------------------------------------
@@ -290,7 +291,7 @@ class Connection(Framing):
             return
         was_receiving_body = self.state is _BODY
         self.state = _REFUSED
-        answer = refusal_answer(status, message, self._server.date.headers)
+        answer = refusal_answer(status, message, self._date.headers)
         queue = self._queue
         incoming = self._incoming
         if was_receiving_body and incoming is not None:  # the bad bytes are in its body
@@ -304,7 +305,7 @@ class Connection(Framing):
         self.write_refusal(answer)
 
     def _refusal(self, answer: bytes) -> Exchange:
-        refusal = Exchange(ExchangeKind.REFUSAL, "-", "-", "1.1", False, self._read_s)
+        refusal = Exchange(_REFUSAL, "-", "-", "1.1", False, self._read_s)
         refusal.refusal, refusal.is_received = answer, True
         return refusal
 
@@ -315,10 +316,6 @@ class Connection(Framing):
 
     def is_closing(self) -> bool:
         return self.state >= _LINGERING or self._transport.is_closing()
-
-    @property
-    def is_lost(self) -> bool:
-        return self.state is _CLOSED
 
     def _close_lingering(self) -> None:
         """Close the connection after what was written; half-closed for LINGER_S when

@@ -35,6 +35,7 @@ from carpool.server.encoding import response_encoding
 from carpool.server.http.answer import CONTINUE
 from carpool.server.http.body import declared_too_large
 from carpool.server.http.exchange import Exchange, ExchangeKind
+from carpool.server.http.framing import ConnectionState
 from carpool.server.http.handlers import Stream, respond
 from carpool.server.http.headers import RequestHeaders, declared_length, read_headers
 from carpool.server.http.refusals import Refused
@@ -55,7 +56,8 @@ if TYPE_CHECKING:
 # The probes answered from the head, each with whether it asks for readiness.
 _HEALTH = {b"/v2/health/live": False, b"/v2/health/ready": True}
 MAX_PREPARED_REFUSALS = 256  # one per model and bound, a few limits: never many
-_INFER, _ROUTE = ExchangeKind.INFER, ExchangeKind.ROUTE
+_INFER, _ROUTE, _REFUSAL = ExchangeKind.INFER, ExchangeKind.ROUTE, ExchangeKind.REFUSAL
+_CLOSED = ConnectionState.CLOSED
 
 
 class Room(enum.Enum):
@@ -64,6 +66,11 @@ class Room(enum.Enum):
     OUT = "out"
     WAITING = "waiting"  # refused (429): not read until its model has room
     HAS_PLACE = "has place"  # let out: its next request has a place kept
+
+
+# Enum members as module names: a class attribute of an Enum is a slow lookup, and these
+# are read for every request.
+_OUT, _WAITING, _HAS_PLACE = Room.OUT, Room.WAITING, Room.HAS_PLACE
 
 
 class Dispatch:
@@ -206,8 +213,8 @@ class Dispatch:
         the model is at its bound, a 429 prepared once per message, without reading or
         decoding the body (under overload, refusing must cost far less than serving)."""
         batcher = model.batcher
-        if conn.room is Room.HAS_PLACE:  # it waited for this room: the waiting ones after
-            conn.room = Room.OUT  # it do not count
+        if conn.room is _HAS_PLACE:  # it waited for this room: the waiting ones after
+            conn.room = _OUT  # it do not count
             num_reserved = 0
         else:
             num_reserved = self.app.waiting_room.num_waiting_for(batcher)
@@ -238,19 +245,19 @@ class Dispatch:
         """After a 429 (every queue of ``model`` full), read no more of this connection
         until the model has room: a client retrying at once would otherwise be read and
         refused again and again, on the CPU the model needs."""
-        if status != 429 or conn.room is Room.WAITING or conn.is_closing():
+        if status != 429 or conn.room is _WAITING or conn.is_closing():
             return
-        conn.room = Room.WAITING
+        conn.room = _WAITING
         conn.pause_reading()
         self.app.waiting_room.wait(model.batcher, functools.partial(self._room_made, conn))
 
     @staticmethod
     def _room_made(conn: Connection, has_place: bool) -> bool:
-        conn.room = Room.OUT
+        conn.room = _OUT
         if conn.is_closing():
             return False
         if has_place:
-            conn.room = Room.HAS_PLACE
+            conn.room = _HAS_PLACE
         conn.resume_reading()
         return True
 
@@ -261,7 +268,7 @@ class Dispatch:
         if conn.is_closing():
             return
         exchange.is_started = True
-        if exchange.kind is ExchangeKind.REFUSAL:
+        if exchange.kind is _REFUSAL:
             conn.write_refusal(exchange.refusal)
         elif exchange.is_too_large:
             self.answer_too_large(conn, exchange)
@@ -320,7 +327,7 @@ class Dispatch:
     def _landed(conn: Connection, exchange: Exchange, future: asyncio.Future[Any]) -> None:
         exchange.queued = None
         # Its answer may have landed with the connection lost before this callback ran.
-        if future.cancelled() or conn.is_lost:
+        if future.cancelled() or conn.state is _CLOSED:
             return
         model, call = exchange.model, exchange.call
         assert model is not None and call is not None

@@ -53,7 +53,8 @@ class ConnectionState(enum.IntEnum):
 
 _IDLE, _HEAD, _BODY = ConnectionState.IDLE, ConnectionState.HEAD, ConnectionState.BODY
 _REFUSED, _LINGERING = ConnectionState.REFUSED, ConnectionState.LINGERING
-_INFER = ExchangeKind.INFER
+_INFER = ExchangeKind.INFER  # Enum members as module names: class attributes are slow
+_TAKEN, _OVER_BUDGET = BodyCheck.TAKEN, BodyCheck.OVER_BUDGET
 
 
 class Framing(asyncio.Protocol):
@@ -237,10 +238,10 @@ class Framing(asyncio.Protocol):
         check = exchange.add(body, app.max_body_bytes, app.inflight)
         if not exchange.is_started:
             self._limit_read_ahead()
-        if check is BodyCheck.TAKEN:
+        if check is _TAKEN:
             return
         exchange.keeps_body, exchange.chunks = False, []
-        if check is BodyCheck.OVER_BUDGET:
+        if check is _OVER_BUDGET:
             exchange.release(app.inflight)
             exchange.head_answer = self._dispatch.over_budget(exchange)
             return
