@@ -279,7 +279,7 @@ class Connection(Framing):
             return
         what = "body" if self.state is _BODY else "head"
         timeout_s = self._keep_alive_s
-        self._refuse(408, f"the request {what} did not arrive in full within {timeout_s} s")
+        self._refuse(408, f"the request {what} did not arrive in full within {timeout_s:g} s")
 
     # -- refusals and closing -------------------------------------------------------------
 
