@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from carpool.server.access import DEFAULT_ACCESS, Access
 from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES
 from carpool.server.http.body import BodyBytes, BodyCheck, declared_too_large
-from carpool.server.http.handlers import Stream, respond
+from carpool.server.http.handlers import Call, Stream, respond
 from carpool.server.http.headers import RequestHeaders, read_headers
 from carpool.server.http.router import HttpRequest, route
 from carpool.server.infer import Headers, InferPlans, error_response
@@ -104,7 +104,11 @@ class KServeApp:
             found = route(self.repository, self.access, request)
             if found.reads_body:
                 await self._read_body(headers, body, receive)
-            answer = await _unless_disconnected(respond(self, found, request, body.take()), receive)
+
+            def watch(work: Awaitable[T]) -> Awaitable[T]:
+                return _unless_disconnected(work, receive)
+
+            answer = await respond(self, Call(found, request, body.take(), watch))
             if isinstance(answer, Stream):
                 await _stream(send, receive, answer)
             else:

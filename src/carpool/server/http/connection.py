@@ -105,8 +105,8 @@ class Connection(Framing):
             if queued is not None and running.model is not None:
                 running.model.batcher.cancel(queued)  # withdrawn: the model never sees it
                 running.queued = None
-            if running.task is not None:
-                running.task.cancel()
+            if running.task is not None and running.is_watched:
+                running.task.cancel()  # else it is cancelled as it starts the model's work
         if self._timer is not None:  # not left to fire on a closed connection, holding it
             self._timer.cancel()
         if self._linger_timer is not None:
@@ -172,6 +172,8 @@ class Connection(Framing):
         if self.running is exchange:
             self.running = None
         exchange.is_answered = True  # decided, if held: no other answer, nor its body read
+        if self.state is _CLOSED:
+            return  # a handler that ran on after its client left
         defaults = self._date.headers
         keep_alive = exchange.keep_alive
         if exchange.kind is _INFER or exchange.request is None:  # answers of few shapes
@@ -201,16 +203,15 @@ class Connection(Framing):
         self._answered(exchange)
 
     async def stream(self, exchange: Exchange, stream: Stream) -> None:
-        """A 200 whose body is sent in chunks as they come, each when the client reads."""
+        """A 200 whose body is sent in chunks as they come, each when the client reads.
+        Once the connection is closing nothing more is written, and the chunks are drawn
+        until the connection's loss cancels this (which closes them)."""
         head = answer_head(self._date.headers, 200, stream.headers, None, exchange.keep_alive)
         async with aclosing(stream.chunks) as chunks:
-            if not await self._writable():
-                return
-            self._transport.write(head)
+            if await self._writable():
+                self._transport.write(head)
             async for data in chunks:
-                if data:
-                    if not await self._writable():
-                        return
+                if data and await self._writable():
                     self._transport.write(chunk(data))
         if await self._writable():
             self.running = None

@@ -26,7 +26,8 @@ import asyncio
 import enum
 import functools
 import urllib.parse
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httptools
 
@@ -36,7 +37,7 @@ from carpool.server.http.answer import CONTINUE
 from carpool.server.http.body import declared_too_large
 from carpool.server.http.exchange import Exchange, ExchangeKind
 from carpool.server.http.framing import ConnectionState
-from carpool.server.http.handlers import Stream, respond
+from carpool.server.http.handlers import Call, Stream, respond
 from carpool.server.http.headers import RequestHeaders, declared_length, read_headers
 from carpool.server.http.refusals import Refused
 from carpool.server.http.router import HttpRequest, infer_model, route
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 
 # The probes answered from the head, each with whether it asks for readiness.
 _HEALTH = {b"/v2/health/live": False, b"/v2/health/ready": True}
+T = TypeVar("T")
 MAX_PREPARED_REFUSALS = 256  # one per model and bound, a few limits: never many
 _INFER, _ROUTE, _REFUSAL = ExchangeKind.INFER, ExchangeKind.ROUTE, ExchangeKind.REFUSAL
 _CLOSED = ConnectionState.CLOSED
@@ -357,14 +359,34 @@ class Dispatch:
     async def _answer_route(self, conn: Connection, exchange: Exchange) -> None:
         request, found = exchange.request, exchange.route
         assert request is not None and found is not None, "a route exchange is routed"
+
+        def watch(work: Awaitable[T]) -> Awaitable[T]:
+            return _watched(conn, exchange, work)
+
         try:
-            answer = await respond(self.app, found, request, exchange.take())
+            answer = await respond(self.app, Call(found, request, exchange.take(), watch))
         except Exception as exc:
             answer = self._error_answer(exchange, exc)
         if isinstance(answer, Stream):
-            await conn.stream(exchange, answer)
+            await _watched(conn, exchange, conn.stream(exchange, answer))
         else:
             conn.answer(exchange, *answer)
+
+
+async def _watched(conn: Connection, exchange: Exchange, work: Awaitable[T]) -> T:
+    """Await a model's ``work`` for ``exchange``: the connection's loss cancels the task
+    now (its queued request is withdrawn). Lost already, the work begins and is then
+    cancelled, as a watcher of the disconnect would: the model saw the request, and counts
+    its abort."""
+    task = exchange.task
+    assert task is not None, "run in the exchange's task"
+    exchange.is_watched = True
+    if conn.state is _CLOSED:
+        conn.loop.call_soon(task.cancel)
+    try:
+        return await work
+    finally:
+        exchange.is_watched = False
 
 
 def _request(method: bytes, url: bytes, headers: RequestHeaders, arrival_s: float) -> HttpRequest:

@@ -41,6 +41,7 @@ class Exchange(BodyBytes):
         "is_received",
         "is_started",
         "is_too_large",
+        "is_watched",
         "keep_alive",
         "keeps_body",
         "kind",
@@ -93,6 +94,7 @@ class Exchange(BodyBytes):
         self.request: HttpRequest | None = None
         self.route: Route | None = None
         self.task: asyncio.Task[Any] | None = None
+        self.is_watched = False  # its task awaits the model: a lost connection cancels it
         self.refusal = b""  # REFUSAL: the whole answer
 
     @property

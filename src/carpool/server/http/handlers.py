@@ -1,17 +1,18 @@
 """What answers each route: a request, its body, and the served state in; an answer out.
 
-A handler knows nothing of sockets or ASGI: it returns an :data:`Answer` (status, body,
-headers; the content length is the writer's), or a :class:`Stream` of server-sent events.
-Errors it raises are answered by the caller through :func:`carpool.server.infer.
-error_response`, the one mapping of errors to the wire. Awaiting a model, a handler may be
-cancelled: its client left, and the queued request is dropped before the model sees it.
+A handler knows nothing of sockets or ASGI: it takes a :class:`Call` and returns an
+:data:`Answer` (status, body, headers; the content length is the writer's), or a
+:class:`Stream` of server-sent events. Errors it raises are answered by the caller through
+:func:`carpool.server.infer.error_response`, the one mapping of errors to the wire. The
+model's work it awaits through the call's :class:`Watch`: cancelled when the client
+leaves, and the queued request dropped before the model sees it.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeGuard
+from typing import Any, Protocol, TypeGuard, TypeVar
 
 import orjson
 
@@ -48,6 +49,7 @@ SSE_HEADERS: Headers = ((b"content-type", b"text/event-stream"), (b"cache-contro
 # leaves requests unanswered for as long, a shorter timeout fails every request.
 MAX_POLICY_DELAY_S = 10.0
 MIN_POLICY_TIMEOUT_S = 0.001
+T = TypeVar("T")
 
 
 class Served(Protocol):
@@ -68,117 +70,128 @@ class Stream:
     headers: Headers = SSE_HEADERS
 
 
-Handler = Callable[[Served, Route, HttpRequest, bytes], Awaitable["Answer | Stream"]]
+class Watch(Protocol):
+    """Awaits a model's ``work`` for a request, cancelled when its client leaves (its queued
+    request is then withdrawn; raised as the caller's cancellation). Only the model's work
+    is watched: a request whose client left while it was being read and prepared still
+    reaches its model, and is withdrawn from there (as it is counted: an abort)."""
+
+    def __call__(self, work: Awaitable[T], /) -> Awaitable[T]: ...
 
 
-async def respond(
-    served: Served, route: Route, request: HttpRequest, body: bytes
-) -> Answer | Stream:
-    """The answer to ``request`` on ``route``; ``body`` is empty unless the route reads it
-    (:attr:`Route.reads_body`). Raises what the answer is an error for."""
-    return await _HANDLERS[route.kind](served, route, request, body)
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A routed request, as its handler takes it: ``body`` is empty unless the route
+    reads it (:attr:`Route.reads_body`)."""
+
+    route: Route
+    request: HttpRequest
+    body: bytes
+    watch: Watch
+
+
+Handler = Callable[[Served, Call], Awaitable["Answer | Stream"]]
+
+
+async def respond(served: Served, call: Call) -> Answer | Stream:
+    """The answer to ``call``. Raises what the answer is an error for."""
+    return await _HANDLERS[call.route.kind](served, call)
 
 
 def _json(document: Any) -> Answer:
     return 200, orjson.dumps(document), (JSON,)
 
 
-def _model(route: Route) -> ServedModel:
-    assert route.model is not None, "the router names a model for this route"
-    return route.model
+def _model(call: Call) -> ServedModel:
+    model = call.route.model
+    assert model is not None, "the router names a model for this route"
+    return model
 
 
-def _inflated(served: Served, request: HttpRequest, body: bytes) -> bytes:
+def _inflated(served: Served, call: Call) -> bytes:
     """The body, inflated when it came with ``Content-Encoding: gzip`` or ``deflate``
     (``tritonclient``'s ``request_compression_algorithm``), within the same limit."""
-    encoding = request.headers.content_encoding
+    encoding = call.request.headers.content_encoding
+    body = call.body
     return body if encoding is None else inflate(body, encoding, served.max_body_bytes)
 
 
-async def _metrics(served: Served, route: Route, request: HttpRequest, body: bytes) -> Answer:
+async def _metrics(served: Served, call: Call) -> Answer:
+    request = call.request
     headers = request.headers
     scrape, fields = served.metrics.answer(headers.accept, headers.accept_encoding, request.query)
     return 200, scrape, fields
 
 
-async def _live(served: Served, route: Route, request: HttpRequest, body: bytes) -> Answer:
+async def _live(served: Served, call: Call) -> Answer:
     return 200, b"", ()
 
 
-async def _ready(served: Served, route: Route, request: HttpRequest, body: bytes) -> Answer:
+async def _ready(served: Served, call: Call) -> Answer:
     return (200 if served.repository.is_ready else 503), b"", ()
 
 
-async def _server_metadata(
-    served: Served, route: Route, request: HttpRequest, body: bytes
-) -> Answer:
+async def _server_metadata(served: Served, call: Call) -> Answer:
     return _json({"name": "carpool", "version": __version__, "extensions": EXTENSIONS})
 
 
-async def _models_stats(served: Served, route: Route, request: HttpRequest, body: bytes) -> Answer:
+async def _models_stats(served: Served, call: Call) -> Answer:
     return _json({"model_stats": [model_stats(m) for m in served.repository]})
 
 
-async def _index(served: Served, route: Route, request: HttpRequest, body: bytes) -> Answer:
-    is_ready_only = _index_ready(_inflated(served, request, body))
+async def _index(served: Served, call: Call) -> Answer:
+    is_ready_only = _index_ready(_inflated(served, call))
     return _json(served.repository.index(is_ready_only=is_ready_only))
 
 
-async def _infer(served: Served, route: Route, request: HttpRequest, body: bytes) -> Answer:
-    model = _model(route)
-    headers = request.headers
-    call = prepare_infer(
-        model, _inflated(served, request, body), headers.header_length, served.plans
-    )
-    result = await model.run(call.payload, call.options, request.arrival_s)
+async def _infer(served: Served, call: Call) -> Answer:
+    model, headers = _model(call), call.request.headers
+    infer = prepare_infer(model, _inflated(served, call), headers.header_length, served.plans)
+    result = await call.watch(model.run(infer.payload, infer.options, call.request.arrival_s))
     accept = headers.accept_encoding
     encoding = None if accept is None else response_encoding(accept)
-    return compressed(infer_response(model, call, result), encoding)
+    return compressed(infer_response(model, infer, result), encoding)
 
 
-async def _policy(served: Served, route: Route, request: HttpRequest, body: bytes) -> Answer:
-    batcher = _model(route).batcher
-    if route.kind is RouteKind.POLICY_SET:
-        batcher.update_policy(**_policy_changes(_inflated(served, request, body)))
+async def _policy(served: Served, call: Call) -> Answer:
+    batcher = _model(call).batcher
+    if call.route.kind is RouteKind.POLICY_SET:
+        batcher.update_policy(**_policy_changes(_inflated(served, call)))
     return _json(_policy_document(batcher.policy))
 
 
-async def _model_metadata(
-    served: Served, route: Route, request: HttpRequest, body: bytes
-) -> Answer:
-    return _json(_model(route).metadata())
+async def _model_metadata(served: Served, call: Call) -> Answer:
+    return _json(_model(call).metadata())
 
 
-async def _model_ready(served: Served, route: Route, request: HttpRequest, body: bytes) -> Answer:
-    return (200 if _model(route).batcher.is_ready else 503), b"", ()
+async def _model_ready(served: Served, call: Call) -> Answer:
+    return (200 if _model(call).batcher.is_ready else 503), b"", ()
 
 
-async def _model_config(served: Served, route: Route, request: HttpRequest, body: bytes) -> Answer:
-    return _json(_model(route).config())
+async def _model_config(served: Served, call: Call) -> Answer:
+    return _json(_model(call).config())
 
 
-async def _model_stats(served: Served, route: Route, request: HttpRequest, body: bytes) -> Answer:
-    return _json({"model_stats": [model_stats(_model(route))]})
+async def _model_stats(served: Served, call: Call) -> Answer:
+    return _json({"model_stats": [model_stats(_model(call))]})
 
 
-async def _embeddings(served: Served, route: Route, request: HttpRequest, body: bytes) -> Answer:
-    work = openai.create_embeddings(served.repository, _inflated(served, request, body))
-    return 200, await work, (JSON,)
+async def _embeddings(served: Served, call: Call) -> Answer:
+    work = openai.create_embeddings(served.repository, _inflated(served, call))
+    return 200, await call.watch(work), (JSON,)
 
 
-async def _openai_models(served: Served, route: Route, request: HttpRequest, body: bytes) -> Answer:
+async def _openai_models(served: Served, call: Call) -> Answer:
     return 200, openai.list_models(served.repository), (JSON,)
 
 
-async def _completions(
-    served: Served, route: Route, request: HttpRequest, body: bytes
-) -> Answer | Stream:
-    is_chat = route.kind is RouteKind.CHAT_COMPLETIONS
-    document = _inflated(served, request, body)
-    call = await completions.prepare(served.repository, document, is_chat=is_chat)
-    if call.is_stream:
-        return Stream(completions.stream(call))
-    return 200, await completions.respond(call), (JSON,)
+async def _completions(served: Served, call: Call) -> Answer | Stream:
+    is_chat = call.route.kind is RouteKind.CHAT_COMPLETIONS
+    document = _inflated(served, call)
+    prepared = await completions.prepare(served.repository, document, is_chat=is_chat)
+    if prepared.is_stream:  # watched by the caller, as it pumps the chunks
+        return Stream(completions.stream(prepared))
+    return 200, await call.watch(completions.respond(prepared)), (JSON,)
 
 
 _HANDLERS: dict[RouteKind, Handler] = {

@@ -35,7 +35,7 @@ log = logging.getLogger("carpool.server.http")
 
 MAX_ACCEPTS_PER_TURN = 128
 BACKLOG = 2048  # the listen queue, as uvicorn's
-FIRST_READ_BYTES = 256 * 1024  # as much as the loop reads at once
+FIRST_READ_BYTES = 64 * 1024  # a request head, or a small request whole
 _OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 

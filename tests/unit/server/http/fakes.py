@@ -234,3 +234,6 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not predicate():  # noqa: ASYNC110
             await asyncio.sleep(0.001)
+
+
+BAD = json_request({"inputs": []})  # decodes to a 400 on the spot, without the model

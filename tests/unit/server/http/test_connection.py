@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-from collections.abc import AsyncIterator
 
 import numpy as np
-import orjson
 import pytest
 
 from .fakes import (
+    BAD,
     LIVE,
     Responses,
     Server,
@@ -24,27 +23,8 @@ from .fakes import (
     gated,
     items,
     json_request,
-    serving,
     until,
 )
-
-BAD = json_request({"inputs": []})  # decodes to a 400 on the spot, without the model
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[Server]:
-    async with serving() as served:
-        yield served
-
-
-@pytest.fixture
-async def setup() -> AsyncIterator[Setup]:
-    s, repository = await gated()
-    try:
-        yield s
-    finally:
-        s.model.open.set()
-        await repository.stop()
 
 
 async def test_pipelined_requests_are_answered_in_order(server: Server) -> None:
@@ -72,26 +52,6 @@ async def test_body_in_many_chunks_and_larger_than_a_high_water_mark(
     await until(lambda: bool(transport.data))
     output = binary_output(Responses(bytes(transport.data)).items[0])
     assert output.shape == (8000, 2) and np.all(output == 1.0)
-
-
-@pytest.mark.parametrize(
-    "path",
-    [b"/v2/models/m/infer", b"/v2/models/m/infer?x=1"],  # the fast path, then the handler
-)
-async def test_body_over_the_limit_gets_413_and_the_connection_closes(
-    server: Server, path: bytes
-) -> None:
-    # Was: uvicorn's ASGI path kept the connection and read the rest of the body on (a
-    # 64 MiB limit let a client make it read any amount); both paths now close.
-    _, connect, model = server
-    protocol, transport = connect()
-    protocol.data_received(binary_request(1.0, rows=20_000, path=path))  # 160 KB > 100 KB
-    await until(lambda: transport.closed)
-    ((status, headers, body),) = Responses(bytes(transport.data)).items
-    assert status == 413 and headers[b"connection"] == b"close"
-    assert "100000" in orjson.loads(body)["error"]
-    assert transport.closed
-    assert model.seen == []
 
 
 async def test_a_gzip_body_that_inflates_past_the_limit_keeps_the_connection(

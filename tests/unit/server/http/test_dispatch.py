@@ -36,12 +36,6 @@ from .fakes import (
 )
 
 
-@pytest.fixture
-async def server() -> AsyncIterator[Server]:
-    async with serving() as served:
-        yield served
-
-
 async def test_binary_infer_is_answered_in_one_write_without_a_task(server: Server) -> None:
     _, connect, model = server
     protocol, transport = connect()

@@ -28,9 +28,7 @@ from carpool.server.http.guards import (
     head_refusal,
 )
 
-from .fakes import Setup, Transport, binary_request, gated, items, json_request, until
-
-BAD = json_request({"inputs": []})  # decodes to a 400 on the spot, without the model
+from .fakes import BAD, Setup, Transport, binary_request, gated, items, until
 
 
 class CountingLoop:
@@ -84,26 +82,6 @@ async def connected() -> AsyncIterator[tuple[Connection, Transport, CountingLoop
 async def short() -> AsyncIterator[tuple[Connection, Transport, CountingLoop, Setup]]:
     async for value in _connected(0.2):
         yield value
-
-
-@pytest.fixture
-async def setup() -> AsyncIterator[Setup]:
-    s, repository = await gated()
-    try:
-        yield s
-    finally:
-        s.model.open.set()
-        await repository.stop()
-
-
-@pytest.fixture
-async def short_keep_alive() -> AsyncIterator[Setup]:
-    s, repository = await gated(timeout_keep_alive_s=0.05)
-    try:
-        yield s
-    finally:
-        s.model.open.set()
-        await repository.stop()
 
 
 # -- the head's limits -----------------------------------------------------------------

@@ -7,43 +7,22 @@ fixes they name."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import numpy as np
 import orjson
 import pytest
 
 from .fakes import (
+    BAD,
     LIVE,
     Responses,
     Server,
     Setup,
     binary_output,
     binary_request,
-    gated,
     items,
-    json_request,
-    serving,
     until,
 )
-
-BAD = json_request({"inputs": []})  # decodes to a 400 on the spot, without the model
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[Server]:
-    async with serving() as served:
-        yield served
-
-
-@pytest.fixture
-async def setup() -> AsyncIterator[Setup]:
-    s, repository = await gated()
-    try:
-        yield s
-    finally:
-        s.model.open.set()
-        await repository.stop()
 
 
 @pytest.mark.parametrize(

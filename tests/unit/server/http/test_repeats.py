@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -30,16 +29,8 @@ from .fakes import (
     binary_output,
     binary_request,
     json_request,
-    serving,
     until,
 )
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[Server]:
-    async with serving() as served:
-        yield served
-
 
 # -- which heads are kept --------------------------------------------------------------
 
