@@ -35,7 +35,7 @@ from carpool.server.app import KServeApp
 from carpool.server.encoding import response_encoding
 from carpool.server.http.answer import CONTINUE
 from carpool.server.http.body import declared_too_large
-from carpool.server.http.exchange import Exchange, ExchangeKind
+from carpool.server.http.exchange import Exchange, ExchangeKind, Head
 from carpool.server.http.framing import ConnectionState
 from carpool.server.http.handlers import Call, Stream, respond
 from carpool.server.http.headers import RequestHeaders, declared_length, read_headers
@@ -86,32 +86,24 @@ class Dispatch:
 
     # -- the head --------------------------------------------------------------------
 
-    def head(
-        self,
-        conn: Connection,
-        method: bytes,
-        url: bytes,
-        fields: list[tuple[bytes, bytes]],
-        version: str,
-        keep_alive: bool,
-        is_upgrade: bool,
-        expects_continue: bool,
-        arrival_s: float,
-    ) -> Exchange:
+    def head(self, conn: Connection, head: Head) -> Exchange:
         """The exchange for a complete head: a probe, the fast path, or a route.
 
         Raises:
             Refused: the request target is not a valid URL path (400).
         """
+        method, url, version, keep_alive = head.method, head.url, head.http_version, head.keep_alive
         asks_ready = _HEALTH.get(url)
         if asks_ready is not None and method == b"GET":
-            probe = Exchange(_ROUTE, "GET", url.decode("latin-1"), version, keep_alive, arrival_s)
+            probe = Exchange(
+                _ROUTE, "GET", url.decode("latin-1"), version, keep_alive, head.arrival_s
+            )
             is_ready = not asks_ready or self.app.repository.is_ready
             probe.head_answer = (200, b"", ()) if is_ready else (503, b"", ())
             probe.keeps_body = False
             return probe
-        headers = read_headers(fields)
-        model = None if method != b"POST" or is_upgrade else self.fast_model(url)
+        headers = read_headers(head.fields)
+        model = None if method != b"POST" or head.is_upgrade else self.fast_model(url)
         if (
             model is not None
             and headers.content_encoding is None  # compressed: the handler inflates it
@@ -119,25 +111,21 @@ class Dispatch:
             # repeated head (Connection._take_repeats) repeats an accepted one's key.
             and self.app.access.allows(headers.authorization)
         ):
+            # The path as fast_model matched it.
+            path = url.decode("latin-1")
+            exchange = Exchange(_INFER, "POST", path, version, keep_alive, head.arrival_s)
+            exchange.model, exchange.header_length = model, headers.header_length
             accept = headers.accept_encoding
-            return self.infer_exchange(
-                conn,
-                model,
-                url.decode("latin-1"),  # as fast_model matched it
-                version,
-                keep_alive,
-                expects_continue,
-                headers.header_length,
-                None if accept is None else response_encoding(accept),
-                declared_length(headers.content_length),
-                arrival_s,
-            )
-        request = _request(method, url, headers, arrival_s)
+            exchange.encoding = None if accept is None else response_encoding(accept)
+            exchange.expects_continue = head.expects_continue
+            self.admit(conn, exchange, declared_length(headers.content_length))
+            return exchange
+        request = _request(method, url, headers, head.arrival_s)
         exchange = Exchange(
-            _ROUTE, request.method, url.decode("latin-1"), version, keep_alive, arrival_s
+            _ROUTE, request.method, url.decode("latin-1"), version, keep_alive, head.arrival_s
         )
         exchange.request = request
-        exchange.expects_continue = expects_continue
+        exchange.expects_continue = head.expects_continue
         self._route(exchange, request)
         return exchange
 
@@ -152,36 +140,22 @@ class Dispatch:
             routes[url] = model
         return model if model.infer is None and model.batcher.is_running else None
 
-    def infer_exchange(
-        self,
-        conn: Connection,
-        model: ServedModel,
-        path: str,
-        version: str,
-        keep_alive: bool,
-        expects_continue: bool,
-        header_length: bytes | None,
-        encoding: bytes | None,
-        declared: int | None,
-        arrival_s: float,
-    ) -> Exchange:
-        """A fast-path exchange whose head is complete. A declared length over the limit
-        is a 413 in its turn, without reading the body (nor asking for it with 100
-        Continue); a full queue or byte budget, a refusal once its body is in."""
-        exchange = Exchange(_INFER, "POST", path, version, keep_alive, arrival_s)
-        exchange.model, exchange.header_length, exchange.encoding = model, header_length, encoding
-        exchange.expects_continue = expects_continue
-        app = self.app
+    def admit(self, conn: Connection, exchange: Exchange, declared: int | None) -> None:
+        """A fast-path exchange whose head is complete, its body ``declared`` bytes long
+        (None: chunked): a declared length over the limit is a 413 in its turn, without
+        reading the body (nor asking for it with 100 Continue); a full queue or byte
+        budget, a refusal once its body is in; else its bytes are held."""
+        app, model = self.app, exchange.model
+        assert model is not None, "an infer exchange names its model"
         if declared is not None and declared > app.max_body_bytes:
             exchange.size_bytes, exchange.is_too_large = declared, True
             exchange.keep_alive = exchange.keeps_body = False
-            return exchange
+            return
         refusal = self.early_refusal(conn, model)
         if refusal is None and declared and not exchange.hold(declared, app.inflight):
             refusal = self.overloaded()
         if refusal is not None:
             exchange.head_answer, exchange.keeps_body = refusal, False
-        return exchange
 
     def _route(self, exchange: Exchange, request: HttpRequest) -> None:
         """What the router makes of a request: an error answered in its turn, or its

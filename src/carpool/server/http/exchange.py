@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from dataclasses import dataclass
 from typing import Any
 
 from carpool.core.request import Request
@@ -17,6 +18,20 @@ from carpool.server.http.body import BodyBytes
 from carpool.server.http.router import HttpRequest, Route
 from carpool.server.infer import Answer, InferCall
 from carpool.server.repository import ServedModel
+
+
+@dataclass(slots=True)
+class Head:
+    """A request's head, complete, as the parser gave it (field names lowercase)."""
+
+    method: bytes
+    url: bytes
+    fields: list[tuple[bytes, bytes]]
+    http_version: str
+    keep_alive: bool
+    is_upgrade: bool  # asks to switch protocols: answered as plain HTTP, then closed
+    expects_continue: bool
+    arrival_s: float  # when its first byte was read (monotonic)
 
 
 class ExchangeKind(enum.Enum):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 import httptools
 
 from carpool.server.http.body import BodyCheck
-from carpool.server.http.exchange import Exchange, ExchangeKind
+from carpool.server.http.exchange import Exchange, ExchangeKind, Head
 from carpool.server.http.guards import MAX_HEAD_BYTES, WaitTimer, grown_head_refusal, head_refusal
 from carpool.server.http.refusals import Refused
 from carpool.server.http.repeats import RepeatedHead, repeated_head
@@ -213,8 +213,7 @@ class Framing(asyncio.Protocol):
         version = parser.get_http_version()
         is_upgrade = parser.should_upgrade()
         keep_alive = version != "1.0" and parser.should_keep_alive() and not is_upgrade
-        exchange = self._dispatch.head(
-            cast("Connection", self),
+        head = Head(
             parser.get_method(),
             self._url,
             self._fields,
@@ -224,6 +223,7 @@ class Framing(asyncio.Protocol):
             self._expects_continue,
             self._arrival_s,
         )
+        exchange = self._dispatch.head(cast("Connection", self), head)
         if exchange.kind is not _INFER or not keep_alive or self._expects_continue:
             self._first = None  # not kept: the parser tracks what such heads ask
         self._incoming = exchange
@@ -308,15 +308,15 @@ class Framing(asyncio.Protocol):
                 return b""  # after a 413: the rest of the read is ignored
             self._url, self._first, self._progress = url, None, True
             self._timer.deadline = None
+            exchange = Exchange(
+                _INFER, "POST", repeat.path, repeat.http_version, True, self._read_s
+            )
+            exchange.model, exchange.header_length = model, repeat.header_length
+            exchange.encoding = repeat.encoding
             if fits and not queue:
                 # Nothing before it on the connection: received, begun and dispatched in
                 # one step, leaving what the parser's callbacks and dispatch would.
                 refusal = dispatch.early_refusal(conn, model)
-                exchange = Exchange(
-                    _INFER, "POST", repeat.path, repeat.http_version, True, self._read_s
-                )
-                exchange.model, exchange.header_length = model, repeat.header_length
-                exchange.encoding = repeat.encoding
                 if refusal is None and size and not exchange.hold(size, inflight):
                     refusal = dispatch.overloaded()
                 exchange.size_bytes = size
@@ -332,10 +332,7 @@ class Framing(asyncio.Protocol):
                 continue
             self.state = _BODY
             self._arrival_s = self._read_s
-            exchange = dispatch.infer_exchange(
-                conn, model, repeat.path, repeat.http_version, True, False,
-                repeat.header_length, repeat.encoding, size, self._read_s,
-            )  # fmt: skip
+            dispatch.admit(conn, exchange, size)
             self._incoming = exchange
             self.schedule(exchange)
             if size:

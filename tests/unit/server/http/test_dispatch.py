@@ -364,3 +364,20 @@ async def test_health_probes_are_answered_without_a_task_in_their_turn(server: S
     protocol.data_received(ready + live)
     await until(lambda: len(Responses(bytes(transport.data)).items) == 5)
     assert [status for status, _, _ in Responses(bytes(transport.data)).items][3:] == [503, 200]
+
+
+async def test_a_client_gone_before_its_handler_ran_reaches_the_model_and_is_withdrawn(
+    server: Server,
+) -> None:
+    """Only the model's work is watched for a client that leaves: a request read in full
+    reaches its model (as on the ASGI path), is withdrawn there and counted cancelled,
+    and nothing is written to the lost connection."""
+    app, connect, model = server
+    batcher = app.repository.get("m").batcher
+    batcher.update_policy(max_delay_s=0.2)  # the request stays queued for a while
+    protocol, transport = connect()
+    protocol.data_received(binary_request(7.0, path=b"/v2/models/m/infer?via=handler"))
+    protocol.connection_lost(None)  # before its handler's task took a step
+    await until(lambda: not protocol.tasks)
+    assert batcher.snapshot().classes["normal"].rejections["cancelled"] == 1
+    assert 7.0 not in model.seen and transport.data == b""
