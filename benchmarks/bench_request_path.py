@@ -1,7 +1,7 @@
 """carpool's own CPU per HTTP inference request, without sockets or a model.
 
-The server's protocol (`carpool.server.fasthttp`, as `carpool serve` configures uvicorn)
-is fed raw HTTP/1.1 requests by fake transports: N connections each send one
+The server's protocol (`carpool.server.http`, as `carpool serve` runs it) is fed raw
+HTTP/1.1 requests by fake transports: N connections each send one
 ``POST /v2/models/mlp/infer`` per round (the binary KServe body bench_http.py sends, or
 with ``--json`` the JSON body of bench_peers.py), and a round ends when every connection
 has its answer. The model is an ``async`` slice of its input, so what is timed is parsing,
@@ -25,15 +25,13 @@ from typing import Any
 
 import numpy as np
 import orjson
-import uvicorn
 import uvloop
-from uvicorn.server import ServerState
 
 import benchlib
 from carpool.core.batcher import Batcher
 from carpool.core.policy import BatchPolicy
 from carpool.server.app import KServeApp
-from carpool.server.fasthttp import protocol_for
+from carpool.server.http.server import HttpServer
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.run import _freeze_startup_heap
 from wrkrun import write_w1_binary_body
@@ -98,23 +96,18 @@ async def measure(connections: int, as_json: bool, rounds: int) -> float:
     batcher = Batcher(_slice, BatchPolicy(max_batch_size=64, max_delay_s=0.002), collate="dict")
     repository = ModelRepository([ServedModel("mlp", "1", "python", specs_in, specs_out, batcher)])
     await repository.start()
-    app = KServeApp(repository)
-    config = uvicorn.Config(
-        app, http=protocol_for(app), lifespan="off", log_level="warning", access_log=False
-    )
-    config.load()
-    state = ServerState()
+    server = HttpServer(KServeApp(repository))
     pairs = []
     for _ in range(connections):
-        protocol = config.http_protocol_class(config=config, server_state=state, app_state={})
+        protocol = server.connection()
         transport = CountingTransport()
-        protocol.connection_made(transport)  # type: ignore[attr-defined]
+        protocol.connection_made(transport)  # type: ignore[arg-type]
         pairs.append((protocol, transport))
     raw = _request(as_json)
 
     async def one_round() -> None:
         for protocol, _ in pairs:
-            protocol.data_received(raw)  # type: ignore[attr-defined]
+            protocol.data_received(raw)
         want = pairs[0][1].answers + 1
         while any(t.answers < want for _, t in pairs):  # noqa: ASYNC110 (answers come from callbacks)
             await asyncio.sleep(0)

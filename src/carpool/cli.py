@@ -52,7 +52,7 @@ def _root(
 
 
 class LogLevel(enum.StrEnum):
-    """uvicorn's log levels."""
+    """The HTTP server's log levels (uvicorn's names)."""
 
     critical = "critical"
     error = "error"
@@ -73,7 +73,7 @@ def serve(
         int, typer.Option(help="gRPC port; 0 or less: no gRPC.", max=65535)
     ] = 8001,
     log_level: Annotated[
-        LogLevel, typer.Option(help="uvicorn log level.", case_sensitive=False)
+        LogLevel, typer.Option(help="HTTP server log level.", case_sensitive=False)
     ] = LogLevel.warning,
     max_request_bytes: Annotated[
         int,
@@ -144,7 +144,6 @@ def serve(
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
-    from carpool.server import uvicorn_contract
     from carpool.server.access import api_key_from
     from carpool.server.errors import DrainTimedOut, PortInUse
     from carpool.server.run import check_ports, exit_on_signal_while_building
@@ -162,7 +161,6 @@ def serve(
         raise SystemExit(2) from None
     try:
         check_ports(host, port, grpc_port)  # before a config's models load their weights
-        uvicorn_contract.check()  # likewise: a uvicorn the fast path cannot extend
         with exit_on_signal_while_building():
             repository = _repository(config)
         run_server(
@@ -182,7 +180,7 @@ def serve(
         raise SystemExit(1) from None
     except PortInUse as error:
         print(f"carpool serve: {error}", file=sys.stderr)
-        raise SystemExit(3) from None  # uvicorn's status when the HTTP port is taken
+        raise SystemExit(3) from None  # the status uvicorn gave a taken HTTP port
     except ConfigError as error:  # a model file that fails to load as its replicas start
         where = f"{config}: " if config is not None and error.file is None else ""
         print(f"carpool serve: {where}{error}", file=sys.stderr)

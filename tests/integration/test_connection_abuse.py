@@ -22,7 +22,7 @@ import httpx
 import orjson
 import pytest
 
-from carpool.server.fasthttp import MAX_HEAD_BYTES, MAX_HEADER_FIELDS
+from carpool.server.http.guards import MAX_HEAD_BYTES, MAX_HEADER_FIELDS
 
 from .conftest import (
     SendOne,

@@ -8,10 +8,11 @@ route and gRPC call need the key, as ``Authorization: Bearer KEY`` (gRPC: the
           /metrics                                  open unless --protect-metrics
     gRPC  ServerLive, ServerReady, ModelReady       always open (Triton's and KServe's probes)
 
-A request without the key is refused before its body is read or decoded, on each of the
-three ways in: the HTTP infer fast path (``fasthttp.InferProtocol._take_head`` hands it to
-the ASGI path), the ASGI app (``KServeApp._route``: 401, ``WWW-Authenticate: Bearer``) and
-gRPC (:class:`ApiKeyInterceptor`: UNAUTHENTICATED, before the message is parsed). The key
+A request without the key is refused before its body is read or decoded, on both ways
+in: HTTP, through carpool's protocol or the ASGI app alike (the router,
+``carpool.server.http.router.route``: 401, ``WWW-Authenticate: Bearer``; the infer fast
+path takes only a request that has the key), and gRPC (:class:`ApiKeyInterceptor`:
+UNAUTHENTICATED, before the message is parsed). The key
 is compared in constant time and never repeated in an answer or a log line.
 
 ``--allow-policy-updates`` (off by default, as Triton's control APIs are) lets

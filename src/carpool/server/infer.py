@@ -25,6 +25,7 @@ from carpool.server.kserve.rest import (
 )
 
 __all__ = [
+    "Answer",
     "Headers",
     "InferCall",
     "InferPlan",

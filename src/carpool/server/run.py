@@ -1,5 +1,5 @@
-"""Runs the KServe v2 HTTP app (uvicorn, httptools) and the KServe v2 gRPC service
-(grpc.aio) in one process, on one event loop, over one model repository.
+"""Runs carpool's HTTP/1.1 server (:mod:`carpool.server.http`) and the KServe v2 gRPC
+service (grpc.aio) in one process, on one event loop (uvloop), over one model repository.
 
 Lifecycle, owned here rather than by the ASGI lifespan so both wires follow it::
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import functools
 import gc
 import logging
 import math
@@ -32,76 +31,38 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from types import FrameType
-from typing import Any
 
-import uvicorn
 import uvloop
 
 from carpool.errors import ConfigError
-from carpool.server.accept import Acceptor
 from carpool.server.access import Access
 from carpool.server.app import KServeApp
 from carpool.server.banner import logger, ready_lines, use_default_logging
 from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES, DrainTimedOut, PortInUse
-from carpool.server.fasthttp import protocol_for
 from carpool.server.grpc import InferenceServicer, bind_grpc_server, host_port
+from carpool.server.http.server import HttpServer
 from carpool.server.limits import ServerLimits
 from carpool.server.memory import TICK_S, Trimmer, malloc_trim
 from carpool.server.repository import ModelRepository
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # After a cut-off, how long connections and gRPC calls get to send their 503s and
-# UNAVAILABLEs before uvicorn and grpcio cancel what is left; and how long after a cut-off
-# the process ends at once (status 1) if its shutdown is still held by something stuck
-# that the cut-off cannot reach.
+# UNAVAILABLEs before what is left is cancelled; and how long after a cut-off the process
+# ends at once (status 1) if its shutdown is still held by something stuck that the
+# cut-off cannot reach.
 CUT_OFF_ANSWER_S = 1.0
 CUT_OFF_EXIT_S = 3.0
 YOUNG_GC_THRESHOLD = 100_000  # see _freeze_startup_heap
-
-
-class _DrainingServer(uvicorn.Server):
-    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would
-    die by the signal. Here the shutdown drains every accepted request first, which makes
-    the exit a clean one: status 0. ``on_exit`` runs on the first signal, so the gRPC
-    server stops accepting at the same moment as HTTP."""
-
-    def __init__(
-        self,
-        config: uvicorn.Config,
-        on_exit: Callable[[], object] | None,
-        on_started: Callable[[uvicorn.Server], object],
-    ) -> None:
-        super().__init__(config)
-        self._on_exit = on_exit
-        self._on_started = on_started
-        self._acceptor: Acceptor | None = None
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started:  # bound; not when binding failed (uvicorn then exits)
-            if sockets:  # uvloop's accept, one a loop turn, is too slow under load
-                config, state = self.config, self.server_state
-                protocol: Any = config.http_protocol_class  # as uvicorn builds it
-                factory = functools.partial(
-                    protocol, config=config, server_state=state, app_state={}
-                )
-                self._acceptor = Acceptor(asyncio.get_running_loop(), sockets, factory)
-            self._on_started(self)
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        if self._acceptor is not None:
-            self._acceptor.stop()
-        await super().shutdown(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        super().handle_exit(sig, frame)
-        captured = getattr(self, "_captured_signals", None)
-        if isinstance(captured, list):
-            captured.clear()
-        if self._on_exit is not None:
-            on_exit, self._on_exit = self._on_exit, None
-            on_exit()
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# The log levels `carpool serve --log-level` takes (uvicorn's names; "trace" below debug).
+LOG_LEVELS = {
+    "critical": logging.CRITICAL,
+    "error": logging.ERROR,
+    "warning": logging.WARNING,
+    "info": logging.INFO,
+    "debug": logging.DEBUG,
+    "trace": 5,
+}
 
 
 def serve(
@@ -140,26 +101,16 @@ def serve(
     access = Access(api_key, protect_metrics, allow_policy_updates)
     if isinstance(drain_timeout_s, bool) or not 0 <= drain_timeout_s < math.inf:
         raise ConfigError("drain_timeout_s", drain_timeout_s, "a finite number of seconds >= 0")
+    if log_level not in LOG_LEVELS:
+        raise ConfigError("log_level", log_level, f"one of {', '.join(LOG_LEVELS)}")
     use_default_logging()
+    for name in ("carpool.server.http", "carpool.server.access"):
+        logging.getLogger(name).setLevel(LOG_LEVELS[log_level])
     app = KServeApp(repository, max_body_bytes=max_request_bytes, limits=limits, access=access)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        http=protocol_for(app),  # httptools, with the infer fast path
-        proxy_headers=False,  # nothing here reads the client address
-        access_log=False,  # at log level warning it printed nothing, at a cost per request
-        lifespan="off",  # the repository is started and drained by _serve
-        ws="none",  # no websocket route: an upgrade is answered as plain HTTP, not a 500
-        log_level=log_level,
-        timeout_graceful_shutdown=math.ceil(drain_timeout_s + CUT_OFF_ANSWER_S),
-    )
     # uvloop, as HTTP ran before gRPC was added: grpc.aio (grpcio 1.85) serves on it; the
     # gRPC integration tests (tritonclient.grpc, SIGTERM drain, exit 0) run on this loop.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(
-            _serve(repository, config, host, grpc_port, max_request_bytes, access, drain_timeout_s)
-        )
+        runner.run(_serve(app, host, port, grpc_port, max_request_bytes, drain_timeout_s))
 
 
 def _freeze_startup_heap() -> None:
@@ -202,9 +153,8 @@ def exit_on_signal_while_building() -> Iterator[None]:
         yield
         return
     use_default_logging()  # so the line saying why reaches stderr
-    signals = (signal.SIGINT, signal.SIGTERM)
-    previous = {signum: signal.getsignal(signum) for signum in signals}
-    for signum in signals:
+    previous = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
+    for signum in _STOP_SIGNALS:
         signal.signal(signum, lambda number, _: _exit_now(signal.Signals(number).name))
     try:
         yield
@@ -230,12 +180,12 @@ def _exit(status: int) -> None:
 
 def _bind_port(host: str, port: int, *, wire: str = "HTTP") -> list[socket.socket]:
     """Sockets bound (not yet listening) to every address ``host`` names, as
-    ``loop.create_server`` binds them: for HTTP, uvicorn listens on them once the models
+    ``loop.create_server`` binds them: for HTTP, the server listens on them once the models
     are loaded; for gRPC, they hold the port until grpcio binds it (see :func:`_serve`),
     an IPv6 one for both families, as grpcio binds it.
 
     Bound without SO_REUSEADDR where the port allows it: Linux lets any socket with
-    SO_REUSEADDR (uvicorn's, grpcio's, a second ``carpool serve``'s) bind a port that
+    SO_REUSEADDR (grpcio's, a second ``carpool serve``'s) bind a port that
     sockets with it hold without listening, so a port held that way while the models
     load would be taken over meanwhile. With SO_REUSEADDR only when that bind fails,
     which a previous server's connections in TIME_WAIT make it do on a restart; the HTTP
@@ -254,7 +204,7 @@ def _bind_port(host: str, port: int, *, wire: str = "HTTP") -> list[socket.socke
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             if family == socket.AF_INET6:
-                # HTTP: IPv6 only, as asyncio binds it for uvicorn. gRPC: both families,
+                # HTTP: IPv6 only, as asyncio's create_server binds it. gRPC: both families,
                 # as grpcio binds "[::]:port", so "--host ::" holds its IPv4 side too.
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, wire != "gRPC")
             try:
@@ -281,29 +231,28 @@ def _exit_on_signal_while_loading(loop: asyncio.AbstractEventLoop) -> Callable[[
     with status 0: the models are loading, nothing listens and no request was accepted,
     and a model's loading thread cannot be interrupted (waiting for it could take
     minutes). On another thread than the main one, where no signal reaches a handler
-    (uvicorn then serves without its own), nothing is installed."""
+    (the server then serves without its own), nothing is installed."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for signum in signals:
+    for signum in _STOP_SIGNALS:
         loop.add_signal_handler(signum, _exit_now, signal.Signals(signum).name)
 
     def restore() -> None:
-        for signum in signals:
+        for signum in _STOP_SIGNALS:
             loop.remove_signal_handler(signum)
 
     return restore
 
 
 async def _serve(
-    repository: ModelRepository,
-    config: uvicorn.Config,
+    app: KServeApp,
     host: str,
+    port: int,
     grpc_port: int | None,
     max_request_bytes: int,
-    access: Access,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> None:
+    repository = app.repository
     loop = asyncio.get_running_loop()
     wants_grpc = grpc_port is not None and grpc_port > 0
     # Both ports are held while the models load, bound but not listening: a client of
@@ -312,7 +261,7 @@ async def _serve(
     # a plain socket until the gRPC server binds it, once the models are loaded.
     held = _bind_port(host, grpc_port or 0, wire="gRPC") if wants_grpc else []
     try:
-        sockets = _bind_port(config.host, config.port)
+        sockets = _bind_port(host, port)
     except PortInUse:
         _close(held)
         raise
@@ -331,6 +280,7 @@ async def _serve(
     grpc_server = None
     servicer = InferenceServicer(repository)
     deadline = _DrainDeadline(repository, drain_timeout_s)
+    http = HttpServer(app)
     try:
         if wants_grpc:
             _close(held)
@@ -341,7 +291,7 @@ async def _serve(
                     grpc_port or 0,
                     servicer,
                     max_message_bytes=max_request_bytes,
-                    access=access,
+                    access=app.access,
                 )
             except PortInUse:  # taken in the instant between: nothing was served
                 _close(sockets)
@@ -356,53 +306,77 @@ async def _serve(
                 grpc_stopped = asyncio.ensure_future(grpc_server.stop(grace_s))
                 servicer.drain()  # open streams end once answered, not at the grace's end
 
-        def on_exit() -> None:
+        stopping = asyncio.Event()
+
+        def on_signal(signum: int) -> None:
+            if stopping.is_set():  # a second Ctrl-C: stop waiting for the accepted ones
+                if signum == signal.SIGINT:
+                    http.cut()
+                return
             logger.info("stopping: no new requests; answering the accepted ones")
             deadline.arm()
             stop_grpc()
+            stopping.set()
 
-        # The signal handler may run outside a loop callback: hop onto the loop.
         grpc_address = host_port(host, grpc_port or 0) if grpc_server is not None else None
-        http = _DrainingServer(
-            config,
-            on_exit=lambda: loop.call_soon_threadsafe(on_exit),
-            on_started=lambda server: _announce(server, repository, grpc_address),
-        )
-        app = config.app
-        assert isinstance(app, KServeApp), "serve() built it"
-        trimming = asyncio.ensure_future(_trim_after_bursts(http, app, repository))
+        restore_signals = _stop_on_signal(loop, on_signal)
+        trimming = asyncio.ensure_future(_trim_after_bursts(http, repository))
         try:
             for sock in sockets:
                 # Only now, as they start listening: the connections they accept inherit
                 # it, so those the server closes first leave a TIME_WAIT that does not
                 # block the next bind of the port (a restart right after a stop).
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            await http.serve(sockets)
+            http.start(sockets)
+            _announce(http, repository, grpc_address)
+            await stopping.wait()
+            await http.shutdown(math.ceil(drain_timeout_s + CUT_OFF_ANSWER_S))
         finally:
+            restore_signals()
             trimming.cancel()
+            http.close()
             stop_grpc()
             if grpc_stopped is not None:
                 await grpc_stopped
     finally:
+        _close(sockets)
         await repository.stop()
         deadline.disarm()
     deadline.check()
     logger.info("stopped")
 
 
-async def _trim_after_bursts(
-    http: uvicorn.Server, app: KServeApp, repository: ModelRepository
-) -> None:
+def _stop_on_signal(
+    loop: asyncio.AbstractEventLoop, on_signal: Callable[[int], None]
+) -> Callable[[], None]:
+    """Until the returned function is called, SIGINT and SIGTERM call ``on_signal``
+    (with the signal's number) on the loop. On another thread than the main one, where
+    no signal reaches a handler, nothing is installed: the server runs until its process
+    ends."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    for signum in _STOP_SIGNALS:
+        loop.add_signal_handler(signum, on_signal, signum)
+
+    def restore() -> None:
+        for signum in _STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+
+    return restore
+
+
+async def _trim_after_bursts(http: HttpServer, repository: ModelRepository) -> None:
     """Give memory back to the system each time the server falls quiet after a burst
     (:mod:`carpool.server.memory`)."""
     trim = malloc_trim()
     if trim is None:
         return
+    inflight = http.app.inflight
 
     def is_idle() -> bool:
-        return app.inflight.held_bytes == 0 and all(m.num_pending == 0 for m in repository)
+        return inflight.held_bytes == 0 and all(m.num_pending == 0 for m in repository)
 
-    trimmer = Trimmer(lambda: http.server_state.total_requests, is_idle, trim)
+    trimmer = Trimmer(lambda: http.num_requests, is_idle, trim)
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(TICK_S)
@@ -446,8 +420,8 @@ class _DrainDeadline:
             raise DrainTimedOut(self._num_cut_off, self._drain_timeout_s)
 
 
-def _announce(http: uvicorn.Server, repository: ModelRepository, grpc: str | None) -> None:
-    """The ready lines, with the address uvicorn bound (port 0 included)."""
-    host, port = http.servers[0].sockets[0].getsockname()[:2]
+def _announce(http: HttpServer, repository: ModelRepository, grpc: str | None) -> None:
+    """The ready lines, with the address the HTTP server listens on (port 0 included)."""
+    host, port = http.addresses[0]
     for line in ready_lines(repository, host_port(host, port), grpc):
         logger.info(line)

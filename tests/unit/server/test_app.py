@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from typing import Any
 
@@ -316,3 +317,40 @@ async def test_a_hung_batch_is_a_504_and_readiness_is_503_until_a_fresh_replica_
         release.set()
         second_build.set()
         await app.repository.stop()
+
+
+# -- mounted on another ASGI server ----------------------------------------------------------
+
+
+async def test_the_app_is_served_by_uvicorn_as_a_plain_asgi_app() -> None:
+    """carpool serves the app over its own HTTP protocol; any ASGI server may mount it
+    instead (here uvicorn, through its public API), lifespan starting and draining it."""
+    import httpx
+    import uvicorn
+
+    model = HeldModel()
+    model.gate.set()
+    batcher = Batcher(model, BatchPolicy(max_batch_size=8, max_delay_s=0.0), collate="dict")
+    spec_in, spec_out = TensorSpec("x", "FP32", (2,)), TensorSpec("y", "FP32", (2,))
+    served = ServedModel("m", "1", "python", (spec_in,), (spec_out,), batcher)
+    app = KServeApp(ModelRepository([served]))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    serving = asyncio.ensure_future(server.serve(sockets=[listener]))
+    try:
+        async with asyncio.timeout(10):
+            while not server.started:  # noqa: ASYNC110 - uvicorn says when it listens
+                await asyncio.sleep(0.01)
+        async with httpx.AsyncClient() as client:
+            ready = await client.get(f"{url}/v2/health/ready")
+            answer = await client.post(f"{url}/v2/models/m/infer", content=_infer_body(1.5))
+        assert ready.status_code == 200  # the lifespan started the models
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["outputs"][0]["data"] == [3.0, 3.0]
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 10)
+        listener.close()
+    assert not app.repository.get("m").batcher.is_running  # and drained it

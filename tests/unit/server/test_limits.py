@@ -1,5 +1,6 @@
 """Server limits (carpool.server.limits): open connections, request bytes held across
-connections, and the time a body may take, enforced by the HTTP protocol fed raw bytes."""
+connections, and the time a body may take, enforced by the HTTP protocol fed raw bytes
+(carpool.server.http)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-import uvicorn
 
 from carpool import Batcher, BatchPolicy, ConfigError
 from carpool.server.app import KServeApp
-from carpool.server.fasthttp import InferProtocol, protocol_for
+from carpool.server.http.connection import Connection
+from carpool.server.http.server import HttpServer
 from carpool.server.limits import InflightBytes, ServerLimits
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 
-from .test_fasthttp import FakeTransport, Recorder, Responses, _binary_request, _until, connector
+from .http.fakes import FakeTransport, Recorder, Responses, binary_request, connector, until
 
-Connect = Callable[[], tuple[InferProtocol, FakeTransport]]
+Connect = Callable[[], tuple[Connection, FakeTransport]]
 
 
 @contextlib.asynccontextmanager
@@ -41,11 +42,8 @@ async def limited(
     repository = ModelRepository([served])
     await repository.start()
     app = KServeApp(repository, max_body_bytes=1_000_000, limits=limits)
-    config = uvicorn.Config(
-        app, http=protocol_for(app), lifespan="off", log_level="warning", timeout_keep_alive=5
-    )
     try:
-        yield app, connector(config, FakeTransport), model
+        yield app, connector(HttpServer(app, timeout_keep_alive_s=5), FakeTransport), model
     finally:
         if gate is not None:
             gate.set()
@@ -89,15 +87,15 @@ async def test_a_connection_past_the_cap_gets_503_with_retry_after_and_is_closed
     async with limited(ServerLimits(max_connections=2)) as (_, connect, model):
         within = [connect() for _ in range(2)]
         over, over_transport = connect()
-        over.data_received(_binary_request(9.0))
+        over.data_received(binary_request(9.0))
         ((status, headers, body),) = Responses(bytes(over_transport.data)).items
         assert status == 503
         assert headers[b"retry-after"] == b"1"
         assert b"--max-connections" in body
         assert over_transport.closed
         protocol, transport = within[0]
-        protocol.data_received(_binary_request(1.0))
-        await _until(lambda: bool(transport.data))
+        protocol.data_received(binary_request(1.0))
+        await until(lambda: bool(transport.data))
         assert Responses(bytes(transport.data)).items[0][0] == 200
         assert model.seen == [1.0]
 
@@ -107,15 +105,15 @@ async def test_a_connection_past_the_cap_gets_503_with_retry_after_and_is_closed
 
 async def test_requests_past_the_bytes_held_get_503_and_keep_their_connection() -> None:
     gate = asyncio.Event()
-    one = len(_binary_request(1.0).split(b"\r\n\r\n", 1)[1])  # a body's bytes
+    one = len(binary_request(1.0).split(b"\r\n\r\n", 1)[1])  # a body's bytes
     async with limited(ServerLimits(max_inflight_bytes=2 * one), gate=gate) as (app, connect, _):
         held = [connect() for _ in range(2)]
         for i, (protocol, _) in enumerate(held):
-            protocol.data_received(_binary_request(float(i)))
+            protocol.data_received(binary_request(float(i)))
         await asyncio.sleep(0.01)
         assert app.inflight.held_bytes == 2 * one  # held until answered
         protocol, transport = connect()
-        protocol.data_received(_binary_request(5.0))
+        protocol.data_received(binary_request(5.0))
         ((status, headers, body),) = Responses(bytes(transport.data)).items
         assert (status, headers[b"retry-after"]) == (503, b"1")
         assert b"--max-inflight-bytes" in body
@@ -124,10 +122,10 @@ async def test_requests_past_the_bytes_held_get_503_and_keep_their_connection() 
         assert f"carpool_inflight_bytes {float(2 * one)}" in scrape
         assert "carpool_refused_inflight_bytes_total 1.0" in scrape
         gate.set()
-        await _until(lambda: all(t.data for _, t in held))
+        await until(lambda: all(t.data for _, t in held))
         assert app.inflight.held_bytes == 0
-        protocol.data_received(_binary_request(6.0))  # room again, same connection
-        await _until(lambda: len(Responses(bytes(transport.data)).items) == 2)
+        protocol.data_received(binary_request(6.0))  # room again, same connection
+        await until(lambda: len(Responses(bytes(transport.data)).items) == 2)
         assert Responses(bytes(transport.data)).items[1][0] == 200
 
 
@@ -140,7 +138,7 @@ async def test_a_chunked_body_is_held_as_it_comes() -> None:
         protocol.data_received(b"258\r\n" + b"a" * 600 + b"\r\n")
         assert app.inflight.held_bytes == 600
         other, other_transport = connect()
-        other.data_received(_binary_request(1.0)[:-1])  # its head declares what it holds
+        other.data_received(binary_request(1.0)[:-1])  # its head declares what it holds
         held_now = app.inflight.held_bytes
         protocol.data_received(b"1f4\r\n" + b"b" * 500 + b"\r\n0\r\n\r\n")
         ((status, _, _),) = Responses(bytes(transport.data)).items
@@ -155,7 +153,7 @@ async def test_a_lost_connection_gives_back_what_its_requests_held() -> None:
     gate = asyncio.Event()
     async with limited(ServerLimits(), gate=gate) as (app, connect, _):
         protocol, _ = connect()
-        protocol.data_received(_binary_request(1.0) * 3)  # one running, two pipelined
+        protocol.data_received(binary_request(1.0) * 3)  # one running, two pipelined
         await asyncio.sleep(0.01)
         assert app.inflight.held_bytes > 0
         protocol.connection_lost(None)
@@ -170,7 +168,7 @@ async def test_a_body_trickled_past_the_body_timeout_gets_408() -> None:
     # time limit can end it.
     async with limited(ServerLimits(body_timeout_s=0.3)) as (_, connect, model):
         protocol, transport = connect()
-        request = _binary_request(1.0)
+        request = binary_request(1.0)
         head_end = request.index(b"\r\n\r\n") + 4
         protocol.data_received(request[:head_end])
         for i in range(head_end, len(request) - 1):

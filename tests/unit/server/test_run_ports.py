@@ -2,8 +2,8 @@
 
 Was: an IPv6 gRPC port was held IPv6-only, so with ``--host ::`` its IPv4 side was free
 while the models loaded, for any other process to take; grpcio then binds "[::]:port"
-for both families and failed after the whole load. HTTP stays IPv6-only, as asyncio
-binds it for uvicorn."""
+for both families and failed after the whole load. HTTP stays IPv6-only, as asyncio's
+create_server binds it."""
 
 from __future__ import annotations
 

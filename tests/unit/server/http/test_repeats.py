@@ -1,13 +1,12 @@
-"""Repeated heads (`carpool.server.heads`): a request whose bytes start with the head of the
-connection's last fast-path request is taken without the parser. Each test holds the
-answers to what the parser's path gives, and checks when the parser is, and is not,
-skipped."""
+"""Repeated heads (carpool.server.http.repeats): which request heads are kept, and a
+request whose bytes start with the head of the connection's last fast-path request is
+taken without the parser. Each test holds the answers to what the parser's path gives,
+and checks when the parser is, and is not, skipped."""
 
 from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -15,30 +14,79 @@ import orjson
 import pytest
 
 from carpool import Batcher
-from carpool.server.fasthttp import MAX_HEAD_BYTES, InferProtocol
+from carpool.server.http.connection import Connection
+from carpool.server.http.guards import MAX_HEAD_BYTES
+from carpool.server.http.repeats import MAX_REPEATED_HEAD_BYTES, repeated_head
 from carpool.server.infer import InferPlans, infer_response, prepare_infer
 from carpool.server.repository import ServedModel, TensorSpec
 from carpool.server.tensors import OutputTensor, encode_infer_response
 
-from .test_fasthttp import (
+from .fakes import (
+    LIVE,
     FakeTransport,
     Responses,
     Server,
-    _binary_output,
-    _binary_request,
-    _json_request,
-    _until,
-    serving,
+    binary_output,
+    binary_request,
+    json_request,
+    until,
 )
 
+# -- which heads are kept --------------------------------------------------------------
 
-@pytest.fixture
-async def server() -> AsyncIterator[Server]:
-    async with serving() as served:
-        yield served
+URL = b"/v2/models/m/infer"
+BODY = b'{"inputs":[]}'
+HEAD = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % (URL, len(BODY))
+HEADERS = [(b"host", b"t"), (b"content-length", b"%d" % len(BODY))]
 
 
-LIVE = b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n"
+def _kept(chunk: bytes, headers: list[tuple[bytes, bytes]] = HEADERS, body: bytes = BODY) -> bool:
+    return repeated_head(chunk, URL, headers, body, None, None, "1.1") is not None
+
+
+def test_a_plain_request_is_kept_with_what_it_parsed_to() -> None:
+    repeat = repeated_head(HEAD + BODY + b"POST", URL, HEADERS, BODY, b"12", b"gzip", "1.1")
+    assert repeat is not None
+    assert (repeat.head, repeat.size, repeat.url) == (HEAD, len(BODY), URL)
+    assert (repeat.header_length, repeat.encoding, repeat.http_version) == (b"12", b"gzip", "1.1")
+
+
+@pytest.mark.parametrize(
+    ("chunk", "headers", "body"),
+    [
+        pytest.param(HEAD + BODY[:-1], HEADERS, BODY, id="the body not whole in the read"),
+        pytest.param(HEAD + b"x" + BODY, HEADERS, BODY, id="the body not right after the head"),
+        pytest.param(
+            HEAD + BODY, [*HEADERS, (b"transfer-encoding", b"chunked")], BODY, id="chunked"
+        ),
+        pytest.param(
+            HEAD + BODY, [*HEADERS, (b"content-length", b"13")], BODY, id="two content-lengths"
+        ),
+        pytest.param(HEAD + BODY, [(b"host", b"t")], BODY, id="no content-length"),
+        pytest.param(b"\r\n" + HEAD + BODY, HEADERS, BODY, id="a blank line first"),
+        pytest.param(HEAD.replace(b"POST", b"PUT", 1) + BODY, HEADERS, BODY, id="another line"),
+        pytest.param(
+            HEAD.replace(b"Host: t\r\n", b"Host: t\n") + BODY, HEADERS, BODY, id="a bare LF"
+        ),
+        pytest.param(b"\r\n\r\n" + HEAD, HEADERS, b"", id="an empty head"),
+    ],
+)
+def test_heads_whose_parse_is_not_all_in_their_bytes_are_not_kept(
+    chunk: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    if body == b"":
+        headers = [(b"content-length", b"0")]
+    assert not _kept(chunk, headers, body)
+
+
+def test_heads_over_the_limit_are_not_kept() -> None:
+    padding = b"x" * MAX_REPEATED_HEAD_BYTES
+    head = HEAD.replace(b"Host: t", b"Host: " + padding)
+    headers = [(b"host", padding), HEADERS[1]]
+    assert not _kept(head + BODY, headers)
+
+
+# -- taken without the parser ----------------------------------------------------------
 
 
 class CountingParser:
@@ -56,14 +104,14 @@ class CountingParser:
         return getattr(self.parser, name)
 
 
-def _counted(protocol: InferProtocol) -> CountingParser:
-    counting = CountingParser(protocol.parser)
-    protocol.parser = counting  # type: ignore[assignment]
+def _counted(protocol: Connection) -> CountingParser:
+    counting = CountingParser(protocol._parser)
+    protocol._parser = counting  # type: ignore[assignment]
     return counting
 
 
 async def _answers(transport: FakeTransport, count: int) -> list[Any]:
-    await _until(lambda: len(Responses(bytes(transport.data)).items) >= count)
+    await until(lambda: len(Responses(bytes(transport.data)).items) >= count)
     items = Responses(bytes(transport.data)).items
     assert len(items) == count
     return items
@@ -74,11 +122,11 @@ async def test_a_repeated_head_skips_the_parser_and_each_body_is_its_own(server:
     protocol, transport = connect()
     parser = _counted(protocol)
     for i in range(4):
-        protocol.data_received(_binary_request(float(i)))
+        protocol.data_received(binary_request(float(i)))
         await _answers(transport, i + 1)
     items = Responses(bytes(transport.data)).items
     for i, item in enumerate(items):
-        np.testing.assert_array_equal(_binary_output(item), [[2.0 * i, 2.0 * i]])
+        np.testing.assert_array_equal(binary_output(item), [[2.0 * i, 2.0 * i]])
     assert parser.feeds == 1  # the first request's head was parsed, then kept
     assert model.seen == [0.0, 1.0, 2.0, 3.0]
 
@@ -89,7 +137,7 @@ async def test_json_requests_repeat_too(server: Server) -> None:
     parser = _counted(protocol)
     for value in (1.0, 2.0):  # the same length of document: the same head
         tensor = {"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [value, value]}
-        protocol.data_received(_json_request({"inputs": [tensor]}))
+        protocol.data_received(json_request({"inputs": [tensor]}))
     items = await _answers(transport, 2)
     assert [item[2].count(b"[2.0,2.0]") + item[2].count(b"[4.0,4.0]") for item in items] == [1, 1]
     assert b"[2.0,2.0]" in items[0][2] and b"[4.0,4.0]" in items[1][2]
@@ -99,12 +147,12 @@ async def test_json_requests_repeat_too(server: Server) -> None:
 async def test_pipelined_repeats_in_one_read_are_answered_in_order(server: Server) -> None:
     _, connect, _ = server
     protocol, transport = connect()
-    protocol.data_received(_binary_request(1.0))
+    protocol.data_received(binary_request(1.0))
     await _answers(transport, 1)
     parser = _counted(protocol)
-    protocol.data_received(b"".join(_binary_request(float(v)) for v in (2, 3, 4)) + LIVE)
+    protocol.data_received(b"".join(binary_request(float(v)) for v in (2, 3, 4)) + LIVE)
     items = await _answers(transport, 5)
-    assert [_binary_output(item)[0, 0] for item in items[:4]] == [2.0, 4.0, 6.0, 8.0]
+    assert [binary_output(item)[0, 0] for item in items[:4]] == [2.0, 4.0, 6.0, 8.0]
     assert items[4][0] == 200
     assert parser.feeds == 1  # the three repeats taken, the GET left to the parser
 
@@ -112,26 +160,26 @@ async def test_pipelined_repeats_in_one_read_are_answered_in_order(server: Serve
 async def test_a_repeat_cut_short_by_the_read_goes_to_the_parser(server: Server) -> None:
     _, connect, _ = server
     protocol, transport = connect()
-    protocol.data_received(_binary_request(1.0))
+    protocol.data_received(binary_request(1.0))
     await _answers(transport, 1)
-    raw = _binary_request(5.0)
+    raw = binary_request(5.0)
     for cut in (len(raw) - 1, 10):  # the head whole but not the body; the head cut
         protocol.data_received(raw[:cut])
         protocol.data_received(raw[cut:])
     items = await _answers(transport, 3)
-    assert [_binary_output(item)[0, 0] for item in items] == [2.0, 10.0, 10.0]
+    assert [binary_output(item)[0, 0] for item in items] == [2.0, 10.0, 10.0]
 
 
 async def test_a_head_kept_before_another_route_is_still_answered_right(server: Server) -> None:
     """The parser's last message is then a GET: what the repeat takes is its own."""
     _, connect, _ = server
     protocol, transport = connect()
-    protocol.data_received(_binary_request(1.0))
+    protocol.data_received(binary_request(1.0))
     protocol.data_received(LIVE)
-    protocol.data_received(_binary_request(2.0))
+    protocol.data_received(binary_request(2.0))
     items = await _answers(transport, 3)
     assert items[1][0] == 200
-    assert _binary_output(items[2])[0, 0] == 4.0
+    assert binary_output(items[2])[0, 0] == 4.0
 
 
 async def test_a_stopped_model_is_answered_as_the_parsers_path_answers_it(
@@ -139,12 +187,12 @@ async def test_a_stopped_model_is_answered_as_the_parsers_path_answers_it(
 ) -> None:
     app, connect, _ = server
     protocol, transport = connect()
-    protocol.data_received(_binary_request(1.0))
+    protocol.data_received(binary_request(1.0))
     await _answers(transport, 1)
     await app.repository.get("m", None).batcher.stop()
-    protocol.data_received(_binary_request(2.0))
+    protocol.data_received(binary_request(2.0))
     fresh, fresh_transport = connect()
-    fresh.data_received(_binary_request(2.0))
+    fresh.data_received(binary_request(2.0))
     repeat, alone = (await _answers(transport, 2))[1], (await _answers(fresh_transport, 1))[0]
     assert repeat[0] == alone[0] == 503
     assert repeat[2] == alone[2]
@@ -152,13 +200,13 @@ async def test_a_stopped_model_is_answered_as_the_parsers_path_answers_it(
 
 async def test_heads_whose_parse_needs_the_parser_are_not_kept(server: Server) -> None:
     _, connect, _ = server
-    raw = _binary_request(1.0)
+    raw = binary_request(1.0)
     chunked_head, body = raw.split(b"\r\n\r\n", 1)
     chunked_head = chunked_head.replace(b"Content-Length", b"Transfer-Encoding: chunked\r\nX-Len")
     chunked = chunked_head + b"\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
     heads = {
-        "connection close": _binary_request(1.0, extra=b"Connection: close\r\n"),
-        "expect": _binary_request(1.0, extra=b"Expect: 100-continue\r\n"),
+        "connection close": binary_request(1.0, extra=b"Connection: close\r\n"),
+        "expect": binary_request(1.0, extra=b"Expect: 100-continue\r\n"),
         "http/1.0": raw.replace(b"HTTP/1.1", b"HTTP/1.0", 1),
         "chunked": chunked,
         "bare LF": raw.replace(b"Host: t\r\n", b"Host: t\n", 1),  # refused (400) as well
@@ -181,7 +229,7 @@ async def test_heads_whose_parse_needs_the_parser_are_not_kept(server: Server) -
 async def test_the_first_of_several_requests_in_a_read_is_kept(server: Server) -> None:
     _, connect, _ = server
     protocol, transport = connect()
-    first, second = _binary_request(1.0), _binary_request(1.0, rows=2)
+    first, second = binary_request(1.0), binary_request(1.0, rows=2)
     protocol.data_received(first + second)
     await _answers(transport, 2)
     repeat = protocol._repeat
@@ -211,18 +259,18 @@ async def test_a_head_after_repeats_counts_its_bytes_as_after_a_parsed_message(
     _, connect, _ = server
     half = MAX_HEAD_BYTES * 5 // 8
     get = b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\nX-Big: %s\r\n\r\n" % (b"a" * 2 * half)
-    reads = [_binary_request(2.0) + get[:half], get[half : 2 * half], get[2 * half :]]
+    reads = [binary_request(2.0) + get[:half], get[half : 2 * half], get[2 * half :]]
     statuses = []
     for is_kept in (False, True):
         protocol, transport = connect()
-        protocol.data_received(_binary_request(1.0))
+        protocol.data_received(binary_request(1.0))
         await _answers(transport, 1)
         assert protocol._repeat is not None
         if not is_kept:
             protocol._repeat = None  # the parser's path
         for read in reads:
             protocol.data_received(read)
-        await _until(lambda: len(_statuses(transport)) >= 3 or transport.closed)  # noqa: B023
+        await until(lambda: len(_statuses(transport)) >= 3 or transport.closed)  # noqa: B023
         await asyncio.sleep(0.01)
         statuses.append(_statuses(transport))
     assert statuses == [[200, 200, 431], [200, 200, 431]]
@@ -234,7 +282,7 @@ async def test_a_repeat_is_answered_in_the_encoding_its_head_asked_for(server: S
     _, connect, _ = server
     protocol, transport = connect()
     for value in range(3):
-        raw = _binary_request(float(value), rows=200, extra=b"Accept-Encoding: gzip\r\n")
+        raw = binary_request(float(value), rows=200, extra=b"Accept-Encoding: gzip\r\n")
         protocol.data_received(raw)
         await _answers(transport, value + 1)
         assert protocol._repeat is not None and raw.startswith(protocol._repeat.head)
@@ -275,20 +323,21 @@ def test_a_json_plan_answers_each_output_shape_as_the_full_encoder_does() -> Non
 
 
 # Not the header fields: read only while a head completes, and reset as the next begins.
-_STATE = ("_receiving", "_head_done", "_progress", "_first", "url")
-_CYCLE = ("path", "header_length", "encoding", "http_version", "keep_alive", "size")
-_CYCLE_FLAGS = ("more_body", "started", "oversize", "waiting_for_100_continue")
+_STATE = ("state", "_progress", "_first", "_url", "running")
+_EXCHANGE = ("path", "header_length", "encoding", "http_version", "keep_alive", "size_bytes")
+_EXCHANGE_FLAGS = ("is_received", "is_started", "is_too_large", "expects_continue")
 
 
-def _state(protocol: InferProtocol) -> tuple[Any, ...]:
-    cycle: Any = protocol.cycle
+def _state(protocol: Connection) -> tuple[Any, ...]:
+    (exchange,) = protocol._queue
     return (
-        tuple(getattr(protocol, name) for name in _STATE),
-        protocol._wait_deadline is None,
-        tuple(getattr(cycle, name) for name in (*_CYCLE, *_CYCLE_FLAGS)),
-        cycle.queued is not None,
-        protocol.expect_100_continue,
-    )
+        tuple(getattr(protocol, name) is not None if name == "running" else getattr(protocol, name)
+              for name in _STATE),
+        protocol._timer.deadline is None,
+        tuple(getattr(exchange, name) for name in (*_EXCHANGE, *_EXCHANGE_FLAGS)),
+        exchange.queued is not None,
+        protocol._expects_continue,
+    )  # fmt: skip
 
 
 async def test_the_repeat_lane_leaves_the_state_the_parser_s_callbacks_leave(
@@ -299,13 +348,13 @@ async def test_the_repeat_lane_leaves_the_state_the_parser_s_callbacks_leave(
     _, connect, _ = server
     extra = b"Accept-Encoding: gzip\r\n"
     parsed, _ = connect()
-    parsed.data_received(_binary_request(1.0, extra=extra))
+    parsed.data_received(binary_request(1.0, extra=extra))
     after_parser = _state(parsed)
     repeated, transport = connect()
     parser = _counted(repeated)
-    repeated.data_received(_binary_request(1.0, extra=extra))
+    repeated.data_received(binary_request(1.0, extra=extra))
     await _answers(transport, 1)
-    repeated.data_received(_binary_request(1.0, extra=extra))
+    repeated.data_received(binary_request(1.0, extra=extra))
     assert parser.feeds == 1  # the second one took the lane
     assert _state(repeated) == after_parser
     await _answers(transport, 2)

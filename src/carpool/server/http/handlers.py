@@ -1,0 +1,272 @@
+"""What answers each route: a request, its body, and the served state in; an answer out.
+
+A handler knows nothing of sockets or ASGI: it takes a :class:`Call` and returns an
+:data:`Answer` (status, body, headers; the content length is the writer's), or a
+:class:`Stream` of server-sent events. Errors it raises are answered by the caller through
+:func:`carpool.server.infer.error_response`, the one mapping of errors to the wire. The
+model's work it awaits through the call's :class:`Watch`: cancelled when the client
+leaves, and the queued request dropped before the model sees it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeGuard, TypeVar
+
+import orjson
+
+from carpool import __version__
+from carpool.config import POLICY_FIELDS
+from carpool.core.policy import BatchPolicy
+from carpool.errors import InvalidInput
+from carpool.server import completions, openai
+from carpool.server.encoding import inflate, response_encoding
+from carpool.server.http.router import HttpRequest, Route, RouteKind
+from carpool.server.infer import (
+    Answer,
+    Headers,
+    InferPlans,
+    compressed,
+    infer_response,
+    prepare_infer,
+)
+from carpool.server.metrics import Metrics
+from carpool.server.repository import ModelRepository, ServedModel
+from carpool.server.stats import model_stats
+
+# Triton's extension names for what carpool serves: schedule_policy is the priority and
+# timeout request parameters; classification is server/classification.py. Not served, each
+# endpoint a 501 (server/http/router.py), each request parameter a 400: model_repository
+# (only its index is answered), shared memory, trace, logging, sequence.
+EXTENSIONS = [
+    "binary_tensor_data", "classification", "model_configuration", "statistics", "parameters",
+    "schedule_policy",
+]  # fmt: skip
+JSON = (b"content-type", b"application/json")
+SSE_HEADERS: Headers = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
+# What a batch policy set over the network may be (--allow-policy-updates): a longer delay
+# leaves requests unanswered for as long, a shorter timeout fails every request.
+MAX_POLICY_DELAY_S = 10.0
+MIN_POLICY_TIMEOUT_S = 0.001
+T = TypeVar("T")
+
+
+class Served(Protocol):
+    """What the handlers read of the server (:class:`carpool.server.app.KServeApp`)."""
+
+    repository: ModelRepository
+    metrics: Metrics
+    plans: InferPlans
+    max_body_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A 200 whose body is sent as it comes (chunked): server-sent events. Closing
+    ``chunks`` (its client left) aborts what produces them."""
+
+    chunks: AsyncGenerator[bytes, None]
+    headers: Headers = SSE_HEADERS
+
+
+class Watch(Protocol):
+    """Awaits a model's ``work`` for a request, cancelled when its client leaves (its queued
+    request is then withdrawn; raised as the caller's cancellation). Only the model's work
+    is watched: a request whose client left while it was being read and prepared still
+    reaches its model, and is withdrawn from there (as it is counted: an abort)."""
+
+    def __call__(self, work: Awaitable[T], /) -> Awaitable[T]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A routed request, as its handler takes it: ``body`` is empty unless the route
+    reads it (:attr:`Route.reads_body`)."""
+
+    route: Route
+    request: HttpRequest
+    body: bytes
+    watch: Watch
+
+
+Handler = Callable[[Served, Call], Awaitable["Answer | Stream"]]
+
+
+async def respond(served: Served, call: Call) -> Answer | Stream:
+    """The answer to ``call``. Raises what the answer is an error for."""
+    return await _HANDLERS[call.route.kind](served, call)
+
+
+def _json(document: Any) -> Answer:
+    return 200, orjson.dumps(document), (JSON,)
+
+
+def _model(call: Call) -> ServedModel:
+    model = call.route.model
+    assert model is not None, "the router names a model for this route"
+    return model
+
+
+def _inflated(served: Served, call: Call) -> bytes:
+    """The body, inflated when it came with ``Content-Encoding: gzip`` or ``deflate``
+    (``tritonclient``'s ``request_compression_algorithm``), within the same limit."""
+    encoding = call.request.headers.content_encoding
+    body = call.body
+    return body if encoding is None else inflate(body, encoding, served.max_body_bytes)
+
+
+async def _metrics(served: Served, call: Call) -> Answer:
+    request = call.request
+    headers = request.headers
+    scrape, fields = served.metrics.answer(headers.accept, headers.accept_encoding, request.query)
+    return 200, scrape, fields
+
+
+async def _live(served: Served, call: Call) -> Answer:
+    return 200, b"", ()
+
+
+async def _ready(served: Served, call: Call) -> Answer:
+    return (200 if served.repository.is_ready else 503), b"", ()
+
+
+async def _server_metadata(served: Served, call: Call) -> Answer:
+    return _json({"name": "carpool", "version": __version__, "extensions": EXTENSIONS})
+
+
+async def _models_stats(served: Served, call: Call) -> Answer:
+    return _json({"model_stats": [model_stats(m) for m in served.repository]})
+
+
+async def _index(served: Served, call: Call) -> Answer:
+    is_ready_only = _index_ready(_inflated(served, call))
+    return _json(served.repository.index(is_ready_only=is_ready_only))
+
+
+async def _infer(served: Served, call: Call) -> Answer:
+    model, headers = _model(call), call.request.headers
+    infer = prepare_infer(model, _inflated(served, call), headers.header_length, served.plans)
+    result = await call.watch(model.run(infer.payload, infer.options, call.request.arrival_s))
+    accept = headers.accept_encoding
+    encoding = None if accept is None else response_encoding(accept)
+    return compressed(infer_response(model, infer, result), encoding)
+
+
+async def _policy(served: Served, call: Call) -> Answer:
+    batcher = _model(call).require_batcher()
+    if call.route.kind is RouteKind.POLICY_SET:
+        batcher.update_policy(**_policy_changes(_inflated(served, call)))
+    return _json(_policy_document(batcher.policy))
+
+
+async def _model_metadata(served: Served, call: Call) -> Answer:
+    return _json(_model(call).metadata())
+
+
+async def _model_ready(served: Served, call: Call) -> Answer:
+    return (200 if _model(call).is_ready else 503), b"", ()
+
+
+async def _model_config(served: Served, call: Call) -> Answer:
+    return _json(_model(call).config())
+
+
+async def _model_stats(served: Served, call: Call) -> Answer:
+    return _json({"model_stats": [model_stats(_model(call))]})
+
+
+async def _embeddings(served: Served, call: Call) -> Answer:
+    work = openai.create_embeddings(served.repository, _inflated(served, call))
+    return 200, await call.watch(work), (JSON,)
+
+
+async def _openai_models(served: Served, call: Call) -> Answer:
+    return 200, openai.list_models(served.repository), (JSON,)
+
+
+async def _completions(served: Served, call: Call) -> Answer | Stream:
+    is_chat = call.route.kind is RouteKind.CHAT_COMPLETIONS
+    document = _inflated(served, call)
+    prepared = await completions.prepare(served.repository, document, is_chat=is_chat)
+    if prepared.is_stream:  # watched by the caller, as it pumps the chunks
+        return Stream(completions.stream(prepared))
+    return 200, await call.watch(completions.respond(prepared)), (JSON,)
+
+
+_HANDLERS: dict[RouteKind, Handler] = {
+    RouteKind.METRICS: _metrics,
+    RouteKind.HEALTH_LIVE: _live,
+    RouteKind.HEALTH_READY: _ready,
+    RouteKind.SERVER_METADATA: _server_metadata,
+    RouteKind.MODELS_STATS: _models_stats,
+    RouteKind.REPOSITORY_INDEX: _index,
+    RouteKind.INFER: _infer,
+    RouteKind.POLICY_GET: _policy,
+    RouteKind.POLICY_SET: _policy,
+    RouteKind.MODEL_METADATA: _model_metadata,
+    RouteKind.MODEL_READY: _model_ready,
+    RouteKind.MODEL_CONFIG: _model_config,
+    RouteKind.MODEL_STATS: _model_stats,
+    RouteKind.EMBEDDINGS: _embeddings,
+    RouteKind.OPENAI_MODELS: _openai_models,
+    RouteKind.COMPLETIONS: _completions,
+    RouteKind.CHAT_COMPLETIONS: _completions,
+}
+
+
+def _index_ready(body: bytes) -> bool:
+    """A repository index body: empty (what ``tritonclient`` sends) or a JSON object with
+    an optional boolean ``ready`` (only the models ready for inference)."""
+    try:
+        request = orjson.loads(body) if body.strip() else {}
+    except orjson.JSONDecodeError as error:
+        raise InvalidInput(f"repository index body: expected a JSON object ({error})") from None
+    ready = request.get("ready", False) if isinstance(request, dict) else None
+    if not isinstance(ready, bool):
+        raise InvalidInput(
+            f"repository index body {body[:100]!r}: expected a JSON object whose optional "
+            f"'ready' is true or false"
+        )
+    return ready
+
+
+def _policy_changes(body: bytes) -> dict[str, Any]:
+    """A policy POST body: a JSON object of BatchPolicy fields (lists become tuples)."""
+    try:
+        changes = orjson.loads(body or b"{}")
+    except orjson.JSONDecodeError as error:
+        raise InvalidInput(f"policy body: expected a JSON object ({error})") from None
+    if not isinstance(changes, dict):
+        raise InvalidInput(f"policy body: expected a JSON object, got {type(changes).__name__}")
+    unknown = sorted(set(changes) - set(POLICY_FIELDS))
+    if unknown:
+        raise InvalidInput(f"policy body: unknown field(s) {unknown}; expected {POLICY_FIELDS}")
+    _check_bounds(changes)
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
+
+
+def _check_bounds(changes: dict[str, Any]) -> None:
+    """Refuse a ``max_delay_s`` over MAX_POLICY_DELAY_S and a ``timeout_s`` under
+    MIN_POLICY_TIMEOUT_S; values of another kind are the policy's to refuse. Priority
+    classes are not taken over the network (POLICY_FIELDS), so these are all there is."""
+    delay, timeout = changes.get("max_delay_s"), changes.get("timeout_s")
+    if _is_number(delay) and delay > MAX_POLICY_DELAY_S:
+        raise InvalidInput(
+            f"policy body: max_delay_s {delay!r} is over {MAX_POLICY_DELAY_S} s, the most a "
+            "policy set over the network may wait (a serve config may set more)"
+        )
+    if _is_number(timeout) and timeout < MIN_POLICY_TIMEOUT_S:
+        raise InvalidInput(
+            f"policy body: timeout_s {timeout!r} is under {MIN_POLICY_TIMEOUT_S} s, the least "
+            "a policy set over the network may give a request (null: no timeout)"
+        )
+
+
+def _is_number(value: object) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _policy_document(policy: BatchPolicy) -> dict[str, Any]:
+    document = {name: getattr(policy, name) for name in POLICY_FIELDS}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in document.items()}
