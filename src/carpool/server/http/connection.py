@@ -14,19 +14,16 @@ import asyncio
 import logging
 from contextlib import aclosing
 from itertools import islice
-from typing import TYPE_CHECKING
 
 from carpool.server.http.answer import LAST_CHUNK, answer_head, chunk
-from carpool.server.http.dispatch import Room
 from carpool.server.http.exchange import Exchange, ExchangeKind
-from carpool.server.http.framing import ConnectionState, Framing
+from carpool.server.http.framing import Framing
 from carpool.server.http.guards import READ_AHEAD_BYTES, READ_AHEAD_REQUESTS, WaitTimer
 from carpool.server.http.handlers import Stream
+from carpool.server.http.host import Host
 from carpool.server.http.refusals import LINGER_S, can_write_eof, refusal_answer
+from carpool.server.http.states import ConnectionState, Room
 from carpool.server.infer import Headers
-
-if TYPE_CHECKING:
-    from carpool.server.http.server import HttpServer
 
 access_log = logging.getLogger("carpool.server.access")
 
@@ -41,7 +38,7 @@ class Connection(Framing):
     """The protocol of one client connection of ``server``; ``first_read``: its first
     bytes, read by the server as it accepted the connection."""
 
-    def __init__(self, server: HttpServer, first_read: bytes = b"") -> None:
+    def __init__(self, server: Host, first_read: bytes = b"") -> None:
         super().__init__(server)
         self.tasks = server.tasks
         self._date, self._answer_heads = server.date, server.answer_heads

@@ -23,11 +23,10 @@ is only busy. Every other route goes through :mod:`carpool.server.http.router` a
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import urllib.parse
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import httptools
 
@@ -36,11 +35,11 @@ from carpool.server.encoding import response_encoding
 from carpool.server.http.answer import CONTINUE
 from carpool.server.http.body import declared_too_large
 from carpool.server.http.exchange import Exchange, ExchangeKind, Head
-from carpool.server.http.framing import ConnectionState
 from carpool.server.http.handlers import Call, Stream, respond
 from carpool.server.http.headers import RequestHeaders, declared_length, read_headers
 from carpool.server.http.refusals import Refused
 from carpool.server.http.router import HttpRequest, infer_model, route
+from carpool.server.http.states import ConnectionPort, ConnectionState, Room
 from carpool.server.infer import (
     Answer,
     compressed,
@@ -51,23 +50,12 @@ from carpool.server.infer import (
 from carpool.server.limits import over_inflight_bytes
 from carpool.server.repository import ServedModel
 
-if TYPE_CHECKING:
-    from carpool.server.http.connection import Connection
-
 # The probes answered from the head, each with whether it asks for readiness.
 _HEALTH = {b"/v2/health/live": False, b"/v2/health/ready": True}
 T = TypeVar("T")
 MAX_PREPARED_REFUSALS = 256  # one per model and bound, a few limits: never many
 _INFER, _ROUTE, _REFUSAL = ExchangeKind.INFER, ExchangeKind.ROUTE, ExchangeKind.REFUSAL
 _CLOSED = ConnectionState.CLOSED
-
-
-class Room(enum.Enum):
-    """A connection and the waiting room (:mod:`carpool.server.waiting`)."""
-
-    OUT = "out"
-    WAITING = "waiting"  # refused (429): not read until its model has room
-    HAS_PLACE = "has place"  # let out: its next request has a place kept
 
 
 # Enum members as module names: a class attribute of an Enum is a slow lookup, and these
@@ -86,7 +74,7 @@ class Dispatch:
 
     # -- the head --------------------------------------------------------------------
 
-    def head(self, conn: Connection, head: Head) -> Exchange:
+    def head(self, conn: ConnectionPort, head: Head) -> Exchange:
         """The exchange for a complete head: a probe, the fast path, or a route.
 
         Raises:
@@ -142,7 +130,7 @@ class Dispatch:
         is_fast = model.infer is None and batcher is not None and batcher.is_running
         return model if is_fast else None
 
-    def admit(self, conn: Connection, exchange: Exchange, declared: int | None) -> None:
+    def admit(self, conn: ConnectionPort, exchange: Exchange, declared: int | None) -> None:
         """A fast-path exchange whose head is complete, its body ``declared`` bytes long
         (None: chunked): a declared length over the limit is a 413 in its turn, without
         reading the body (nor asking for it with 100 Continue); a full queue or byte
@@ -186,7 +174,7 @@ class Dispatch:
 
     # -- refusals prepared once --------------------------------------------------------
 
-    def early_refusal(self, conn: Connection, model: ServedModel) -> Answer | None:
+    def early_refusal(self, conn: ConnectionPort, model: ServedModel) -> Answer | None:
         """The answer for a request refused from its head, or None: when every queue of
         the model is at its bound, a 429 prepared once per message, without reading or
         decoding the body (under overload, refusing must cost far less than serving)."""
@@ -220,7 +208,7 @@ class Dispatch:
             answer = self._refusals[message] = error_response(error)
         return answer
 
-    def wait_for_room(self, conn: Connection, model: ServedModel, status: int) -> None:
+    def wait_for_room(self, conn: ConnectionPort, model: ServedModel, status: int) -> None:
         """After a 429 (every queue of ``model`` full), read no more of this connection
         until the model has room: a client retrying at once would otherwise be read and
         refused again and again, on the CPU the model needs."""
@@ -232,7 +220,7 @@ class Dispatch:
         self.app.waiting_room.wait(model.batcher, functools.partial(self._room_made, conn))
 
     @staticmethod
-    def _room_made(conn: Connection, has_place: bool) -> bool:
+    def _room_made(conn: ConnectionPort, has_place: bool) -> bool:
         conn.room = _OUT
         if conn.is_closing():
             return False
@@ -243,7 +231,7 @@ class Dispatch:
 
     # -- an exchange's turn --------------------------------------------------------------
 
-    def begin(self, conn: Connection, exchange: Exchange) -> None:
+    def begin(self, conn: ConnectionPort, exchange: Exchange) -> None:
         """The answers before ``exchange`` are written: its turn."""
         if conn.is_closing():
             return
@@ -262,7 +250,7 @@ class Dispatch:
             exchange.expects_continue = False
             conn.write(CONTINUE)
 
-    def received(self, conn: Connection, exchange: Exchange) -> None:
+    def received(self, conn: ConnectionPort, exchange: Exchange) -> None:
         """``exchange``, in its turn, is received in full: answer it."""
         answer = exchange.head_answer
         if answer is not None:
@@ -274,7 +262,7 @@ class Dispatch:
         elif exchange.task is None:  # not already running (a route that reads no body)
             self._run_route(conn, exchange)
 
-    def answer_too_large(self, conn: Connection, exchange: Exchange) -> None:
+    def answer_too_large(self, conn: ConnectionPort, exchange: Exchange) -> None:
         error = exchange.too_large(self.app.max_body_bytes)
         conn.answer(exchange, *error_response(error, is_openai=exchange.is_openai))
 
@@ -285,7 +273,7 @@ class Dispatch:
 
     # -- the fast path -----------------------------------------------------------------
 
-    def infer(self, conn: Connection, exchange: Exchange, body: bytes) -> None:
+    def infer(self, conn: ConnectionPort, exchange: Exchange, body: bytes) -> None:
         """Decode, check and queue a request received in full: ``body``, from its chunks
         or straight from the read (a repeat)."""
         model = exchange.model
@@ -304,7 +292,7 @@ class Dispatch:
         queued.future.add_done_callback(functools.partial(self._landed, conn, exchange))
 
     @staticmethod
-    def _landed(conn: Connection, exchange: Exchange, future: asyncio.Future[Any]) -> None:
+    def _landed(conn: ConnectionPort, exchange: Exchange, future: asyncio.Future[Any]) -> None:
         exchange.queued = None
         # Its answer may have landed with the connection lost before this callback ran.
         if future.cancelled() or conn.state is _CLOSED:
@@ -324,7 +312,7 @@ class Dispatch:
 
     # -- other routes --------------------------------------------------------------------
 
-    def _run_route(self, conn: Connection, exchange: Exchange) -> None:
+    def _run_route(self, conn: ConnectionPort, exchange: Exchange) -> None:
         """Answer ``exchange`` by its route's handler, in a task: cancelled when the
         connection is lost (its model's queued request is then withdrawn)."""
         task = conn.loop.create_task(self._answer_route(conn, exchange))
@@ -334,7 +322,7 @@ class Dispatch:
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    async def _answer_route(self, conn: Connection, exchange: Exchange) -> None:
+    async def _answer_route(self, conn: ConnectionPort, exchange: Exchange) -> None:
         request, found = exchange.request, exchange.route
         assert request is not None and found is not None, "a route exchange is routed"
 
@@ -351,7 +339,7 @@ class Dispatch:
             conn.answer(exchange, *answer)
 
 
-async def _watched(conn: Connection, exchange: Exchange, work: Awaitable[T]) -> T:
+async def _watched(conn: ConnectionPort, exchange: Exchange, work: Awaitable[T]) -> T:
     """Await a model's ``work`` for ``exchange``: the connection's loss cancels the task
     now (its queued request is withdrawn). Lost already, the work begins and is then
     cancelled, as a watcher of the disconnect would: the model saw the request, and counts

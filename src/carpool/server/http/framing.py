@@ -17,38 +17,24 @@ The state of a connection, ordered: from REFUSED on, nothing more is read::
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import httptools
 
 from carpool.server.http.body import BodyCheck
 from carpool.server.http.exchange import Exchange, ExchangeKind, Head
 from carpool.server.http.guards import MAX_HEAD_BYTES, WaitTimer, grown_head_refusal, head_refusal
+from carpool.server.http.host import Host
 from carpool.server.http.refusals import Refused
 from carpool.server.http.repeats import RepeatedHead, repeated_head
+from carpool.server.http.states import ConnectionPort, ConnectionState
 from carpool.server.infer import Headers
 from carpool.server.limits import over_connections
 
-if TYPE_CHECKING:
-    from carpool.server.http.connection import Connection
-    from carpool.server.http.server import HttpServer
-
 log = logging.getLogger("carpool.server.http")
-
-
-class ConnectionState(enum.IntEnum):
-    """Where a connection is; ordered: from REFUSED on, nothing more is read."""
-
-    IDLE = 0  # between requests: the wait for the next head
-    HEAD = 1  # a request's head is arriving
-    BODY = 2  # its head is complete, its body arriving
-    REFUSED = 3  # bad bytes came: answered in their turn, then closed
-    LINGERING = 4  # half-closed after a closing answer while the client sends
-    CLOSED = 5  # the transport is lost
 
 
 _IDLE, _HEAD, _BODY = ConnectionState.IDLE, ConnectionState.HEAD, ConnectionState.BODY
@@ -61,7 +47,7 @@ class Framing(asyncio.Protocol):
     """Reads requests off a connection of ``server``; the rest is its subclass's
     (:class:`~carpool.server.http.connection.Connection`)."""
 
-    def __init__(self, server: HttpServer) -> None:
+    def __init__(self, server: Host) -> None:
         self._server = server
         self._app = server.app
         self._dispatch = server.dispatch
@@ -223,7 +209,7 @@ class Framing(asyncio.Protocol):
             self._expects_continue,
             self._arrival_s,
         )
-        exchange = self._dispatch.head(cast("Connection", self), head)
+        exchange = self._dispatch.head(cast(ConnectionPort, self), head)
         if exchange.kind is not _INFER or not keep_alive or self._expects_continue:
             self._first = None  # not kept: the parser tracks what such heads ask
         self._incoming = exchange
@@ -250,7 +236,7 @@ class Framing(asyncio.Protocol):
         exchange.keep_alive = False  # the unread rest makes the connection unusable
         exchange.is_too_large = True
         if exchange.is_started and not exchange.is_answered:
-            self._dispatch.answer_too_large(cast("Connection", self), exchange)
+            self._dispatch.answer_too_large(cast(ConnectionPort, self), exchange)
 
     def on_message_complete(self) -> None:
         self._progress = True
@@ -272,7 +258,7 @@ class Framing(asyncio.Protocol):
         ):
             self._keep_head(first, exchange)
         if exchange.is_started and not exchange.is_answered and not exchange.is_too_large:
-            self._dispatch.received(cast("Connection", self), exchange)
+            self._dispatch.received(cast(ConnectionPort, self), exchange)
 
     # -- repeated heads -----------------------------------------------------------------
 
@@ -294,7 +280,7 @@ class Framing(asyncio.Protocol):
         head, size, url = repeat.head, repeat.size, repeat.url
         start, length, step = 0, len(data), len(head) + size
         app, dispatch, transport, queue = self._app, self._dispatch, self._transport, self._queue
-        conn = cast("Connection", self)  # a Framing is always a Connection
+        conn = cast(ConnectionPort, self)  # a Framing is always a Connection
         routes, inflight = app.infer_routes, app.inflight
         fits = size <= app.max_body_bytes
         while True:
