@@ -1,0 +1,151 @@
+"""Before and after a change, in one run: a benchmark script run alternately against two
+source trees of carpool, its figures compared as medians and ratios.
+
+A change meant to move structure, not speed, is checked this way: the same script, the
+same machine, the two trees taking turns (A B, B A, A B, ...) so that drift of a shared
+machine falls on both alike.
+
+    git worktree add --detach /tmp/before <commit>
+    .venv/bin/python benchmarks/bench_ab.py --before /tmp/before/src --label NAME \\
+        --rounds 3 bench_http.py -- --duration-s 5 --repeats 1 --rates 1000
+
+The script (``bench_http.py`` or ``bench_peers.py``, run from this checkout) runs with
+``PYTHONPATH`` set to each tree, so it and the servers it starts import that tree's
+carpool; what it writes with ``--json`` is read back. Reported per figure (closed-loop
+req/s and p50/p99 at each concurrency, per server for ``bench_peers.py``): each tree's
+runs, their medians, and after/before. Results go to
+``benchmarks/results/ab_<label>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchlib import RESULTS, ROOT, machine_info, utc_now, write_results
+
+Figures = dict[str, float]
+
+
+def http_figures(result: dict[str, Any]) -> Figures:
+    """``bench_http.py``'s closed-loop rows: req/s, p50 and p99 per concurrency."""
+    figures: Figures = {}
+    for row in result["rows"]:
+        c = row["concurrency"]
+        figures |= {f"c{c} req/s": row["rate_rps"], f"c{c} p50 ms": row["p50_ms"]}
+        figures[f"c{c} p99 ms"] = row["p99_ms"]
+    return figures
+
+
+def peers_figures(result: dict[str, Any]) -> Figures:
+    """``bench_peers.py``'s rows: req/s and p99 per server and concurrency."""
+    figures: Figures = {}
+    for server in result["results"]:
+        for row in server.get("rows", []):
+            key = f"{server['server']} c{row['concurrency']}"
+            figures |= {f"{key} req/s": row["rate_rps"], f"{key} p99 ms": row["p99_ms"]}
+    return figures
+
+
+READERS: dict[str, Callable[[dict[str, Any]], Figures]] = {
+    "bench_http.py": http_figures,
+    "bench_peers.py": peers_figures,
+}
+
+
+def run_once(script: str, tree: Path, args: list[str], out: Path) -> Figures:
+    """``script`` with ``args`` against the carpool in ``tree``; its figures."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    command = [sys.executable, str(ROOT / "benchmarks" / script), *args, "--json", str(out)]
+    print(f"$ PYTHONPATH={tree} {' '.join(command[1:])}", flush=True)
+    subprocess.run(command, env=env, check=True, cwd=ROOT)
+    return READERS[script](json.loads(out.read_text()))
+
+
+def compare(runs: dict[str, list[Figures]]) -> dict[str, dict[str, Any]]:
+    """Per figure: both trees' runs, medians and after/before."""
+    table: dict[str, dict[str, Any]] = {}
+    for key in runs["before"][0]:
+        before = [r[key] for r in runs["before"] if key in r]
+        after = [r[key] for r in runs["after"] if key in r]
+        if not before or not after:
+            continue
+        median_before, median_after = statistics.median(before), statistics.median(after)
+        ratio = median_after / median_before if median_before else float("nan")
+        table[key] = {
+            "before": before,
+            "after": after,
+            "median_before": median_before,
+            "median_after": median_after,
+            "ratio": ratio,
+        }
+    return table
+
+
+def _commit(tree: Path) -> str | None:
+    """The commit a tree's checkout is at (None outside git), and "+changes" if dirty."""
+    head = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True)
+    if head.returncode:
+        return None
+    dirty = subprocess.run(
+        ["git", "-C", str(tree), "status", "--porcelain", "."], capture_output=True
+    )
+    return head.stdout.decode().strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--before", type=Path, required=True, help="the src/ of the old tree")
+    parser.add_argument("--after", type=Path, default=ROOT / "src", help="default: this one")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each tree")
+    parser.add_argument("--label", required=True)
+    parser.add_argument("script", choices=sorted(READERS))
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="after --")
+    args = parser.parse_args()
+    script_args = [a for a in args.script_args if a != "--"]
+    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    for name, tree in trees.items():
+        if not (tree / "carpool" / "__init__.py").exists():
+            sys.exit(f"--{name} {tree}: no carpool package there (give the tree's src/)")
+    machine = machine_info()
+    print(f"machine: {machine}")
+    runs: dict[str, list[Figures]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for index in range(args.rounds):
+            order = ("before", "after") if index % 2 == 0 else ("after", "before")
+            for name in order:
+                out = Path(tmp) / f"{name}{index}.json"
+                runs[name].append(run_once(args.script, trees[name], script_args, out))
+    table = compare(runs)
+    print(f"{'figure':<32}{'before':>12}{'after':>12}{'after/before':>14}")
+    for key, row in table.items():
+        print(
+            f"{key:<32}{row['median_before']:>12.2f}{row['median_after']:>12.2f}"
+            f"{row['ratio']:>14.3f}"
+        )
+    write_results(
+        RESULTS / f"ab_{args.label}.json",
+        {
+            "machine": machine,
+            "finished": utc_now(),
+            "script": args.script,
+            "script_args": script_args,
+            "trees": {k: {"src": str(v), "commit": _commit(v)} for k, v in trees.items()},
+            "rounds": args.rounds,
+            "figures": table,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""bench_ab: a benchmark's figures read back per tree, and compared as medians."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench_ab import compare, http_figures, peers_figures
+
+
+def _http(rate: float, p99: float) -> dict[str, object]:
+    return {"rows": [{"concurrency": 64, "rate_rps": rate, "p50_ms": 10.0, "p99_ms": p99}]}
+
+
+def test_bench_http_rows_become_figures_per_concurrency() -> None:
+    assert http_figures(_http(3000.0, 40.0)) == {
+        "c64 req/s": 3000.0,
+        "c64 p50 ms": 10.0,
+        "c64 p99 ms": 40.0,
+    }
+
+
+def test_bench_peers_rows_are_named_by_server_and_a_failed_server_has_none() -> None:
+    result = {
+        "results": [
+            {"server": "carpool", "rows": [{"concurrency": 64, "rate_rps": 2.0, "p99_ms": 9.0}]},
+            {"server": "pytriton", "error": "did not start"},
+        ]
+    }
+    assert peers_figures(result) == {"carpool c64 req/s": 2.0, "carpool c64 p99 ms": 9.0}
+
+
+def test_medians_of_each_tree_and_their_ratio() -> None:
+    runs = {
+        "before": [http_figures(_http(r, 40.0)) for r in (3000.0, 2800.0, 3100.0)],
+        "after": [http_figures(_http(r, 50.0)) for r in (3300.0, 2900.0, 3000.0)],
+    }
+    table = compare(runs)
+    rate = table["c64 req/s"]
+    assert (rate["median_before"], rate["median_after"]) == (3000.0, 3000.0)
+    assert rate["ratio"] == 1.0
+    assert table["c64 p99 ms"]["ratio"] == pytest.approx(1.25)
+    assert rate["before"] == [3000.0, 2800.0, 3100.0]
+
+
+def test_a_zero_baseline_gives_no_ratio() -> None:
+    runs = {"before": [{"x": 0.0}], "after": [{"x": 1.0}]}
+    assert math.isnan(compare(runs)["x"]["ratio"])
