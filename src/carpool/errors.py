@@ -124,20 +124,34 @@ def _duration(seconds: float) -> str:
 
 
 class DeadlineExceeded(CarpoolError, TimeoutError):
-    """The request's deadline passed while it waited; it never ran."""
+    """The request's deadline passed while it waited, or would pass before its batch
+    ended (``left_s``: the time it still had); it never ran."""
 
-    def __init__(self, request_id: int, timeout_s: float, waited_s: float) -> None:
+    def __init__(
+        self, request_id: int, timeout_s: float, waited_s: float, left_s: float = 0.0
+    ) -> None:
         self.request_id = request_id
         self.timeout_s = timeout_s
         self.waited_s = waited_s
+        self.left_s = left_s
+        if left_s > 0:
+            what = (
+                f"request {request_id} would end past its timeout of {_duration(timeout_s)}: "
+                f"it had {_duration(left_s)} left, less than its batch takes here (as "
+                "measured), and was dropped before it ran rather than answered late"
+            )
+        else:
+            what = (
+                f"request {request_id} waited {_duration(waited_s)}, past its timeout of "
+                f"{_duration(timeout_s)}, and was dropped before it ran"
+            )
         super().__init__(
-            f"request {request_id} waited {_duration(waited_s)}, past its timeout of "
-            f"{_duration(timeout_s)}, and was dropped before it ran; raise the timeout "
-            "(timeout_s, or KServe's timeout parameter in µs) or add capacity"
+            f"{what}; raise the timeout (timeout_s, or KServe's timeout parameter in µs) "
+            "or add capacity"
         )
 
     def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
-        return (self.request_id, self.timeout_s, self.waited_s), {}
+        return (self.request_id, self.timeout_s, self.waited_s, self.left_s), {}
 
 
 class ModelError(CarpoolError):

@@ -32,6 +32,7 @@ ALL_ERRORS = [
     InvalidInput("payload cannot be batched", request_id=3),
     QueueFull("normal", 100),
     DeadlineExceeded(7, 0.05, 0.0625),
+    DeadlineExceeded(7, 0.5, 0.025, left_s=0.475),
     ModelError("the model raised ValueError: bad", request_id=9),
     BatchTimeout("mlp", 60.0, 1, request_id=10),
     CapacityError(11, 64),
@@ -143,6 +144,16 @@ def test_deadline_exceeded_reports_timeout_and_wait_in_milliseconds() -> None:
     assert "request 7" in message
     assert "waited 62.5 ms" in message
     assert "timeout of 50.0 ms" in message
+    assert "raise the timeout (timeout_s, or KServe's timeout parameter in µs)" in message
+
+
+def test_deadline_exceeded_before_it_passed_says_the_batch_would_end_late() -> None:
+    error = DeadlineExceeded(7, 0.5, 0.025, left_s=0.475)
+    assert error.left_s == 0.475
+    message = str(error)
+    assert "would end past its timeout of 500.0 ms" in message
+    assert "it had 475.0 ms left, less than its batch takes here" in message
+    assert "waited" not in message
     assert "raise the timeout (timeout_s, or KServe's timeout parameter in µs)" in message
 
 

@@ -279,7 +279,10 @@ class Dispatcher:
                 assert request.deadline_s is not None
                 timeout_s = request.deadline_s - request.arrival_s
                 error: CarpoolError = DeadlineExceeded(
-                    request.request_id, timeout_s, now - request.arrival_s
+                    request.request_id,
+                    timeout_s,
+                    now - request.arrival_s,
+                    left_s=max(0.0, request.deadline_s - now),
                 )
             else:
                 error = Closed(self._name)

@@ -282,6 +282,7 @@ async def test_request_that_would_finish_past_its_deadline_is_not_run(
     await settle()
     # Answered at once, not after its deadline; the model never saw it.
     assert isinstance(late.exception(), DeadlineExceeded)
+    assert late.exception().left_s == pytest.approx(0.2)  # it says so: not "waited"
     assert fake_model.batches[2:] == [[2]]
     fake_model.release()
     assert await finish(on_time) == [20]
