@@ -1,12 +1,14 @@
 """/v1/completions and /v1/chat/completions through the ASGI app, no sockets: the
 built-in random-weight tiny Llama (small settings), request checks, response and chunk
-shapes, and a client that disconnects mid-stream."""
+shapes, a client that disconnects mid-stream, and the chat prompt built from a Hugging Face
+folder's template (checked against transformers' ``apply_chat_template``)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -17,8 +19,14 @@ from carpool.server.app import KServeApp
 from carpool.server.completions import prepare
 from carpool.server.generation import GenerationService
 from carpool.server.openai import BadParam
-from carpool.server.repository import ServedModel
+from carpool.server.repository import ModelRepository, ServedModel
 
+from ..generation.hf_folders import (
+    save_pretrained_folder,
+    train_bpe,
+    transformers_tokenizer,
+    write_folder,
+)
 from .apps import started_app
 
 MODEL = "tiny"
@@ -291,3 +299,61 @@ async def test_chat_uses_the_tokenizers_template_and_its_word_on_bos(app):
     service.tokenizer.chat_template = None  # no template: refused, whatever the tokenizer
     with pytest.raises(BadParam, match="has no chat template"):
         await _prepare(app, is_chat=True, messages=[{"role": "user", "content": "hi"}])
+
+
+# -- the chat prompt from a Hugging Face folder ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_pretrained_folder(tmp_path_factory.mktemp("saved"))
+
+
+def _model_folder(folder: Path, bpe: Any) -> Path:
+    from carpool.generation.weights import random_llama, save_hf_folder
+
+    config = {
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "vocab_size": bpe.get_vocab_size(),
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 128,
+    }
+    return save_hf_folder(random_llama(config, seed=0), folder)
+
+
+async def _chat_prompt_ids(folder: Path, messages: list[dict[str, Any]]) -> list[int]:
+    settings = GenerationSettings(block_size=8, num_blocks=16, max_num_seqs=1, max_model_len=64)
+    service = GenerationService.from_folder("m", folder, settings)
+    repository = ModelRepository([ServedModel.of_generation(service)])
+    body = orjson.dumps({"model": "m", "messages": messages, "max_tokens": 1})
+    call = await prepare(repository, body, is_chat=True)
+    return call.prompt_ids
+
+
+async def test_chat_prompt_has_the_templates_bos_once(saved_folder, tmp_path):
+    folder = _model_folder(tmp_path, train_bpe())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).write_bytes((saved_folder / name).read_bytes())
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hello world"}]}]
+    ids = await _chat_prompt_ids(folder, messages)
+    expected = transformers_tokenizer(folder).apply_chat_template(
+        [{"role": "user", "content": "Hello world"}], add_generation_prompt=True
+    )["input_ids"]
+    assert ids == expected
+    assert ids.count(0) == 1 and ids[0] == 0
+
+
+async def test_chat_with_a_folder_without_template_is_a_400(tmp_path):
+    """As vLLM (transformers >= 4.44 has no default template): a clear 400 naming
+    ``messages``, not a prompt in a format the model never saw."""
+    bpe = train_bpe()
+    folder = _model_folder(tmp_path, bpe)
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    write_folder(folder, bpe, config)
+    with pytest.raises(BadParam, match="no chat template") as refused:
+        await _chat_prompt_ids(folder, [{"role": "user", "content": "Hi"}])
+    assert refused.value.param == "messages"
