@@ -1,6 +1,7 @@
-"""The gRPC service without sockets: the proto against Triton's own descriptors, config
-and statistics messages, and a stream driven directly (decoding and encoding are the
-codec's: tests/unit/server/kserve/test_grpc_codec.py)."""
+"""The gRPC service: the proto against Triton's own descriptors, config and statistics
+messages, a stream driven directly, without sockets, and ModelReady as tritonclient reads
+it, on loopback (decoding and encoding are the codec's:
+tests/unit/server/kserve/test_grpc_codec.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
+import tritonclient.grpc.aio as grpcclient
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, EnumDescriptor
 
@@ -19,6 +22,7 @@ from carpool import Batcher, BatchPolicy, ClassPolicy
 from carpool.server.errors import PortInUse
 from carpool.server.grpc import (
     InferenceServicer,
+    add_servicer,
     model_config,
     model_statistics,
     start_grpc_server,
@@ -228,6 +232,38 @@ async def test_model_statistics_carry_every_key_of_the_rest_stats() -> None:
     assert (stats.inference_count, stats.execution_count) == (3, 1)
     assert stats.inference_stats.success.count == 1
     assert [(b.batch_size, b.compute_infer.count) for b in stats.batch_stats] == [(3, 1)]
+
+
+# ---------------------------------------------------------------------------------------
+# ModelReady, as tritonclient reads it
+
+
+@pytest.fixture
+async def grpc_client() -> AsyncIterator[grpcclient.InferenceServerClient]:
+    repository = ModelRepository([_served()])
+    await repository.start()
+    server = grpc.aio.server()
+    add_servicer(server, InferenceServicer(repository))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.stop(None)
+        await repository.stop()
+
+
+@pytest.mark.parametrize(("name", "version"), [("nope", ""), ("m", "2")])
+async def test_grpc_model_ready_of_an_unknown_model_is_false_not_an_error(
+    grpc_client: grpcclient.InferenceServerClient, name: str, version: str
+) -> None:
+    # Triton's ModelIsReady answers ready=false with status OK for a model or version it
+    # does not have, so tritonclient.grpc's is_model_ready() returns False (as the HTTP
+    # client does on carpool's 404). carpool aborts with NOT_FOUND, so it raises.
+    assert await grpc_client.is_model_ready("m")
+    assert await grpc_client.is_model_ready(name, version) is False
 
 
 # ---------------------------------------------------------------------------------------
