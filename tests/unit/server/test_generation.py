@@ -4,6 +4,7 @@ whose repository starts and drains the engine, the KServe face, no batch policy.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -12,9 +13,13 @@ from carpool.config import ModelConfig, parse_config
 from carpool.core.batcher import Batcher
 from carpool.errors import ConfigError, InvalidInput
 from carpool.generation.build import GenerationSettings
+from carpool.server.app import KServeApp
 from carpool.server.builder import generation_settings
 from carpool.server.generation import RANDOM_WEIGHTS_LABEL, GenerationService
 from carpool.server.repository import ModelRepository, ServedModel
+
+from .apps import call
+from .test_completions import MODEL, tiny_generation_app
 
 
 def _tiny(**settings) -> GenerationService:
@@ -146,6 +151,18 @@ def test_a_generation_model_has_no_batch_policy_to_show_or_set():
     assert served.class_names == ("interactive", "normal", "background")
     config = served.config()
     assert "dynamic_batching" not in config and config["max_batch_size"] == 64
+
+
+@pytest.fixture
+async def app() -> AsyncIterator[KServeApp]:
+    async with tiny_generation_app() as app:
+        yield app
+
+
+async def test_a_policy_post_to_a_generation_model_is_a_400_naming_its_settings(app):
+    got = await call(app, f"/v2/models/{MODEL}/policy", max_batch_size=4)
+    assert got.status == 400
+    assert "max_num_seqs" in got.json()["error"]
 
 
 def test_a_served_model_runs_on_a_batcher_or_an_engine_never_both_or_neither():
