@@ -22,6 +22,7 @@ from carpool.server.app import KServeApp
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 
 from .apps import Exchange, call, served, started_app
+from .http.fakes import until
 
 
 class HeldModel:
@@ -309,6 +310,7 @@ async def _ready_statuses(app: KServeApp) -> tuple[int | None, int | None]:
 async def test_a_hung_batch_is_a_504_and_readiness_is_503_until_a_fresh_replica_loads() -> None:
     clock = FakeClock()
     entered, release, second_build = threading.Event(), threading.Event(), threading.Event()
+    rebuilding = threading.Event()
     builds: list[str] = []
 
     def model(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -320,6 +322,7 @@ async def test_a_hung_batch_is_a_504_and_readiness_is_503_until_a_fresh_replica_
     def factory(device: str) -> Any:
         builds.append(device)
         if len(builds) == 2:
+            rebuilding.set()
             second_build.wait(5.0)
         return model
 
@@ -344,15 +347,12 @@ async def test_a_hung_batch_is_a_504_and_readiness_is_503_until_a_fresh_replica_
         await asyncio.wait_for(hung_task, 5.0)
         assert hung.status == 504
         assert "batch_timeout_s=1 s" in orjson.loads(hung.body)["error"]
-        async with asyncio.timeout(5.0):
-            while len(builds) < 2:  # noqa: ASYNC110 - the replica thread builds
-                await asyncio.sleep(0.001)
+        assert await asyncio.wait_for(asyncio.to_thread(rebuilding.wait, 5.0), 5.0)
         assert await _ready_statuses(app) == (503, 503)
 
         second_build.set()
-        async with asyncio.timeout(5.0):
-            while await _ready_statuses(app) != (200, 200):  # noqa: ASYNC110 - as above
-                await asyncio.sleep(0.001)
+        await until(lambda: app.repository.is_ready)  # the fresh replica loaded
+        assert await _ready_statuses(app) == (200, 200)
         again = Exchange("POST", "/v2/models/m/infer", _infer_body(1.0))
         await asyncio.wait_for(again.run(app), 5.0)
         assert again.status == 200
@@ -383,9 +383,7 @@ async def test_the_app_is_served_by_uvicorn_as_a_plain_asgi_app() -> None:
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     serving = asyncio.ensure_future(server.serve(sockets=[listener]))
     try:
-        async with asyncio.timeout(10):
-            while not server.started:  # noqa: ASYNC110 - uvicorn says when it listens
-                await asyncio.sleep(0.01)
+        await until(lambda: server.started, timeout_s=10)  # uvicorn says when it listens
         async with httpx.AsyncClient() as client:
             ready = await client.get(f"{url}/v2/health/ready")
             answer = await client.post(f"{url}/v2/models/m/infer", content=_infer_body(1.5))

@@ -29,6 +29,7 @@ from ..generation.hf_folders import (
     write_folder,
 )
 from .apps import Exchange, call, started_app
+from .http.fakes import until
 
 MODEL = "tiny"
 
@@ -127,12 +128,10 @@ async def test_a_client_leaving_mid_stream_aborts_its_request(app):
         ignore_eos=True,
     )
     assert b"[DONE]" not in b"".join(got.chunks)
-    service = app.repository.generation_services()[MODEL]
-    for _ in range(500):  # polls: the scheduler forgets it before the engine's next step
-        snapshot = service.engine.snapshot()
-        if snapshot.scheduler.num_running == 0:
-            break
-        await asyncio.sleep(0.01)
+    engine = app.repository.generation_services()[MODEL].engine
+    # The scheduler forgets it before the engine's next step.
+    await until(lambda: engine.snapshot().scheduler.num_running == 0)
+    snapshot = engine.snapshot()
     assert snapshot.finished == {"abort": 1}
     assert snapshot.scheduler.num_running == 0 and snapshot.scheduler.kv_cache_usage == 0
 

@@ -3,7 +3,6 @@ whose repository starts and drains the engine, the KServe face, no batch policy.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -19,6 +18,7 @@ from carpool.server.generation import RANDOM_WEIGHTS_LABEL, GenerationService
 from carpool.server.repository import ModelRepository, ServedModel
 
 from .apps import call
+from .http.fakes import until
 from .test_completions import MODEL, tiny_generation_app
 
 
@@ -91,11 +91,13 @@ async def test_kserve_row_refused_stops_the_other_rows_of_its_request():
         rows = np.array([b"ok", b"x" * 200], dtype=object)
         with pytest.raises(InvalidInput):
             await served.run({"TEXT": rows}, {})
-        for _ in range(500):  # until "ok" left the engine, aborted or run to its end
-            snapshot = service.engine.snapshot(quantiles=False)
-            if snapshot.scheduler.num_running == snapshot.scheduler.num_waiting == 0:
-                break
-            await asyncio.sleep(0.01)
+
+        def idle() -> bool:  # "ok" left the engine, aborted or run to its end
+            scheduler = service.engine.snapshot(quantiles=False).scheduler
+            return scheduler.num_running == scheduler.num_waiting == 0
+
+        await until(idle)
+        snapshot = service.engine.snapshot(quantiles=False)
         assert snapshot.finished.get("length", 0) == 0, snapshot.finished  # not its 16 tokens
         assert snapshot.finished.get("abort", 0) == 1, snapshot.finished
     finally:

@@ -19,6 +19,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, EnumDescriptor
 
 from carpool import Batcher, BatchPolicy, ClassPolicy
+from carpool.core.clock import settle
 from carpool.server.errors import PortInUse
 from carpool.server.grpc import (
     InferenceServicer,
@@ -276,6 +277,7 @@ class GatedInfer:
     def __init__(self) -> None:
         self.gates: dict[float, asyncio.Event] = {}
         self.entered: dict[float, asyncio.Event] = {}
+        self.answered: dict[float, asyncio.Event] = {}
         self.cancelled = asyncio.Event()  # some request was cancelled at its gate
 
     def gate(self, value: float) -> asyncio.Event:
@@ -283,6 +285,9 @@ class GatedInfer:
 
     def entry(self, value: float) -> asyncio.Event:
         return self.entered.setdefault(value, asyncio.Event())
+
+    def answer(self, value: float) -> asyncio.Event:
+        return self.answered.setdefault(value, asyncio.Event())
 
     async def __call__(self, payload: dict[str, np.ndarray], options: dict[str, Any]) -> Any:
         x = payload["x"]
@@ -293,6 +298,7 @@ class GatedInfer:
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+        self.answer(value).set()
         return {"y": x, "tag": np.array([[b"t"]] * len(x), dtype=object)}
 
 
@@ -324,7 +330,8 @@ async def test_stream_runs_requests_at_once_and_answers_them_in_order() -> None:
     infer.gate(2.0).set()
     await infer.entry(1.0).wait()  # "slow" reached its model ...
     await infer.entry(2.0).wait()  # ... and so did "fast", behind it on the stream
-    await asyncio.sleep(0.05)
+    await infer.answer(2.0).wait()
+    await settle()
     assert not first.done()  # "fast" is done, but "slow" is owed its answer first
     infer.gate(1.0).set()
     incoming.put_nowait(None)  # the client half-closes

@@ -23,6 +23,7 @@ from carpool.server.metrics import Metrics, batch_size_bounds
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 
 from .apps import Exchange, double
+from .http.fakes import until
 
 SAFETY_S = 5.0
 
@@ -183,9 +184,7 @@ async def test_a_replica_given_up_after_a_hang_is_counted_and_its_stuck_thread_s
         assert _value(metrics, "carpool_replicas_abandoned_total", "hung") == 1
         assert _value(metrics, "carpool_replica_threads_stuck", "hung") == 1
         release.set()  # the stuck call returns: its thread ends
-        async with asyncio.timeout(SAFETY_S):
-            while _value(metrics, "carpool_replica_threads_stuck", "hung") != 0:  # noqa: ASYNC110
-                await asyncio.sleep(0.001)
+        await until(lambda: _value(metrics, "carpool_replica_threads_stuck", "hung") == 0)
         assert _value(metrics, "carpool_replicas_abandoned_total", "hung") == 1
     finally:
         release.set()
