@@ -180,10 +180,14 @@ SPEC_IN, SPEC_OUT = TensorSpec("x", "FP32", (2,)), TensorSpec("y", "FP32", (2,))
 
 
 @contextlib.asynccontextmanager
-async def serving(access: Access = DEFAULT_ACCESS) -> AsyncIterator[Server]:
-    """A doubling model "m" served by the fast path, and "custom" (its own infer)."""
+async def serving(
+    access: Access = DEFAULT_ACCESS, clock: FakeClock | None = None
+) -> AsyncIterator[Server]:
+    """A doubling model "m" served by the fast path, and "custom" (its own infer); with
+    ``clock``, the batcher of "m" and the time of the server's reads are that clock's."""
     model = Recorder()
-    batcher = Batcher(model, BatchPolicy(max_batch_size=10_000, max_delay_s=0.001), collate="dict")
+    policy = BatchPolicy(max_batch_size=10_000, max_delay_s=0.001)
+    batcher = Batcher(model, policy, collate="dict", clock=clock)
     served = ServedModel("m", "1", "python", (SPEC_IN,), (SPEC_OUT,), batcher)
 
     async def embed(payload: dict[str, np.ndarray], options: dict[str, Any]) -> Any:
@@ -193,8 +197,9 @@ async def serving(access: Access = DEFAULT_ACCESS) -> AsyncIterator[Server]:
     repository = ModelRepository([served, custom])
     await repository.start()
     app = KServeApp(repository, max_body_bytes=100_000, access=access)
+    server = HttpServer(app) if clock is None else HttpServer(app, monotonic=clock.now)
     try:
-        yield app, connector(HttpServer(app), FakeTransport), model
+        yield app, connector(server, FakeTransport), model
     finally:
         await repository.stop()
 

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from carpool import Batcher, BatchPolicy
-from carpool.core.clock import settle
+from carpool.core.clock import FakeClock, settle
 from carpool.server.access import Access
 from carpool.server.app import KServeApp
 from carpool.server.http import dispatch
@@ -162,24 +162,26 @@ async def test_a_client_that_leaves_withdraws_its_queued_request(server: Server)
     assert rejections["cancelled"] == 1
 
 
-async def test_a_request_deadline_counts_from_its_first_byte(server: Server) -> None:
-    # timeout 200 ms (Triton's parameter, in µs); the body trickles in over 300 ms: it is
-    # past its deadline before it is parsed, and never reaches the model.
-    _, connect, model = server
-    protocol, transport = connect()
-    document = {
-        "inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [7.0, 7.0]}],
-        "parameters": {"timeout": 200_000},
-    }
-    request = json_request(document)
-    protocol.data_received(request[:-5])
-    await asyncio.sleep(0.3)
-    protocol.data_received(request[-5:])
-    await until(lambda: bool(transport.data))
-    ((status, _, body),) = Responses(bytes(transport.data)).items
-    assert status == 503, body
-    assert b"past its timeout" in body
-    assert 7.0 not in model.seen
+async def test_a_request_deadline_counts_from_its_first_byte() -> None:
+    # timeout 200 ms (Triton's parameter, in µs); the body trickles in over 300 ms of the
+    # clock the batcher and the server's reads share: it is past its deadline before it
+    # is parsed, and never reaches the model.
+    clock = FakeClock()
+    async with serving(clock=clock) as (_, connect, model):
+        protocol, transport = connect()
+        document = {
+            "inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [7.0, 7.0]}],
+            "parameters": {"timeout": 200_000},
+        }
+        request = json_request(document)
+        protocol.data_received(request[:-5])
+        await clock.advance(0.3)
+        protocol.data_received(request[-5:])
+        await until(lambda: bool(transport.data))
+        ((status, _, body),) = Responses(bytes(transport.data)).items
+        assert status == 503, body
+        assert b"past its timeout" in body
+        assert 7.0 not in model.seen
 
 
 @contextlib.asynccontextmanager
