@@ -649,6 +649,27 @@ async def test_snapshot_without_quantiles_keeps_every_count(
     assert cheap.batches == replace(full.batches, compute=cheap.batches.compute)
 
 
+def double(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {"y": inputs["x"] * 2}
+
+
+async def test_a_snapshot_without_quantiles_sorts_no_samples_for_the_merged_latency() -> None:
+    # /metrics asks for quantiles=False so that a scrape does not sort the recent samples;
+    # the all-classes latency sorted up to 3 x 8192 of them anyway, on every scrape.
+    clock = FakeClock()
+    batcher = Batcher(double, BatchPolicy(max_batch_size=4, max_delay_s=0.0), clock=clock)
+    await batcher.start()
+    try:
+        for _ in range(3):
+            await batcher.submit_many({"x": np.ones((1, 2), np.float32)})
+    finally:
+        await batcher.stop()
+    cheap = batcher.snapshot(quantiles=False)
+    assert cheap.latency.count == 3  # counts and sums are still there
+    assert math.isnan(cheap.latency.p50_s) and math.isnan(cheap.latency.max_s)
+    assert not math.isnan(batcher.snapshot().latency.p50_s)
+
+
 async def test_slo_attainment_is_the_share_answered_within_slo(
     make_batcher, fake_model, fake_clock, spawn
 ):

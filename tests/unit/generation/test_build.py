@@ -13,7 +13,7 @@ from carpool.generation.tokenizer import ByteTokenizer
 from carpool.generation.types import SamplingParams
 from carpool.generation.weights import random_llama
 
-from .test_engine_edges import TINY
+from .test_engine import TINY
 
 TOKENIZER = ByteTokenizer()
 CONFIG = {**TINY, "max_position_embeddings": 64}

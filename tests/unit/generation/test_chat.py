@@ -1,7 +1,10 @@
 """Chat templates: the fallback, a folder's Jinja template (checked against transformers'
-``apply_chat_template`` on the same template), and messages as OpenAI sends them."""
+``apply_chat_template`` on the same template), features of real Hub templates, and
+messages as OpenAI sends them."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -106,3 +109,73 @@ def test_messages_from_openai_json_join_text_parts():
 def test_bad_messages_are_named(value, match):
     with pytest.raises(InvalidInput, match=match):
         ChatMessage.from_json(value, 3)
+
+
+# --- template features of real Hub templates ------------------------------------------
+
+
+def _as_dicts(messages: list[dict[str, Any]]) -> list[ChatMessage]:
+    return [ChatMessage.from_json(m, i) for i, m in enumerate(messages)]
+
+
+def _transformers_render(template: str, messages: list[dict[str, Any]], **special: str) -> str:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    reference = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "[UNK]": 2}, "[UNK]")),
+        bos_token="<s>",
+        eos_token="</s>",
+        **special,
+    )
+    reference.chat_template = template
+    return str(reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def test_template_can_break_out_of_a_loop():
+    """``{% break %}``/``{% continue %}`` (Jinja's loopcontrols, on in transformers)."""
+    template = (
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{{ m.content }};{% if loop.index == 2 %}{% break %}{% endif %}{% endfor %}"
+    )
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
+    expected = _transformers_render(template, messages)
+    assert expected == "a;"
+    assert render_chat(_as_dicts(messages), template) == expected
+
+
+def test_tojson_writes_unicode_and_markup_as_transformers_does():
+    """transformers' ``tojson`` keeps non-ASCII text and ``<``/``&`` as they are (Jinja's
+    own escapes them for HTML) and takes ``indent``, ``separators`` and ``sort_keys``."""
+    template = (
+        "{% for m in messages %}{{ m | tojson }}|{{ m | tojson(indent=2, sort_keys=true) }}|"
+        "{{ m.content | tojson(separators=(',', ':')) }}\n{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "café <b> & 'q' 🚗"}]
+    expected = _transformers_render(template, messages)
+    assert "café <b> & 'q' 🚗" in expected
+    assert render_chat(_as_dicts(messages), template) == expected
+
+
+def test_message_name_reaches_the_template():
+    template = (
+        "{% for m in messages %}{% if m.name is defined %}{{ m.name }}@{% endif %}"
+        "{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    messages = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi", "name": "ana"},
+    ]
+    expected = _transformers_render(template, messages)
+    assert "ana@user: Hi" in expected
+    assert render_chat(_as_dicts(messages), template) == expected
+
+
+def test_a_name_that_is_not_a_string_is_refused():
+    with pytest.raises(InvalidInput, match=r"messages\[0\]\.name"):
+        ChatMessage.from_json({"role": "user", "content": "x", "name": 5}, 0)

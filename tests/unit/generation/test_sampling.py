@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from carpool.generation.sampling import Sampler, apply_top_k_top_p
@@ -95,3 +96,12 @@ def test_forget_drops_the_generator() -> None:
     sampler.forget([9])
     assert not sampler.has_generator(9)
     assert sampler.sample(_logits(rows=1), [params], [9]) == first  # a fresh generator
+
+
+@pytest.mark.parametrize("top_k", [0, 40, 64])
+def test_top_p_of_one_filters_nothing(top_k: int) -> None:
+    # Tail probabilities below float32's resolution next to 1.0: top_p=1.0 is "off" in
+    # vLLM, so every token of the top-k (all of them for top_k=0) keeps its chance.
+    logits = torch.linspace(0.0, -30.0, 64)[None, :]
+    filtered = apply_top_k_top_p(logits, torch.tensor([top_k]), torch.tensor([1.0]))
+    assert int(torch.isfinite(filtered).sum()) == (top_k or 64)

@@ -111,6 +111,12 @@ def run_to_end(
     raise AssertionError(f"still unfinished after {max_steps} steps")
 
 
+def assert_all_blocks_free(scheduler: Scheduler) -> None:
+    scheduler.kv_cache.check_invariants()
+    assert not scheduler.has_unfinished()
+    assert scheduler.kv_cache.pool.num_free == scheduler.kv_cache.pool.num_blocks
+
+
 def chunk_shapes(result: ScheduleResult) -> list[tuple[int, int, bool]]:
     """(request id, tokens, needs_logits) of each chunk, in order."""
     return [(c.seq_id, len(c.token_ids), c.needs_logits) for c in result.step_input.chunks]
@@ -309,6 +315,36 @@ def test_abort_while_a_step_is_in_flight_skips_its_output() -> None:
     next_step = scheduler.schedule()
     assert next_step.step_input.finished_seq_ids == (1,)
     assert [c.seq_id for c in next_step.step_input.chunks] == [2]
+
+
+def test_aborting_mid_chunked_prefill_and_after_preemption_leaks_no_block() -> None:
+    scheduler, runner = make_scheduler(
+        num_blocks=8, block_size=4, max_num_batched_tokens=4, max_num_seqs=2
+    )
+    shared = list(range(10, 18))
+    scheduler.add_request(0, [*shared, 1, 2], SamplingParams(max_tokens=16))
+    scheduler.add_request(1, [*shared, 3, 4], SamplingParams(max_tokens=16))
+    scheduler.add_request(2, list(range(30, 39)), SamplingParams(max_tokens=4))
+    preempted: set[int] = set()
+    for _ in range(40):  # until request 1 has been preempted and waits to be recomputed
+        result = scheduler.schedule()
+        preempted |= set(result.preempted_request_ids)
+        scheduler.update_from_output(result, runner.execute(result.step_input))
+        scheduler.kv_cache.check_invariants()
+        request = scheduler.get_request(1)
+        if 1 in preempted and request is not None and request.status is RequestStatus.PREEMPTED:
+            break
+    else:
+        pytest.fail("request 1 was never preempted")
+    scheduler.finish_request(1, FinishReason.ABORT)
+    scheduler.kv_cache.check_invariants()
+    result = scheduler.schedule()  # request 2 starts a chunked prefill of its 9 tokens
+    assert [c.needs_logits for c in result.step_input.chunks if c.seq_id == 2] == [False]
+    scheduler.update_from_output(result, runner.execute(result.step_input))
+    scheduler.finish_request(2, FinishReason.ABORT)
+    scheduler.kv_cache.check_invariants()
+    run_to_end(scheduler, runner)
+    assert_all_blocks_free(scheduler)
 
 
 # -- stopping: max_tokens (stop tokens and strings: test_output.py) ---------------------------

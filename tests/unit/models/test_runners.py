@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from carpool.cli import app
 from carpool.config import load_config, parse_config
-from carpool.errors import ConfigError
+from carpool.errors import ConfigError, ModelError
 from carpool.models.onnx import OnnxRunner, TensorInfo, onnx_factory, read_specs
 from carpool.models.python import is_factory, load_python
 from carpool.models.torch import TorchRunner, load_module, torch_factory
@@ -271,6 +271,57 @@ def test_torch_runner_rejects_a_wrong_number_of_outputs(
     runner = torch_factory(f"{name}:build", input_names=["x", "y"], output_names=["only"])("cpu")
     with pytest.raises(ModelError, match="returned 2 outputs"):
         runner({"x": X, "y": np.ones((3, 3), dtype=np.float32)})
+
+
+DICT_OUT = """
+import torch
+
+
+class DictOut(torch.nn.Module):
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+
+    def forward(self, x):
+        return {self.name: x * 2}
+
+
+def dict_out():
+    return DictOut("Y")
+
+
+def other_names():
+    return DictOut("Z")
+"""
+
+
+@pytest.fixture
+def user_module(make_module: Callable[[str], str]) -> str:
+    """A module of torch models that return a dict: ``dict_out`` by the declared name."""
+    return make_module(DICT_OUT)
+
+
+def test_torch_model_returning_a_dict_maps_by_name_or_says_so(user_module: str) -> None:
+    config = parse_config(
+        {
+            "models": [
+                {
+                    "name": "t",
+                    "kind": "torch",
+                    "source": f"{user_module}:dict_out",
+                    "inputs": [{"name": "X", "datatype": "FP32", "shape": [-1]}],
+                    "outputs": [{"name": "Y", "datatype": "FP32", "shape": [-1]}],
+                }
+            ]
+        }
+    )
+    (model,) = build_repository(config)
+    out = _run(model, {"X": np.ones((2, 3), np.float32)})
+    np.testing.assert_array_equal(out["Y"], np.full((2, 3), 2.0, np.float32))
+    factory = torch_factory(f"{user_module}:other_names", input_names=["X"], output_names=["Y"])
+    runner = factory("cpu")
+    with pytest.raises(ModelError, match=r"a dict of \['Z'\]; the config declares \['Y'\]"):
+        runner({"X": np.ones((2, 3), np.float32)})
 
 
 @JIT_LOAD_IS_DEPRECATED

@@ -1,10 +1,14 @@
-"""The ASGI app driven directly: no sockets, a fake clock, a held model."""
+"""The ASGI app driven directly: no sockets, a fake clock, a held model; and what Triton
+answers that its clients rely on: methods, compressed bodies, statistics."""
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import socket
 import threading
+import zlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -16,6 +20,9 @@ from carpool.core.clock import FakeClock, settle
 from carpool.server.access import DEFAULT_ACCESS, Access
 from carpool.server.app import KServeApp
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
+
+from .apps import Exchange, call, served, started_app
+from .http.fakes import until
 
 
 class HeldModel:
@@ -30,62 +37,13 @@ class HeldModel:
 
 
 def _app(model: Any, max_body_bytes: int = 1 << 20, access: Access = DEFAULT_ACCESS) -> KServeApp:
-    batcher = Batcher(
-        model, BatchPolicy(max_batch_size=8, max_delay_s=0.0), collate="dict", clock=FakeClock()
-    )
-    served = ServedModel(
-        "m",
-        "1",
-        "python",
-        (TensorSpec("x", "FP32", (2,)),),
-        (TensorSpec("y", "FP32", (2,)),),
-        batcher,
-    )
-    return KServeApp(ModelRepository([served]), max_body_bytes=max_body_bytes, access=access)
+    repository = ModelRepository([served(model, clock=FakeClock())])
+    return KServeApp(repository, max_body_bytes=max_body_bytes, access=access)
 
 
 def _infer_body(value: float) -> bytes:
     tensor = {"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [value, value]}
     return orjson.dumps({"inputs": [tensor]})
-
-
-class Exchange:
-    """One HTTP request through the app; ``disconnect()`` makes the client go away."""
-
-    def __init__(
-        self,
-        method: str,
-        path: str,
-        body: bytes = b"",
-        headers: list[tuple[bytes, bytes]] | None = None,
-    ) -> None:
-        self.scope = {"type": "http", "method": method, "path": path, "headers": headers or []}
-        self._body = body
-        self._sent_body = False
-        self._gone = asyncio.Event()
-        self.status: int | None = None
-        self.headers: dict[bytes, bytes] = {}
-        self.body = b""
-
-    async def receive(self) -> dict[str, Any]:
-        if not self._sent_body:
-            self._sent_body = True
-            return {"type": "http.request", "body": self._body, "more_body": False}
-        await self._gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            self.status = message["status"]
-            self.headers = dict(message["headers"])
-        else:
-            self.body += message.get("body", b"")
-
-    def disconnect(self) -> None:
-        self._gone.set()
-
-    async def run(self, app: KServeApp) -> None:
-        await app(self.scope, self.receive, self.send)
 
 
 async def test_a_client_that_disconnects_while_queued_is_never_computed() -> None:
@@ -156,6 +114,92 @@ async def test_unknown_requested_output_is_a_400_naming_it() -> None:
         assert model.seen == []
     finally:
         await app.repository.stop()
+
+
+# -- what Triton answers: methods, compressed bodies, statistics ----------------------------
+# Each test states what Triton does (and what tritonclient users rely on).
+
+
+@pytest.fixture
+async def app() -> AsyncIterator[KServeApp]:
+    """Models "m" and "other", doubling, started."""
+    async with started_app(served(), served(name="other")) as app:
+        yield app
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v2/models/m/infer"),
+        ("POST", "/v2/health/live"),
+        ("HEAD", "/v2/models/m/infer"),  # HEAD goes with GET only
+        ("POST", "/v2/models/m/ready"),
+        ("DELETE", "/v2/models/m"),
+    ],
+)
+async def test_wrong_method_on_a_known_route_is_405(app: KServeApp, method: str, path: str) -> None:
+    # Triton answers a known route with the wrong method 405 "Method Not Allowed"
+    # (http_server.cc: RETURN_AND_RESPOND_WITH_ERR(req, EVHTP_RES_METHNALLOWED, ...)).
+    exchange = await Exchange(method, path).run(app)
+    assert exchange.status == 405, exchange.body
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("POST", "/v1/foo", 404), ("GET", "/v1/completions", 405)],
+    ids=["POST-/v1/foo", "GET-/v1/completions"],
+)
+async def test_an_unknown_v1_route_is_not_reported_as_model_not_found(app, method, path, status):
+    got = await call(app, path, method)
+    assert got.status == status
+    assert got.json()["error"]["code"] != "model_not_found", got.json()
+
+
+@pytest.mark.parametrize(
+    ("encoding", "compress"), [(b"gzip", gzip.compress), (b"deflate", zlib.compress)]
+)
+async def test_compressed_request_body_is_accepted(
+    app: KServeApp, encoding: bytes, compress: Any
+) -> None:
+    # tritonclient.http's infer(request_compression_algorithm="gzip"|"deflate") sends the
+    # body compressed with Content-Encoding; Triton decompresses it before parsing
+    # (http_server.cc DecompressBuffer). Inference-Header-Content-Length, when sent, counts
+    # the uncompressed JSON header.
+    body = compress(_infer_body(1.5))
+    headers = [(b"content-encoding", encoding), (b"content-length", str(len(body)).encode())]
+    exchange = await Exchange("POST", "/v2/models/m/infer", body, headers).run(app)
+    assert exchange.status == 200, exchange.body
+    assert orjson.loads(exchange.body)["outputs"][0]["data"] == [3.0, 3.0]
+
+
+async def test_rest_stats_without_a_model_name_reports_every_model(app: KServeApp) -> None:
+    # Triton's statistics extension: GET v2/models[/${MODEL}[/versions/${V}]]/stats; with no
+    # name, every model. tritonclient.http's get_inference_statistics() with no model name
+    # (its default) requests exactly "v2/models/stats". The gRPC face already does this.
+    exchange = await Exchange("GET", "/v2/models/stats").run(app)
+    assert exchange.status == 200, exchange.body
+    names = sorted(s["name"] for s in orjson.loads(exchange.body)["model_stats"])
+    assert names == ["m", "other"]
+
+
+async def test_rest_stats_carry_every_key_of_tritons_schema(app: KServeApp) -> None:
+    # Triton's $model_stat / $inference_stats / $batch_stats have these keys (none marked
+    # #optional in docs/protocol/extension_statistics.md).
+    await Exchange("POST", "/v2/models/m/infer", _infer_body(1.0)).run(app)
+    exchange = await Exchange("GET", "/v2/models/m/stats").run(app)
+    (stat,) = orjson.loads(exchange.body)["model_stats"]
+    missing = [k for k in ("last_inference",) if k not in stat]
+    missing += [
+        f"inference_stats.{k}"
+        for k in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+        if k not in stat["inference_stats"]
+    ]
+    missing += [
+        f"batch_stats[].{k}"
+        for k in ("compute_input", "compute_infer", "compute_output")
+        if k not in stat["batch_stats"][0]
+    ]
+    assert missing == []
 
 
 # -- access: the API key, policy updates (carpool.server.access) ----------------------------
@@ -266,6 +310,7 @@ async def _ready_statuses(app: KServeApp) -> tuple[int | None, int | None]:
 async def test_a_hung_batch_is_a_504_and_readiness_is_503_until_a_fresh_replica_loads() -> None:
     clock = FakeClock()
     entered, release, second_build = threading.Event(), threading.Event(), threading.Event()
+    rebuilding = threading.Event()
     builds: list[str] = []
 
     def model(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -277,6 +322,7 @@ async def test_a_hung_batch_is_a_504_and_readiness_is_503_until_a_fresh_replica_
     def factory(device: str) -> Any:
         builds.append(device)
         if len(builds) == 2:
+            rebuilding.set()
             second_build.wait(5.0)
         return model
 
@@ -301,15 +347,12 @@ async def test_a_hung_batch_is_a_504_and_readiness_is_503_until_a_fresh_replica_
         await asyncio.wait_for(hung_task, 5.0)
         assert hung.status == 504
         assert "batch_timeout_s=1 s" in orjson.loads(hung.body)["error"]
-        async with asyncio.timeout(5.0):
-            while len(builds) < 2:  # noqa: ASYNC110 - the replica thread builds
-                await asyncio.sleep(0.001)
+        assert await asyncio.wait_for(asyncio.to_thread(rebuilding.wait, 5.0), 5.0)
         assert await _ready_statuses(app) == (503, 503)
 
         second_build.set()
-        async with asyncio.timeout(5.0):
-            while await _ready_statuses(app) != (200, 200):  # noqa: ASYNC110 - as above
-                await asyncio.sleep(0.001)
+        await until(lambda: app.repository.is_ready)  # the fresh replica loaded
+        assert await _ready_statuses(app) == (200, 200)
         again = Exchange("POST", "/v2/models/m/infer", _infer_body(1.0))
         await asyncio.wait_for(again.run(app), 5.0)
         assert again.status == 200
@@ -340,9 +383,7 @@ async def test_the_app_is_served_by_uvicorn_as_a_plain_asgi_app() -> None:
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     serving = asyncio.ensure_future(server.serve(sockets=[listener]))
     try:
-        async with asyncio.timeout(10):
-            while not server.started:  # noqa: ASYNC110 - uvicorn says when it listens
-                await asyncio.sleep(0.01)
+        await until(lambda: server.started, timeout_s=10)  # uvicorn says when it listens
         async with httpx.AsyncClient() as client:
             ready = await client.get(f"{url}/v2/health/ready")
             answer = await client.post(f"{url}/v2/models/m/infer", content=_infer_body(1.5))

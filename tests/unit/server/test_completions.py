@@ -1,12 +1,15 @@
 """/v1/completions and /v1/chat/completions through the ASGI app, no sockets: the
 built-in random-weight tiny Llama (small settings), request checks, response and chunk
-shapes, and a client that disconnects mid-stream."""
+shapes, a client that disconnects mid-stream, sampling parameters as OpenAI and vLLM read
+them, and the chat prompt built from a Hugging Face folder's template (checked against
+transformers' ``apply_chat_template``)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -17,9 +20,16 @@ from carpool.server.app import KServeApp
 from carpool.server.completions import prepare
 from carpool.server.generation import GenerationService
 from carpool.server.openai import BadParam
-from carpool.server.repository import ServedModel
+from carpool.server.repository import ModelRepository, ServedModel
 
-from .apps import started_app
+from ..generation.hf_folders import (
+    save_pretrained_folder,
+    train_bpe,
+    transformers_tokenizer,
+    write_folder,
+)
+from .apps import Exchange, call, started_app
+from .http.fakes import until
 
 MODEL = "tiny"
 
@@ -39,48 +49,9 @@ async def tiny_generation_app() -> AsyncIterator[KServeApp]:
         yield app
 
 
-class Exchange:
-    """One HTTP request; ``leave_after`` body chunks the client disconnects."""
-
-    def __init__(self, path: str, body: dict[str, Any], leave_after: int | None = None) -> None:
-        self.scope = {"type": "http", "method": "POST", "path": path, "headers": []}
-        self._body = orjson.dumps(body)
-        self._sent_body = False
-        self._gone = asyncio.Event()
-        self._leave_after = leave_after
-        self.status: int | None = None
-        self.headers: dict[bytes, bytes] = {}
-        self.chunks: list[bytes] = []
-
-    async def receive(self) -> dict[str, Any]:
-        if not self._sent_body:
-            self._sent_body = True
-            return {"type": "http.request", "body": self._body, "more_body": False}
-        await self._gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            self.status = message["status"]
-            self.headers = dict(message["headers"])
-        elif message.get("body"):
-            self.chunks.append(message["body"])
-            if self._leave_after is not None and len(self.chunks) >= self._leave_after:
-                self._gone.set()
-
-    def json(self) -> Any:
-        return orjson.loads(b"".join(self.chunks))
-
-    def events(self) -> list[Any]:
-        lines = b"".join(self.chunks).decode().split("\n\n")
-        assert lines[-1] == ""
-        return [line.removeprefix("data: ") for line in lines[:-1]]
-
-
 async def _post(app: KServeApp, path: str, leave_after: int | None = None, **body: Any) -> Exchange:
-    exchange = Exchange(path, {"model": MODEL, **body}, leave_after)
-    await app(exchange.scope, exchange.receive, exchange.send)
-    return exchange
+    document = orjson.dumps({"model": MODEL, **body})
+    return await Exchange("POST", path, document, leave_after=leave_after).run(app)
 
 
 async def test_completion_has_openai_shape(app):
@@ -157,12 +128,10 @@ async def test_a_client_leaving_mid_stream_aborts_its_request(app):
         ignore_eos=True,
     )
     assert b"[DONE]" not in b"".join(got.chunks)
-    service = app.repository.generation_services()[MODEL]
-    for _ in range(500):  # polls: the scheduler forgets it before the engine's next step
-        snapshot = service.engine.snapshot()
-        if snapshot.scheduler.num_running == 0:
-            break
-        await asyncio.sleep(0.01)
+    engine = app.repository.generation_services()[MODEL].engine
+    # The scheduler forgets it before the engine's next step.
+    await until(lambda: engine.snapshot().scheduler.num_running == 0)
+    snapshot = engine.snapshot()
     assert snapshot.finished == {"abort": 1}
     assert snapshot.scheduler.num_running == 0 and snapshot.scheduler.kv_cache_usage == 0
 
@@ -177,8 +146,7 @@ async def test_errors_have_openai_shape(app):
 
 
 async def test_models_lists_the_generation_model(app):
-    exchange = Exchange("/v1/models", {})
-    exchange.scope["method"] = "GET"
+    exchange = Exchange("GET", "/v1/models")
     await app(exchange.scope, exchange.receive, exchange.send)
     (model,) = exchange.json()["data"]
     assert model["id"] == MODEL and "random weights" in model["owned_by"]
@@ -291,3 +259,145 @@ async def test_chat_uses_the_tokenizers_template_and_its_word_on_bos(app):
     service.tokenizer.chat_template = None  # no template: refused, whatever the tokenizer
     with pytest.raises(BadParam, match="has no chat template"):
         await _prepare(app, is_chat=True, messages=[{"role": "user", "content": "hi"}])
+
+
+# -- sampling parameters as OpenAI and vLLM read them --------------------------------------
+# Each test states what OpenAI's API (or vLLM's server) does.
+
+
+async def test_a_top_k_past_int64_is_the_whole_vocabulary_and_harms_no_neighbour(app):
+    """Was: top_k was only checked >= 0; 2**63 reached torch.tensor in the sampler, whose
+    overflow failed the whole engine step: every request batched with it got a 500. A
+    top_k over the vocabulary now means all of it (as vLLM clamps it)."""
+    innocent, big = await asyncio.gather(
+        call(
+            app, "/v1/completions", model=MODEL, prompt="innocent", max_tokens=20,
+            temperature=0, ignore_eos=True,
+        ),
+        call(
+            app, "/v1/completions", model=MODEL, prompt="evil", max_tokens=20, top_k=2**63,
+            ignore_eos=True,
+        ),
+    )  # fmt: skip
+    assert innocent.status == 200, innocent.json()
+    assert big.status == 200, big.json()
+    assert big.json()["usage"]["completion_tokens"] == 20
+
+
+async def test_completion_logprobs_zero_is_not_silently_dropped(app):
+    """OpenAI: logprobs=0 still returns the sampled token's logprob ("up to logprobs+1
+    elements"). carpool refuses logprobs it cannot give. Was: 0 == False slipped through
+    _UNUSED and the answer carried "logprobs": null."""
+    got = await call(app, "/v1/completions", model=MODEL, prompt="hi", max_tokens=2, logprobs=0)
+    assert got.status == 400 and got.json()["error"]["param"] == "logprobs", got.json()
+
+
+async def test_invalid_stop_token_ids_name_the_param(app):
+    got = await call(app, "/v1/completions", model=MODEL, prompt="hi", stop_token_ids=[9999])
+    assert got.status == 400
+    assert got.json()["error"]["param"] == "stop_token_ids", got.json()
+
+
+async def test_chat_null_max_completion_tokens_falls_back_to_max_tokens(app):
+    """The openai client sends null for max_completion_tokens=None; vLLM then uses
+    max_tokens (max_completion_tokens or max_tokens). carpool ignores max_tokens and
+    generates to the end of the context."""
+    got = await call(
+        app,
+        "/v1/chat/completions",
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_completion_tokens=None,
+        max_tokens=3,
+        ignore_eos=True,
+    )
+    assert got.status == 200
+    assert got.json()["usage"]["completion_tokens"] == 3, got.json()["usage"]
+
+
+async def test_a_tiny_positive_temperature_samples_like_greedy(app):
+    """temperature=1e-40 becomes 0 (or a subnormal) in float32: logits / t are inf/nan,
+    the cdf is nan and every token is id 0. vLLM treats t < 1e-5 as greedy."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 6, "ignore_eos": True}
+    greedy = await call(app, "/v1/completions", **body, temperature=0)
+    tiny = await call(app, "/v1/completions", **body, temperature=1e-40)
+    assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+async def test_top_k_minus_one_means_off_as_in_vllm(app):
+    """vLLM's documented value for 'top_k off' is -1 (0 too); carpool refused -1."""
+    got = await call(app, "/v1/completions", model=MODEL, prompt="hi", max_tokens=2, top_k=-1)
+    assert got.status == 200, got.json()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_vllms_default_priority_zero_is_the_default_class(app, path):
+    """vLLM's requests carry an integer priority, 0 by default (its clients may send it
+    always); carpool's priority is a class name. 0 is the default class; other integers
+    and unknown names stay a 400 naming priority."""
+    prompt = {"prompt": "hi"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]
+    }  # fmt: skip
+    got = await call(app, path, model=MODEL, max_tokens=2, priority=0, **prompt)
+    assert got.status == 200, got.json()
+    for bad in (1, -1, 0.0, False, "vip"):
+        got = await call(app, path, model=MODEL, max_tokens=2, priority=bad, **prompt)
+        assert got.status == 400 and got.json()["error"]["param"] == "priority", bad
+
+
+# -- the chat prompt from a Hugging Face folder ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_pretrained_folder(tmp_path_factory.mktemp("saved"))
+
+
+def _model_folder(folder: Path, bpe: Any) -> Path:
+    from carpool.generation.weights import random_llama, save_hf_folder
+
+    config = {
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "vocab_size": bpe.get_vocab_size(),
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 128,
+    }
+    return save_hf_folder(random_llama(config, seed=0), folder)
+
+
+async def _chat_prompt_ids(folder: Path, messages: list[dict[str, Any]]) -> list[int]:
+    settings = GenerationSettings(block_size=8, num_blocks=16, max_num_seqs=1, max_model_len=64)
+    service = GenerationService.from_folder("m", folder, settings)
+    repository = ModelRepository([ServedModel.of_generation(service)])
+    body = orjson.dumps({"model": "m", "messages": messages, "max_tokens": 1})
+    call = await prepare(repository, body, is_chat=True)
+    return call.prompt_ids
+
+
+async def test_chat_prompt_has_the_templates_bos_once(saved_folder, tmp_path):
+    folder = _model_folder(tmp_path, train_bpe())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).write_bytes((saved_folder / name).read_bytes())
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hello world"}]}]
+    ids = await _chat_prompt_ids(folder, messages)
+    expected = transformers_tokenizer(folder).apply_chat_template(
+        [{"role": "user", "content": "Hello world"}], add_generation_prompt=True
+    )["input_ids"]
+    assert ids == expected
+    assert ids.count(0) == 1 and ids[0] == 0
+
+
+async def test_chat_with_a_folder_without_template_is_a_400(tmp_path):
+    """As vLLM (transformers >= 4.44 has no default template): a clear 400 naming
+    ``messages``, not a prompt in a format the model never saw."""
+    bpe = train_bpe()
+    folder = _model_folder(tmp_path, bpe)
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    write_folder(folder, bpe, config)
+    with pytest.raises(BadParam, match="no chat template") as refused:
+        await _chat_prompt_ids(folder, [{"role": "user", "content": "Hi"}])
+    assert refused.value.param == "messages"

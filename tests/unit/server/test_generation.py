@@ -3,7 +3,7 @@ whose repository starts and drains the engine, the KServe face, no batch policy.
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -12,9 +12,14 @@ from carpool.config import ModelConfig, parse_config
 from carpool.core.batcher import Batcher
 from carpool.errors import ConfigError, InvalidInput
 from carpool.generation.build import GenerationSettings
+from carpool.server.app import KServeApp
 from carpool.server.builder import generation_settings
 from carpool.server.generation import RANDOM_WEIGHTS_LABEL, GenerationService
 from carpool.server.repository import ModelRepository, ServedModel
+
+from .apps import call
+from .http.fakes import until
+from .test_completions import MODEL, tiny_generation_app
 
 
 def _tiny(**settings) -> GenerationService:
@@ -86,11 +91,13 @@ async def test_kserve_row_refused_stops_the_other_rows_of_its_request():
         rows = np.array([b"ok", b"x" * 200], dtype=object)
         with pytest.raises(InvalidInput):
             await served.run({"TEXT": rows}, {})
-        for _ in range(500):  # until "ok" left the engine, aborted or run to its end
-            snapshot = service.engine.snapshot(quantiles=False)
-            if snapshot.scheduler.num_running == snapshot.scheduler.num_waiting == 0:
-                break
-            await asyncio.sleep(0.01)
+
+        def idle() -> bool:  # "ok" left the engine, aborted or run to its end
+            scheduler = service.engine.snapshot(quantiles=False).scheduler
+            return scheduler.num_running == scheduler.num_waiting == 0
+
+        await until(idle)
+        snapshot = service.engine.snapshot(quantiles=False)
         assert snapshot.finished.get("length", 0) == 0, snapshot.finished  # not its 16 tokens
         assert snapshot.finished.get("abort", 0) == 1, snapshot.finished
     finally:
@@ -146,6 +153,18 @@ def test_a_generation_model_has_no_batch_policy_to_show_or_set():
     assert served.class_names == ("interactive", "normal", "background")
     config = served.config()
     assert "dynamic_batching" not in config and config["max_batch_size"] == 64
+
+
+@pytest.fixture
+async def app() -> AsyncIterator[KServeApp]:
+    async with tiny_generation_app() as app:
+        yield app
+
+
+async def test_a_policy_post_to_a_generation_model_is_a_400_naming_its_settings(app):
+    got = await call(app, f"/v2/models/{MODEL}/policy", max_batch_size=4)
+    assert got.status == 400
+    assert "max_num_seqs" in got.json()["error"]
 
 
 def test_a_served_model_runs_on_a_batcher_or_an_engine_never_both_or_neither():

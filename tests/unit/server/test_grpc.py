@@ -1,6 +1,7 @@
-"""The gRPC service without sockets: the proto against Triton's own descriptors, config
-and statistics messages, and a stream driven directly (decoding and encoding are the
-codec's: tests/unit/server/kserve/test_grpc_codec.py)."""
+"""The gRPC service: the proto against Triton's own descriptors, config and statistics
+messages, a stream driven directly, without sockets, and ModelReady as tritonclient reads
+it, on loopback (decoding and encoding are the codec's:
+tests/unit/server/kserve/test_grpc_codec.py)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
+import tritonclient.grpc.aio as grpcclient
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, EnumDescriptor
 
 from carpool import Batcher, BatchPolicy, ClassPolicy
+from carpool.core.clock import settle
 from carpool.server.errors import PortInUse
 from carpool.server.grpc import (
     InferenceServicer,
+    add_servicer,
     model_config,
     model_statistics,
     start_grpc_server,
@@ -231,6 +236,38 @@ async def test_model_statistics_carry_every_key_of_the_rest_stats() -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# ModelReady, as tritonclient reads it
+
+
+@pytest.fixture
+async def grpc_client() -> AsyncIterator[grpcclient.InferenceServerClient]:
+    repository = ModelRepository([_served()])
+    await repository.start()
+    server = grpc.aio.server()
+    add_servicer(server, InferenceServicer(repository))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.stop(None)
+        await repository.stop()
+
+
+@pytest.mark.parametrize(("name", "version"), [("nope", ""), ("m", "2")])
+async def test_grpc_model_ready_of_an_unknown_model_is_false_not_an_error(
+    grpc_client: grpcclient.InferenceServerClient, name: str, version: str
+) -> None:
+    # Triton's ModelIsReady answers ready=false with status OK for a model or version it
+    # does not have, so tritonclient.grpc's is_model_ready() returns False (as the HTTP
+    # client does on carpool's 404). carpool aborts with NOT_FOUND, so it raises.
+    assert await grpc_client.is_model_ready("m")
+    assert await grpc_client.is_model_ready(name, version) is False
+
+
+# ---------------------------------------------------------------------------------------
 # Streaming
 
 
@@ -240,6 +277,7 @@ class GatedInfer:
     def __init__(self) -> None:
         self.gates: dict[float, asyncio.Event] = {}
         self.entered: dict[float, asyncio.Event] = {}
+        self.answered: dict[float, asyncio.Event] = {}
         self.cancelled = asyncio.Event()  # some request was cancelled at its gate
 
     def gate(self, value: float) -> asyncio.Event:
@@ -247,6 +285,9 @@ class GatedInfer:
 
     def entry(self, value: float) -> asyncio.Event:
         return self.entered.setdefault(value, asyncio.Event())
+
+    def answer(self, value: float) -> asyncio.Event:
+        return self.answered.setdefault(value, asyncio.Event())
 
     async def __call__(self, payload: dict[str, np.ndarray], options: dict[str, Any]) -> Any:
         x = payload["x"]
@@ -257,6 +298,7 @@ class GatedInfer:
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+        self.answer(value).set()
         return {"y": x, "tag": np.array([[b"t"]] * len(x), dtype=object)}
 
 
@@ -288,7 +330,8 @@ async def test_stream_runs_requests_at_once_and_answers_them_in_order() -> None:
     infer.gate(2.0).set()
     await infer.entry(1.0).wait()  # "slow" reached its model ...
     await infer.entry(2.0).wait()  # ... and so did "fast", behind it on the stream
-    await asyncio.sleep(0.05)
+    await infer.answer(2.0).wait()
+    await settle()
     assert not first.done()  # "fast" is done, but "slow" is owed its answer first
     infer.gate(1.0).set()
     incoming.put_nowait(None)  # the client half-closes

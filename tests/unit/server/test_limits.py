@@ -13,22 +13,32 @@ import numpy as np
 import pytest
 
 from carpool import Batcher, BatchPolicy, ConfigError
+from carpool.core.clock import settle
 from carpool.server.app import KServeApp
 from carpool.server.http.connection import Connection
 from carpool.server.http.server import HttpServer
 from carpool.server.limits import InflightBytes, ServerLimits
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 
-from .http.fakes import FakeTransport, Recorder, Responses, binary_request, connector, until
+from .http.fakes import (
+    FakeLoop,
+    FakeTransport,
+    Recorder,
+    Responses,
+    binary_request,
+    connector,
+    until,
+)
 
 Connect = Callable[[], tuple[Connection, FakeTransport]]
 
 
 @contextlib.asynccontextmanager
 async def limited(
-    limits: ServerLimits, *, gate: asyncio.Event | None = None
+    limits: ServerLimits, *, gate: asyncio.Event | None = None, loop: FakeLoop | None = None
 ) -> AsyncIterator[tuple[KServeApp, Connect, Recorder]]:
-    """Model "m" (doubling; held while ``gate`` is clear) served under ``limits``."""
+    """Model "m" (doubling; held while ``gate`` is clear) served under ``limits``; with
+    ``loop``, its connections' waits are timed by that loop's fake clock."""
     model = Recorder()
 
     async def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -43,7 +53,7 @@ async def limited(
     await repository.start()
     app = KServeApp(repository, max_body_bytes=1_000_000, limits=limits)
     try:
-        yield app, connector(HttpServer(app, timeout_keep_alive_s=5), FakeTransport), model
+        yield app, connector(HttpServer(app, timeout_keep_alive_s=5), FakeTransport, loop), model
     finally:
         if gate is not None:
             gate.set()
@@ -110,7 +120,7 @@ async def test_requests_past_the_bytes_held_get_503_and_keep_their_connection() 
         held = [connect() for _ in range(2)]
         for i, (protocol, _) in enumerate(held):
             protocol.data_received(binary_request(float(i)))
-        await asyncio.sleep(0.01)
+        await settle()
         assert app.inflight.held_bytes == 2 * one  # held until answered
         protocol, transport = connect()
         protocol.data_received(binary_request(5.0))
@@ -154,7 +164,7 @@ async def test_a_lost_connection_gives_back_what_its_requests_held() -> None:
     async with limited(ServerLimits(), gate=gate) as (app, connect, _):
         protocol, _ = connect()
         protocol.data_received(binary_request(1.0) * 3)  # one running, two pipelined
-        await asyncio.sleep(0.01)
+        await settle()
         assert app.inflight.held_bytes > 0
         protocol.connection_lost(None)
         assert app.inflight.held_bytes == 0
@@ -166,16 +176,18 @@ async def test_a_lost_connection_gives_back_what_its_requests_held() -> None:
 async def test_a_body_trickled_past_the_body_timeout_gets_408() -> None:
     # Each byte comes well within the keep-alive wait (5 s), so only the whole body's
     # time limit can end it.
-    async with limited(ServerLimits(body_timeout_s=0.3)) as (_, connect, model):
+    loop = FakeLoop(asyncio.get_running_loop())
+    async with limited(ServerLimits(body_timeout_s=0.3), loop=loop) as (_, connect, model):
         protocol, transport = connect()
         request = binary_request(1.0)
         head_end = request.index(b"\r\n\r\n") + 4
         protocol.data_received(request[:head_end])
-        for i in range(head_end, len(request) - 1):
+        for i in range(head_end, head_end + 5):  # a byte each 0.05 s
             protocol.data_received(request[i : i + 1])
-            await asyncio.sleep(0.05)
-            if transport.data:
-                break
+            await loop.advance(0.05)
+        assert not transport.data  # 0.25 s after the head: within its 0.3 s
+        protocol.data_received(request[head_end + 5 : head_end + 6])
+        await loop.advance(0.06)  # 0.31 s after the head
         ((status, _, body),) = Responses(bytes(transport.data)).items
         assert status == 408
         assert b"--body-timeout-s" in body

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from carpool import Batcher, BatchPolicy, ClassPolicy, ConfigError, DeadlineExceeded, InvalidInput
+from carpool.core.clock import FakeClock
 from carpool.core.collate import DictCollator
 from carpool.server.errors import NotFound, http_error
 from carpool.server.kserve.tensors import InferRequest, InputTensor
@@ -144,9 +144,11 @@ def test_a_requests_timeout_shortens_its_class_deadline_and_never_lengthens_it(
 def test_a_longer_timeout_expires_at_the_class_deadline() -> None:
     """End to end in the batcher: the request asks for 5 s, its class allows 0.1 s, and it
     expires while the only replica is busy."""
-    gate = threading.Event()
+    clock = FakeClock()
+    entered, gate = threading.Event(), threading.Event()
 
     def model(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        entered.set()
         gate.wait(5.0)
         return {"y": inputs["x"]}
 
@@ -161,6 +163,7 @@ def test_a_longer_timeout_expires_at_the_class_deadline() -> None:
             BatchPolicy(max_batch_size=1, classes=(ClassPolicy("normal", timeout_s=0.1),)),
             collate="dict",
             executor="thread",
+            clock=clock,
         ),
     )
     x = np.zeros((1, 4), np.float32)
@@ -168,12 +171,14 @@ def test_a_longer_timeout_expires_at_the_class_deadline() -> None:
     async def run() -> None:
         async with served.batcher:
             blocker = asyncio.ensure_future(served.batcher.submit({"x": x}))
-            await asyncio.sleep(0.05)
+            assert await asyncio.to_thread(entered.wait, 5.0)  # the only replica is busy
             options = served.submit_options(_request(timeout=5_000_000))
-            started = time.monotonic()
+            waiting = asyncio.ensure_future(served.batcher.submit({"x": x}, **options))
+            await clock.advance(0.09)
+            assert not waiting.done()
+            await clock.advance(0.02)  # past the class's 0.1 s, long before the request's 5 s
             with pytest.raises(DeadlineExceeded):
-                await served.batcher.submit({"x": x}, **options)
-            assert time.monotonic() - started < 2.0
+                await asyncio.wait_for(waiting, 5.0)
             gate.set()
             await blocker
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http
 import time
+from collections.abc import Callable
 from email.utils import formatdate
 
 from carpool.server.infer import Headers
@@ -82,17 +83,19 @@ class AnswerHeads:
 
 class DateHeader:
     """The default header fields, with the ``date`` of the current second: a new list
-    once a second (:meth:`tick`), which :class:`AnswerHeads` tells apart by identity."""
+    once a second (:meth:`tick`), which :class:`AnswerHeads` tells apart by identity.
+    ``now``: the wall clock it reads (a test gives its own)."""
 
-    __slots__ = ("_second", "headers")
+    __slots__ = ("_now", "_second", "headers")
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.time) -> None:
+        self._now = now
         self._second = -1
         self.headers: DefaultHeaders = []
         self.tick()
 
     def tick(self) -> None:
-        now = time.time()
+        now = self._now()
         second = int(now)
         if second != self._second:
             self._second = second

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from typing import cast
 
@@ -51,6 +50,7 @@ class Framing(asyncio.Protocol):
         self._server = server
         self._app = server.app
         self._dispatch = server.dispatch
+        self._monotonic = server.monotonic
         self.loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
         # Answer the first of pipelined requests sent with Connection: close, not a 400.
@@ -109,7 +109,7 @@ class Framing(asyncio.Protocol):
             return  # what follows bad bytes cannot be trusted to start a request, nor
             # anything a lingering connection receives
         self._progress = False  # the repeats taken are progress, as parsed messages are
-        self._read_s = time.monotonic()
+        self._read_s = self._monotonic()
         repeat = self._repeat
         if repeat is not None and self.state is _IDLE and data.startswith(repeat.head):
             data = self._take_repeats(repeat, data)

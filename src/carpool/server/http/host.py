@@ -5,6 +5,7 @@ so a connection names it by this protocol rather than importing it."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from carpool.server.app import KServeApp
@@ -19,6 +20,7 @@ class Host(Protocol):
     dispatch: Dispatch
     timeout_keep_alive_s: float
     access_log: bool  # one INFO line per answer
+    monotonic: Callable[[], float]  # when a read came, on the batchers' clock
     num_requests: int  # answered, over the server's life
     connections: set[Any]  # its Connections
     tasks: set[asyncio.Task[None]]  # route handlers running

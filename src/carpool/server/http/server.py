@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 from carpool.server.app import KServeApp
 from carpool.server.http.answer import AnswerHeads, DateHeader
@@ -45,7 +46,9 @@ class HttpServer:
 
     ``timeout_keep_alive_s``: how long a connection may wait for its next request's head
     (and a body stall between two reads); ``access_log``: one INFO line per answer on
-    the ``carpool.server.access`` logger.
+    the ``carpool.server.access`` logger; ``monotonic``: the clock a read's time is taken
+    on, from which its requests' deadlines count: the batchers' (a test gives its
+    FakeClock's ``now``).
     """
 
     def __init__(
@@ -54,11 +57,13 @@ class HttpServer:
         *,
         timeout_keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
         access_log: bool = False,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.app = app
         self.dispatch = Dispatch(app)
         self.timeout_keep_alive_s = timeout_keep_alive_s
         self.access_log = access_log
+        self.monotonic = monotonic
         self.connections: set[Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()  # route handlers running
         self.num_requests = 0  # answered, over the server's life

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -13,6 +14,7 @@ import numpy as np
 import orjson
 
 from carpool import Batcher, BatchPolicy
+from carpool.core.clock import FakeClock, TimerHandle
 from carpool.server.access import DEFAULT_ACCESS, Access
 from carpool.server.app import KServeApp
 from carpool.server.http.connection import Connection
@@ -130,13 +132,42 @@ class Gate:
         return {"y": inputs["x"] * 2}
 
 
+class FakeLoop:
+    """The running loop with a fake clock: ``time()`` reads a FakeClock, and the timers of
+    ``call_at``/``call_later`` fire in time order as :meth:`advance` moves it; all else
+    (futures, tasks, ``call_soon``) is the loop's. A connection given it as its ``loop``
+    times its waits (keep-alive, a body's time, lingering) on the test's clock."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.clock = FakeClock()
+
+    def time(self) -> float:
+        return self.clock.now()
+
+    def call_at(self, when: float, callback: Callable[..., Any], *args: Any) -> TimerHandle:
+        return self.clock.call_at(when, functools.partial(callback, *args))
+
+    def call_later(self, delay: float, callback: Callable[..., Any], *args: Any) -> TimerHandle:
+        return self.call_at(self.time() + delay, callback, *args)
+
+    async def advance(self, delta_s: float) -> None:
+        """Move the clock by ``delta_s``, firing the timers due, the loop settled after each."""
+        await self.clock.advance(delta_s)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loop, name)
+
+
 def connector(
-    server: HttpServer, transport_type: Callable[[], T]
+    server: HttpServer, transport_type: Callable[[], T], loop: FakeLoop | None = None
 ) -> Callable[[], tuple[Connection, T]]:
-    """Connections of ``server``, each on a new transport."""
+    """Connections of ``server``, each on a new transport; with ``loop``, timed by it."""
 
     def connect() -> tuple[Connection, T]:
         protocol = server.connection()
+        if loop is not None:
+            protocol.loop = loop  # type: ignore[assignment]  # its waits on the test's clock
         transport = transport_type()
         protocol.connection_made(transport)  # type: ignore[arg-type]
         return protocol, transport
@@ -149,10 +180,14 @@ SPEC_IN, SPEC_OUT = TensorSpec("x", "FP32", (2,)), TensorSpec("y", "FP32", (2,))
 
 
 @contextlib.asynccontextmanager
-async def serving(access: Access = DEFAULT_ACCESS) -> AsyncIterator[Server]:
-    """A doubling model "m" served by the fast path, and "custom" (its own infer)."""
+async def serving(
+    access: Access = DEFAULT_ACCESS, clock: FakeClock | None = None
+) -> AsyncIterator[Server]:
+    """A doubling model "m" served by the fast path, and "custom" (its own infer); with
+    ``clock``, the batcher of "m" and the time of the server's reads are that clock's."""
     model = Recorder()
-    batcher = Batcher(model, BatchPolicy(max_batch_size=10_000, max_delay_s=0.001), collate="dict")
+    policy = BatchPolicy(max_batch_size=10_000, max_delay_s=0.001)
+    batcher = Batcher(model, policy, collate="dict", clock=clock)
     served = ServedModel("m", "1", "python", (SPEC_IN,), (SPEC_OUT,), batcher)
 
     async def embed(payload: dict[str, np.ndarray], options: dict[str, Any]) -> Any:
@@ -162,8 +197,9 @@ async def serving(access: Access = DEFAULT_ACCESS) -> AsyncIterator[Server]:
     repository = ModelRepository([served, custom])
     await repository.start()
     app = KServeApp(repository, max_body_bytes=100_000, access=access)
+    server = HttpServer(app) if clock is None else HttpServer(app, monotonic=clock.now)
     try:
-        yield app, connector(HttpServer(app), FakeTransport), model
+        yield app, connector(server, FakeTransport), model
     finally:
         await repository.stop()
 
@@ -174,6 +210,10 @@ class Setup:
     def __init__(self, server: HttpServer, model: Gate, batcher: Batcher) -> None:
         self.server, self.app, self.model, self.batcher = server, server.app, model, batcher
         self.connect = connector(server, Transport)
+
+    def connect_on(self, loop: FakeLoop) -> tuple[Connection, Transport]:
+        """A connection whose waits ``loop``'s clock times."""
+        return connector(self.server, Transport, loop)()
 
 
 async def gated(

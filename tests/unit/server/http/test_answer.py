@@ -41,9 +41,13 @@ def test_a_streamed_answer_is_chunked_and_each_chunk_framed() -> None:
 
 
 def test_the_date_is_a_new_list_only_when_the_second_changes() -> None:
-    date = DateHeader()
-    ((name, value),) = date.headers
-    assert name == b"date" and value.endswith(b" GMT")
+    now_s = [1_700_000_000.25]
+    date = DateHeader(lambda: now_s[0])
+    assert date.headers == [(b"date", b"Tue, 14 Nov 2023 22:13:20 GMT")]
     before = date.headers
+    now_s[0] += 0.5  # the same second
     date.tick()
-    assert date.headers is before or date.headers[0][1] != value
+    assert date.headers is before
+    now_s[0] += 0.5  # the next one
+    date.tick()
+    assert date.headers == [(b"date", b"Tue, 14 Nov 2023 22:13:21 GMT")]

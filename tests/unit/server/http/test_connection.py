@@ -12,6 +12,8 @@ import gzip
 import numpy as np
 import pytest
 
+from carpool.core.clock import settle
+
 from .fakes import (
     BAD,
     LIVE,
@@ -156,10 +158,13 @@ async def test_no_answers_are_written_while_the_client_does_not_read(
     until resume_writing."""
     protocol, transport = setup.connect()
     protocol.pause_writing()
-    for i in range(3):
+    protocol.data_received(binary_request(0.0, path=path))
+    await until(lambda: setup.model.seen == [0.0])  # answered by the model, not written
+    for i in (1, 2):
         protocol.data_received(binary_request(float(i), path=path))
-        await asyncio.sleep(0.05)
+    await settle()
     assert len(items(transport)) == 0
+    assert setup.batcher.num_pending == 0 and setup.model.seen == [0.0]  # none started
     protocol.resume_writing()
     await until(lambda: len(items(transport)) >= 1)
 
@@ -263,8 +268,9 @@ async def test_request_after_connection_close_is_ignored(setup: Setup) -> None:
         binary_request(1.0, extra=b"Connection: close\r\n") + binary_request(8.0)
     )
     await until(lambda: transport.closed)
-    await asyncio.sleep(0.05)
+    await settle()
     assert len(items(transport)) == 1
+    assert setup.batcher.num_pending == 0 and setup.model.running == 0  # nothing left to run
     assert 8.0 not in setup.model.seen
 
 
@@ -275,7 +281,7 @@ async def test_pipelined_after_a_400_and_mixed_paths_keep_order(setup: Setup) ->
         LIVE + binary_request(1.0) + BAD + binary_request(2.0, path=b"/v2/models/m/infer?a=1")
         + binary_request(3.0) + LIVE
     )  # fmt: skip
-    await asyncio.sleep(0.02)
+    await until(lambda: setup.model.running == 1)  # the first infer is held in the model
     setup.model.open.set()
     await until(lambda: len(items(transport)) == 6)
     statuses = [s for s, _, _ in items(transport)]
@@ -311,7 +317,8 @@ async def test_connection_lost_while_the_model_runs(setup: Setup) -> None:
     await until(lambda: setup.model.running == 1)
     protocol.connection_lost(None)
     setup.model.open.set()
-    await asyncio.sleep(0.05)
+    await until(lambda: setup.model.running == 0)  # the model has answered, for nobody
+    await settle()
     assert transport.data == b"" and transport.writes_after_close == 0
 
 
@@ -321,25 +328,28 @@ async def test_connection_lost_cancels_the_handler_running_ahead_of_a_pipelined_
     """Was: uvicorn marked only the newest (pipelined) cycle disconnected; the running ASGI
     request kept its queued request, then wrote to the closed transport (uvloop raises).
     The handler running now is cancelled, and its queued request withdrawn."""
-    setup.batcher.update_policy(max_delay_s=0.2)
+    setup.batcher.update_policy(max_delay_s=60.0)  # queued until withdrawn
     protocol, transport = setup.connect()
     handled = binary_request(1.0, path=b"/v2/models/m/infer?via=handler")
     protocol.data_received(handled + handled)
     await until(lambda: setup.batcher.num_pending == 1)
     protocol.connection_lost(None)
-    await until(lambda: setup.batcher.num_pending == 0)
-    await asyncio.sleep(0.3)
+    await until(lambda: not setup.server.tasks)  # the handler's task is over
+    rejections = setup.batcher.snapshot().classes["normal"].rejections
+    assert rejections == {"cancelled": 1} and setup.batcher.num_pending == 0  # withdrawn
     assert setup.model.seen == [] and transport.data == b""
     assert transport.writes_after_close == 0
 
 
 async def test_connection_lost_with_a_pipelined_request_waiting(setup: Setup) -> None:
-    setup.batcher.update_policy(max_delay_s=0.2)
+    setup.batcher.update_policy(max_delay_s=60.0)  # queued until withdrawn
     protocol, transport = setup.connect()
     protocol.data_received(binary_request(1.0) + binary_request(2.0))
     await until(lambda: setup.batcher.num_pending == 1)
     protocol.connection_lost(None)
-    await asyncio.sleep(0.3)
+    await settle()
+    rejections = setup.batcher.snapshot().classes["normal"].rejections
+    assert rejections == {"cancelled": 1} and setup.batcher.num_pending == 0  # withdrawn
     assert setup.model.seen == [] and transport.data == b""
 
 
@@ -380,7 +390,7 @@ async def test_pipelined_request_dispatched_after_the_batcher_stopped_gets_503(
     protocol.data_received(binary_request(1.0) + binary_request(2.0))
     await until(lambda: setup.model.running == 1)
     stopping = asyncio.ensure_future(setup.batcher.stop(drain=True))
-    await asyncio.sleep(0.01)
+    await settle()  # the batcher stops taking requests, draining the one it runs
     setup.model.open.set()
     await stopping
     await until(lambda: len(items(transport)) == 2)

@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from carpool import Batcher, BatchPolicy
+from carpool.core.clock import FakeClock, settle
 from carpool.server.access import Access
 from carpool.server.app import KServeApp
 from carpool.server.http import dispatch
@@ -148,12 +149,12 @@ async def test_infer_routes_are_remembered_only_for_served_models(server: Server
 async def test_a_client_that_leaves_withdraws_its_queued_request(server: Server) -> None:
     app, connect, model = server
     batcher = app.repository.get("m").batcher
-    batcher.update_policy(max_delay_s=0.2)  # the request stays queued for a while
+    batcher.update_policy(max_delay_s=60.0)  # the request stays queued until withdrawn
     protocol, transport = connect()
     protocol.data_received(binary_request(7.0))
     await until(lambda: batcher.num_pending == 1)
     protocol.connection_lost(None)
-    await asyncio.sleep(0.3)
+    await settle()
     assert batcher.num_pending == 0
     assert 7.0 not in model.seen
     assert transport.data == b""
@@ -161,24 +162,26 @@ async def test_a_client_that_leaves_withdraws_its_queued_request(server: Server)
     assert rejections["cancelled"] == 1
 
 
-async def test_a_request_deadline_counts_from_its_first_byte(server: Server) -> None:
-    # timeout 200 ms (Triton's parameter, in µs); the body trickles in over 300 ms: it is
-    # past its deadline before it is parsed, and never reaches the model.
-    _, connect, model = server
-    protocol, transport = connect()
-    document = {
-        "inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [7.0, 7.0]}],
-        "parameters": {"timeout": 200_000},
-    }
-    request = json_request(document)
-    protocol.data_received(request[:-5])
-    await asyncio.sleep(0.3)
-    protocol.data_received(request[-5:])
-    await until(lambda: bool(transport.data))
-    ((status, _, body),) = Responses(bytes(transport.data)).items
-    assert status == 503, body
-    assert b"past its timeout" in body
-    assert 7.0 not in model.seen
+async def test_a_request_deadline_counts_from_its_first_byte() -> None:
+    # timeout 200 ms (Triton's parameter, in µs); the body trickles in over 300 ms of the
+    # clock the batcher and the server's reads share: it is past its deadline before it
+    # is parsed, and never reaches the model.
+    clock = FakeClock()
+    async with serving(clock=clock) as (_, connect, model):
+        protocol, transport = connect()
+        document = {
+            "inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [7.0, 7.0]}],
+            "parameters": {"timeout": 200_000},
+        }
+        request = json_request(document)
+        protocol.data_received(request[:-5])
+        await clock.advance(0.3)
+        protocol.data_received(request[-5:])
+        await until(lambda: bool(transport.data))
+        ((status, _, body),) = Responses(bytes(transport.data)).items
+        assert status == 503, body
+        assert b"past its timeout" in body
+        assert 7.0 not in model.seen
 
 
 @contextlib.asynccontextmanager
@@ -214,7 +217,7 @@ async def test_a_full_queue_refuses_from_the_head_without_decoding_the_body(
     async with _bounded(max_queue_size=1) as (connect, model, gate):
         for value in (1.0, 2.0):  # one runs (held), one waits
             connect()[0].data_received(binary_request(value))
-            await asyncio.sleep(0.01)
+            await settle()
         decoded: list[bytes] = []
         real = dispatch.prepare_infer
         monkeypatch.setattr(
@@ -291,7 +294,7 @@ async def test_a_refused_connection_is_not_read_until_its_model_has_room() -> No
     async with _bounded(max_queue_size=1) as (connect, model, gate):
         for value in (1.0, 2.0):  # one runs (held), one waits
             connect()[0].data_received(binary_request(value))
-            await asyncio.sleep(0.01)
+            await settle()
         refused, refused_transport = connect()
         refused.data_received(binary_request(3.0))
         assert Responses(bytes(refused_transport.data)).items[0][0] == 429
@@ -314,7 +317,7 @@ async def test_a_waiting_connection_keeps_its_place_from_newcomers() -> None:
             protocol, _ = connect()
             protocol.data_received(binary_request(value))
             queued.append(protocol)
-            await asyncio.sleep(0.01)
+            await settle()
         waiting, _ = connect()
         waiting.data_received(binary_request(4.0))
         assert waiting.is_read_paused  # refused: it waits for room
@@ -339,7 +342,7 @@ async def test_a_connection_waits_for_room_at_most_its_retry_after(
     async with _bounded(max_queue_size=1) as (connect, _, _):
         for value in (1.0, 2.0):  # one runs (held), one waits: no room for a long while
             connect()[0].data_received(binary_request(value))
-            await asyncio.sleep(0.01)
+            await settle()
         refused, refused_transport = connect()
         refused.data_received(binary_request(3.0))
         assert refused.is_read_paused
@@ -374,7 +377,7 @@ async def test_a_client_gone_before_its_handler_ran_reaches_the_model_and_is_wit
     and nothing is written to the lost connection."""
     app, connect, model = server
     batcher = app.repository.get("m").batcher
-    batcher.update_policy(max_delay_s=0.2)  # the request stays queued for a while
+    batcher.update_policy(max_delay_s=60.0)  # the request stays queued until withdrawn
     protocol, transport = connect()
     protocol.data_received(binary_request(7.0, path=b"/v2/models/m/infer?via=handler"))
     protocol.connection_lost(None)  # before its handler's task took a step

@@ -6,15 +6,15 @@ Was: uvicorn armed a timer (``loop.call_later``) for every answer and cancelled 
 the next request began. Now an answer only moves the wait's deadline; the one timer,
 when it fires, sleeps on to the deadline of the wait then running. What the timer
 decides is unchanged: an idle connection still closes timeout_keep_alive_s after its
-last answer, never under a request being answered. Where a test drives the timer by hand,
-it calls the handler the timer would call, and never waits for it. The tests whose
-docstrings start "Was:" failed before the fixes they name."""
+last answer, never under a request being answered. Where a test drives the timer, it
+calls the handler the timer would call, or moves the fake clock of the connection's loop
+(FakeLoop); it never waits for it. The tests whose docstrings start "Was:" failed before
+the fixes they name."""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -28,7 +28,7 @@ from carpool.server.http.guards import (
     head_refusal,
 )
 
-from .fakes import BAD, Setup, Transport, binary_request, gated, items, until
+from .fakes import BAD, FakeLoop, Setup, Transport, binary_request, gated, items, until
 
 
 class CountingLoop:
@@ -53,11 +53,11 @@ class CountingLoop:
 
 
 async def _connected(
-    timeout_keep_alive_s: float,
-) -> AsyncIterator[tuple[Connection, Transport, CountingLoop, Setup]]:
+    timeout_keep_alive_s: float, timed_by: Callable[[asyncio.AbstractEventLoop], Any]
+) -> AsyncIterator[tuple[Connection, Transport, Any, Setup]]:
     s, repository = await gated(timeout_keep_alive_s=timeout_keep_alive_s)
     protocol = s.server.connection()
-    loop = CountingLoop(protocol.loop)
+    loop = timed_by(protocol.loop)
     protocol.loop = loop  # type: ignore[assignment]
     transport = Transport()
     protocol.connection_made(transport)  # type: ignore[arg-type]
@@ -74,13 +74,14 @@ async def _answered(protocol: Connection, transport: Transport, count: int) -> N
 
 @pytest.fixture
 async def connected() -> AsyncIterator[tuple[Connection, Transport, CountingLoop, Setup]]:
-    async for value in _connected(5.0):
+    async for value in _connected(5.0, CountingLoop):
         yield value
 
 
 @pytest.fixture
-async def short() -> AsyncIterator[tuple[Connection, Transport, CountingLoop, Setup]]:
-    async for value in _connected(0.2):
+async def short() -> AsyncIterator[tuple[Connection, Transport, FakeLoop, Setup]]:
+    """A connection with a keep-alive time of 0.2 s, on a fake clock."""
+    async for value in _connected(0.2, FakeLoop):
         yield value
 
 
@@ -142,16 +143,16 @@ async def test_a_busy_connection_arms_one_timer_not_one_per_answer(connected: An
 
 
 async def test_an_idle_connection_closes_a_timeout_after_its_last_answer(short: Any) -> None:
-    protocol, transport, _, _ = short  # timeout_keep_alive_s = 0.2 s
+    protocol, transport, loop, _ = short  # timeout_keep_alive_s = 0.2 s
     await _answered(protocol, transport, 1)
-    await asyncio.sleep(0.12)
+    await loop.advance(0.12)
     await _answered(protocol, transport, 2)
-    last_answer = time.monotonic()
-    await asyncio.sleep(0.12)  # past the first answer's 0.2 s, within the second's
+    await loop.advance(0.12)  # past the first answer's 0.2 s, within the second's
     assert not transport.closed, "closed by the wait the second request ended"
-    await until(lambda: transport.closed, timeout_s=2.0)
-    waited = time.monotonic() - last_answer
-    assert 0.19 <= waited < 1.0, waited
+    await loop.advance(0.07)  # 0.19 s after the last answer
+    assert not transport.closed
+    await loop.advance(0.02)  # 0.21 s
+    assert transport.closed
 
 
 async def test_a_lost_connection_cancels_its_timer(connected: Any) -> None:
@@ -182,23 +183,27 @@ async def test_keep_alive_timeout_does_not_close_under_a_running_request(
     while the model ran, and the pipelined request's answer was lost."""
     s = short_keep_alive
     s.model.open.clear()
-    protocol, transport = s.connect()
+    loop = FakeLoop(asyncio.get_running_loop())
+    protocol, transport = s.connect_on(loop)
     protocol.data_received(BAD + binary_request(3.0))
     await until(lambda: s.model.running == 1)
-    await asyncio.sleep(0.2)  # > timeout_keep_alive_s
+    await loop.advance(0.2)  # > timeout_keep_alive_s
+    assert not transport.closed
     s.model.open.set()
-    await asyncio.sleep(0.05)
-    assert not transport.writes_after_close
+    await until(lambda: len(items(transport)) == 2)
+    assert not transport.closed and not transport.writes_after_close
     statuses = [status for status, _, _ in items(transport)]
     assert statuses == [400, 200]
 
 
 async def test_keep_alive_timer_after_a_fast_answer(short_keep_alive: Setup) -> None:
-    protocol, transport = short_keep_alive.connect()
+    loop = FakeLoop(asyncio.get_running_loop())
+    protocol, transport = short_keep_alive.connect_on(loop)  # timeout_keep_alive_s = 0.05 s
     protocol.data_received(binary_request(1.0))
     await until(lambda: bool(items(transport)))
+    await loop.advance(0.04)
     assert not transport.closed
-    await asyncio.sleep(0.15)
+    await loop.advance(0.02)
     assert transport.closed  # an idle connection closed after its keep-alive wait
 
 

@@ -6,11 +6,11 @@ fixes they name."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import orjson
 import pytest
+
+from carpool.core.clock import settle
 
 from .fakes import (
     BAD,
@@ -57,7 +57,7 @@ async def test_pipelined_oversized_request_is_answered_after_the_request_before_
     protocol.data_received(binary_request(1.0) + binary_request(1.0, rows=20_000))
     await until(lambda: setup.model.running == 1)
     setup.model.open.set()
-    await asyncio.sleep(0.05)
+    await until(lambda: transport.closed)  # the 413 closes the connection once written
     statuses = [status for status, _, _ in items(transport)]
     assert statuses == [200, 413]
 
@@ -82,10 +82,10 @@ async def test_chunked_and_content_length_is_rejected_with_400(setup: Setup) -> 
     protocol, transport = setup.connect()
     raw = binary_request(1.5, extra=b"Transfer-Encoding: chunked\r\n")
     protocol.data_received(raw)
-    await asyncio.sleep(0.01)
+    await settle()
     (response,) = items(transport)
     assert response[0] == 400 and transport.closed
-    assert setup.model.seen == []
+    assert setup.batcher.num_pending == 0 and setup.model.seen == []  # never queued
 
 
 # ---------------------------------------------------------------------------------------
@@ -180,5 +180,6 @@ async def test_a_refusal_waiting_behind_an_answer_is_dropped_if_the_client_leave
     protocol.connection_lost(None)
     transport.closed = True
     setup.model.open.set()
-    await asyncio.sleep(0.05)
+    await until(lambda: setup.model.running == 0)  # the model has answered, for nobody
+    await settle()
     assert transport.data == b"" and transport.writes_after_close == 0
