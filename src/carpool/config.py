@@ -40,7 +40,7 @@ from carpool.errors import ConfigError
 from carpool.models._source import is_import_ref
 
 Kind = Literal["python", "torch", "onnx", "embeddings", "generation"]
-# KServe v2 datatypes (carpool.server.tensors.DATATYPES holds their NumPy dtypes; a test
+# KServe v2 datatypes (carpool.server.kserve.tensors.DATATYPES holds their NumPy dtypes; a test
 # keeps the two lists equal without making the config import the server).
 Datatype = Literal[
     "BOOL",

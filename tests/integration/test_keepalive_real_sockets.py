@@ -2,9 +2,9 @@
 limits"), over real sockets against a real server process.
 
 The wait that ``timeout_keep_alive`` (5 s) times is armed lazily in
-``carpool.server.fasthttp.InferProtocol``: an answer only moves the connection's deadline,
+``carpool.server.http.guards.WaitTimer``: an answer only moves the connection's deadline,
 and one loop timer per connection catches up with it. These checks hold that timing to
-what the docs promise, on the fast path and the ASGI path (a query string) alike:
+what the docs promise, on the fast path and a route's handler (a query string) alike:
 
 - an idle keep-alive connection is closed, silently, about 5 s after its LAST answer,
   also after hundreds of answers or a pipelined burst on it;

@@ -17,8 +17,8 @@ from .conftest import DOUBLER_CONFIG, start_served_process
 
 CONFIG = DOUBLER_CONFIG
 
-# No query string: the fast path (carpool.server.fasthttp). A query string: uvicorn's
-# ASGI path into KServeApp.
+# No query string: the fast path (carpool.server.http.dispatch). A query string: the
+# route's handler, in a task (the ids keep their old name, "asgi").
 PATHS = [None, {"via": "asgi"}]
 PATH_IDS = ["fast", "asgi"]
 

@@ -12,7 +12,7 @@ import yaml
 from carpool.config import Datatype, ServeConfig, load_config, parse_config
 from carpool.core.policy import BatchPolicy, ClassPolicy
 from carpool.errors import ConfigError
-from carpool.server.tensors import DATATYPES
+from carpool.server.kserve.tensors import DATATYPES
 
 VALID = """\
 models:

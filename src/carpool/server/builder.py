@@ -16,9 +16,9 @@ from carpool.core.telemetry import MemoryProbe
 from carpool.errors import ConfigError
 from carpool.generation.build import GenerationSettings
 from carpool.server.classification import read_labels
+from carpool.server.kserve.tensors import DATATYPES
 from carpool.server.outputs import checking_outputs
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
-from carpool.server.tensors import DATATYPES
 
 if TYPE_CHECKING:
     from carpool.models.onnx import FileTensor, TensorInfo

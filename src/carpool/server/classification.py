@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from carpool.errors import InvalidInput
-from carpool.server.tensors import DATATYPES, OutputTensor, RequestedOutput
+from carpool.server.kserve.tensors import DATATYPES, OutputTensor, RequestedOutput
 
 if TYPE_CHECKING:
     from carpool.server.repository import TensorSpec

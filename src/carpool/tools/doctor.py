@@ -440,7 +440,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, DoctorOptions, Callable[[],
             return load_target(ref, device=device, dtype=dtype, input_name=args.input_name)
 
         return ref.label, options, load
-    from carpool.server.tensors import DATATYPES
+    from carpool.server.kserve.tensors import DATATYPES
 
     if args.input_name is not None:
         expected = "nothing with --config: the config names the model's input"

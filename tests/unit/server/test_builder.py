@@ -15,7 +15,7 @@ from carpool.config import parse_config
 from carpool.errors import ConfigError, InvalidInput, ModelError
 from carpool.server.builder import build_repository, build_runner
 from carpool.server.infer import error_response
-from carpool.server.tensors import InferRequest, InputTensor
+from carpool.server.kserve.tensors import InferRequest, InputTensor
 
 
 def _config(**model: Any) -> Any:

@@ -20,10 +20,10 @@ from carpool.server.classification import (
     classify,
     read_labels,
 )
-from carpool.server.decode import decode_infer_request
+from carpool.server.kserve.rest_decode import decode_infer_request
+from carpool.server.kserve.tensors import DATATYPES, RequestedOutput
 from carpool.server.proto import grpc_service_pb2 as pb
 from carpool.server.repository import TensorSpec
-from carpool.server.tensors import DATATYPES, RequestedOutput
 
 
 def _texts(array: Any) -> list[list[str]]:

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from carpool.errors import ConfigError
-from carpool.server.decode import decode_infer_request
+from carpool.server.kserve.rest_decode import decode_infer_request
 from carpool.tools.loadgen import RequestRecord
 from carpool.tools.targets import (
     CompletionsTarget,

@@ -17,8 +17,9 @@ from carpool.server.http.connection import Connection
 from carpool.server.http.guards import MAX_HEAD_BYTES
 from carpool.server.http.repeats import MAX_REPEATED_HEAD_BYTES, repeated_head
 from carpool.server.infer import InferPlans, infer_response, prepare_infer
+from carpool.server.kserve.rest_encode import encode_infer_response
+from carpool.server.kserve.tensors import OutputTensor
 from carpool.server.repository import ServedModel, TensorSpec
-from carpool.server.tensors import OutputTensor, encode_infer_response
 
 from .fakes import (
     LIVE,
