@@ -16,7 +16,7 @@ import rapidjson  # what tritonclient.http parses answers with
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carpool import Batcher, ClassPolicy
+from carpool import Batcher, BatchPolicy, ClassPolicy
 from carpool.errors import InvalidInput
 from carpool.server.infer import error_response
 from carpool.server.kserve import rest
@@ -395,3 +395,57 @@ def test_a_cached_plan_follows_a_policy_change_of_priority_classes() -> None:
     )
     assert prepare_infer(model, body, None, InferPlans()).options == {"priority": "gold"}
     assert prepare_infer(model, body, None, plans).options == {"priority": "gold"}
+
+
+# KServe's timeout parameter capped by the deadline of the request's class, as cached
+# plans resolve it: again after each policy update, for the default class and for a
+# class named by priority.
+
+
+def _timeout_model() -> ServedModel:
+    batcher = Batcher(
+        lambda inputs: {"y": inputs["x"]},
+        BatchPolicy(
+            max_batch_size=8,
+            classes=(ClassPolicy("interactive", timeout_s=0.1), ClassPolicy("normal")),
+            default_class="normal",
+        ),
+        collate="dict",
+    )
+    return ServedModel(
+        name="m",
+        version="1",
+        platform="python",
+        inputs=(TensorSpec("x", "FP32", (4,)),),
+        outputs=(TensorSpec("y", "FP32", (4,)),),
+        batcher=batcher,
+    )
+
+
+def _timeout_body(**parameters: object) -> bytes:
+    tensor = {"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}
+    return orjson.dumps({"inputs": [tensor], "parameters": parameters})
+
+
+def test_a_cached_plans_timeout_follows_the_class_deadline_of_each_policy() -> None:
+    """The HTTP plans cache a request's options per policy object: a policy update must
+    resolve the cap again, for the default class and for a class named by priority."""
+    model, plans = _timeout_model(), InferPlans()
+    longer = _timeout_body(timeout=5_000_000)
+    named = _timeout_body(priority="interactive", timeout=5_000_000)
+    by_level = _timeout_body(priority=1, timeout=50_000)
+    assert prepare_infer(model, longer, None, plans).options == {"timeout_s": 5.0}
+    assert prepare_infer(model, named, None, plans).options == {"priority": "interactive"}
+    assert prepare_infer(model, by_level, None, plans).options == pytest.approx(
+        {"priority": "interactive", "timeout_s": 0.05}
+    )
+    model.batcher.update_policy(
+        classes=(ClassPolicy("interactive", timeout_s=10.0), ClassPolicy("normal", timeout_s=1.0))
+    )
+    assert prepare_infer(model, longer, None, plans).options == {}  # capped at 1 s
+    assert prepare_infer(model, named, None, plans).options == {
+        "priority": "interactive",
+        "timeout_s": 5.0,
+    }
+    model.batcher.update_policy(timeout_s=2.0, classes=(ClassPolicy("normal"),))
+    assert prepare_infer(model, longer, None, plans).options == {}  # the model-wide 2 s
