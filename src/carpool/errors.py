@@ -265,3 +265,22 @@ class Hung(Exception):
         self.started_s = started_s
         self.timeout_s = timeout_s
         self.replica_id = replica_id
+
+
+class ReplicaDied(Exception):
+    """A replica's process ended while it ran a model call (a crash, ``kill -9``, the OOM
+    killer): its requests fail with a ModelError saying so, unless it ran again elsewhere."""
+
+    def __init__(self, model: str, replica_id: int, exitcode: int | None) -> None:
+        if exitcode is None:
+            how = "with an unknown status"
+        elif exitcode < 0:
+            how = f"killed by signal {-exitcode}"
+        else:
+            how = f"with exit code {exitcode}"
+        super().__init__(
+            f"the process of replica {replica_id} of model {model!r} died ({how}) while "
+            "running this batch"
+        )
+        self.exitcode = exitcode
+        self.replica_id = replica_id

@@ -22,6 +22,7 @@ from carpool.core.collate import Collator
 from carpool.core.dispatch import Dispatcher
 from carpool.core.lifecycle import Lifecycle, State
 from carpool.core.policy import BatchPolicy
+from carpool.core.process_replica import check_replica_cpus, process_source
 from carpool.core.queues import Queues
 from carpool.core.replicas import BatchFn, FnFactory, check_threading, replica_devices
 from carpool.core.request import Outcome, Request, RequestState
@@ -65,10 +66,15 @@ class Batcher(Lifecycle):
         executor: where a sync model runs: ``"thread"``, each replica on its own thread;
             ``"loop"``, on the event loop's thread (the loop waits for each batch);
             ``"auto"`` (default), on the loop for a CPU model when the process may use only
-            one CPU, where a thread would only take turns with the loop on that core.
+            one CPU, where a thread would only take turns with the loop on that core;
+            ``"process"``, each replica in its own spawned process (``fn`` or
+            ``fn_factory`` picklable, or ``fn_factory`` a ``"module:attr"`` string):
+            see :mod:`carpool.core.process_replica`.
         policy_check: called with the policy at construction and with every new one
             (``set_policy``/``update_policy``); raises ConfigError for a policy the model
             cannot serve (a token budget smaller than one item the model may take).
+        replica_cpus: with ``executor="process"``, the CPUs each replica's process is
+            pinned to (``[[0], [1]]``); its torch threads are set to match.
 
     Raises:
         ConfigError: naming an argument of the wrong kind (a policy that is not a
@@ -84,7 +90,7 @@ class Batcher(Lifecycle):
         name: str | None = None,
         num_replicas: int | None = None,
         devices: list[str] | None = None,
-        fn_factory: FnFactory | None = None,
+        fn_factory: FnFactory | str | None = None,
         collate: str | Collator = "auto",
         clock: Clock | None = None,
         on_trace: TraceHook | None = None,
@@ -94,16 +100,19 @@ class Batcher(Lifecycle):
         switch_interval_s: float | None = 0.0005,
         executor: str = "auto",
         policy_check: Callable[[BatchPolicy], None] | None = None,
+        replica_cpus: list[list[int]] | None = None,
     ) -> None:
         if (fn is None) == (fn_factory is None):
             raise ConfigError("fn", fn, "exactly one of fn or fn_factory")
+        if isinstance(fn_factory, str) and executor != "process":
+            raise ConfigError("fn_factory", fn_factory, "a callable ('module:attr' needs process)")
         _check_options(
             policy,
             name,
             clock,
             slow_request_s,
             fn,
-            fn_factory,
+            None if isinstance(fn_factory, str) else fn_factory,
             on_trace,
             memory_probe,
             policy_check,
@@ -112,6 +121,11 @@ class Batcher(Lifecycle):
         self._memory_probe = memory_probe
         name = name or getattr(fn or fn_factory, "__name__", None) or "model"
         self._devices = replica_devices(num_replicas, devices)
+        if executor == "process":
+            process_source(fn, fn_factory)  # ConfigError now, not when it starts
+        elif replica_cpus is not None:
+            raise ConfigError("replica_cpus", replica_cpus, "None unless executor='process'")
+        cpus = check_replica_cpus(replica_cpus, len(self._devices))
         self._policy = policy if policy is not None else BatchPolicy()
         self._policy_version = 0
         if policy_check is not None:
@@ -151,6 +165,7 @@ class Batcher(Lifecycle):
             decide=self._decide,
             batch_times=self._batch_times,
             batch_timeout_s=self._policy.batch_timeout_s,
+            replica_cpus=cpus,
         )
         super().__init__(name, clock=clock, queues=queues, telemetry=recorder, dispatch=dispatch)
         # The request path wakes an idle replica loop without a hop through the

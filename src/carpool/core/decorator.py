@@ -145,6 +145,7 @@ def batched(
     memory_probe: MemoryProbe | None = ...,
     switch_interval_s: float | None = ...,
     executor: str = ...,
+    replica_cpus: list[list[int]] | None = ...,
 ) -> Callable[[BatchTarget], BatchedFunction]: ...
 
 
@@ -176,6 +177,7 @@ def batched(
     memory_probe: MemoryProbe | None = None,
     switch_interval_s: float | None = 0.0005,
     executor: str = "auto",
+    replica_cpus: list[list[int]] | None = None,
 ) -> BatchedFunction | Callable[[BatchTarget], BatchedFunction]:
     """Decorate a batched function: ``await f(x)`` then runs ``x`` inside some batch.
 
@@ -214,6 +216,7 @@ def batched(
             memory_probe=memory_probe,
             switch_interval_s=switch_interval_s,
             executor=executor,
+            replica_cpus=replica_cpus,
         )
 
     def wrap(target: BatchTarget) -> BatchedFunction:

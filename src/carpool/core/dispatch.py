@@ -37,6 +37,7 @@ from typing import Protocol
 from carpool.core.admission import Intake, OomCap
 from carpool.core.batch_times import BatchTimes
 from carpool.core.clock import Clock
+from carpool.core.process_replica import process_replicas, process_source
 from carpool.core.queues import Queues
 from carpool.core.replicas import (
     BatchFn,
@@ -44,6 +45,7 @@ from carpool.core.replicas import (
     FnFactory,
     ModelCall,
     Replica,
+    ReplicaLike,
     RunOutput,
     io_turn,
     switch_interval,
@@ -84,7 +86,7 @@ class Dispatcher:
         *,
         devices: list[str],
         fn: BatchFn | None,
-        fn_factory: FnFactory | None,
+        fn_factory: FnFactory | str | None,
         executor: str,
         clock: Clock,
         queues: Queues,
@@ -96,8 +98,10 @@ class Dispatcher:
         decide: Decide,
         batch_times: BatchTimes | None = None,
         batch_timeout_s: float | None = None,
+        replica_cpus: list[list[int]] | None = None,
     ) -> None:
         self._name = name
+        self._replica_cpus = replica_cpus
         self._devices = devices
         self._fn = fn
         self._fn_factory = fn_factory
@@ -113,7 +117,7 @@ class Dispatcher:
         self._batch_times = batch_times
         self._settler = Settler(telemetry, clock, oom, name)
         self.watchdog = Watchdog(clock, batch_timeout_s)  # the batcher sets its timeout_s
-        self.replicas: list[Replica] = []  # kept after join(): their counters stay readable
+        self.replicas: list[ReplicaLike] = []  # kept after join(): their counters stay readable
         self._tasks: list[asyncio.Task[None]] = []
         self.idle: deque[asyncio.Future[None]] = deque()
         # Each launched batch, by batch id, until it lands.
@@ -125,19 +129,21 @@ class Dispatcher:
     async def load(self) -> None:
         """Load a replica per device (all are closed if one fails) and, while one runs on
         a thread, hold the interpreter's GIL switch interval."""
-        replicas = [
-            Replica(
-                i,
-                device,
-                self._name,
-                self._fn,
-                self._fn_factory,
-                self._clock.now,
-                self._executor,
-                self.watchdog,
+        replicas: list[ReplicaLike]
+        if self._executor == "process":
+            source = process_source(self._fn, self._fn_factory)
+            replicas = list(
+                process_replicas(
+                    self._name,
+                    self._devices,
+                    source,
+                    self._clock.now,
+                    self.watchdog,
+                    self._replica_cpus,
+                )
             )
-            for i, device in enumerate(self._devices)
-        ]
+        else:
+            replicas = [self._thread_replica(i, device) for i, device in enumerate(self._devices)]
         try:
             await asyncio.gather(*(r.load() for r in replicas))
         except BaseException:
@@ -157,6 +163,20 @@ class Dispatcher:
         if self._switch_interval_s is not None and any(r.is_threaded for r in replicas):
             switch_interval.hold(self._switch_interval_s)
             self._holds_switch_interval = True
+
+    def _thread_replica(self, i: int, device: str) -> Replica:
+        factory = self._fn_factory
+        assert not isinstance(factory, str), "a 'module:attr' factory runs in a process"
+        return Replica(
+            i,
+            device,
+            self._name,
+            self._fn,
+            factory,
+            self._clock.now,
+            self._executor,
+            self.watchdog,
+        )
 
     def run(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start each loaded replica's loop on ``loop``."""
@@ -291,7 +311,7 @@ class Dispatcher:
 
     # -- replica loop -----------------------------------------------------------------
 
-    async def _replica_loop(self, replica: Replica) -> None:
+    async def _replica_loop(self, replica: ReplicaLike) -> None:
         clock = self._clock
         inflight: deque[_InFlight] = deque()
         while True:
@@ -330,7 +350,7 @@ class Dispatcher:
                 replica.idle_since_s = now
             await self._idle_wait(wake_at_s)
 
-    async def _renewed(self, replica: Replica) -> None:
+    async def _renewed(self, replica: ReplicaLike) -> None:
         """Wait until a replica given up after a hang has its model again, building it
         again after a wait when its factory fails (waits double up to RENEW_WAIT_MAX_S)."""
         wait_s = RENEW_WAIT_S
@@ -375,7 +395,7 @@ class Dispatcher:
             if waiter in self.idle:  # woken by its timer, not popped by a submit
                 self.idle.remove(waiter)
 
-    def _launch(self, replica: Replica, batch: Batch, now: float) -> _InFlight:
+    def _launch(self, replica: ReplicaLike, batch: Batch, now: float) -> _InFlight:
         """Mark the batch's requests running and start the model on each signature group."""
         idle_since = replica.idle_since_s
         replica.idle_since_s = None
@@ -391,7 +411,7 @@ class Dispatcher:
         launched = self._launched[batch.batch_id] = _InFlight(batch, calls, attempts, now, cancels)
         return launched
 
-    async def _land(self, replica: Replica, inflight: _InFlight, holds_replica: bool) -> None:
+    async def _land(self, replica: ReplicaLike, inflight: _InFlight, holds_replica: bool) -> None:
         """Wait for a launched batch and answer each of its requests."""
         batch = inflight.batch
         # A batch queued behind another cannot have started before that one ended.

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from carpool.core.collate import Collator
 from carpool.core.request import Request
@@ -42,7 +42,7 @@ BatchFn = Callable[[Any], Any]
 FnFactory = Callable[[str], BatchFn]
 
 
-EXECUTORS = ("auto", "thread", "loop")
+EXECUTORS = ("auto", "thread", "loop", "process")
 
 # A model's replicas build their copies on their own threads at once, so builds take turns:
 # a factory that seeds torch's global RNG (torch.manual_seed, then nn.Linear's
@@ -490,6 +490,34 @@ class Replica:
         """End the replica's thread: wait for its calls, unless it was given up."""
         if not self._thread.is_abandoned:
             self._thread.shutdown(wait=True)
+
+
+class ReplicaLike(Protocol):
+    """What the dispatcher uses of a replica: a :class:`Replica` (thread or loop) or a
+    :class:`~carpool.core.process_replica.ProcessReplica`."""
+
+    replica_id: int
+    device: str
+    counters: ReplicaCounters
+    idle_since_s: float | None
+    last_landed_s: float
+
+    @property
+    def is_threaded(self) -> bool: ...
+    @property
+    def blocks_loop(self) -> bool: ...
+    @property
+    def pipeline_depth(self) -> int: ...
+    @property
+    def is_healthy(self) -> bool: ...
+    @property
+    def num_stuck_threads(self) -> int: ...
+    async def load(self) -> None: ...
+    async def renewed(self) -> None: ...
+    def renew(self) -> None: ...
+    def give_up(self) -> None: ...
+    def start(self, call: ModelCall) -> Awaitable[RunOutput]: ...
+    def close(self) -> None: ...
 
 
 class Cancels:

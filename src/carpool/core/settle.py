@@ -16,7 +16,9 @@ does a call that reaches its turn holding requests their callers cancelled meanw
 cancelled ones are counted as such, never computed). A call that ran past
 ``batch_timeout_s`` (:class:`~carpool.errors.Hung`) fails every one of its requests
 with :class:`BatchTimeout`, without bisecting: halves would hang the same way. A call that
-waited behind it on the thread that was given up (``Displaced``) runs again.
+waited behind it on the thread that was given up (``Displaced``) runs again. A call whose
+replica process died under it (:class:`~carpool.errors.ReplicaDied`, after it was tried on
+another replica) fails every one of its requests with a :class:`ModelError` naming the exit.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from carpool.errors import (
     DeadlineExceeded,
     Hung,
     ModelError,
+    ReplicaDied,
     StartedLate,
 )
 
@@ -90,6 +93,10 @@ class Settler:
                     self._name, hung.timeout_s, hung.replica_id, request_id=request.request_id
                 )
                 self.fail(request, timeout, hung)
+            return None, False
+        except ReplicaDied as died:  # not bisected: it ran again elsewhere if it could
+            for request in requests:
+                self.fail(request, ModelError(str(died), request_id=request.request_id), died)
             return None, False
         except CallNotRun as skipped:
             # The call did not run: its expired (or cancelled) requests leave it, the rest

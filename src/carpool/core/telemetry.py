@@ -181,6 +181,7 @@ class ReplicaStats:
     busy_fraction: float
     num_abandoned: int = 0  # threads given up after a batch ran past batch_timeout_s
     num_stuck_threads: int = 0  # of those, the ones whose call has not returned yet
+    num_restarts: int = 0  # replica processes started again after they died or hung
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +251,7 @@ class ReplicaCounters:
         "fill_wait_s",
         "items",
         "num_abandoned",
+        "num_restarts",
         "num_stuck_threads",
         "replica_id",
     )
@@ -263,6 +265,7 @@ class ReplicaCounters:
         self.fill_wait_s = 0.0
         self.num_abandoned = 0
         self.num_stuck_threads = 0  # refreshed when a snapshot is taken
+        self.num_restarts = 0  # a process replica's, after it died or hung
 
 
 class Telemetry:
@@ -471,6 +474,7 @@ class Telemetry:
                     busy_fraction=f,
                     num_abandoned=r.num_abandoned,
                     num_stuck_threads=r.num_stuck_threads,
+                    num_restarts=r.num_restarts,
                 )
                 for r, f in zip(replicas, fractions, strict=True)
             ),

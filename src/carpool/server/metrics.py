@@ -266,7 +266,13 @@ def _replica_metrics(snapshots: list[Named]) -> Iterator[Metric]:
         "stopped).",
         labels=["model"],
     )
+    restarts = CounterMetricFamily(
+        "carpool_replica_restarts",
+        "Replica processes (executor: process) started again after they died or hung.",
+        labels=["model"],
+    )
     for model, snap, *_ in snapshots:
+        restarts.add_metric([model], sum(r.num_restarts for r in snap.replicas))
         abandoned.add_metric([model], sum(r.num_abandoned for r in snap.replicas))
         stuck.add_metric([model], sum(r.num_stuck_threads for r in snap.replicas))
         for r in snap.replicas:
@@ -279,7 +285,7 @@ def _replica_metrics(snapshots: list[Named]) -> Iterator[Metric]:
             memory_peak.add_metric([model], snap.memory.peak_bytes)
             memory_total.add_metric([model], snap.memory.total_bytes)
     yield from (busy, busy_s, fill_wait_s, balance, memory, memory_peak, memory_total)
-    yield from (abandoned, stuck)
+    yield from (abandoned, stuck, restarts)
 
 
 def _generation_metrics(snapshots: list[tuple[str, GenerationSnapshot]]) -> Iterator[Metric]:

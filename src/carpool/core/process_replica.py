@@ -1,0 +1,530 @@
+"""Replicas in their own processes (``executor="process"``).
+
+A model that holds the GIL (pure-Python pre- or post-processing, many scikit-learn
+predictors) gets one core however many thread replicas it has. A :class:`ProcessReplica`
+runs its copy of the model in a child process started with the ``spawn`` context (not
+forked after torch or threads started), behind the same ``start(call)`` interface as a
+thread replica: the batcher, its queues and the pull-based dispatch stay in this process.
+
+What crosses, and how (see :mod:`carpool.core.shm_ring`): the collated batch is written
+into this replica's shared-memory region and a small header goes over a pipe; the child
+builds NumPy views on it, calls the model, writes the outputs into its own region and
+answers with a header; this side copies them out. Payloads or outputs that are not NumPy
+arrays (or a dict of them) are pickled over the pipe instead.
+
+Death: the child's exit is watched on the event loop (its ``sentinel``), so a crash,
+``kill -9`` or the OOM killer is seen at once. The call it ran is tried once on another
+live replica, else its requests fail with a :class:`~carpool.errors.ModelError` naming
+the exit code or signal (:class:`~carpool.errors.ReplicaDied`); the replica is started
+again after ``RESTART_WAIT_S``, doubling to ``RESTART_WAIT_MAX_S`` while starts keep
+failing, and each restart is counted (``ReplicaCounters.num_restarts``). A call that runs
+past ``batch_timeout_s`` fails with ``BatchTimeout`` as on a thread, and its process is
+killed (SIGKILL) and restarted: a process can be stopped, where a thread could not. A
+model that raises fails only that call (as on a thread); the process goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import dataclasses
+import enum
+import importlib
+import logging
+import math
+import multiprocessing
+import os
+import pickle
+import sys
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from carpool.core.replicas import BatchFn, FnFactory, ModelCall, RunOutput, is_async_callable
+from carpool.core.shm_ring import Header, Reader, Region
+from carpool.core.telemetry import ReplicaCounters
+from carpool.core.watchdog import Watchdog, awaited_within
+from carpool.errors import ConfigError, Hung, ReplicaDied
+
+log = logging.getLogger("carpool.replicas")
+
+SPAWN = multiprocessing.get_context("spawn")
+RESTART_WAIT_S = 0.1
+RESTART_WAIT_MAX_S = 5.0
+STOP_WAIT_S = 2.0  # how long a child may take to end after it was asked to
+
+# What a process replica builds its model from: the function itself, a factory called
+# with the replica's device, or a "module:attr" string naming such a factory.
+ModelSource = tuple[BatchFn | None, FnFactory | str | None]
+
+_children: weakref.WeakSet[BaseProcess] = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_children() -> None:
+    """No replica process outlives this one (a batcher never stopped, an interpreter
+    that exits on an exception)."""
+    for process in list(_children):
+        if process.is_alive():
+            process.kill()
+
+
+class ChildState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DEAD = "dead"  # to be started again
+    CLOSED = "closed"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FunctionRef:
+    """A factory giving the function at ``module``'s ``qualname`` (unwrapped when it was
+    decorated, as by ``@carpool.batched``): how a decorated function reaches a child,
+    since pickle cannot name it while its decorator runs."""
+
+    module: str
+    qualname: str
+
+    def __call__(self, device: str) -> BatchFn:
+        found: Any = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            found = getattr(found, part)
+        fn: BatchFn = getattr(found, "__wrapped__", found)
+        return fn
+
+
+def process_source(fn: BatchFn | None, fn_factory: FnFactory | str | None) -> ModelSource:
+    """What a child process builds the model from; it must reach the child by pickle.
+
+    Raises:
+        ConfigError: ``fn`` async or not picklable, ``fn_factory`` not picklable.
+    """
+    if fn is not None and is_async_callable(fn):
+        raise ConfigError("fn", fn, "a sync function for executor='process'")
+    field, value = ("fn", fn) if fn is not None else ("fn_factory", fn_factory)
+    if isinstance(value, str):
+        if value.count(":") != 1 or not all(value.split(":")):
+            raise ConfigError(field, value, "a 'module:attr' string naming a factory")
+        return None, value
+    try:
+        pickle.dumps(value)
+    except Exception as exc:
+        module = getattr(value, "__module__", None)
+        qualname = getattr(value, "__qualname__", "<")
+        if fn is not None and isinstance(module, str) and "<" not in qualname:
+            return None, FunctionRef(module, qualname)  # decorated at a module's top level
+        raise ConfigError(
+            field,
+            value,
+            "for executor='process', a picklable function (defined at a module's top "
+            "level, not a lambda or a closure), or fn_factory as a picklable callable or "
+            f"a 'module:attr' string naming one ({type(exc).__name__}: {exc})",
+        ) from None
+    return fn, fn_factory
+
+
+def check_replica_cpus(replica_cpus: object, num_replicas: int) -> list[list[int]] | None:
+    """``replica_cpus``: one list of CPU numbers per replica, or None.
+
+    Raises:
+        ConfigError: not a list of ``num_replicas`` non-empty lists of CPU numbers.
+    """
+    if replica_cpus is None:
+        return None
+    expected = f"{num_replicas} lists of CPU numbers, one per replica, as [[0], [1]]"
+    if not isinstance(replica_cpus, list | tuple) or len(replica_cpus) != num_replicas:
+        raise ConfigError("replica_cpus", replica_cpus, expected)
+    cpus: list[list[int]] = []
+    for entry in replica_cpus:
+        if (
+            not isinstance(entry, list | tuple)
+            or not entry
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in entry)
+        ):
+            raise ConfigError("replica_cpus", replica_cpus, expected)
+        cpus.append(list(entry))
+    return cpus
+
+
+# -- the child ------------------------------------------------------------------------
+
+
+def _build(source: ModelSource, device: str) -> BatchFn:
+    fn, factory = source
+    if fn is not None:
+        return fn
+    if isinstance(factory, str):
+        module, attr = factory.split(":")
+        factory = getattr(importlib.import_module(module), attr)
+    assert factory is not None
+    return factory(device)
+
+
+def _match_torch_threads(cpus: list[int] | None) -> None:
+    torch = sys.modules.get("torch")
+    if cpus is not None and torch is not None:
+        torch.set_num_threads(len(cpus))
+
+
+def _portable(exc: Exception) -> Exception:
+    """``exc`` if it survives pickling both ways, else a RuntimeError saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+def child_main(conn: Connection, source: ModelSource, device: str, cpus: list[int] | None) -> None:
+    """A replica process: build the model, then run each batch the pipe announces."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    _match_torch_threads(cpus)
+    try:
+        fn = _build(source, device)
+    except Exception as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    _match_torch_threads(cpus)  # the factory may have imported torch
+    conn.send(("ready", os.getpid()))
+    reader, region = Reader(), Region()
+    try:
+        while True:
+            try:
+                header = conn.recv()
+            except EOFError:
+                return
+            if header is None:
+                return
+            batch = reader.read(header, copy=False)
+            try:
+                outputs = fn(batch)
+            except Exception as exc:
+                del batch
+                conn.send(("raised", _portable(exc)))
+                continue
+            del batch
+            try:
+                conn.send(("ok", region.write(outputs)))
+            except Exception as exc:  # outputs that cannot be pickled
+                conn.send(("raised", _portable(exc)))
+    finally:
+        reader.close()
+        region.close()
+
+
+# -- this side ------------------------------------------------------------------------
+
+
+class ProcessReplica:
+    """One copy of the model in its own process (see the module docstring). ``group``
+    lists the model's process replicas: a call whose process died runs again on another."""
+
+    pipeline_depth = 1
+    is_threaded = False
+    blocks_loop = False
+    num_stuck_threads = 0
+
+    def __init__(
+        self,
+        replica_id: int,
+        device: str,
+        name: str,
+        source: ModelSource,
+        now: Callable[[], float],
+        watchdog: Watchdog | None,
+        cpus: list[int] | None,
+        group: list[ProcessReplica],
+    ) -> None:
+        self.replica_id = replica_id
+        self.device = device
+        self.counters = ReplicaCounters(replica_id, device)
+        self.idle_since_s: float | None = None
+        self.last_landed_s = -math.inf
+        self._name = name
+        self._source = source
+        self._now = now
+        self._watchdog = watchdog
+        self._cpus = cpus
+        self._group = group
+        self._state = ChildState.STARTING
+        self._process: BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: asyncio.Future[Any] | None = None  # the reply awaited
+        self._region = Region()  # batches to the child
+        self._reader = Reader()  # outputs from it
+        self._lock = asyncio.Lock()  # one call at a time on the process
+        self._restarter: asyncio.Task[None] | None = None
+        self._restart_wait_s = RESTART_WAIT_S
+
+    @property
+    def is_healthy(self) -> bool:
+        """Whether its process is up, with its model built."""
+        return self._state is ChildState.READY
+
+    @property
+    def pid(self) -> int | None:
+        process = self._process
+        return None if process is None else process.pid
+
+    async def load(self) -> None:
+        """Start the process and wait for its model.
+
+        Raises:
+            RuntimeError: the model failed to build there, or the process died first.
+        """
+        await self._spawn()
+
+    async def _spawn(self) -> None:
+        loop = self._loop = asyncio.get_running_loop()
+        conn, child_conn = SPAWN.Pipe()
+        process = SPAWN.Process(
+            target=child_main,
+            args=(child_conn, self._source, self.device, self._cpus),
+            name=f"carpool-{self._name}-r{self.replica_id}",
+            daemon=True,
+        )
+        process.start()
+        child_conn.close()
+        _children.add(process)
+        self._process, self._conn, self._state = process, conn, ChildState.STARTING
+        ready = self._pending = loop.create_future()
+        loop.add_reader(conn.fileno(), self._on_readable)
+        loop.add_reader(process.sentinel, self._on_exit)
+        try:
+            await ready
+        except ReplicaDied as died:
+            self._discard()
+            raise RuntimeError(
+                f"model {self._name!r}, replica {self.replica_id}: its process ended before "
+                f"its model was built (exit code {died.exitcode}); see its output above"
+            ) from None
+        except BaseException:
+            self._discard()
+            raise
+        self._state = ChildState.READY
+
+    def _on_readable(self) -> None:
+        conn = self._conn
+        try:
+            while conn is not None and conn.poll():
+                self._deliver(conn.recv())
+        except (EOFError, OSError):
+            self._on_exit()
+
+    def _deliver(self, message: tuple[str, Any]) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None or pending.done():
+            return  # the answer to a call given up (past batch_timeout_s)
+        kind, body = message
+        if kind == "ok":
+            pending.set_result(body)
+        elif kind == "ready":
+            pending.set_result(None)
+        elif kind == "raised":
+            pending.set_exception(body)
+        else:
+            pending.set_exception(
+                RuntimeError(
+                    f"model {self._name!r}, replica {self.replica_id}: building the model "
+                    f"in its process failed: {body}"
+                )
+            )
+
+    def _on_exit(self) -> None:
+        """The child's sentinel fired (or its pipe closed): it died. Fail what it ran and
+        start it again."""
+        process = self._process
+        if process is None or self._state in (ChildState.DEAD, ChildState.CLOSED):
+            return
+        self._on_readable_quietly()  # answers it sent before it died still count
+        process.join(timeout=1.0)
+        exitcode = process.exitcode
+        starting = self._state is ChildState.STARTING
+        self._detach()
+        self._state = ChildState.DEAD
+        pending, self._pending = self._pending, None
+        if pending is not None and not pending.done():
+            pending.set_exception(ReplicaDied(self._name, self.replica_id, exitcode))
+        if starting:
+            return  # _spawn's caller handles it
+        log.error(
+            "model %r, replica %d: its process %s ended (exit code %s); starting it again",
+            self._name,
+            self.replica_id,
+            process.pid,
+            exitcode,
+        )
+        if self._restarter is None or self._restarter.done():
+            assert self._loop is not None
+            self._restarter = self._loop.create_task(self._restart())
+
+    def _on_readable_quietly(self) -> None:
+        conn = self._conn
+        try:
+            while conn is not None and conn.poll():
+                self._deliver(conn.recv())
+        except (EOFError, OSError):
+            pass
+
+    async def _restart(self) -> None:
+        while self._state is ChildState.DEAD:
+            await asyncio.sleep(self._restart_wait_s)
+            self._restart_wait_s = min(2 * self._restart_wait_s, RESTART_WAIT_MAX_S)
+            if self._state is not ChildState.DEAD:
+                return
+            self.counters.num_restarts += 1
+            try:
+                await self._spawn()
+            except Exception:
+                log.exception(
+                    "model %r, replica %d: starting its process again failed; trying again",
+                    self._name,
+                    self.replica_id,
+                )
+
+    def _detach(self) -> None:
+        """Stop watching the child and close this side of its pipe."""
+        loop, conn, process = self._loop, self._conn, self._process
+        if loop is not None and not loop.is_closed():
+            if conn is not None:
+                loop.remove_reader(conn.fileno())
+            if process is not None:
+                loop.remove_reader(process.sentinel)
+        if conn is not None:
+            conn.close()
+        self._conn = None
+        self._reader.unlink()  # the child's output region, if it could not unlink it
+
+    def _discard(self) -> None:
+        """Kill the child (a failed start, a hang, a stop) and forget it."""
+        process = self._process
+        if process is not None and process.is_alive():
+            process.kill()
+            process.join(timeout=1.0)
+        self._detach()
+        if self._state is not ChildState.CLOSED:
+            self._state = ChildState.DEAD
+
+    async def renewed(self) -> None:
+        """Wait while the process is being started again."""
+        restarter = self._restarter
+        while restarter is not None and not restarter.done():
+            await asyncio.shield(restarter)
+            restarter = self._restarter
+
+    def renew(self) -> None:
+        """Nothing to do: a dead process is started again by the replica itself."""
+
+    def start(self, call: ModelCall) -> Awaitable[RunOutput]:
+        """Run ``call`` in the process (see the module docstring); the awaitable gives one
+        result per request, or raises as a thread replica's would, or ReplicaDied."""
+        return self._run(call, may_retry=True)
+
+    async def _run(self, call: ModelCall, may_retry: bool) -> RunOutput:
+        try:
+            return await self._run_here(call)
+        except ReplicaDied:
+            if not may_retry:
+                raise
+            other = next((r for r in self._group if r is not self and r.is_healthy), None)
+            if other is None:
+                raise
+            log.warning(
+                "model %r: the batch of replica %d runs again on replica %d",
+                self._name,
+                self.replica_id,
+                other.replica_id,
+            )
+            return await other._run(call, may_retry=False)
+
+    async def _run_here(self, call: ModelCall) -> RunOutput:
+        async with self._lock:
+            await self.renewed()
+            if self._state is not ChildState.READY or self._conn is None:
+                raise ReplicaDied(self._name, self.replica_id, self._exitcode())
+            now = self._now
+            started = now()
+            call.check_turn(started)
+            header = self._region.write(call.collate())
+            assert self._loop is not None
+            pending = self._pending = self._loop.create_future()
+            with contextlib.suppress(OSError):  # it died: its sentinel fails ``pending``
+                self._conn.send(header)
+            timeout_s = self._watchdog.timeout_s if self._watchdog is not None else None
+            try:
+                if timeout_s is None:
+                    reply: Header = await pending
+                else:
+                    assert self._watchdog is not None
+                    clock = self._watchdog.clock
+                    reply = await awaited_within(
+                        pending, clock, started, timeout_s, self.replica_id
+                    )
+            except Hung:
+                self._hung(started, timeout_s)
+                raise
+            outputs = self._reader.read(reply, copy=True)
+            self._restart_wait_s = RESTART_WAIT_S
+            return call.output(outputs, started, now())
+
+    def _exitcode(self) -> int | None:
+        process = self._process
+        return None if process is None else process.exitcode
+
+    def _hung(self, started_s: float, timeout_s: float | None) -> None:
+        process = self._process
+        log.error(
+            "model %r, replica %d: a batch has run %.3g s, past batch_timeout_s=%s; its "
+            "requests fail with BatchTimeout, and its process %s is killed and started again",
+            self._name,
+            self.replica_id,
+            self._now() - started_s,
+            timeout_s,
+            None if process is None else process.pid,
+        )
+        if process is not None and process.is_alive():
+            process.kill()  # its sentinel fires: _on_exit restarts it
+
+    def give_up(self) -> None:
+        """Closing without waiting: kill the process if it computes."""
+        if self._pending is not None:
+            self.close()
+
+    def close(self) -> None:
+        """End the process: ask it to stop, kill it if it has not after STOP_WAIT_S."""
+        if self._state is ChildState.CLOSED:
+            return
+        self._state = ChildState.CLOSED
+        if self._restarter is not None:
+            self._restarter.cancel()
+        conn, process = self._conn, self._process
+        if conn is not None and process is not None and process.is_alive():
+            with contextlib.suppress(OSError):
+                conn.send(None)
+            process.join(timeout=STOP_WAIT_S)
+        self._discard()
+        pending, self._pending = self._pending, None
+        if pending is not None and not pending.done():
+            pending.set_exception(ReplicaDied(self._name, self.replica_id, self._exitcode()))
+        self._region.close()
+
+
+def process_replicas(
+    name: str,
+    devices: Sequence[str],
+    source: ModelSource,
+    now: Callable[[], float],
+    watchdog: Watchdog | None,
+    replica_cpus: list[list[int]] | None,
+) -> list[ProcessReplica]:
+    """One process replica per device, each knowing its siblings."""
+    group: list[ProcessReplica] = []
+    for i, device in enumerate(devices):
+        cpus = replica_cpus[i] if replica_cpus is not None else None
+        group.append(ProcessReplica(i, device, name, source, now, watchdog, cpus, group))
+    return group

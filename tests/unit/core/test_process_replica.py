@@ -1,0 +1,184 @@
+"""Process replicas (``executor="process"``): real spawned processes, small and fast."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from carpool import Batcher, BatchPolicy, BatchTimeout, ConfigError, ModelError, batched
+from carpool.core.process_replica import ProcessReplica
+
+SLOW_MARK = 7.0  # a batch holding this value computes for SLOW_S
+SLOW_S = 0.6
+HANG_MARK = -1.0  # ... this value, for ever
+FAIL_MARK = 13.0  # ... this value raises
+
+
+def model(batch: Any) -> Any:
+    """Doubles an array, or a dict's "a" plus its "b"; slow, hung or failing on marks."""
+    values = (
+        np.concatenate([np.ravel(v) for v in batch.values()]) if isinstance(batch, dict) else batch
+    )
+    if np.any(values == FAIL_MARK):
+        raise ValueError("thirteen is unlucky")
+    if np.any(values == HANG_MARK):
+        time.sleep(60)
+    if np.any(values == SLOW_MARK):
+        time.sleep(SLOW_S)
+    if isinstance(batch, dict):
+        return {"y": batch["a"] * 2 + batch["b"], "pid": np.full(len(batch["a"]), os.getpid())}
+    return batch * 2
+
+
+def make_model(device: str) -> Any:
+    assert device == "cpu"
+    return model
+
+
+@batched(executor="process", max_batch_size=4, max_delay_s=0.005)
+def decorated(batch: np.ndarray) -> np.ndarray:
+    return batch + 1
+
+
+def _batcher(executor: str, **kw: Any) -> Batcher:
+    kw.setdefault("policy", BatchPolicy(max_batch_size=4, max_delay_s=0.005))
+    kw.setdefault("num_replicas", 2)
+    return Batcher(model, executor=executor, switch_interval_s=None, **kw)
+
+
+def _replicas(batcher: Batcher) -> list[ProcessReplica]:
+    replicas = batcher._dispatch.replicas
+    assert all(isinstance(r, ProcessReplica) for r in replicas)
+    return replicas  # type: ignore[return-value]
+
+
+async def _until(condition: Any, limit_s: float = 5.0) -> None:
+    end = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < end, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_results_equal_the_thread_executors_for_dicts_and_arrays() -> None:
+    arrays = [np.arange(3, dtype=np.float32) + i for i in range(6)]
+    dicts = [{"a": np.full(2, i, np.int64), "b": np.arange(2, dtype=np.int64)} for i in range(6)]
+    answers = {}
+    for executor in ("thread", "process"):
+        async with _batcher(executor) as batcher:
+            got_arrays = await asyncio.gather(*(batcher.submit(a) for a in arrays))
+        async with _batcher(executor, collate="dict") as batcher:
+            got_dicts = await asyncio.gather(*(batcher.submit(d) for d in dicts))
+        answers[executor] = (got_arrays, [d["y"] for d in got_dicts])
+    for thread, process in zip(answers["thread"], answers["process"], strict=True):
+        for t, p in zip(thread, process, strict=True):
+            np.testing.assert_array_equal(t, p)
+
+
+async def test_two_replicas_both_run_batches_in_their_own_processes() -> None:
+    async with _batcher("process", collate="dict") as batcher:
+        payloads = [{"a": np.full(1, SLOW_MARK), "b": np.zeros(1)} for _ in range(8)]
+        results = await asyncio.gather(*(batcher.submit(p) for p in payloads))
+        replicas = _replicas(batcher)
+        pids = {r.pid for r in replicas}
+        assert os.getpid() not in pids and len(pids) == 2
+        assert {int(np.ravel(r["pid"])[0]) for r in results} == pids
+        assert all(s.num_batches > 0 for s in batcher.snapshot().replicas)
+
+
+async def test_a_child_killed_mid_batch_has_its_batch_run_again_and_is_restarted() -> None:
+    async with _batcher("process") as batcher:
+        replicas = _replicas(batcher)
+        futures = [asyncio.ensure_future(batcher.submit(np.full(2, SLOW_MARK))) for _ in range(4)]
+        await _until(lambda: any(r._pending is not None for r in replicas))
+        busy = next(r for r in replicas if r._pending is not None)
+        killed_pid = busy.pid
+        assert killed_pid is not None
+        await asyncio.sleep(0.1)  # the child has the batch
+        os.kill(killed_pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*futures), 10)
+        assert all(np.array_equal(r, np.full(2, 2 * SLOW_MARK)) for r in results)
+        await _until(lambda: busy.is_healthy and busy.pid != killed_pid)
+        assert busy.counters.num_restarts == 1
+        again = await batcher.submit(np.ones(2))  # the restarted replica serves
+        np.testing.assert_array_equal(again, np.full(2, 2.0))
+
+
+async def test_a_lone_child_killed_mid_batch_fails_its_batch_naming_the_signal() -> None:
+    async with _batcher("process", num_replicas=1) as batcher:
+        (replica,) = _replicas(batcher)
+        future = asyncio.ensure_future(batcher.submit(np.full(2, SLOW_MARK)))
+        await _until(lambda: replica._pending is not None)
+        await asyncio.sleep(0.1)
+        assert replica.pid is not None
+        os.kill(replica.pid, signal.SIGKILL)
+        with pytest.raises(ModelError, match="killed by signal 9"):
+            await asyncio.wait_for(future, 5)
+        await _until(lambda: replica.is_healthy)
+        np.testing.assert_array_equal(await batcher.submit(np.ones(1)), [2.0])
+
+
+async def test_a_hung_child_past_batch_timeout_is_killed_and_replaced() -> None:
+    policy = BatchPolicy(max_batch_size=4, max_delay_s=0.005, batch_timeout_s=0.5)
+    async with _batcher("process", num_replicas=1, policy=policy) as batcher:
+        (replica,) = _replicas(batcher)
+        hung_pid = replica.pid
+        with pytest.raises(BatchTimeout):
+            await asyncio.wait_for(batcher.submit(np.full(1, HANG_MARK)), 5)
+        await _until(lambda: replica.is_healthy and replica.pid != hung_pid)
+        assert replica.counters.num_restarts == 1
+        np.testing.assert_array_equal(await batcher.submit(np.ones(1)), [2.0])
+
+
+async def test_a_model_exception_fails_only_its_batch_and_the_process_serves_on() -> None:
+    async with _batcher("process", num_replicas=1) as batcher:
+        (replica,) = _replicas(batcher)
+        pid = replica.pid
+        with pytest.raises(ModelError, match="ValueError: thirteen is unlucky"):
+            await batcher.submit(np.full(1, FAIL_MARK))
+        np.testing.assert_array_equal(await batcher.submit(np.ones(1)), [2.0])
+        assert replica.pid == pid and replica.counters.num_restarts == 0
+
+
+async def test_stop_leaves_no_child_alive() -> None:
+    batcher = _batcher("process")
+    await batcher.start()
+    processes = [r._process for r in _replicas(batcher)]
+    assert all(p is not None and p.is_alive() for p in processes)
+    await batcher.stop()
+    assert not any(p is not None and p.is_alive() for p in processes)
+
+
+async def test_a_module_attr_factory_and_a_decorated_function_run_in_processes() -> None:
+    async with Batcher(
+        fn_factory=f"{__name__}:make_model", executor="process", num_replicas=1
+    ) as batcher:
+        np.testing.assert_array_equal(await batcher.submit(np.ones(2)), [2.0, 2.0])
+    async with decorated:
+        np.testing.assert_array_equal(await decorated(np.ones(2)), [2.0, 2.0])
+
+
+def test_a_function_that_cannot_be_pickled_is_refused_saying_what_is_expected() -> None:
+    with pytest.raises(ConfigError, match="picklable function"):
+        Batcher(lambda batch: batch, executor="process")
+    with pytest.raises(ConfigError, match="replica_cpus"):
+        Batcher(model, executor="process", num_replicas=2, replica_cpus=[[0]])
+    with pytest.raises(ConfigError, match="module:attr"):
+        Batcher(fn_factory="no_colon", executor="process")
+
+
+async def test_replicas_are_pinned_to_their_cpus() -> None:
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    async with Batcher(
+        affinity, executor="process", num_replicas=1, replica_cpus=[[cpu]]
+    ) as batcher:
+        np.testing.assert_array_equal(await batcher.submit(np.zeros(1)), [1])
+
+
+def affinity(batch: np.ndarray) -> np.ndarray:
+    return np.full(len(batch), len(os.sched_getaffinity(0)))
