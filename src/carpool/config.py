@@ -191,7 +191,9 @@ class ModelConfig(_Strict):
     # embeddings: int8 Linear layers (per-channel weights, per-token activations; CPU, float32)
     quantization: Literal["int8"] | None = None
     # Where a sync model runs (Batcher's executor); None: the kind's default.
-    executor: Literal["auto", "thread", "loop"] | None = None
+    executor: Literal["auto", "thread", "loop", "process"] | None = None
+    # executor: process: the CPUs each replica's process is pinned to, as [[0], [1]].
+    replica_cpus: list[list[int]] | None = None
 
     @field_validator("version", mode="before")
     @classmethod
@@ -467,6 +469,10 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
                 model.quantization,
                 "no quantization: only embeddings models take one",
             )
+        if model.executor == "process" and model.kind not in ("python", "torch", "onnx"):
+            yield (f"{at}.executor", "process", "thread, loop or auto for this kind of model")
+        if model.replica_cpus is not None and model.executor != "process":
+            yield (f"{at}.replica_cpus", model.replica_cpus, "nothing unless executor: process")
         if model.kind == "generation" and len(model.replica_devices()) > 1:
             yield (f"{at}.devices", model.replica_devices(), "one device: one engine per model")
         for key in GENERATION_FIELDS:

@@ -197,7 +197,12 @@ def test_config_datatypes_are_the_server_datatypes() -> None:
         ),
         (_with_model_line("length_buckets: [64, 16]"), "models[0].length_buckets", "ascending"),
         (_with_model_line("max_batch_tokens: 0"), "models[0].max_batch_tokens", "greater than"),
-        (_with_model_line("executor: process"), "models[0].executor", "'thread'"),
+        (_with_model_line("executor: fork"), "models[0].executor", "'process'"),
+        (
+            _with_model_line("replica_cpus: [[0], [1]]"),
+            "models[0].replica_cpus",
+            "nothing unless executor: process",
+        ),
         (_with_model_line("batch_timeout_s: 0"), "models[0].batch_timeout_s", "greater than 0"),
         (_with_model_line("batch_timeout_s: .inf"), "models[0].batch_timeout_s", "finite"),
         ("models: []\n", "models", "at least 1 item"),
@@ -282,3 +287,7 @@ def test_executor_is_read_and_left_to_the_kind_when_absent(config_dir: Path) -> 
     config = load_config(_write(config_dir, _with_model_line("executor: loop")))
     assert config.models[0].executor == "loop"
     assert config.models[1].executor is None
+    text = _with_model_line("executor: process\n    replica_cpus: [[0], [1]]")
+    config = load_config(_write(config_dir, text))
+    assert config.models[0].executor == "process"
+    assert config.models[0].replica_cpus == [[0], [1]]

@@ -85,14 +85,18 @@ def build_model(
         )
     runner = build_runner(model, key=key, file=file)
     inputs, outputs = runner.inputs, runner.outputs
+    factory: Callable[[str], Any] = checking_outputs(runner.fn_factory, outputs)
+    if model.executor == "process":
+        factory = ConfiguredFactory(model, key, file)  # picklable, built again in each child
     batcher = Batcher(
-        fn_factory=checking_outputs(runner.fn_factory, outputs),
+        fn_factory=factory,
         policy=model.policy(),
         name=model.name,
         devices=model.replica_devices(),
         collate=_collator(inputs),
         executor=model.executor or "auto",
         memory_probe=_memory_probe(model),
+        replica_cpus=model.replica_cpus,
     )
     return ServedModel(
         name=model.name,
@@ -105,6 +109,20 @@ def build_model(
 
 
 BATCHED_KINDS = ("python", "torch", "onnx")  # the kinds build_runner builds
+
+
+@dataclass(frozen=True, slots=True)
+class ConfiguredFactory:
+    """A model's factory as its config describes it, picklable: how ``executor: process``
+    builds the model (checking its outputs) in each replica's process."""
+
+    model: ModelConfig
+    key: str | None
+    file: str | None
+
+    def __call__(self, device: str) -> Any:
+        runner = build_runner(self.model, key=self.key, file=self.file)
+        return checking_outputs(runner.fn_factory, runner.outputs)(device)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,62 @@
+"""`carpool serve` with ``executor: process``: each replica in its own process."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from .conftest import StartServer, wait_until
+
+CONFIG = """\
+models:
+  - name: doubler
+    kind: python
+    source: configmodels:slow_double
+    inputs: [{name: INPUT0, datatype: FP32, shape: [-1]}]
+    outputs: [{name: OUTPUT0, datatype: FP32, shape: [-1]}]
+    max_batch_size: 4
+    max_delay_s: 0.001
+    executor: process
+    num_replicas: 2
+"""
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text()
+        found.update(int(p) for p in text.split())
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie that nobody reaped yet has ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_model_with_process_replicas_is_answered_over_http(start_server: StartServer) -> None:
+    served = start_server(CONFIG)
+    url = f"http://{served.http_url}/v2/models/doubler/infer"
+
+    def infer(i: int) -> list[float]:
+        body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 2], "data": [i, 1]}]}
+        response = httpx.post(url, json=body, timeout=10)
+        assert response.status_code == 200, response.text
+        return list(response.json()["outputs"][0]["data"])
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(infer, range(16)))
+    assert results == [[2.0 * i, 2.0] for i in range(16)]
+    children = _children(served.process.pid)
+    assert len(children) >= 2  # the two replicas (and multiprocessing's resource tracker)
+    metrics = httpx.get(f"http://{served.http_url}/metrics", timeout=5).text
+    assert 'carpool_replica_restarts_total{model="doubler"} 0.0' in metrics
+    assert served.stop() == 0, served.output()
+    # multiprocessing's resource tracker ends once it reads the server's end of its pipe
+    wait_until(lambda: not any(_alive(pid) for pid in children), "no child of the server left")
