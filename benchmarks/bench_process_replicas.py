@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import machine_info, utc_now, write_results
 
+from benchlib import machine_info, utc_now, write_results
 from carpool import Batcher, BatchPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
