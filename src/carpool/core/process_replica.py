@@ -477,6 +477,7 @@ class ProcessReplica:
         return None if process is None else process.exitcode
 
     def _hung(self, started_s: float, timeout_s: float | None) -> None:
+        """Kill the process now and restart it: the next batch must not reach it."""
         process = self._process
         log.error(
             "model %r, replica %d: a batch has run %.3g s, past batch_timeout_s=%s; its "
@@ -488,12 +489,13 @@ class ProcessReplica:
             None if process is None else process.pid,
         )
         if process is not None and process.is_alive():
-            process.kill()  # its sentinel fires: _on_exit restarts it
+            process.kill()
+            process.join(timeout=1.0)
+        self._on_exit()
 
     def give_up(self) -> None:
-        """Closing without waiting: kill the process if it computes."""
-        if self._pending is not None:
-            self.close()
+        """Closing without waiting: end the process now (and stop restarting it)."""
+        self.close()
 
     def close(self) -> None:
         """End the process: ask it to stop, kill it if it has not after STOP_WAIT_S."""
