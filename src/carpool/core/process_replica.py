@@ -309,12 +309,18 @@ class ProcessReplica:
         self._state = ChildState.READY
 
     def _on_readable(self) -> None:
+        if not self._read_replies():
+            self._on_exit()  # its end of the pipe closed: it died
+
+    def _read_replies(self) -> bool:
+        """Deliver the messages waiting on the pipe; False once it is closed."""
         conn = self._conn
         try:
             while conn is not None and conn.poll():
                 self._deliver(conn.recv())
         except (EOFError, OSError):
-            self._on_exit()
+            return False
+        return True
 
     def _deliver(self, message: tuple[str, Any]) -> None:
         pending, self._pending = self._pending, None
@@ -341,7 +347,7 @@ class ProcessReplica:
         process = self._process
         if process is None or self._state in (ChildState.DEAD, ChildState.CLOSED):
             return
-        self._on_readable_quietly()  # answers it sent before it died still count
+        self._read_replies()  # answers it sent before it died still count
         process.join(timeout=1.0)
         exitcode = process.exitcode
         starting = self._state is ChildState.STARTING
@@ -362,14 +368,6 @@ class ProcessReplica:
         if self._restarter is None or self._restarter.done():
             assert self._loop is not None
             self._restarter = self._loop.create_task(self._restart())
-
-    def _on_readable_quietly(self) -> None:
-        conn = self._conn
-        try:
-            while conn is not None and conn.poll():
-                self._deliver(conn.recv())
-        except (EOFError, OSError):
-            pass
 
     async def _restart(self) -> None:
         while self._state is ChildState.DEAD:
