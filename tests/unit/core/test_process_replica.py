@@ -18,6 +18,7 @@ SLOW_MARK = 7.0  # a batch holding this value computes for SLOW_S
 SLOW_S = 0.6
 HANG_MARK = -1.0  # ... this value, for ever
 FAIL_MARK = 13.0  # ... this value raises
+EXIT_MARK = 333.0  # ... this value ends the process with os._exit(3)
 
 
 def model(batch: Any) -> Any:
@@ -25,6 +26,8 @@ def model(batch: Any) -> Any:
     values = (
         np.concatenate([np.ravel(v) for v in batch.values()]) if isinstance(batch, dict) else batch
     )
+    if np.any(values == EXIT_MARK):
+        os._exit(3)
     if np.any(values == FAIL_MARK):
         raise ValueError("thirteen is unlucky")
     if np.any(values == HANG_MARK):
@@ -70,9 +73,9 @@ async def test_results_equal_the_thread_executors_for_dicts_and_arrays() -> None
     dicts = [{"a": np.full(2, i, np.int64), "b": np.arange(2, dtype=np.int64)} for i in range(6)]
     answers = {}
     for executor in ("thread", "process"):
-        async with _batcher(executor) as batcher:
+        async with _batcher(executor, num_replicas=1) as batcher:
             got_arrays = await asyncio.gather(*(batcher.submit(a) for a in arrays))
-        async with _batcher(executor, collate="dict") as batcher:
+        async with _batcher(executor, num_replicas=1, collate="dict") as batcher:
             got_dicts = await asyncio.gather(*(batcher.submit(d) for d in dicts))
         answers[executor] = (got_arrays, [d["y"] for d in got_dicts])
     for thread, process in zip(answers["thread"], answers["process"], strict=True):
@@ -121,6 +124,27 @@ async def test_a_lone_child_killed_mid_batch_fails_its_batch_naming_the_signal()
             await asyncio.wait_for(future, 5)
         await _until(lambda: replica.is_healthy)
         np.testing.assert_array_equal(await batcher.submit(np.ones(1)), [2.0])
+
+
+async def test_a_child_that_exits_fails_its_batch_naming_the_exit_code() -> None:
+    async with _batcher("process", num_replicas=1) as batcher:
+        (replica,) = _replicas(batcher)
+        with pytest.raises(ModelError, match="exit code 3"):
+            await asyncio.wait_for(batcher.submit(np.full(1, EXIT_MARK)), 5)
+        await _until(lambda: replica.is_healthy)
+        assert replica.counters.num_restarts == 1
+
+
+async def test_large_batches_grow_the_region_and_other_payloads_are_pickled() -> None:
+    async with _batcher("process", num_replicas=1) as batcher:
+        big = np.linspace(0.5, 1.5, 600_000)  # 4.8 MB: past the first region; no mark
+        np.testing.assert_array_equal(await batcher.submit(big), big * 2)
+    async with Batcher(upper, executor="process", collate="list") as batcher:
+        assert await asyncio.gather(batcher.submit("a"), batcher.submit("b")) == ["A", "B"]
+
+
+def upper(batch: list[str]) -> list[str]:
+    return [text.upper() for text in batch]
 
 
 async def test_a_hung_child_past_batch_timeout_is_killed_and_replaced() -> None:
