@@ -4,9 +4,10 @@ A process replica (:mod:`carpool.core.process_replica`) and the server process e
 :class:`Region`, a block of shared memory that grows when a payload does not fit. The
 writer copies a NumPy payload (one array, or a dict of arrays) into its region and sends
 only a small :class:`Header` (region name, and per array its key, dtype, shape and
-offset); the reader attaches to the region by name and builds NumPy views on it. Anything
-else (a list of strings, a torch tensor, arrays of Python objects) travels in the header
-itself, pickled over the pipe.
+offset); the reader attaches to the region by name and builds NumPy views on it. A CPU
+torch tensor crosses the same way and is read back as a tensor on the region's memory
+(``torch.from_numpy``). Anything else (a list of strings, a GPU or bfloat16 tensor,
+arrays of Python objects) travels in the header itself, pickled over the pipe.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import sys
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -40,6 +42,7 @@ class ArraySlot:
     dtype: str
     shape: tuple[int, ...]
     offset_bytes: int
+    is_torch: bool = False  # a CPU torch tensor: read back as one (torch.from_numpy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,19 +56,39 @@ class Header:
     pickled: Any = None
 
 
-def _shareable(value: object) -> bool:
-    return isinstance(value, np.ndarray) and not value.dtype.hasobject
-
-
-def _arrays(payload: Any) -> tuple[PayloadKind, list[tuple[str | None, np.ndarray]]] | None:
-    """The arrays a payload is made of, or None when it must be pickled."""
-    if _shareable(payload):
-        return PayloadKind.ARRAY, [(None, payload)]
-    if isinstance(payload, dict) and all(
-        isinstance(k, str) and _shareable(v) for k, v in payload.items()
+def _as_array(value: object) -> np.ndarray | None:
+    """``value`` as a NumPy array to copy into a region (a CPU torch tensor's own memory,
+    without a copy), or None when it must be pickled."""
+    if isinstance(value, np.ndarray):
+        return None if value.dtype.hasobject else value
+    torch = sys.modules.get("torch")
+    if (
+        torch is not None
+        and isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and not value.requires_grad
+        and value.dtype != torch.bfloat16  # NumPy has no bfloat16
     ):
-        return PayloadKind.DICT, list(payload.items())
+        array: np.ndarray = value.numpy()
+        return array
     return None
+
+
+def _arrays(payload: Any) -> tuple[PayloadKind, list[tuple[str | None, np.ndarray, bool]]] | None:
+    """The arrays a payload is made of (key, array, whether it was a torch tensor), or
+    None when it must be pickled."""
+    if not isinstance(payload, dict):
+        array = _as_array(payload)
+        if array is None:
+            return None
+        return PayloadKind.ARRAY, [(None, array, array is not payload)]
+    found: list[tuple[str | None, np.ndarray, bool]] = []
+    for key, value in payload.items():
+        array = _as_array(value)
+        if not isinstance(key, str) or array is None:
+            return None
+        found.append((key, array, array is not value))
+    return PayloadKind.DICT, found
 
 
 def _aligned(num_bytes: int) -> int:
@@ -92,11 +115,11 @@ class Region:
         kind, arrays = found
         slots: list[ArraySlot] = []
         offset = 0
-        for key, array in arrays:
-            slots.append(ArraySlot(key, array.dtype.str, array.shape, offset))
+        for key, array, is_torch in arrays:
+            slots.append(ArraySlot(key, array.dtype.str, array.shape, offset, is_torch))
             offset += _aligned(array.nbytes)
         shm = self._fit(offset)
-        for slot, (_, array) in zip(slots, arrays, strict=True):
+        for slot, (_, array, _) in zip(slots, arrays, strict=True):
             view = np.ndarray(slot.shape, array.dtype, buffer=shm.buf, offset=slot.offset_bytes)
             view[...] = array
             del view
@@ -133,10 +156,16 @@ class Reader:
             return header.pickled
         assert header.region is not None
         shm = self._attach(header.region)
-        arrays = []
+        arrays: list[Any] = []
         for slot in header.slots:
             view = np.ndarray(slot.shape, np.dtype(slot.dtype), shm.buf, slot.offset_bytes)
-            arrays.append(view.copy() if copy else view)
+            array = view.copy() if copy else view
+            if slot.is_torch:
+                import torch
+
+                arrays.append(torch.from_numpy(array))
+            else:
+                arrays.append(array)
         if header.kind is PayloadKind.ARRAY:
             return arrays[0]
         return {slot.key: array for slot, array in zip(header.slots, arrays, strict=True)}
