@@ -23,6 +23,7 @@ from carpool.errors import (
     InvalidInput,
     ModelError,
     QueueFull,
+    ReplicaDied,
     StartedLate,
     Withdrawn,
 )
@@ -41,7 +42,7 @@ ALL_ERRORS = [
 
 
 # Signals between core's stages: they never reach a caller.
-SIGNALS = {CallNotRun, StartedLate, Withdrawn, Displaced, Hung}
+SIGNALS = {CallNotRun, StartedLate, Withdrawn, Displaced, Hung, ReplicaDied}
 
 
 def _defined_exception_classes() -> list[type[BaseException]]:
