@@ -36,6 +36,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -179,7 +180,14 @@ def _portable(exc: Exception) -> Exception:
 
 
 def child_main(conn: Connection, source: ModelSource, device: str, cpus: list[int] | None) -> None:
-    """A replica process: build the model, then run each batch the pipe announces."""
+    """A replica process: build the model, then run each batch the pipe announces.
+
+    It ignores SIGINT and SIGTERM: Ctrl-C in a terminal, or a service manager that signals
+    every process of the server, must not end it under a batch the server is draining;
+    the server ends it (``None`` on the pipe, or SIGKILL), and it ends by itself when the
+    pipe closes (the server died)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
     _match_torch_threads(cpus)

@@ -169,10 +169,16 @@ async def test_a_model_exception_fails_only_its_batch_and_the_process_serves_on(
         assert replica.pid == pid and replica.counters.num_restarts == 0
 
 
-async def test_stop_leaves_no_child_alive() -> None:
+async def test_children_outlive_sigint_and_sigterm_but_not_stop() -> None:
     batcher = _batcher("process")
     await batcher.start()
     processes = [r._process for r in _replicas(batcher)]
+    assert all(p is not None and p.pid is not None for p in processes)
+    for process in processes:
+        assert process is not None and process.pid is not None
+        os.kill(process.pid, signal.SIGINT)  # the server drains: stop() ends them
+        os.kill(process.pid, signal.SIGTERM)
+    np.testing.assert_array_equal(await batcher.submit(np.ones(1)), [2.0])
     assert all(p is not None and p.is_alive() for p in processes)
     await batcher.stop()
     assert not any(p is not None and p.is_alive() for p in processes)
