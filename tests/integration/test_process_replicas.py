@@ -7,20 +7,12 @@ from pathlib import Path
 
 import httpx
 
-from .conftest import StartServer, wait_until
+from .conftest import DOUBLER_CONFIG, StartServer, wait_until
 
-CONFIG = """\
-models:
-  - name: doubler
-    kind: python
-    source: configmodels:slow_double
-    inputs: [{name: INPUT0, datatype: FP32, shape: [-1]}]
-    outputs: [{name: OUTPUT0, datatype: FP32, shape: [-1]}]
-    max_batch_size: 4
-    max_delay_s: 0.001
-    executor: process
-    num_replicas: 2
-"""
+# The doubler, sleeping 20 ms per batch so that both replicas take batches.
+CONFIG = DOUBLER_CONFIG.replace("configmodels:double", "configmodels:slow_double") + (
+    "    executor: process\n    num_replicas: 2\n"
+)
 
 
 def _children(pid: int) -> set[int]:
@@ -57,6 +49,10 @@ def test_a_model_with_process_replicas_is_answered_over_http(start_server: Start
     assert len(children) >= 2  # the two replicas (and multiprocessing's resource tracker)
     metrics = httpx.get(f"http://{served.http_url}/metrics", timeout=5).text
     assert 'carpool_replica_restarts_total{model="doubler"} 0.0' in metrics
+    for replica in ("0", "1"):  # both computed batches
+        line = f'carpool_replica_busy_seconds_total{{model="doubler",replica="{replica}"}}'
+        busy = [row for row in metrics.splitlines() if row.startswith(line)]
+        assert busy and float(busy[0].split()[-1]) > 0, metrics
     assert served.stop() == 0, served.output()
     # multiprocessing's resource tracker ends once it reads the server's end of its pipe
     wait_until(lambda: not any(_alive(pid) for pid in children), "no child of the server left")
