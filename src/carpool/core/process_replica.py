@@ -500,24 +500,29 @@ class ProcessReplica:
         self._on_exit()
 
     def give_up(self) -> None:
-        """Closing without waiting: end the process now (and stop restarting it)."""
-        self.close()
+        """Closing without waiting: kill the process now (and stop restarting it)."""
+        self._close(wait_s=0.0)
 
     def close(self) -> None:
         """End the process: ask it to stop, kill it if it has not after STOP_WAIT_S."""
+        self._close(wait_s=STOP_WAIT_S)
+
+    def _close(self, wait_s: float) -> None:
         if self._state is ChildState.CLOSED:
             return
         self._state = ChildState.CLOSED
-        if self._restarter is not None:
+        loop = self._loop
+        is_loop_open = loop is not None and not loop.is_closed()
+        if self._restarter is not None and is_loop_open:
             self._restarter.cancel()
         conn, process = self._conn, self._process
-        if conn is not None and process is not None and process.is_alive():
+        if wait_s > 0 and conn is not None and process is not None and process.is_alive():
             with contextlib.suppress(OSError):
                 conn.send(None)
-            process.join(timeout=STOP_WAIT_S)
+            process.join(timeout=wait_s)
         self._discard()
         pending, self._pending = self._pending, None
-        if pending is not None and not pending.done():
+        if pending is not None and not pending.done() and is_loop_open:
             pending.set_exception(ReplicaDied(self._name, self.replica_id, self._exitcode()))
         self._region.close()
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from carpool import Batcher, BatchPolicy, BatchTimeout, ConfigError, ModelError, batched
+from carpool import Batcher, BatchPolicy, BatchTimeout, Closed, ConfigError, ModelError, batched
 from carpool.core.process_replica import ProcessReplica
 
 SLOW_MARK = 7.0  # a batch holding this value computes for SLOW_S
@@ -182,6 +182,19 @@ async def test_children_outlive_sigint_and_sigterm_but_not_stop() -> None:
     assert all(p is not None and p.is_alive() for p in processes)
     await batcher.stop()
     assert not any(p is not None and p.is_alive() for p in processes)
+
+
+async def test_a_bounded_stop_kills_a_child_mid_batch() -> None:
+    batcher = _batcher("process", num_replicas=1)
+    await batcher.start()
+    (replica,) = _replicas(batcher)
+    process = replica._process
+    future = asyncio.ensure_future(batcher.submit(np.full(1, HANG_MARK)))
+    await _until(lambda: replica._pending is not None)
+    await batcher.stop(timeout_s=0.2)
+    with pytest.raises(Closed):
+        await future
+    assert process is not None and not process.is_alive()
 
 
 async def test_a_module_attr_factory_and_a_decorated_function_run_in_processes() -> None:
