@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,14 @@ SLOW_S = 0.6
 HANG_MARK = -1.0  # ... this value, for ever
 FAIL_MARK = 13.0  # ... this value raises
 EXIT_MARK = 333.0  # ... this value ends the process with os._exit(3)
+
+
+@pytest.fixture(autouse=True)
+def _importable_in_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Children find this module's functions by the name pytest imported it under
+    (``tests.unit.core.test_process_replica`` in importlib mode): from the repository's
+    root, which a child has on its path only when the parent has."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
 
 
 def model(batch: Any) -> Any:

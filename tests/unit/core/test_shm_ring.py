@@ -6,8 +6,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
-from carpool.core.shm_ring import INITIAL_REGION_BYTES, PayloadKind, Reader, Region
+from carpool.core.shm_ring import ALIGN_BYTES, INITIAL_REGION_BYTES, PayloadKind, Reader, Region
 
 
 @pytest.fixture
@@ -57,3 +60,29 @@ def test_other_payloads_are_pickled_in_the_header(ends: tuple[Region, Reader]) -
         header = region.write(payload)
         assert header.kind is PayloadKind.PICKLED
         assert reader.read(header, copy=False) is payload
+
+
+DTYPES = st.sampled_from(["<f4", "<f8", "<i8", "|u1", "|b1", "<U3", "<c8"])
+ARRAYS = DTYPES.flatmap(
+    lambda dtype: hnp.arrays(np.dtype(dtype), hnp.array_shapes(min_dims=0, max_dims=3, max_side=5))
+)
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=4), ARRAYS, min_size=1, max_size=5))
+@settings(max_examples=60, deadline=None)
+def test_write_then_read_is_identity_and_slots_are_aligned_in_order(
+    payload: dict[str, np.ndarray],
+) -> None:
+    region, reader = Region(), Reader()
+    try:
+        header = region.write(payload)
+        offsets = [slot.offset_bytes for slot in header.slots]
+        assert offsets == sorted(offsets) and all(o % ALIGN_BYTES == 0 for o in offsets)
+        got = reader.read(header, copy=True)
+        assert list(got) == list(payload)
+        for key, array in payload.items():
+            assert got[key].dtype == array.dtype and got[key].shape == array.shape
+            np.testing.assert_array_equal(got[key], array)
+    finally:
+        reader.close()
+        region.close()
