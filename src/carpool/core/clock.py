@@ -82,14 +82,29 @@ class _LoopTimer:
 
 
 class _FakeTimer:
-    __slots__ = ("callback", "is_cancelled")
+    """A FakeClock timer; ``clock`` is None once it fired (cancelling it then counts for
+    nothing)."""
 
-    def __init__(self, callback: Callable[[], None]) -> None:
-        self.callback = callback
+    __slots__ = ("callback", "clock", "is_cancelled")
+
+    def __init__(self, callback: Callable[[], None], clock: FakeClock) -> None:
+        self.callback: Callable[[], None] | None = callback
+        self.clock: FakeClock | None = clock
         self.is_cancelled = False
 
     def cancel(self) -> None:
+        if self.is_cancelled:
+            return
         self.is_cancelled = True
+        self.callback = None  # what it holds goes now, not when its time comes
+        if self.clock is not None:
+            self.clock._note_cancelled()
+
+
+# A FakeClock rebuilds its heap without cancelled timers once they are more than half of
+# it (and more than this): a timer cancelled long before its time (a batch_timeout_s
+# watchdog, one per batch) would otherwise stay in the heap for the rest of the test.
+COMPACT_AFTER_CANCELLED = 64
 
 
 class FakeClock:
@@ -99,14 +114,23 @@ class FakeClock:
         self._now_s = start_s
         self._timers: list[tuple[float, int, _FakeTimer]] = []
         self._seq = itertools.count()
+        self._num_cancelled = 0  # cancelled timers still in the heap
 
     def now(self) -> float:
         return self._now_s
 
     def call_at(self, when_s: float, callback: Callable[[], None]) -> TimerHandle:
-        timer = _FakeTimer(callback)
+        timer = _FakeTimer(callback, self)
         heapq.heappush(self._timers, (when_s, next(self._seq), timer))
         return timer
+
+    def _note_cancelled(self) -> None:
+        self._num_cancelled += 1
+        num = self._num_cancelled
+        if num > COMPACT_AFTER_CANCELLED and 2 * num > len(self._timers):
+            self._timers = [entry for entry in self._timers if not entry[2].is_cancelled]
+            heapq.heapify(self._timers)
+            self._num_cancelled = 0
 
     @property
     def num_pending_timers(self) -> int:
@@ -116,6 +140,7 @@ class FakeClock:
         """When the earliest live timer fires, or ``None``."""
         while self._timers and self._timers[0][2].is_cancelled:
             heapq.heappop(self._timers)
+            self._num_cancelled -= 1
         return self._timers[0][0] if self._timers else None
 
     async def advance(self, delta_s: float) -> None:
@@ -125,7 +150,9 @@ class FakeClock:
         while (when := self.next_timer_s()) is not None and when <= target:
             _, _, timer = heapq.heappop(self._timers)
             self._now_s = max(self._now_s, when)
-            timer.callback()
+            callback, timer.callback, timer.clock = timer.callback, None, None
+            assert callback is not None, "next_timer_s() leaves a live timer in front"
+            callback()
             await settle()
         self._now_s = target
         await settle()

@@ -226,3 +226,47 @@ async def test_advance_with_no_timers_only_moves_time(delta_s: float) -> None:
     clock = FakeClock(start_s=1.0)
     await clock.advance(delta_s)
     assert clock.now() == 1.0 + delta_s
+
+
+async def test_cancelled_fake_timers_let_go_of_their_callbacks_at_once() -> None:
+    """A timer cancelled long before its time (a batch's watchdog) frees what its callback
+    holds when cancelled, not when its time would have come."""
+    import weakref
+
+    class Held:
+        pass
+
+    clock = FakeClock(start_s=0.0)
+    held = Held()
+    ref = weakref.ref(held)
+    timer = clock.call_at(3600.0, lambda h=held: h)
+    del held
+
+    timer.cancel()
+
+    assert ref() is None
+    assert clock.num_pending_timers == 0
+
+
+async def test_fake_clock_fires_live_timers_in_order_among_many_cancelled() -> None:
+    """Thousands of timers cancelled (the heap rebuilt without them, more than once), a
+    few live ones: those fire, in time order; none cancelled ever does."""
+    clock = FakeClock(start_s=0.0)
+    fired: list[float] = []
+    live = [5.0, 1.0, 3.0]
+    for when_s in live:
+        clock.call_at(when_s, lambda w=when_s: fired.append(w))
+    for index in range(5000):
+        timer = clock.call_at(0.5 + index * 1e-3, lambda: fired.append(-1.0))
+        timer.cancel()
+        timer.cancel()  # twice is once
+    late = clock.call_at(2.0, lambda: fired.append(2.0))
+
+    assert clock.num_pending_timers == 4
+    assert clock.next_timer_s() == 1.0
+    await clock.advance(10.0)
+    late.cancel()  # after it fired: harmless, counts for nothing
+
+    assert fired == [1.0, 2.0, 3.0, 5.0]
+    assert clock.num_pending_timers == 0
+    assert clock.next_timer_s() is None
