@@ -43,7 +43,7 @@ from typing import Protocol
 
 from carpool.core.admission import Intake, OomCap
 from carpool.core.batch_times import BatchTimes
-from carpool.core.clock import Clock
+from carpool.core.clock import Clock, TimerHandle
 from carpool.core.process_replica import process_replicas, process_source
 from carpool.core.queues import Queues
 from carpool.core.replicas import (
@@ -131,6 +131,10 @@ class Dispatcher:
         self.replicas: list[ReplicaLike] = []  # kept after join(): their counters stay readable
         self._tasks: list[asyncio.Task[None]] = []
         self.idle = IdleReplicas()
+        # One timer for all idle replicas: when the earliest of them asked to look again
+        # (a request's delay runs out), the least busy idle one is woken.
+        self._due: TimerHandle | None = None
+        self._due_s = math.inf
         # Each launched batch, by batch id, until it lands.
         self._launched: dict[int, _InFlight] = {}
         self.is_draining = False  # no request comes any more: loops end on empty queues
@@ -262,6 +266,7 @@ class Dispatcher:
         self.replicas, self._tasks = [], []
 
     def _close_replicas(self) -> None:
+        self._disarm()
         for replica in self.replicas:
             replica.close()
         if self._holds_switch_interval:
@@ -277,6 +282,23 @@ class Dispatcher:
             if not waiter.done():
                 waiter.set_result(None)
                 return
+
+    def _arm(self, at_s: float) -> None:
+        """Wake the least busy idle replica at ``at_s``, unless one is woken earlier."""
+        if at_s >= self._due_s:
+            return
+        self._disarm()
+        self._due_s = at_s
+        self._due = self._clock.call_at(at_s, self._on_due)
+
+    def _disarm(self) -> None:
+        if self._due is not None:
+            self._due.cancel()
+        self._due, self._due_s = None, math.inf
+
+    def _on_due(self) -> None:
+        self._due, self._due_s = None, math.inf
+        self.wake_one()
 
     def wake_all(self) -> None:
         pop = self.idle.pop
@@ -394,18 +416,15 @@ class Dispatcher:
     async def _idle_wait(self, wake_at_s: float | None, key: float) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.idle.push(waiter, key)
-        timer = None
         if wake_at_s is not None:
-            timer = self._clock.call_at(wake_at_s, lambda: _wake(waiter))
+            self._arm(wake_at_s)
         try:
             await waiter
         finally:
-            if timer is not None:
-                timer.cancel()
             # Closed: its loop was closed under it, and this coroutine is being discarded.
             if not waiter.done() and not waiter.get_loop().is_closed():
                 waiter.cancel()
-            self.idle.discard(waiter)  # woken by its timer, not popped by a submit
+            self.idle.discard(waiter)  # cancelled, not popped
 
     def _launch(self, replica: ReplicaLike, batch: Batch, now: float) -> _InFlight:
         """Mark the batch's requests running and start the model on each signature group."""

@@ -305,6 +305,30 @@ async def test_idle_replica_runs_an_aged_batch_of_a_capped_class(
     assert await finish(first, second) == [10, 20]
 
 
+async def test_idle_replicas_share_one_timer_for_a_request_waiting_for_company(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    """Three replicas go idle while one request waits out its delay: one timer wakes one
+    of them for it. Each armed its own before; with the least busy woken first, the
+    others' timers fired every delay, for nothing, as long as they stayed idle."""
+    batcher = make_batcher(num_replicas=3, max_batch_size=2, max_delay_s=1.0)
+    await batcher.start()
+    fake_model.hold()
+    running = [spawn(batcher.submit(i)) for i in range(6)]
+    await fake_clock.advance(0.0)
+    assert fake_model.running == 3
+    lone = spawn(batcher.submit(6))
+    await fake_clock.advance(0.1)
+    fake_model.release()
+    await fake_clock.advance(0.0)
+    assert fake_model.running == 0
+    assert fake_clock.num_pending_timers == 1  # was 3: one per idle replica
+
+    await fake_clock.advance(0.9)
+    assert await finish(*running, lone) == [i * 10 for i in range(7)]
+    assert fake_model.sizes == [2, 2, 2, 1]
+
+
 async def test_idle_replicas_pop_the_lowest_key_first_and_skip_discarded_waiters():
     loop = asyncio.get_running_loop()
     idle = IdleReplicas()
