@@ -8,7 +8,8 @@ When a batch is ready and several replicas are idle, the one woken to take it is
 least busy lately (:class:`IdleReplicas`): its time computing, decayed with a time
 constant of ``BUSY_DECAY_S``, is the lowest. Waking the longest-idle one instead gives
 each replica about the same gap between batches whatever its speed, which leaves fast
-replicas less busy than slow ones.
+replicas less busy than slow ones. For a delay that runs out, idle replicas share one
+timer, which wakes the least busy of them too.
 
 A batch that raises is bisected until the failing requests are found; only they get a
 :class:`ModelError`. Out of memory splits the batch into halves, retries them, and lowers
