@@ -16,6 +16,7 @@ The state of a connection, ordered: from REFUSED on, nothing more is read::
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 from collections import deque
@@ -42,7 +43,7 @@ _INFER = ExchangeKind.INFER  # Enum members as module names: class attributes ar
 _TAKEN, _OVER_BUDGET = BodyCheck.TAKEN, BodyCheck.OVER_BUDGET
 
 
-class Framing(asyncio.Protocol):
+class Framing(asyncio.Protocol, abc.ABC):
     """Reads requests off a connection of ``server``; the rest is its subclass's
     (:class:`~carpool.server.http.connection.Connection`)."""
 
@@ -84,23 +85,29 @@ class Framing(asyncio.Protocol):
 
     # -- what the connection does with what is read ----------------------------------------
 
+    @abc.abstractmethod
     def schedule(self, exchange: Exchange) -> None:
-        raise NotImplementedError
+        """Queue ``exchange``, whose head is complete, behind the ones before it."""
 
+    @abc.abstractmethod
     def answer(self, exchange: Exchange, status: int, body: bytes, headers: Headers) -> None:
-        raise NotImplementedError
+        """Write ``exchange``'s answer in its turn."""
 
+    @abc.abstractmethod
     def is_closing(self) -> bool:
-        raise NotImplementedError
+        """Whether nothing more is to be written: lingering, or the transport closing."""
 
+    @abc.abstractmethod
     def _refuse(self, status: int, message: str) -> None:
-        raise NotImplementedError
+        """Refuse the bytes read with ``status`` in their turn, then close."""
 
+    @abc.abstractmethod
     def _arm_wait(self) -> None:
-        raise NotImplementedError
+        """Time the wait for the client's next bytes."""
 
+    @abc.abstractmethod
     def _limit_read_ahead(self) -> None:
-        raise NotImplementedError
+        """Pause reading while too much is read ahead of the answers."""
 
     # -- reads ---------------------------------------------------------------------------
 
