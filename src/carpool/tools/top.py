@@ -160,7 +160,7 @@ def run_top(url: str) -> None:
                 if time.monotonic() >= next_fetch_s:
                     state = poller.poll(state)
                     next_fetch_s = time.monotonic() + REFRESH_S
-                live.update(render(state), refresh=True)
+                live.update(render(state, console.width), refresh=True)
                 for key in _read_keys(fd, next_fetch_s - time.monotonic()):
                     pressed = press(state, key)
                     if pressed is None:

@@ -87,14 +87,19 @@ def _bar(fraction: float, width: int = 12) -> str:
     return "█" * filled + "·" * (width - filled)
 
 
-def render(state: TopState) -> RenderableType:
-    """The whole frame for ``state``."""
+# The summary's columns, by importance: a narrow terminal keeps the first ones that fit.
+COLUMNS = ("model", "req/s", "batch", "p99", "queue", "fill", "compute", "rej/s")
+_COLUMN_WIDTH = 9
+
+
+def render(state: TopState, width: int = 120) -> RenderableType:
+    """The whole frame for ``state`` on a terminal ``width`` columns wide."""
     models = sorted_models(state.models, state.sort_key)
     title = f"carpool top  {state.url}  {len(models)} model(s)  sort: {state.sort_key}"
     parts: list[RenderableType] = []
     if state.error is not None:
         parts.append(Text(f"reconnecting... ({state.error})", style="bold red"))
-    parts.append(_summary(models, state.selected))
+    parts.append(_summary(models, state.selected, width))
     if models:
         chosen = models[min(state.selected, len(models) - 1)]
         parts.append(_detail(chosen, state.adaptive.get(chosen.name, {})))
@@ -102,23 +107,26 @@ def render(state: TopState) -> RenderableType:
     return Panel(Group(*parts), title=title, title_align="left")
 
 
-def _summary(models: tuple[ModelView, ...], selected: int) -> Table:
+def _summary(models: tuple[ModelView, ...], selected: int, width: int) -> Table:
+    longest = max((len(v.name) for v in models), default=5)
+    fit = max(1, 1 + (width - 4 - longest) // _COLUMN_WIDTH)
+    columns = COLUMNS[:fit]
     table = Table(expand=True, box=None, pad_edge=False)
-    for name in ("model", "req/s", "batch", "fill", "compute", "queue", "p99", "rej/s"):
+    for name in columns:
         table.add_column(name, justify="left" if name == "model" else "right", no_wrap=True)
     for i, view in enumerate(models):
         d, r = view.document, view.rates
-        table.add_row(
-            view.name,
-            _num(r.get("requests_per_s")),
-            _num(r.get("mean_batch_size") or r.get("running")),
-            _pct(d["fill_ratio"]),
-            _pct(d["effective_compute_ratio"]),
-            str(d["num_pending"]),
-            _ms(_worst_p99(view) or None),
-            _num(r.get("rejections_per_s")),
-            style="reverse" if i == selected else None,
-        )
+        cells = {
+            "model": view.name,
+            "req/s": _num(r.get("requests_per_s")),
+            "batch": _num(r.get("mean_batch_size") or r.get("running")),
+            "p99": _ms(_worst_p99(view) or None),
+            "queue": str(d["num_pending"]),
+            "fill": _pct(d["fill_ratio"]),
+            "compute": _pct(d["effective_compute_ratio"]),
+            "rej/s": _num(r.get("rejections_per_s")),
+        }
+        table.add_row(*(cells[c] for c in columns), style="reverse" if i == selected else None)
     return table
 
 
