@@ -87,9 +87,10 @@ class ModelRing:
         self.samples.append(values)
 
     def columns(self) -> dict[str, Any]:
-        """The ring as uPlot takes it: the times, then one column per series name (None
-        where a sample lacks it), and the charts that draw them."""
-        names = sorted({name for s in self.samples for name in s})
+        """The ring as uPlot takes it: the times, then one column per series that has a
+        value (None where a sample lacks it), and the charts that draw them."""
+        # Only series with a value: no empty chart for a figure the model has not had yet.
+        names = sorted({name for s in self.samples for name, v in s.items() if v is not None})
         charts = GENERATION_CHARTS if self.kind == "generation" else BATCH_CHARTS
         return {
             "kind": self.kind,

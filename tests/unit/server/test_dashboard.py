@@ -24,12 +24,13 @@ def test_ring_keeps_only_the_newest_capacity_samples() -> None:
     assert columns["series"]["requests_per_s"] == [20.0, 30.0, 40.0]
 
 
-def test_columns_fill_a_series_a_sample_lacks_with_none_and_expand_chart_patterns() -> None:
+def test_columns_fill_gaps_with_none_leave_out_empty_series_and_expand_patterns() -> None:
     ring = ModelRing("batch", capacity=10)
-    ring.append(0.0, {"p99_s:fast": 0.01})
-    ring.append(1.0, {"p99_s:fast": 0.02, "p99_s:slow": 0.5})
+    ring.append(0.0, {"p99_s:fast": 0.01, "p99_s:idle": None})
+    ring.append(1.0, {"p99_s:fast": 0.02, "p99_s:slow": 0.5, "p99_s:idle": None})
     columns = ring.columns()
     assert columns["series"]["p99_s:slow"] == [None, 0.5]
+    assert "p99_s:idle" not in columns["series"]  # never had a value: no empty line
     latency = next(c for c in columns["charts"] if c["title"].startswith("latency"))
     assert latency["series"] == ["p99_s:fast", "p99_s:slow"]
 
