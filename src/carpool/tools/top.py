@@ -5,7 +5,8 @@ Each second it fetches ``GET /v2/models/stats`` (each model's live document unde
 when the server has them, turns two fetches into the second's rates
 (:func:`carpool.server.dashboard_samples.sample`, as the dashboard does) and draws
 :func:`carpool.tools.top_view.render` with rich's ``Live``. Keys: ``q`` quits, arrows pick
-a model, ``s`` sorts, ``?`` shows help. A failed fetch keeps the last figures and says
+a model, ``s`` sorts, ``?`` shows help. It sends ``CARPOOL_API_KEY`` as its key when set.
+A failed fetch keeps the last figures and says
 "reconnecting..." until the server answers again.
 """
 
@@ -27,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.live import Live
 
+from carpool.server.access import API_KEY_ENV
 from carpool.server.dashboard_samples import sample
 from carpool.tools.top_view import SORT_KEYS, ModelView, TopState, render
 
@@ -148,8 +150,10 @@ def run_top(url: str) -> None:
     """Show ``url``'s server until ``q`` (or Ctrl-C)."""
     state = TopState(url=url.rstrip("/"))
     console = Console()
+    key = os.environ.get(API_KEY_ENV)
+    headers = {} if not key else {"authorization": f"Bearer {key}"}
     with (
-        httpx.Client(base_url=state.url, timeout=FETCH_TIMEOUT_S) as client,
+        httpx.Client(base_url=state.url, timeout=FETCH_TIMEOUT_S, headers=headers) as client,
         _cbreak() as fd,
         Live(console=console, screen=True, auto_refresh=False) as live,
     ):
