@@ -12,23 +12,16 @@ import tritonclient.http as httpclient
 
 # Two batched models (2 * INPUT0, 20 ms a batch): requests from several threads pile up
 # while a batch runs, so batches hold more than one.
-TWO_MODELS_CONFIG = """\
-models:
-  - name: alpha
+_MODEL = """\
+  - name: {name}
     kind: python
     source: configmodels:slow_double
-    inputs: [{name: INPUT0, datatype: FP32, shape: [-1]}]
-    outputs: [{name: OUTPUT0, datatype: FP32, shape: [-1]}]
-    max_batch_size: 8
-    max_delay_s: 0.002
-  - name: beta
-    kind: python
-    source: configmodels:slow_double
-    inputs: [{name: INPUT0, datatype: FP32, shape: [-1]}]
-    outputs: [{name: OUTPUT0, datatype: FP32, shape: [-1]}]
+    inputs: [{{name: INPUT0, datatype: FP32, shape: [-1]}}]
+    outputs: [{{name: OUTPUT0, datatype: FP32, shape: [-1]}}]
     max_batch_size: 8
     max_delay_s: 0.002
 """
+TWO_MODELS_CONFIG = "models:\n" + "".join(_MODEL.format(name=n) for n in ("alpha", "beta"))
 MAX_REQUESTS_PER_THREAD = 2000  # a bound, whatever the stop event does
 
 
