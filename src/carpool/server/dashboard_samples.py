@@ -30,7 +30,8 @@ def sample(now: Mapping[str, Any], before: Mapping[str, Any] | None, dt_s: float
     batches = None if before is None else now["num_batches"] - before["num_batches"]
     items = None if before is None else now["num_items"] - before["num_items"]
     out["mean_batch_size"] = items / batches if batches and items is not None else None
-    out["max_batch_size"] = now["max_batch_size"]
+    limit = now["max_batch_size"]  # "auto" under adaptive batching: no line to draw
+    out["max_batch_size"] = limit if isinstance(limit, int | float) else None
     out["fill_ratio"] = now["fill_ratio"]
     out["effective_compute_ratio"] = now["effective_compute_ratio"]
     for c in now["classes"]:

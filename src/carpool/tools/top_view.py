@@ -74,7 +74,9 @@ def _num(value: float | None, digits: int = 1) -> str:
     return f"{value:.{digits}f}"
 
 
-def _ms(value_s: float | None) -> str:
+def _ms(value_s: float | str | None) -> str:
+    if isinstance(value_s, str):  # a policy field set to "auto" (adaptive batching)
+        return value_s
     return "-" if value_s is None else f"{value_s * 1e3:.1f}ms"
 
 

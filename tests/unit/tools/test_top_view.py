@@ -99,6 +99,12 @@ def test_says_reconnecting_and_keeps_the_last_figures_while_the_server_is_away()
     assert "reconnecting..." in text and "mlp" in text
 
 
+def test_a_policy_field_set_to_auto_reads_auto() -> None:
+    auto = ModelView("auto", batch_document(max_delay_s="auto", max_batch_size="auto"), {})
+    text = frame(TopState("http://x", models=(auto,)), width=120)
+    assert "max batch auto, max delay auto" in text
+
+
 def test_help_lists_the_keys() -> None:
     assert "s sort" in frame(state(show_help=True), width=120)
     assert "s sort" not in frame(state(), width=120)
