@@ -3,7 +3,8 @@
 ``carpool serve [CONFIG.yaml]`` serves the models a config lists (the built-in ones without
 one) over KServe v2 HTTP and gRPC and OpenAI's API; ``carpool demo`` shows what batching
 buys on the reference MLP; ``carpool bench``, ``tune`` and ``doctor`` measure, tune and
-diagnose (see docs/tuning.md and docs/doctor.md).
+diagnose (see docs/tuning.md and docs/doctor.md); ``carpool top [URL]`` watches a running
+server (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -141,6 +142,14 @@ def serve(
             max=86_400,
         ),
     ] = 30.0,
+    no_dashboard: Annotated[
+        bool,
+        typer.Option(
+            "--no-dashboard",
+            help="Serve no /dashboard, and sample nothing for it (on: live charts of each "
+            "model's last 5 minutes).",
+        ),
+    ] = False,
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
@@ -175,6 +184,7 @@ def serve(
             protect_metrics=protect_metrics,
             allow_policy_updates=allow_policy_updates,
             drain_timeout_s=drain_timeout_s,
+            dashboard=not no_dashboard,
         )
     except DrainTimedOut:  # already logged, with how many requests were cut off
         raise SystemExit(1) from None
@@ -220,6 +230,18 @@ def tune(ctx: typer.Context) -> None:
 
     _import_from(Path.cwd())  # a module:attr target in the working directory
     tune_main(list(ctx.args))
+
+
+@app.command()
+def top(
+    url: Annotated[
+        str, typer.Argument(help="The server's HTTP address.")
+    ] = "http://127.0.0.1:8000",
+) -> None:
+    """A live terminal view of a running server: q quits, arrows pick a model, s sorts, ? help."""
+    from carpool.tools.top import run_top
+
+    run_top(url)
 
 
 @app.command(

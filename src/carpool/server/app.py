@@ -22,6 +22,7 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 from carpool.server.access import DEFAULT_ACCESS, Access
+from carpool.server.dashboard import Dashboard
 from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES
 from carpool.server.http.body import BodyBytes, BodyCheck, declared_too_large
 from carpool.server.http.handlers import Call, Stream, respond
@@ -55,8 +56,11 @@ class KServeApp:
         max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         limits: ServerLimits | None = None,
         access: Access = DEFAULT_ACCESS,
+        dashboard: bool = False,
     ) -> None:
         self.repository = repository
+        # Sampled by carpool serve (server/run.py); the ASGI app alone serves it empty.
+        self.dashboard = Dashboard(repository) if dashboard else None
         self.max_body_bytes = max_body_bytes
         self.limits = limits if limits is not None else ServerLimits()
         self.inflight = InflightBytes(self.limits.max_inflight_bytes)

@@ -78,6 +78,7 @@ def serve(
     protect_metrics: bool = False,
     allow_policy_updates: bool = False,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    dashboard: bool = True,
 ) -> None:
     """Serve HTTP on ``port`` and gRPC on ``grpc_port`` (None or <= 0: no gRPC) until
     SIGINT/SIGTERM; then stop accepting, drain every batcher, return (exit status 0).
@@ -89,7 +90,8 @@ def serve(
     ``allow_policy_updates`` lets ``POST .../policy`` change a batch policy
     (:mod:`carpool.server.access`).
     What is unanswered ``drain_timeout_s`` after the signal is cut
-    off: 503 / UNAVAILABLE.
+    off: 503 / UNAVAILABLE. ``dashboard``: sample every model each second for
+    ``/dashboard`` (server/dashboard.py); off, ``/dashboard`` is a 404.
 
     Raises:
         ConfigError: ``api_key`` is empty or not printable ASCII.
@@ -106,7 +108,13 @@ def serve(
     use_default_logging()
     for name in ("carpool.server.http", "carpool.server.access"):
         logging.getLogger(name).setLevel(LOG_LEVELS[log_level])
-    app = KServeApp(repository, max_body_bytes=max_request_bytes, limits=limits, access=access)
+    app = KServeApp(
+        repository,
+        max_body_bytes=max_request_bytes,
+        limits=limits,
+        access=access,
+        dashboard=dashboard,
+    )
     # uvloop, as HTTP ran before gRPC was added: grpc.aio (grpcio 1.85) serves on it; the
     # gRPC integration tests (tritonclient.grpc, SIGTERM drain, exit 0) run on this loop.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -321,6 +329,9 @@ async def _serve(
         grpc_address = host_port(host, grpc_port or 0) if grpc_server is not None else None
         restore_signals = _stop_on_signal(loop, on_signal)
         trimming = asyncio.ensure_future(_trim_after_bursts(http, repository))
+        if app.dashboard is not None:
+            sampling = asyncio.ensure_future(app.dashboard.run())
+            trimming.add_done_callback(lambda _: sampling.cancel())  # cancelled below
         try:
             for sock in sockets:
                 # Only now, as they start listening: the connections they accept inherit

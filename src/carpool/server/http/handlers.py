@@ -21,7 +21,9 @@ from carpool.config import POLICY_FIELDS
 from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
 from carpool.server import completions, openai
+from carpool.server.dashboard import Dashboard, static_file
 from carpool.server.encoding import inflate, response_encoding
+from carpool.server.errors import NotFound
 from carpool.server.http.router import HttpRequest, Route, RouteKind
 from carpool.server.infer import (
     Answer,
@@ -31,6 +33,7 @@ from carpool.server.infer import (
     infer_response,
     prepare_infer,
 )
+from carpool.server.live import live_figures
 from carpool.server.metrics import Metrics
 from carpool.server.repository import ModelRepository, ServedModel
 from carpool.server.stats import model_stats
@@ -59,6 +62,7 @@ class Served(Protocol):
     metrics: Metrics
     plans: InferPlans
     max_body_bytes: int
+    dashboard: Dashboard | None  # None: served with --no-dashboard
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +139,14 @@ async def _server_metadata(served: Served, call: Call) -> Answer:
     return _json({"name": "carpool", "version": __version__, "extensions": EXTENSIONS})
 
 
+def _stats(model: ServedModel) -> dict[str, Any]:
+    """Triton's statistics of ``model``, and under ``"carpool"`` what it is doing now
+    (server/live.py: what carpool top shows)."""
+    return model_stats(model) | {"carpool": live_figures(model)}
+
+
 async def _models_stats(served: Served, call: Call) -> Answer:
-    return _json({"model_stats": [model_stats(m) for m in served.repository]})
+    return _json({"model_stats": [_stats(m) for m in served.repository]})
 
 
 async def _index(served: Served, call: Call) -> Answer:
@@ -173,7 +183,24 @@ async def _model_config(served: Served, call: Call) -> Answer:
 
 
 async def _model_stats(served: Served, call: Call) -> Answer:
-    return _json({"model_stats": [model_stats(_model(call))]})
+    return _json({"model_stats": [_stats(_model(call))]})
+
+
+async def _dashboard(served: Served, call: Call) -> Answer:
+    """``/dashboard`` (the page), ``/dashboard/series`` (its data), ``/dashboard/{file}``."""
+    path = call.request.path
+    if served.dashboard is None:
+        raise NotFound(
+            f"path {path!r} (the server runs with --no-dashboard)", ["/v2/...", "/metrics"]
+        )
+    name = path.rstrip("/").removeprefix("/dashboard").lstrip("/") or "dashboard.html"
+    if name == "series":
+        return _json(served.dashboard.series())
+    found = static_file(name)
+    if found is None:
+        raise NotFound(f"path {path!r}", ["/dashboard", "/dashboard/series"])
+    data, content_type = found
+    return 200, data, ((b"content-type", content_type),)
 
 
 async def _embeddings(served: Served, call: Call) -> Answer:
@@ -212,6 +239,7 @@ _HANDLERS: dict[RouteKind, Handler] = {
     RouteKind.OPENAI_MODELS: _openai_models,
     RouteKind.COMPLETIONS: _completions,
     RouteKind.CHAT_COMPLETIONS: _completions,
+    RouteKind.DASHBOARD: _dashboard,
 }
 
 

@@ -14,6 +14,7 @@ Every path carpool serves is told apart here, for requests read by carpool's own
     POST /v1/embeddings | GET /v1/models                 OpenAI-compatible (server/openai.py)
     POST /v1/completions | /v1/chat/completions          generation (server/completions.py)
     GET  /metrics                                        Prometheus exposition
+    GET  /dashboard | /dashboard/series | /dashboard/{file}   live charts (server/dashboard.py)
 
 Whatever can be refused from the head alone is refused here, before the body is read: a
 missing API key (401), an unknown path or model (404), another method (405), an endpoint
@@ -61,6 +62,7 @@ class RouteKind(enum.Enum):
     OPENAI_MODELS = "models"
     COMPLETIONS = "completions"
     CHAT_COMPLETIONS = "chat completions"
+    DASHBOARD = "dashboard"
 
 
 # The routes whose answer needs the request's body; the others are answered from the head.
@@ -122,10 +124,13 @@ def route_path(repository: ModelRepository, access: Access, method: str, path: s
     if parts == ["metrics"]:
         _allow(method, path, "GET")
         return Route(RouteKind.METRICS)
+    if parts[:1] == ["dashboard"]:  # the page, its series and files: the handler tells them
+        _allow(method, path, "GET")
+        return Route(RouteKind.DASHBOARD)
     if parts[:1] == ["v1"]:
         return _openai(method, path, parts[1:])
     if not parts or parts[0] != "v2":
-        raise NotFound(f"path {path!r}", ["/v2/...", "/v1/..."])
+        raise NotFound(f"path {path!r}", ["/v2/...", "/v1/...", "/metrics", "/dashboard"])
     rest = parts[1:]
     if rest in (["health", "live"], ["health", "ready"]):
         _allow(method, path, "GET")
