@@ -90,7 +90,7 @@ def _batching(snap: TelemetrySnapshot, max_batch_size: int, max_delay_s: float) 
 
 def _breakdown(trace: RequestTrace) -> dict[str, Any]:
     """Where a request's time went: queued behind busy replicas, held while its batch
-    filled, behind its replica's previous batch, computing."""
+    filled, behind its replica's previous batch, computing, and being answered."""
     return {
         "class": trace.class_name,
         "total_s": trace.total_s,
@@ -98,6 +98,7 @@ def _breakdown(trace: RequestTrace) -> dict[str, Any]:
         "fill_wait_s": trace.fill_wait_s,
         "replica_wait_s": trace.replica_wait_s,
         "compute_s": _seconds(trace.compute_s),
+        "answer_s": _seconds(trace.answer_s),
         "batch_size": trace.batch_size,
         "replica_id": trace.replica_id,
     }
