@@ -234,6 +234,17 @@ def doctor(ctx: typer.Context) -> None:
     doctor_main(list(ctx.args))
 
 
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def trace(ctx: typer.Context) -> None:
+    """Record a running server's requests and batches as a Perfetto trace (--help)."""
+    from carpool.tools.trace import main as trace_main
+
+    trace_main(list(ctx.args))
+
+
 def _repository(config_path: str | None) -> ModelRepository:
     """The models of ``config_path``, or the built-in ones; a bad config exits with status 2."""
     from carpool.server.repository import ModelRepository
