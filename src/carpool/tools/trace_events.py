@@ -180,7 +180,7 @@ def _request_events(timelines: list[Timeline], pid: int, us: Any) -> list[dict[s
                     "pid": pid,
                     "tid": tid,
                     "ts": us(start_s),
-                    "dur": round((end_s - start_s) * _US, 3),
+                    "dur": round(us(end_s) - us(start_s), 3),  # ends where the next starts
                 }
             )
         if t.has_run:
