@@ -141,11 +141,21 @@ def serve(
             max=86_400,
         ),
     ] = 30.0,
+    otlp_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="Send each request's timeline (arrived, batch closed, compute started and "
+            "ended, answered) as OpenTelemetry spans to this OTLP/HTTP collector, e.g. "
+            "http://127.0.0.1:4318 (needs the otel extra).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
     from carpool.server.access import api_key_from
     from carpool.server.errors import DrainTimedOut, PortInUse
+    from carpool.server.otlp import traces_url
     from carpool.server.run import check_ports, exit_on_signal_while_building
     from carpool.server.run import serve as run_server
 
@@ -156,6 +166,8 @@ def serve(
         )
     try:
         key = api_key_from(api_key)  # the flag, else CARPOOL_API_KEY
+        if otlp_endpoint is not None:
+            traces_url(otlp_endpoint)  # a bad URL: status 2 before any model loads
     except ConfigError as error:  # before the ports are taken or a model loads
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -175,6 +187,7 @@ def serve(
             protect_metrics=protect_metrics,
             allow_policy_updates=allow_policy_updates,
             drain_timeout_s=drain_timeout_s,
+            otlp_endpoint=otlp_endpoint,
         )
     except DrainTimedOut:  # already logged, with how many requests were cut off
         raise SystemExit(1) from None

@@ -1,0 +1,162 @@
+"""``carpool serve --otlp-endpoint URL``: each request's timeline as OpenTelemetry spans,
+sent over OTLP/HTTP (protobuf) to a collector (Jaeger, Tempo, the OpenTelemetry
+Collector...).
+
+Per finished request, one trace::
+
+    carpool.request   arrived ─────────────────────────────────► answered
+      carpool.wait      arrived ──► batch closed        (attribute: fill wait)
+      carpool.compute                  compute started ──► compute ended
+
+with the five moments also as events of the request span, and the model, class,
+outcome, items, batch size and replica as attributes. Off the request path: the batcher's
+trace hook only appends to a bounded queue (:class:`OtlpExport`); a thread turns the
+queue into spans every ``interval_s`` and the SDK's batch processor exports them from its
+own thread. Without the flag no hook is installed (:class:`~carpool.server.timelines.
+TraceHub`): nothing is built per request. Needs the ``otel`` extra.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+from carpool.core.request import Outcome, RequestTrace
+from carpool.errors import ConfigError
+from carpool.server.timelines import TraceHub
+
+MAX_PENDING = 65_536  # traces waiting for the export thread; past it, new ones are dropped
+TRACES_PATH = "/v1/traces"
+log = logging.getLogger("carpool.server.otlp")
+
+
+def traces_url(endpoint: str) -> str:
+    """The OTLP/HTTP traces URL of ``endpoint``: as given when it has a path, else with
+    ``/v1/traces`` (the collector's base address, as ``OTEL_EXPORTER_OTLP_ENDPOINT``).
+
+    Raises:
+        ConfigError: not an http(s) URL.
+    """
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError("--otlp-endpoint", endpoint, "an http(s) URL, e.g. http://host:4318")
+    if parts.path in ("", "/"):
+        return endpoint.rstrip("/") + TRACES_PATH
+    return endpoint
+
+
+class OtlpExport:
+    """A :class:`TraceHub` listener sending each trace as spans to ``endpoint``."""
+
+    def __init__(self, endpoint: str, *, interval_s: float = 0.5) -> None:
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        except ImportError:
+            raise ConfigError(
+                "--otlp-endpoint", endpoint, "the otel extra installed: pip install carpool[otel]"
+            ) from None
+        from carpool import __version__
+
+        self.url = traces_url(endpoint)
+        resource = Resource.create({"service.name": "carpool", "service.version": __version__})
+        self._provider = TracerProvider(resource=resource)
+        self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=self.url)))
+        self._tracer = self._provider.get_tracer("carpool.server")
+        self._pending: collections.deque[tuple[str, RequestTrace]] = collections.deque()
+        self.num_dropped = 0
+        self._unix_offset_s = time.time() - time.monotonic()
+        self._interval_s = interval_s
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="carpool-otlp", daemon=True)
+        self._thread.start()
+
+    def __call__(self, model: str, trace: RequestTrace) -> None:
+        if len(self._pending) < MAX_PENDING:
+            self._pending.append((model, trace))
+        else:
+            self.num_dropped += 1
+
+    def close(self) -> None:
+        """Turn what is queued into spans, send them, and stop."""
+        self._stopping.set()
+        self._thread.join()
+        self._provider.shutdown()  # flushes the batch processor
+        if self.num_dropped:
+            log.warning("OTLP: %d request traces dropped (queue full)", self.num_dropped)
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self._interval_s):
+            self._drain()
+        self._drain()
+
+    def _drain(self) -> None:
+        pending = self._pending
+        while pending:
+            model, trace = pending.popleft()
+            try:
+                self._emit(model, trace)
+            except Exception:  # one odd trace must not end the export
+                log.exception("OTLP: could not make spans of request %d", trace.request_id)
+
+    def _ns(self, monotonic_s: float) -> int:
+        return int((monotonic_s + self._unix_offset_s) * 1e9)
+
+    def _emit(self, model: str, t: RequestTrace) -> None:
+        from opentelemetry import trace
+        from opentelemetry.trace import Status, StatusCode
+
+        attributes: dict[str, Any] = {
+            "carpool.model": model,
+            "carpool.request_id": t.request_id,
+            "carpool.class": t.class_name,
+            "carpool.outcome": t.outcome.value,
+            "carpool.num_items": t.num_items,
+            "carpool.batch_size": t.batch_size,
+            "carpool.replica_id": t.replica_id,
+        }
+        root = self._tracer.start_span(
+            "carpool.request", start_time=self._ns(t.arrived_s), attributes=attributes
+        )
+        for name, moment_s in (
+            ("arrived", t.arrived_s),
+            ("batch closed", t.batch_closed_s),
+            ("compute started", t.compute_started_s),
+            ("compute ended", t.compute_ended_s),
+            ("answered", t.answered_s),
+        ):
+            if moment_s == moment_s:  # not NaN: a stage it reached
+                root.add_event(name, timestamp=self._ns(moment_s))
+        context = trace.set_span_in_context(root)
+        if t.batch_closed_s == t.batch_closed_s:
+            wait = self._tracer.start_span(
+                "carpool.wait",
+                context=context,
+                start_time=self._ns(t.arrived_s),
+                attributes={"carpool.fill_wait_s": t.fill_wait_s, "carpool.queue_s": t.queue_s},
+            )
+            wait.end(end_time=self._ns(t.batch_closed_s))
+        if t.compute_started_s == t.compute_started_s and t.compute_ended_s == t.compute_ended_s:
+            compute = self._tracer.start_span(
+                "carpool.compute",
+                context=context,
+                start_time=self._ns(t.compute_started_s),
+                attributes={"carpool.replica_id": t.replica_id},
+            )
+            compute.end(end_time=self._ns(t.compute_ended_s))
+        if t.outcome is not Outcome.OK:
+            root.set_status(Status(StatusCode.ERROR, t.outcome.value))
+        root.end(end_time=self._ns(t.answered_s))
+
+
+def start_otlp(hub: TraceHub, endpoint: str) -> OtlpExport:
+    """Export every request ``hub`` sees to ``endpoint`` until the export is closed."""
+    export = OtlpExport(endpoint)
+    hub.subscribe(export)
+    return export
