@@ -77,9 +77,7 @@ def _plots_in_browser(page: Path) -> dict[str, tuple[int, int]]:
     text = page.read_text(encoding="utf-8")
     assert not re.search(r"(src|href)=['\"]https?:", text), "the report fetches something"
     dom = _chromium(page, "--dump-dom").stdout
-    plots = {
-        alt: _png_size(base64.b64decode(data)) for data, alt in _DATA_IMG.findall(dom)
-    }
+    plots = {alt: _png_size(base64.b64decode(data)) for data, alt in _DATA_IMG.findall(dom)}
     screenshot = page.with_suffix(".png")
     _chromium(page, f"--screenshot={screenshot}", "--window-size=1200,2400")
     assert _png_size(screenshot.read_bytes()) == (1200, 2400)

@@ -19,7 +19,7 @@ import tritonclient.http as httpclient
 from .conftest import DOUBLER_CONFIG, StartServer
 
 pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed")
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
@@ -37,7 +37,7 @@ class Collector:
         collector = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"]))
                 request = ExportTraceServiceRequest.FromString(body)
                 collector.paths.append(self.path)

@@ -30,8 +30,8 @@ from carpool.server.http.router import HttpRequest, route
 from carpool.server.infer import Headers, InferPlans, error_response
 from carpool.server.limits import InflightBytes, ServerLimits, over_inflight_bytes
 from carpool.server.metrics import Metrics
-from carpool.server.timelines import TraceHub
 from carpool.server.repository import ModelRepository, ServedModel
+from carpool.server.timelines import TraceHub
 from carpool.server.waiting import WaitingRoom
 
 Scope = MutableMapping[str, Any]

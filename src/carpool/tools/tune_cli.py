@@ -104,9 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--rate", type=float, help="open-loop Poisson arrivals (req/s)")
     p.add_argument("--eta", type=int, default=3, help="successive halving keeps 1/eta")
     p.add_argument("--report", type=Path, metavar="DIR", help="write tune.md/.html and plots")
-    p.add_argument(
-        "--html", type=Path, metavar="FILE", help="write one self-contained HTML report"
-    )
+    p.add_argument("--html", type=Path, metavar="FILE", help="write one self-contained HTML report")
     p.add_argument(
         "--config",
         "--model-config",
