@@ -15,20 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ServedProcess, start_served_process
+from .conftest import DOUBLER_CONFIG, ServedProcess, start_served_process
 
 RUN_TIMEOUT_S = 180.0  # a net against a hung run, not a timing assertion
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CONFIG = """\
-models:
-  - name: doubler
-    kind: python
-    source: configmodels:double
-    inputs: [{name: INPUT0, datatype: FP32, shape: [-1]}]
-    outputs: [{name: OUTPUT0, datatype: FP32, shape: [-1]}]
-    max_batch_size: 8
-    max_delay_s: 0.002
-"""
 _DATA_IMG = re.compile(r"<img src=\"data:image/png;base64,([A-Za-z0-9+/=]+)\" alt=\"([^\"]*)\"")
 
 needs_chromium = pytest.mark.skipif(
@@ -38,7 +28,7 @@ needs_chromium = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
-    process = start_served_process(CONFIG, tmp_path_factory.mktemp("serve-report"))
+    process = start_served_process(DOUBLER_CONFIG, tmp_path_factory.mktemp("serve-report"))
     yield process
     assert process.stop() == 0, process.output()
 
@@ -71,6 +61,16 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return width, height
 
 
+def _report(page: Path, *argv: str) -> dict[str, tuple[int, int]]:
+    """Run ``carpool *argv --html page``; its plots as :func:`_plots_in_browser` finds
+    them, each a real image."""
+    output = _run(*argv, "--html", str(page), cwd=page.parent)
+    assert f"wrote {page}" in output
+    plots = _plots_in_browser(page)
+    assert all(w > 100 and h > 100 for w, h in plots.values())
+    return plots
+
+
 def _plots_in_browser(page: Path) -> dict[str, tuple[int, int]]:
     """Each embedded plot of ``page`` as Chromium's DOM holds it: its alt text to its
     PNG's size. Also writes ``page``'s screenshot beside it."""
@@ -88,39 +88,32 @@ def _plots_in_browser(page: Path) -> dict[str, tuple[int, int]]:
 @needs_chromium
 def test_bench_html_report_embeds_its_plots(served: ServedProcess, tmp_path: Path) -> None:
     page = tmp_path / "bench.html"
-    output = _run(
-        "bench", f"http://{served.http_url}", "--model", "doubler", "--input-shape", "1,4",
-        "--concurrency", "1,4", "--duration", "0.5s", "--warmup", "0.1s", "--no-progress",
-        "--html", str(page), cwd=tmp_path,
+    plots = _report(
+        page, "bench", f"http://{served.http_url}", "--model", "doubler",
+        "--input-shape", "1,4", "--concurrency", "1,4", "--duration", "0.5s",
+        "--warmup", "0.1s", "--no-progress",
     )  # fmt: skip
-    assert f"wrote {page}" in output
-    plots = _plots_in_browser(page)
     assert set(plots) == {
         "Latency against throughput: p50 and p99 at each point",
         "Latency CDF of each point (from the scheduled send time)",
         "Batch-size distribution on the server, per point",
     }
-    assert all(w > 100 and h > 100 for w, h in plots.values())
     text = page.read_text(encoding="utf-8")
     assert "concurrency=1" in text and "concurrency=4" in text
 
 
 @needs_chromium
 def test_tune_html_report_embeds_heatmaps_and_main_effects(tmp_path: Path) -> None:
-    page = tmp_path / "tune.html"
-    output = _run(
-        "tune", "numpy:negative", "--shape", "4", "--slo-p99-ms", "1000",
-        "--out", str(tmp_path / "tuned.yaml"), "--search", "taguchi",
+    plots = _report(
+        tmp_path / "tune.html", "tune", "numpy:negative", "--shape", "4",
+        "--slo-p99-ms", "1000", "--out", str(tmp_path / "tuned.yaml"), "--search", "taguchi",
         "--param", "max_delay_s=0,0.002", "--param", "max_batch_size=1,8",
         "--trial-duration", "0.2s", "--warmup", "0.05s", "--window", "0.1s",
-        "--concurrency", "4", "--html", str(page), cwd=tmp_path,
+        "--concurrency", "4",
     )  # fmt: skip
-    assert f"wrote {page}" in output
-    plots = _plots_in_browser(page)
     assert set(plots) == {
         "throughput vs p99 latency of every trial",
         "throughput heatmap",
         "p99 latency heatmap",
         "main effects: mean objective at each level of each factor",
     }
-    assert all(w > 100 and h > 100 for w, h in plots.values())
