@@ -146,3 +146,33 @@ def test_an_endpoint_that_is_no_url_exits_2(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 2, run.stdout + run.stderr
     assert "--otlp-endpoint" in run.stderr and "http(s) URL" in run.stderr
+
+
+def test_a_generation_request_has_a_span_per_step(
+    start_server: StartServer, collector: Collector
+) -> None:
+    import openai
+
+    served = start_server(None, args=["--otlp-endpoint", collector.url])
+    client = openai.OpenAI(base_url=f"http://{served.http_url}/v1", api_key="unused")
+    client.completions.create(model="tiny-random-llama", prompt="hello", max_tokens=5)
+    client.close()
+    assert served.stop() == 0, served.output()
+
+    [root] = [s for s in collector.spans if s.name == "carpool.request"]
+    attributes = _attributes(root)
+    assert attributes["carpool.kind"] == "generation"
+    num_generated = attributes["carpool.num_generated"]
+    assert (attributes["carpool.outcome"], num_generated) == ("length", 5) or (
+        attributes["carpool.outcome"] == "stop" and 1 <= num_generated < 5  # an end of sequence
+    )
+    assert [e.name for e in root.events] == ["arrived", "scheduled", "first token", "answered"]
+    children = [s for s in collector.spans if s.parent_span_id == root.span_id]
+    steps = sorted(
+        (c for c in children if c.name == "carpool.step"), key=lambda c: c.start_time_unix_nano
+    )
+    assert [c.name for c in children if c.name != "carpool.step"] == ["carpool.queue"]
+    assert len(steps) >= num_generated  # a prefill, then a decode per token
+    assert [_attributes(c)["carpool.step"] for c in steps] == list(range(len(steps)))
+    assert root.start_time_unix_nano <= steps[0].start_time_unix_nano
+    assert steps[-1].end_time_unix_nano <= root.end_time_unix_nano

@@ -159,3 +159,49 @@ def test_trace_of_an_unreachable_server_exits_1(tmp_path: Path) -> None:
     assert run.returncode == 1, run.stdout + run.stderr
     assert "carpool trace: http://127.0.0.1:" in run.stderr
     assert not (tmp_path / "t.json").exists()
+
+
+def _complete(url: str, num_requests: int) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://{url}/v1", api_key="unused")
+    for _ in range(num_requests):
+        client.completions.create(model="tiny-random-llama", prompt="hello", max_tokens=4)
+    client.close()
+
+
+def test_generation_requests_are_steps_on_the_engine_track(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    served = start_server(None)  # the built-in models: tiny-random-llama generates
+    out = tmp_path / "trace.json"
+    trace = subprocess.Popen(
+        [sys.executable, "-m", "carpool.cli", "trace", f"http://{served.http_url}",
+         "--seconds", "2", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    threads = [threading.Thread(target=_complete, args=(served.http_url, 20)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    output, _ = trace.communicate(timeout=TRACE_TIMEOUT_S)
+    assert trace.returncode == 0, output
+    document = json.loads(out.read_text())
+    check_trace_events(document)
+    events = document["traceEvents"]
+    pids = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+    pid = pids["model tiny-random-llama"]
+    mine = [e for e in events if e["pid"] == pid]
+    steps = [e for e in mine if e.get("cat") == "step"]
+    requests = [e for e in mine if e.get("cat") == "request"]
+    assert steps and requests
+    assert {e["tid"] for e in steps} == {1}
+    # A request stops at 4 tokens or an end of sequence; one already running when the
+    # recording began shows only the steps since.
+    assert all(1 <= r["args"]["num_generated"] <= 4 for r in requests)
+    assert all(r["args"]["num_steps"] >= 1 for r in requests)
+    assert any(r["args"]["num_steps"] >= r["args"]["num_generated"] for r in requests)
+    stages = {e["name"] for e in mine if e.get("cat") == "stage"}
+    assert {"prefill", "decode"} <= stages
+    assert len([e for e in mine if e["ph"] == "f"]) == len(requests)

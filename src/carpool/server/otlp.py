@@ -9,11 +9,15 @@ Per finished request, one trace::
       carpool.compute                  compute started ──► compute ended
 
 with the five moments also as events of the request span, and the model, class,
-outcome, items, batch size and replica as attributes. Off the request path: the batcher's
-trace hook only appends to a bounded queue (:class:`OtlpExport`); a thread turns the
-queue into spans every ``interval_s`` and the SDK's batch processor exports them from its
-own thread. Without the flag no hook is installed (:class:`~carpool.server.timelines.
-TraceHub`): nothing is built per request. Needs the ``otel`` extra.
+outcome, items, batch size and replica as attributes. A generation request's span has a
+``carpool.queue`` child (arrived to its first step) and a ``carpool.step`` child per
+forward pass it was in, and events arrived, scheduled, first token, answered.
+
+Off the request path: the trace hook only appends to a bounded queue
+(:class:`OtlpExport`); a thread turns the queue into spans every ``interval_s`` and the
+SDK's batch processor exports them from its own thread. Without the flag no hook is
+installed (:class:`~carpool.server.timelines.TraceHub`): nothing is built per request.
+Needs the ``otel`` extra.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from urllib.parse import urlsplit
 
 from carpool.core.request import Outcome, RequestTrace
 from carpool.errors import ConfigError
-from carpool.server.timelines import TraceHub
+from carpool.generation.telemetry import GenerationTrace
+from carpool.server.timelines import AnyTrace, TraceHub
 
 MAX_PENDING = 65_536  # traces waiting for the export thread; past it, new ones are dropped
 TRACES_PATH = "/v1/traces"
@@ -69,7 +74,7 @@ class OtlpExport:
         self._provider = TracerProvider(resource=resource)
         self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=self.url)))
         self._tracer = self._provider.get_tracer("carpool.server")
-        self._pending: collections.deque[tuple[str, RequestTrace]] = collections.deque()
+        self._pending: collections.deque[tuple[str, AnyTrace]] = collections.deque()
         self.num_dropped = 0
         self._unix_offset_s = time.time() - time.monotonic()
         self._interval_s = interval_s
@@ -77,7 +82,7 @@ class OtlpExport:
         self._thread = threading.Thread(target=self._run, name="carpool-otlp", daemon=True)
         self._thread.start()
 
-    def __call__(self, model: str, trace: RequestTrace) -> None:
+    def __call__(self, model: str, trace: AnyTrace) -> None:
         if len(self._pending) < MAX_PENDING:
             self._pending.append((model, trace))
         else:
@@ -101,7 +106,10 @@ class OtlpExport:
         while pending:
             model, trace = pending.popleft()
             try:
-                self._emit(model, trace)
+                if isinstance(trace, GenerationTrace):
+                    self._emit_generation(model, trace)
+                else:
+                    self._emit(model, trace)
             except Exception:  # one odd trace must not end the export
                 log.exception("OTLP: could not make spans of request %d", trace.request_id)
 
@@ -152,6 +160,50 @@ class OtlpExport:
             compute.end(end_time=self._ns(t.compute_ended_s))
         if t.outcome is not Outcome.OK:
             root.set_status(Status(StatusCode.ERROR, t.outcome.value))
+        root.end(end_time=self._ns(t.answered_s))
+
+    def _span(
+        self, name: str, parent: Any, start_s: float, end_s: float, **attributes: Any
+    ) -> None:
+        from opentelemetry import trace
+
+        span = self._tracer.start_span(
+            name,
+            context=trace.set_span_in_context(parent),
+            start_time=self._ns(start_s),
+            attributes=attributes,
+        )
+        span.end(end_time=self._ns(end_s))
+
+    def _emit_generation(self, model: str, t: GenerationTrace) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        attributes: dict[str, Any] = {
+            "carpool.model": model,
+            "carpool.kind": "generation",
+            "carpool.request_id": t.request_id,
+            "carpool.class": t.class_name,
+            "carpool.outcome": t.outcome,
+            "carpool.num_prompt_tokens": t.num_prompt_tokens,
+            "carpool.num_generated": t.num_generated,
+        }
+        root = self._tracer.start_span(
+            "carpool.request", start_time=self._ns(t.arrived_s), attributes=attributes
+        )
+        for name, moment_s in (
+            ("arrived", t.arrived_s),
+            ("scheduled", t.scheduled_s),
+            ("first token", t.first_token_s),
+            ("answered", t.answered_s),
+        ):
+            if moment_s == moment_s:
+                root.add_event(name, timestamp=self._ns(moment_s))
+        if t.scheduled_s == t.scheduled_s:
+            self._span("carpool.queue", root, t.arrived_s, t.scheduled_s)
+        for number, (start_s, end_s) in enumerate(t.steps):
+            self._span("carpool.step", root, start_s, end_s, **{"carpool.step": number})
+        if t.outcome not in ("stop", "length"):
+            root.set_status(Status(StatusCode.ERROR, t.outcome))
         root.end(end_time=self._ns(t.answered_s))
 
 

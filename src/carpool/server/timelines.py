@@ -16,6 +16,12 @@ then answers every request finished meanwhile as JSON::
                     "arrived_s": ..., "batch_closed_s": ..., "compute_started_s": ...,
                     "compute_ended_s": ..., "answered_s": ..., "fill_wait_s": ...}, ...]}
 
+A generation model's request (continuous batching: no batches, steps) reads
+``{"model": ..., "kind": "generation", "request_id", "class_name", "outcome",
+"num_prompt_tokens", "num_generated", "arrived_s", "scheduled_s", "first_token_s",
+"answered_s", "steps": [[start_s, end_s], ...]}``, one pair per forward pass it was in; a
+batched model's carries ``"kind": "batch"``.
+
 Times are seconds of the server's monotonic clock (``unix_offset_s`` added makes them Unix
 time); a stage a request never reached (one that expired in its queue) is null.
 """
@@ -31,9 +37,11 @@ from urllib.parse import parse_qs
 
 from carpool.core.request import RequestTrace
 from carpool.errors import InvalidInput
+from carpool.generation.telemetry import GenerationTrace
 from carpool.server.repository import ModelRepository
 
-Listener = Callable[[str, RequestTrace], None]  # (model name, its request's trace)
+AnyTrace = RequestTrace | GenerationTrace
+Listener = Callable[[str, AnyTrace], None]  # (model name, its request's trace)
 MAX_CAPTURE_S = 300.0
 MAX_CAPTURED = 200_000  # timelines one capture keeps; later ones are counted as dropped
 _MOMENTS = (
@@ -66,13 +74,16 @@ class TraceHub:
 
     def _hook(self, *, on: bool) -> None:
         for model in self._repository:
+            hook = self._hook_for(model.name) if on else None
             if model.batcher is not None:
-                model.batcher.set_trace_hook(self._hook_for(model.name) if on else None)
+                model.batcher.set_trace_hook(hook)
+            if model.generation is not None:
+                model.generation.engine.set_trace_hook(hook)
 
-    def _hook_for(self, name: str) -> Callable[[RequestTrace], None]:
+    def _hook_for(self, name: str) -> Callable[[AnyTrace], None]:
         listeners = self._listeners  # the same list, as listeners come and go
 
-        def publish(trace: RequestTrace) -> None:
+        def publish(trace: AnyTrace) -> None:
             for listener in listeners:
                 listener(name, trace)
 
@@ -84,10 +95,10 @@ class Capture:
 
     def __init__(self, max_captured: int = MAX_CAPTURED) -> None:
         self.max_captured = max_captured
-        self.timelines: list[tuple[str, RequestTrace]] = []
+        self.timelines: list[tuple[str, AnyTrace]] = []
         self.num_dropped = 0
 
-    def __call__(self, model: str, trace: RequestTrace) -> None:
+    def __call__(self, model: str, trace: AnyTrace) -> None:
         if len(self.timelines) < self.max_captured:
             self.timelines.append((model, trace))
         else:
@@ -130,10 +141,13 @@ async def capture(hub: TraceHub, seconds: float) -> dict[str, Any]:
     }
 
 
-def timeline_document(model: str, trace: RequestTrace) -> dict[str, Any]:
+def timeline_document(model: str, trace: AnyTrace) -> dict[str, Any]:
     """One request's timeline as JSON: NaN moments (never reached) as null."""
+    if isinstance(trace, GenerationTrace):
+        return _generation_document(model, trace)
     document: dict[str, Any] = {
         "model": model,
+        "kind": "batch",
         "request_id": trace.request_id,
         "class_name": trace.class_name,
         "outcome": trace.outcome.value,
@@ -145,6 +159,23 @@ def timeline_document(model: str, trace: RequestTrace) -> dict[str, Any]:
     for name in _MOMENTS:
         document[name] = _finite(getattr(trace, name))
     return document
+
+
+def _generation_document(model: str, trace: GenerationTrace) -> dict[str, Any]:
+    return {
+        "model": model,
+        "kind": "generation",
+        "request_id": trace.request_id,
+        "class_name": trace.class_name,
+        "outcome": trace.outcome,
+        "num_prompt_tokens": trace.num_prompt_tokens,
+        "num_generated": trace.num_generated,
+        "arrived_s": trace.arrived_s,
+        "scheduled_s": _finite(trace.scheduled_s),
+        "first_token_s": _finite(trace.first_token_s),
+        "answered_s": trace.answered_s,
+        "steps": [list(step) for step in trace.steps],
+    }
 
 
 def _finite(value: float) -> float | None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from carpool.errors import CarpoolError, ConfigError
 from carpool.tools.outputs import writable_path
-from carpool.tools.trace_events import Timeline, chrome_trace
+from carpool.tools.trace_events import chrome_trace, timeline_from_dict
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 MAX_SECONDS = 300.0  # the server's limit (carpool.server.timelines.MAX_CAPTURE_S)
@@ -59,7 +59,7 @@ def fetch_timelines(url: str, seconds: float, api_key: str | None) -> dict[str, 
 
 def trace_document(served: dict[str, Any], url: str) -> dict[str, Any]:
     """The Chrome trace of a ``/v2/timelines`` document."""
-    timelines = [Timeline.from_dict(t) for t in served["timelines"]]
+    timelines = [timeline_from_dict(t) for t in served["timelines"]]
     metadata = {
         "source": "carpool trace",
         "url": url,

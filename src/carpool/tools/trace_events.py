@@ -1,11 +1,13 @@
 """Request timelines (``GET /v2/timelines``, :mod:`carpool.server.timelines`) as Chrome
 trace-event JSON, the format Perfetto (ui.perfetto.dev) and chrome://tracing open.
 
-One process per model; in it one track per replica, whose slices are the batches it ran,
-and request lanes: each request one slice from arrival to answer, over its stages as
-nested slices (queue, fill wait, replica wait, compute, answer), on the first lane free
-at its arrival, so slices on a lane never overlap. A flow arrow joins each request to
-the batch that carried it::
+One process per model; in it one track per replica, whose slices are the batches it ran
+(a generation model: one track of its engine's steps, the forward passes), and request
+lanes: each request one slice from arrival to answer, over its stages as nested slices
+(queue, fill wait, replica wait, compute, answer; a generation request: queue, then
+prefill and each decode step), on the first lane free at its arrival, so slices on a
+lane never overlap. A flow arrow joins each request to the batch (or first step) that
+carried it::
 
     model mlp (pid 1)
       replica 0   |==batch 8==|     |==batch 3==|          tid 1 + replica id
@@ -68,6 +70,15 @@ class Timeline:
     def has_run(self) -> bool:
         return self.compute_started_s is not None and self.compute_ended_s is not None
 
+    def flow_target(self) -> tuple[int, float] | None:
+        """The track and time its flow arrow ends at: its batch's start on its replica."""
+        if self.compute_started_s is None:
+            return None
+        return REPLICA_TID + self.replica_id, self.compute_started_s
+
+    def args(self) -> dict[str, Any]:
+        return {"class": self.class_name, "outcome": self.outcome, "num_items": self.num_items}
+
     def stages(self) -> list[tuple[str, float, float]]:
         """(name, start, end) of each stage it went through, in order."""
         closed = self.batch_closed_s
@@ -86,11 +97,75 @@ class Timeline:
         return [(name, start, end) for name, start, end in stages if end > start]
 
 
+@dataclass(frozen=True, slots=True)
+class GenerationTimeline:
+    """One generation request: its moments and the forward passes (steps) it was in."""
+
+    model: str
+    request_id: int
+    class_name: str
+    outcome: str
+    num_prompt_tokens: int
+    num_generated: int
+    arrived_s: float
+    scheduled_s: float | None
+    answered_s: float
+    steps: tuple[tuple[float, float], ...]
+
+    @classmethod
+    def from_dict(cls, document: dict[str, Any]) -> GenerationTimeline:
+        """A timeline of the server's JSON. Raises KeyError or TypeError when malformed."""
+        return cls(
+            model=str(document["model"]),
+            request_id=int(document["request_id"]),
+            class_name=str(document["class_name"]),
+            outcome=str(document["outcome"]),
+            num_prompt_tokens=int(document["num_prompt_tokens"]),
+            num_generated=int(document["num_generated"]),
+            arrived_s=float(document["arrived_s"]),
+            scheduled_s=_optional(document["scheduled_s"]),
+            answered_s=float(document["answered_s"]),
+            steps=tuple((float(a), float(b)) for a, b in document["steps"]),
+        )
+
+    def stages(self) -> list[tuple[str, float, float]]:
+        """Its wait for a first step, then each step it was in: prefill, then decodes."""
+        stages = [("queue", self.arrived_s, self.scheduled_s or self.answered_s)]
+        stages += [
+            ("prefill" if number == 0 else "decode", start, end)
+            for number, (start, end) in enumerate(self.steps)
+        ]
+        return [(name, start, end) for name, start, end in stages if end > start]
+
+    def flow_target(self) -> tuple[int, float] | None:
+        """Its first step, on the engine's track."""
+        return (REPLICA_TID, self.steps[0][0]) if self.steps else None
+
+    def args(self) -> dict[str, Any]:
+        return {
+            "class": self.class_name,
+            "outcome": self.outcome,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated": self.num_generated,
+            "num_steps": len(self.steps),
+        }
+
+
+AnyTimeline = Timeline | GenerationTimeline
+
+
+def timeline_from_dict(document: dict[str, Any]) -> AnyTimeline:
+    """A batched or a generation request's timeline, as its ``kind`` says."""
+    if document.get("kind") == "generation":
+        return GenerationTimeline.from_dict(document)
+    return Timeline.from_dict(document)
+
+
 def _optional(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def chrome_trace(timelines: Iterable[Timeline], *, metadata: dict[str, Any]) -> dict[str, Any]:
+def chrome_trace(timelines: Iterable[AnyTimeline], *, metadata: dict[str, Any]) -> dict[str, Any]:
     """The trace-event document (JSON object form) of ``timelines``."""
     ordered = sorted(timelines, key=lambda t: (t.model, t.arrived_s))
     origin_s = min((t.arrived_s for t in ordered), default=0.0)
@@ -103,7 +178,8 @@ def chrome_trace(timelines: Iterable[Timeline], *, metadata: dict[str, Any]) -> 
     for model, pid in pids.items():
         events.append(_meta("process_name", pid, 0, f"model {model}"))
         mine = [t for t in ordered if t.model == model]
-        events += _batch_events(mine, pid, us)
+        events += _batch_events([t for t in mine if isinstance(t, Timeline)], pid, us)
+        events += _step_events([t for t in mine if isinstance(t, GenerationTimeline)], pid, us)
         events += _request_events(mine, pid, us)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata}
 
@@ -141,7 +217,34 @@ def _batch_events(timelines: list[Timeline], pid: int, us: Any) -> list[dict[str
     return events
 
 
-def _request_events(timelines: list[Timeline], pid: int, us: Any) -> list[dict[str, Any]]:
+def _step_events(timelines: list[GenerationTimeline], pid: int, us: Any) -> list[dict[str, Any]]:
+    """A generation engine's forward passes, each one slice on its track."""
+    steps: dict[float, list[int]] = {}
+    ends: dict[float, float] = {}
+    for t in timelines:
+        for start_s, end_s in t.steps:  # the sequences of one step share its times
+            steps.setdefault(start_s, []).append(t.request_id)
+            ends[start_s] = end_s
+    if not steps:
+        return []
+    events = [_meta("thread_name", pid, REPLICA_TID, "engine steps")]
+    for start_s, members in sorted(steps.items()):
+        events.append(
+            {
+                "ph": "X",
+                "cat": "step",
+                "name": f"step of {len(members)}",
+                "pid": pid,
+                "tid": REPLICA_TID,
+                "ts": us(start_s),
+                "dur": max(round((ends[start_s] - start_s) * _US, 3), 1.0),
+                "args": {"num_sequences": len(members), "request_ids": members},
+            }
+        )
+    return events
+
+
+def _request_events(timelines: list[AnyTimeline], pid: int, us: Any) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     free: list[tuple[float, int]] = []  # (end of its last request, lane), a heap
     num_lanes = 0
@@ -163,12 +266,7 @@ def _request_events(timelines: list[Timeline], pid: int, us: Any) -> list[dict[s
                 "tid": tid,
                 "ts": us(t.arrived_s),
                 "dur": max(round((t.answered_s - t.arrived_s) * _US, 3), 1.0),
-                "args": {
-                    "class": t.class_name,
-                    "outcome": t.outcome,
-                    "num_items": t.num_items,
-                    **{f"{name.replace(' ', '_')}_ms": (e - s) * 1e3 for name, s, e in stages},
-                },
+                "args": {**t.args(), **_stage_ms(stages)},
             }
         )
         for name, start_s, end_s in stages:
@@ -183,21 +281,32 @@ def _request_events(timelines: list[Timeline], pid: int, us: Any) -> list[dict[s
                     "dur": round(us(end_s) - us(start_s), 3),  # ends where the next starts
                 }
             )
-        if t.has_run:
-            events += _flow(t, pid, tid, us)
+        target = t.flow_target()
+        if target is not None:
+            events += _flow(t, pid, tid, target, us)
     return events
 
 
-def _flow(t: Timeline, pid: int, tid: int, us: Any) -> list[dict[str, Any]]:
-    """An arrow from the request's slice (at its arrival) to its batch's slice, each end
-    just inside its slice's start so it binds to it (``bp: e``: the enclosing slice)."""
-    assert t.compute_started_s is not None
+def _stage_ms(stages: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Each stage's milliseconds; a generation request's steps summed as one."""
+    out: dict[str, float] = {}
+    for name, start_s, end_s in stages:
+        key = f"{name.replace(' ', '_')}_ms"
+        out[key] = out.get(key, 0.0) + (end_s - start_s) * 1e3
+    return out
+
+
+def _flow(
+    t: AnyTimeline, pid: int, tid: int, target: tuple[int, float], us: Any
+) -> list[dict[str, Any]]:
+    """An arrow from the request's slice (at its arrival) to the batch or step that ran
+    it, each end just inside its slice's start so it binds to it (``bp: e``: the
+    enclosing slice)."""
+    target_tid, target_s = target
     flow_id = f"{t.model}/{t.request_id}"
     common = {"cat": "flow", "name": "batched", "pid": pid, "id": flow_id}
-    # Half a microsecond in: every slice lasts at least one (a batch, a request).
-    start = us(t.arrived_s) + 0.5
-    end = us(t.compute_started_s) + 0.5
+    # Half a microsecond in: every slice lasts at least one (a batch, a step, a request).
     return [
-        {**common, "ph": "s", "tid": tid, "ts": start},
-        {**common, "ph": "f", "bp": "e", "tid": REPLICA_TID + t.replica_id, "ts": end},
+        {**common, "ph": "s", "tid": tid, "ts": us(t.arrived_s) + 0.5},
+        {**common, "ph": "f", "bp": "e", "tid": target_tid, "ts": us(target_s) + 0.5},
     ]

@@ -13,6 +13,7 @@ import pytest
 from carpool import Batcher
 from carpool.core.request import Outcome, RequestTrace
 from carpool.errors import InvalidInput
+from carpool.generation.telemetry import GenerationTrace
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 from carpool.server.timelines import (
     MAX_CAPTURE_S,
@@ -140,3 +141,23 @@ def _trace(batch_closed_s: float = 1.5) -> RequestTrace:
         batch_size=0,
         replica_id=-1,
     )
+
+
+def test_a_generation_request_lists_its_steps() -> None:
+    trace = GenerationTrace(
+        request_id=3,
+        class_name="default",
+        outcome="stop",
+        num_prompt_tokens=4,
+        num_generated=2,
+        arrived_s=1.0,
+        scheduled_s=1.1,
+        first_token_s=1.2,
+        answered_s=1.3,
+        steps=((1.1, 1.2), (1.2, 1.25)),
+    )
+    document = timeline_document("llm", trace)
+    assert document["kind"] == "generation"
+    assert document["steps"] == [[1.1, 1.2], [1.2, 1.25]]
+    assert (document["num_prompt_tokens"], document["num_generated"]) == (4, 2)
+    assert timeline_document("m", _trace())["kind"] == "batch"

@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from carpool.tools.trace_events import LANE_TID, REPLICA_TID, Timeline, chrome_trace
+from carpool.tools.trace_events import (
+    LANE_TID,
+    REPLICA_TID,
+    Timeline,
+    chrome_trace,
+    timeline_from_dict,
+)
 
 
 def _timeline(request_id: int, arrived_s: float, **changes: Any) -> Timeline:
@@ -29,7 +35,7 @@ def _timeline(request_id: int, arrived_s: float, **changes: Any) -> Timeline:
     return Timeline(**{**values, **changes})
 
 
-def _events(*timelines: Timeline) -> list[dict[str, Any]]:
+def _events(*timelines: Any) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = chrome_trace(timelines, metadata={})["traceEvents"]
     return events
 
@@ -116,3 +122,34 @@ def test_a_timeline_reads_the_servers_json() -> None:
     assert timeline.fill_wait_s == 0.0
     assert not timeline.has_run
     assert [name for name, _, _ in timeline.stages()] == ["queue", "answer"]
+
+
+def _generation(request_id: int, arrived_s: float, steps: list[tuple[float, float]]) -> Any:
+    return timeline_from_dict(
+        {
+            "model": "llm", "kind": "generation", "request_id": request_id,
+            "class_name": "default", "outcome": "length", "num_prompt_tokens": 3,
+            "num_generated": len(steps), "arrived_s": arrived_s, "scheduled_s": steps[0][0],
+            "first_token_s": steps[0][1], "answered_s": steps[-1][1] + 0.001,
+            "steps": [list(step) for step in steps],
+        }
+    )  # fmt: skip
+
+
+def test_generation_steps_are_slices_on_the_engine_track_shared_by_their_requests() -> None:
+    events = _events(
+        _generation(1, 1.000, [(1.001, 1.002), (1.002, 1.003), (1.003, 1.004)]),
+        _generation(2, 1.0015, [(1.002, 1.003), (1.003, 1.004)]),
+    )
+    steps = [
+        (e["tid"], e["ts"], e["args"]["request_ids"]) for e in events if e.get("cat") == "step"
+    ]
+    assert steps == [
+        (REPLICA_TID, 1_000.0, [1]),
+        (REPLICA_TID, 2_000.0, [1, 2]),
+        (REPLICA_TID, 3_000.0, [1, 2]),
+    ]
+    first = [e["name"] for e in events if e.get("cat") == "stage" and e["tid"] == LANE_TID]
+    assert first == ["queue", "prefill", "decode", "decode"]
+    flow_ends = sorted(e["ts"] for e in events if e["ph"] == "f")
+    assert flow_ends == [1_000.5, 2_000.5]  # each request to its first step
