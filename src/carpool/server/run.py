@@ -323,6 +323,7 @@ async def _serve(
                 return
             logger.info("stopping: no new requests; answering the accepted ones")
             deadline.arm()
+            app.timelines.close()  # a carpool trace in flight answers now, not at its end
             stop_grpc()
             stopping.set()
 

@@ -7,8 +7,8 @@ and takes them off when the last one leaves: a server nobody traces pays nothing
 request. A listener is called on the event loop, once per finished request, and must only
 keep the trace (a bounded append); its real work happens elsewhere.
 
-``GET /v2/timelines?seconds=S`` listens for S seconds (at most :data:`MAX_CAPTURE_S`),
-then answers every request finished meanwhile as JSON::
+``GET /v2/timelines?seconds=S`` listens for S seconds (at most :data:`MAX_CAPTURE_S`; less
+when the server stops meanwhile), then answers every request finished meanwhile as JSON::
 
     {"clock": "monotonic", "unix_offset_s": ..., "seconds": S, "num_dropped": 0,
      "timelines": [{"model": "mlp", "request_id": 7, "class_name": "default",
@@ -55,6 +55,15 @@ class TraceHub:
     def __init__(self, repository: ModelRepository) -> None:
         self._repository = repository
         self._listeners: list[Listener] = []
+        self._closed = asyncio.Event()
+
+    def close(self) -> None:
+        """The server is stopping: captures in flight end now and answer what they hold
+        (else one would hold the drain up for its whole length)."""
+        self._closed.set()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
 
     @property
     def num_listeners(self) -> int:
@@ -125,17 +134,21 @@ def capture_seconds(query: bytes) -> float:
 
 
 async def capture(hub: TraceHub, seconds: float) -> dict[str, Any]:
-    """Listen to ``hub`` for ``seconds``; the JSON document of what finished meanwhile."""
+    """Listen to ``hub`` for ``seconds``, or until it closes; the JSON document of what
+    finished meanwhile (``seconds``: how long it listened)."""
     listener = Capture()
     hub.subscribe(listener)
+    started_s = time.monotonic()
     try:
-        await asyncio.sleep(seconds)
+        await asyncio.wait_for(hub.wait_closed(), seconds)
+    except TimeoutError:
+        pass  # the whole time asked for
     finally:
         hub.unsubscribe(listener)
     return {
         "clock": "monotonic",
         "unix_offset_s": time.time() - time.monotonic(),
-        "seconds": seconds,
+        "seconds": round(time.monotonic() - started_s, 6),
         "num_dropped": listener.num_dropped,
         "timelines": [timeline_document(model, t) for model, t in listener.timelines],
     }

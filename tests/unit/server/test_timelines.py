@@ -4,6 +4,7 @@ listens, every finished request handed to each listener with its model's name, a
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
@@ -19,6 +20,7 @@ from carpool.server.timelines import (
     MAX_CAPTURE_S,
     Capture,
     TraceHub,
+    capture,
     capture_seconds,
     timeline_document,
 )
@@ -161,3 +163,22 @@ def test_a_generation_request_lists_its_steps() -> None:
     assert document["steps"] == [[1.1, 1.2], [1.2, 1.25]]
     assert (document["num_prompt_tokens"], document["num_generated"]) == (4, 2)
     assert timeline_document("m", _trace())["kind"] == "batch"
+
+
+async def test_closing_the_hub_ends_a_capture_in_flight_with_what_it_holds(
+    repository: ModelRepository,
+) -> None:
+    hub = TraceHub(repository)
+    await repository.start()
+    try:
+        task = asyncio.ensure_future(capture(hub, MAX_CAPTURE_S))
+        await asyncio.sleep(0)  # the capture runs to its first wait, subscribed
+        assert hub.num_listeners == 1
+        await _batcher(repository, "a").submit(np.float32(1))
+        hub.close()
+        document = await task
+    finally:
+        await repository.stop()
+    assert document["seconds"] < MAX_CAPTURE_S
+    assert [t["model"] for t in document["timelines"]] == ["a"]
+    assert hub.num_listeners == 0
