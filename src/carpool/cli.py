@@ -3,7 +3,8 @@
 ``carpool serve [CONFIG.yaml]`` serves the models a config lists (the built-in ones without
 one) over KServe v2 HTTP and gRPC and OpenAI's API; ``carpool demo`` shows what batching
 buys on the reference MLP; ``carpool bench``, ``tune`` and ``doctor`` measure, tune and
-diagnose (see docs/tuning.md and docs/doctor.md).
+diagnose (see docs/tuning.md and docs/doctor.md); ``carpool trace`` records a running
+server's batches and requests for Perfetto (docs/observability.md).
 """
 
 from __future__ import annotations
