@@ -31,8 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="carpool trace", description="Record a running server's requests and batches."
     )
-    p.add_argument("url", metavar="URL", nargs="?", default=DEFAULT_URL, help="the server")
-    p.add_argument("--seconds", type=float, default=10.0, help="how long to record")
+    p.add_argument(
+        "url", metavar="URL", nargs="?", default=DEFAULT_URL, help=f"the server ({DEFAULT_URL})"
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=10.0,
+        help=f"how long to record (10, at most {MAX_SECONDS:g})",
+    )
     p.add_argument("--out", type=Path, required=True, help="the Chrome trace-event JSON file")
     return p
 
