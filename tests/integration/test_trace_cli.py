@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import tritonclient.http as httpclient
 
-from .conftest import StartServer
+from .conftest import ServedProcess, StartServer
 
 TRACE_TIMEOUT_S = 120.0  # a net against a hung run, not a timing assertion
 MAX_REQUESTS = 400  # the load's bound, per client thread
@@ -86,6 +86,15 @@ def _check_nesting(track: tuple[int, int], spans: list[tuple[float, float]]) -> 
         open_ends.append(end)
 
 
+def _start_trace(served: ServedProcess, out: Path) -> subprocess.Popen[str]:
+    """``carpool trace`` of ``served`` for 2 seconds into ``out``, started."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "carpool.cli", "trace", f"http://{served.http_url}",
+         "--seconds", "2", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
 def _load(url: str, stop: threading.Event, counts: list[int]) -> None:
     client = httpclient.InferenceServerClient(url)
     data = np.arange(4, dtype=np.float32).reshape(1, 4)
@@ -107,11 +116,7 @@ def test_trace_has_a_track_per_replica_batches_as_slices_and_requests_as_flows(
 ) -> None:
     served = start_server(CONFIG)
     out = tmp_path / "trace.json"
-    trace = subprocess.Popen(
-        [sys.executable, "-m", "carpool.cli", "trace", f"http://{served.http_url}",
-         "--seconds", "2", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    trace = _start_trace(served, out)
     stop, counts = threading.Event(), []  # type: ignore[var-annotated]
     threads = [
         threading.Thread(target=_load, args=(served.http_url, stop, counts)) for _ in range(8)
@@ -175,11 +180,7 @@ def test_generation_requests_are_steps_on_the_engine_track(
 ) -> None:
     served = start_server(None)  # the built-in models: tiny-random-llama generates
     out = tmp_path / "trace.json"
-    trace = subprocess.Popen(
-        [sys.executable, "-m", "carpool.cli", "trace", f"http://{served.http_url}",
-         "--seconds", "2", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    trace = _start_trace(served, out)
     threads = [threading.Thread(target=_complete, args=(served.http_url, 20)) for _ in range(2)]
     for thread in threads:
         thread.start()

@@ -117,10 +117,7 @@ class OtlpExport:
         return int((monotonic_s + self._unix_offset_s) * 1e9)
 
     def _emit(self, model: str, t: RequestTrace) -> None:
-        from opentelemetry import trace
-        from opentelemetry.trace import Status, StatusCode
-
-        attributes: dict[str, Any] = {
+        attributes = {
             "carpool.model": model,
             "carpool.request_id": t.request_id,
             "carpool.class": t.class_name,
@@ -129,41 +126,60 @@ class OtlpExport:
             "carpool.batch_size": t.batch_size,
             "carpool.replica_id": t.replica_id,
         }
-        root = self._tracer.start_span(
-            "carpool.request", start_time=self._ns(t.arrived_s), attributes=attributes
-        )
-        for name, moment_s in (
+        moments = (
             ("arrived", t.arrived_s),
             ("batch closed", t.batch_closed_s),
             ("compute started", t.compute_started_s),
             ("compute ended", t.compute_ended_s),
             ("answered", t.answered_s),
-        ):
-            if moment_s == moment_s:  # not NaN: a stage it reached
-                root.add_event(name, timestamp=self._ns(moment_s))
-        context = trace.set_span_in_context(root)
-        if t.batch_closed_s == t.batch_closed_s:
-            wait = self._tracer.start_span(
-                "carpool.wait",
-                context=context,
-                start_time=self._ns(t.arrived_s),
-                attributes={"carpool.fill_wait_s": t.fill_wait_s, "carpool.queue_s": t.queue_s},
-            )
-            wait.end(end_time=self._ns(t.batch_closed_s))
+        )
+        root = self._request_span(attributes, moments)
+        if t.batch_closed_s == t.batch_closed_s:  # not NaN: a stage it reached
+            queue = {"carpool.fill_wait_s": t.fill_wait_s, "carpool.queue_s": t.queue_s}
+            self._span("carpool.wait", root, t.arrived_s, t.batch_closed_s, queue)
         if t.compute_started_s == t.compute_started_s and t.compute_ended_s == t.compute_ended_s:
-            compute = self._tracer.start_span(
-                "carpool.compute",
-                context=context,
-                start_time=self._ns(t.compute_started_s),
-                attributes={"carpool.replica_id": t.replica_id},
-            )
-            compute.end(end_time=self._ns(t.compute_ended_s))
-        if t.outcome is not Outcome.OK:
-            root.set_status(Status(StatusCode.ERROR, t.outcome.value))
-        root.end(end_time=self._ns(t.answered_s))
+            replica = {"carpool.replica_id": t.replica_id}
+            self._span("carpool.compute", root, t.compute_started_s, t.compute_ended_s, replica)
+        self._end(root, t.answered_s, None if t.outcome is Outcome.OK else t.outcome.value)
+
+    def _emit_generation(self, model: str, t: GenerationTrace) -> None:
+        attributes = {
+            "carpool.model": model,
+            "carpool.kind": "generation",
+            "carpool.request_id": t.request_id,
+            "carpool.class": t.class_name,
+            "carpool.outcome": t.outcome,
+            "carpool.num_prompt_tokens": t.num_prompt_tokens,
+            "carpool.num_generated": t.num_generated,
+        }
+        moments = (
+            ("arrived", t.arrived_s),
+            ("scheduled", t.scheduled_s),
+            ("first token", t.first_token_s),
+            ("answered", t.answered_s),
+        )
+        root = self._request_span(attributes, moments)
+        if t.scheduled_s == t.scheduled_s:
+            self._span("carpool.queue", root, t.arrived_s, t.scheduled_s, {})
+        for number, (start_s, end_s) in enumerate(t.steps):
+            self._span("carpool.step", root, start_s, end_s, {"carpool.step": number})
+        self._end(root, t.answered_s, None if t.outcome in ("stop", "length") else t.outcome)
+
+    def _request_span(
+        self, attributes: dict[str, Any], moments: tuple[tuple[str, float], ...]
+    ) -> Any:
+        """The request's root span, from its first moment, each moment it reached an
+        event."""
+        root = self._tracer.start_span(
+            "carpool.request", start_time=self._ns(moments[0][1]), attributes=attributes
+        )
+        for name, moment_s in moments:
+            if moment_s == moment_s:  # not NaN: a moment it reached
+                root.add_event(name, timestamp=self._ns(moment_s))
+        return root
 
     def _span(
-        self, name: str, parent: Any, start_s: float, end_s: float, **attributes: Any
+        self, name: str, parent: Any, start_s: float, end_s: float, attributes: dict[str, Any]
     ) -> None:
         from opentelemetry import trace
 
@@ -175,36 +191,13 @@ class OtlpExport:
         )
         span.end(end_time=self._ns(end_s))
 
-    def _emit_generation(self, model: str, t: GenerationTrace) -> None:
+    def _end(self, root: Any, answered_s: float, error: str | None) -> None:
+        """End the request's span at ``answered_s``, its status an error when ``error``."""
         from opentelemetry.trace import Status, StatusCode
 
-        attributes: dict[str, Any] = {
-            "carpool.model": model,
-            "carpool.kind": "generation",
-            "carpool.request_id": t.request_id,
-            "carpool.class": t.class_name,
-            "carpool.outcome": t.outcome,
-            "carpool.num_prompt_tokens": t.num_prompt_tokens,
-            "carpool.num_generated": t.num_generated,
-        }
-        root = self._tracer.start_span(
-            "carpool.request", start_time=self._ns(t.arrived_s), attributes=attributes
-        )
-        for name, moment_s in (
-            ("arrived", t.arrived_s),
-            ("scheduled", t.scheduled_s),
-            ("first token", t.first_token_s),
-            ("answered", t.answered_s),
-        ):
-            if moment_s == moment_s:
-                root.add_event(name, timestamp=self._ns(moment_s))
-        if t.scheduled_s == t.scheduled_s:
-            self._span("carpool.queue", root, t.arrived_s, t.scheduled_s)
-        for number, (start_s, end_s) in enumerate(t.steps):
-            self._span("carpool.step", root, start_s, end_s, **{"carpool.step": number})
-        if t.outcome not in ("stop", "length"):
-            root.set_status(Status(StatusCode.ERROR, t.outcome))
-        root.end(end_time=self._ns(t.answered_s))
+        if error is not None:
+            root.set_status(Status(StatusCode.ERROR, error))
+        root.end(end_time=self._ns(answered_s))
 
 
 def start_otlp(hub: TraceHub, endpoint: str) -> OtlpExport:
