@@ -4,7 +4,8 @@
 one) over KServe v2 HTTP and gRPC and OpenAI's API; ``carpool demo`` shows what batching
 buys on the reference MLP; ``carpool bench``, ``tune`` and ``doctor`` measure, tune and
 diagnose (see docs/tuning.md and docs/doctor.md); ``carpool top [URL]`` watches a running
-server (docs/observability.md).
+server and ``carpool trace`` records its batches and requests for Perfetto
+(docs/observability.md).
 """
 
 from __future__ import annotations
@@ -150,11 +151,21 @@ def serve(
             "model's last 5 minutes).",
         ),
     ] = False,
+    otlp_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="Send each request's timeline (arrived, batch closed, compute started and "
+            "ended, answered) as OpenTelemetry spans to this OTLP/HTTP collector, e.g. "
+            "http://127.0.0.1:4318 (needs the otel extra).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
     from carpool.server.access import api_key_from
     from carpool.server.errors import DrainTimedOut, PortInUse
+    from carpool.server.otlp import traces_url
     from carpool.server.run import check_ports, exit_on_signal_while_building
     from carpool.server.run import serve as run_server
 
@@ -165,6 +176,8 @@ def serve(
         )
     try:
         key = api_key_from(api_key)  # the flag, else CARPOOL_API_KEY
+        if otlp_endpoint is not None:
+            traces_url(otlp_endpoint)  # a bad URL: status 2 before any model loads
     except ConfigError as error:  # before the ports are taken or a model loads
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -185,6 +198,7 @@ def serve(
             allow_policy_updates=allow_policy_updates,
             drain_timeout_s=drain_timeout_s,
             dashboard=not no_dashboard,
+            otlp_endpoint=otlp_endpoint,
         )
     except DrainTimedOut:  # already logged, with how many requests were cut off
         raise SystemExit(1) from None
@@ -254,6 +268,17 @@ def doctor(ctx: typer.Context) -> None:
 
     _import_from(Path.cwd())  # a module:attr target in the working directory
     doctor_main(list(ctx.args))
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def trace(ctx: typer.Context) -> None:
+    """Record a running server's requests and batches as a Perfetto trace (--help)."""
+    from carpool.tools.trace import main as trace_main
+
+    trace_main(list(ctx.args))
 
 
 def _repository(config_path: str | None) -> ModelRepository:

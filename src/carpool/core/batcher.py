@@ -437,6 +437,11 @@ class Batcher(Lifecycle):
 
     # -- policy and telemetry ---------------------------------------------------------
 
+    def set_trace_hook(self, hook: TraceHook | None) -> None:
+        """Call ``hook`` with each finished request's :class:`RequestTrace` from now on,
+        in place of the constructor's ``on_trace``; None: no hook (no trace is built)."""
+        self._telemetry.on_trace = None if hook is None else guarded_hook(hook, self._name)
+
     def set_policy(self, policy: BatchPolicy) -> None:
         """Replace the policy while running; takes effect at the next batch.
 

@@ -25,7 +25,8 @@ import asyncio
 import enum
 import itertools
 import logging
-from collections.abc import AsyncGenerator, Sequence
+import math
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,11 +36,17 @@ from carpool.errors import Closed, InvalidInput, ModelError
 from carpool.generation.output import OutputProcessor, OutputState
 from carpool.generation.request import FinishReason, RequestEvent
 from carpool.generation.scheduler import Scheduler, ScheduleResult
-from carpool.generation.telemetry import EngineTelemetry, GenerationSnapshot, RequestTimes
+from carpool.generation.telemetry import (
+    EngineTelemetry,
+    GenerationSnapshot,
+    GenerationTrace,
+    RequestTimes,
+)
 from carpool.generation.tokenizer import Tokenizer, check_token_ids
 from carpool.generation.types import SamplingParams, SeqChunk, StepInput, StepOutput
 
 log = logging.getLogger("carpool.generation")
+GenerationTraceHook = Callable[[GenerationTrace], None]
 
 
 class StepRunner(Protocol):
@@ -72,7 +79,9 @@ class GenerationEvent:
 class _Stream:
     """One request in flight: its queue of events, its output state and its times."""
 
-    __slots__ = ("events", "is_done", "output", "priority", "prompt_ids", "sampling", "times")
+    __slots__ = (
+        "events", "is_done", "output", "priority", "prompt_ids", "sampling", "steps", "times",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -89,6 +98,7 @@ class _Stream:
         self.events: asyncio.Queue[GenerationEvent | BaseException] = asyncio.Queue()
         self.times = RequestTimes(now, len(prompt_ids))
         self.is_done = False
+        self.steps: list[tuple[float, float]] = []  # kept only while a trace hook is on
 
 
 class _State(enum.Enum):
@@ -137,6 +147,7 @@ class GenerationEngine:
         self._task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._telemetry = EngineTelemetry()
+        self._on_trace: GenerationTraceHook | None = None
 
     @property
     def is_running(self) -> bool:
@@ -215,6 +226,11 @@ class GenerationEngine:
             if not stream.is_done:  # the consumer left early: leave at the next step
                 self._finish(seq_id, FinishReason.ABORT, self._clock.now())
 
+    def set_trace_hook(self, hook: GenerationTraceHook | None) -> None:
+        """Call ``hook`` with each finished request's :class:`GenerationTrace` from now
+        on (its steps: those run while the hook was on); None: no hook, nothing kept."""
+        self._on_trace = hook
+
     def snapshot(self, *, quantiles: bool = True) -> GenerationSnapshot:
         """What the engine measured so far; ``quantiles=False`` leaves the percentiles
         NaN and skips their sort (``/metrics`` reads counts, sums and buckets only)."""
@@ -269,6 +285,8 @@ class GenerationEngine:
                 self._fail(chunks, error)
                 continue
             self._telemetry.step(len(chunks), compute_s)
+            if self._on_trace is not None:
+                self._record_step(chunks, started_s, started_s + compute_s)
             now = self._clock.now()
             for event in events:
                 try:
@@ -278,6 +296,34 @@ class GenerationEngine:
                         "model %r: delivering sequence %d failed", self.name, event.request_id
                     )
                     self._fail_seqs([event.request_id], error)
+
+    def _record_step(self, chunks: Sequence[SeqChunk], started_s: float, ended_s: float) -> None:
+        for chunk in chunks:
+            stream = self._streams.get(chunk.seq_id)
+            if stream is not None:
+                stream.steps.append((started_s, ended_s))
+
+    def _report(self, seq_id: int, stream: _Stream, outcome: str, now: float) -> None:
+        hook, times = self._on_trace, stream.times
+        if hook is None:
+            return
+        nan = math.nan
+        trace = GenerationTrace(
+            request_id=seq_id,
+            class_name=stream.priority or "default",
+            outcome=outcome,
+            num_prompt_tokens=times.num_prompt_tokens,
+            num_generated=times.num_generated,
+            arrived_s=times.arrival_s,
+            scheduled_s=nan if times.scheduled_s is None else times.scheduled_s,
+            first_token_s=nan if times.first_token_s is None else times.first_token_s,
+            answered_s=now,
+            steps=tuple(stream.steps),
+        )
+        try:
+            hook(trace)
+        except Exception:  # a faulty hook must not strand the other requests
+            log.exception("model %r: the trace hook raised", self.name)
 
     async def _idle(self) -> None:
         self._wake.clear()
@@ -342,6 +388,7 @@ class GenerationEngine:
         text = stream.output.pending_text
         stream.events.put_nowait(GenerationEvent(text, token_ids, reason, usage))
         self._telemetry.finished(stream.times, reason.value, now)
+        self._report(seq_id, stream, reason.value, now)
 
     def _fail_all(self, error: Exception) -> None:
         log.exception("model %r: the scheduler failed", self.name)
@@ -363,3 +410,4 @@ class GenerationEngine:
             failure.__cause__ = error
             stream.events.put_nowait(failure)
             self._telemetry.finished(stream.times, "error", now)
+            self._report(seq_id, stream, "error", now)

@@ -32,6 +32,7 @@ from carpool.server.infer import Headers, InferPlans, error_response
 from carpool.server.limits import InflightBytes, ServerLimits, over_inflight_bytes
 from carpool.server.metrics import Metrics
 from carpool.server.repository import ModelRepository, ServedModel
+from carpool.server.timelines import TraceHub
 from carpool.server.waiting import WaitingRoom
 
 Scope = MutableMapping[str, Any]
@@ -68,6 +69,7 @@ class KServeApp:
         self.waiting_room = WaitingRoom()
         self.metrics = Metrics(repository, self.inflight)
         self.plans = InferPlans()
+        self.timelines = TraceHub(repository)  # request traces: /v2/timelines, OTLP
         # The infer fast path's request targets, each with the model it names
         # (server/http/dispatch.py): at most two a model (with and without its version),
         # as only the served ones are kept.

@@ -43,6 +43,7 @@ from carpool.server.grpc import InferenceServicer, bind_grpc_server, host_port
 from carpool.server.http.server import HttpServer
 from carpool.server.limits import ServerLimits
 from carpool.server.memory import TICK_S, Trimmer, malloc_trim
+from carpool.server.otlp import start_otlp
 from carpool.server.repository import ModelRepository
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
@@ -79,6 +80,7 @@ def serve(
     allow_policy_updates: bool = False,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     dashboard: bool = True,
+    otlp_endpoint: str | None = None,
 ) -> None:
     """Serve HTTP on ``port`` and gRPC on ``grpc_port`` (None or <= 0: no gRPC) until
     SIGINT/SIGTERM; then stop accepting, drain every batcher, return (exit status 0).
@@ -91,7 +93,9 @@ def serve(
     (:mod:`carpool.server.access`).
     What is unanswered ``drain_timeout_s`` after the signal is cut
     off: 503 / UNAVAILABLE. ``dashboard``: sample every model each second for
-    ``/dashboard`` (server/dashboard.py); off, ``/dashboard`` is a 404.
+    ``/dashboard`` (server/dashboard.py); off, ``/dashboard`` is a 404. With
+    ``otlp_endpoint``, each request's timeline goes there as OpenTelemetry spans
+    (:mod:`carpool.server.otlp`).
 
     Raises:
         ConfigError: ``api_key`` is empty or not printable ASCII.
@@ -115,10 +119,15 @@ def serve(
         access=access,
         dashboard=dashboard,
     )
+    otlp = None if otlp_endpoint is None else start_otlp(app.timelines, otlp_endpoint)
     # uvloop, as HTTP ran before gRPC was added: grpc.aio (grpcio 1.85) serves on it; the
     # gRPC integration tests (tritonclient.grpc, SIGTERM drain, exit 0) run on this loop.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(app, host, port, grpc_port, max_request_bytes, drain_timeout_s))
+        try:
+            runner.run(_serve(app, host, port, grpc_port, max_request_bytes, drain_timeout_s))
+        finally:
+            if otlp is not None:
+                otlp.close()  # the last spans sent
 
 
 def _freeze_startup_heap() -> None:
@@ -323,6 +332,7 @@ async def _serve(
                 return
             logger.info("stopping: no new requests; answering the accepted ones")
             deadline.arm()
+            app.timelines.close()  # a carpool trace in flight answers now, not at its end
             stop_grpc()
             stopping.set()
 

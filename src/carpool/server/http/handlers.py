@@ -37,6 +37,7 @@ from carpool.server.live import live_figures
 from carpool.server.metrics import Metrics
 from carpool.server.repository import ModelRepository, ServedModel
 from carpool.server.stats import model_stats
+from carpool.server.timelines import TraceHub, capture, capture_seconds
 
 # Triton's extension names for what carpool serves: schedule_policy is the priority and
 # timeout request parameters; classification is server/classification.py. Not served, each
@@ -63,6 +64,7 @@ class Served(Protocol):
     plans: InferPlans
     max_body_bytes: int
     dashboard: Dashboard | None  # None: served with --no-dashboard
+    timelines: TraceHub
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +151,11 @@ async def _models_stats(served: Served, call: Call) -> Answer:
     return _json({"model_stats": [_stats(m) for m in served.repository]})
 
 
+async def _timelines(served: Served, call: Call) -> Answer:
+    seconds = capture_seconds(call.request.query)
+    return _json(await call.watch(capture(served.timelines, seconds)))
+
+
 async def _index(served: Served, call: Call) -> Answer:
     is_ready_only = _index_ready(_inflated(served, call))
     return _json(served.repository.index(is_ready_only=is_ready_only))
@@ -227,6 +234,7 @@ _HANDLERS: dict[RouteKind, Handler] = {
     RouteKind.HEALTH_READY: _ready,
     RouteKind.SERVER_METADATA: _server_metadata,
     RouteKind.MODELS_STATS: _models_stats,
+    RouteKind.TIMELINES: _timelines,
     RouteKind.REPOSITORY_INDEX: _index,
     RouteKind.INFER: _infer,
     RouteKind.POLICY_GET: _policy,

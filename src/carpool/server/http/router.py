@@ -8,6 +8,7 @@ Every path carpool serves is told apart here, for requests read by carpool's own
     GET  /v2/models/{m}[/versions/{v}]                   model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready | /config | /stats
     GET  /v2/models/stats                                every model's statistics
+    GET  /v2/timelines?seconds=S                         requests finished in the next S s
     POST /v2/repository/index                            every model and its state
     POST /v2/models/{m}[/versions/{v}]/infer             JSON and binary tensors
     GET | POST /v2/models/{m}[/versions/{v}]/policy      batch policy; POST changes fields
@@ -50,6 +51,7 @@ class RouteKind(enum.Enum):
     HEALTH_READY = "health ready"
     SERVER_METADATA = "server metadata"
     MODELS_STATS = "every model's statistics"
+    TIMELINES = "request timelines"
     REPOSITORY_INDEX = "repository index"
     INFER = "infer"
     POLICY_GET = "policy"
@@ -141,6 +143,9 @@ def route_path(repository: ModelRepository, access: Access, method: str, path: s
     if rest == ["models", "stats"]:  # every model's statistics, as Triton's extension
         _allow(method, path, "GET")
         return Route(RouteKind.MODELS_STATS)
+    if rest == ["timelines"]:  # server/timelines.py
+        _allow(method, path, "GET")
+        return Route(RouteKind.TIMELINES)
     if rest == ["repository", "index"]:
         _allow(method, path, "POST")
         return Route(RouteKind.REPOSITORY_INDEX)
