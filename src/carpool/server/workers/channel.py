@@ -54,6 +54,7 @@ class Channel(asyncio.Protocol):
         self._sent_pos = 0
         self._is_flush_due = False
         self.num_inline = 0  # records that went on the socket: the ring had no room
+        self.num_notified = 0  # positions sent
         self.is_open = False
 
     # -- asyncio's side -------------------------------------------------------------------
@@ -120,6 +121,7 @@ class Channel(asyncio.Protocol):
         pos = self._out.write_pos
         if pos != self._sent_pos and self._transport is not None:
             self._sent_pos = pos
+            self.num_notified += 1
             self._transport.write(_POSITION + _U64.pack(pos))
 
     def close(self) -> None:
