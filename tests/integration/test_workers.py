@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,28 +27,28 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import HERE, ServedProcess, StartServer, start_served_process, wait_until
+from .conftest import (
+    DOUBLER_CONFIG,
+    HERE,
+    ServedProcess,
+    StartServer,
+    start_served_process,
+    wait_until,
+)
 
-CONFIG = """\
-models:
-  - name: doubler
-    kind: python
-    source: configmodels:double
-    inputs: [{name: INPUT0, datatype: FP32, shape: [-1]}]
-    outputs: [{name: OUTPUT0, datatype: FP32, shape: [-1]}]
-    max_batch_size: 8
-    max_delay_s: 0.001
-    classes:
-      - {name: interactive}
-      - {name: normal}
+# The doubler with two priority classes, and a model that holds its requests at a gate.
+CONFIG = (
+    DOUBLER_CONFIG
+    + """\
+    classes: [{name: interactive}, {name: normal}]
   - name: gated
     kind: python
     source: configmodels:gated
     inputs: [{name: X, datatype: INT64, shape: [1]}]
     outputs: [{name: Y, datatype: INT64, shape: [1]}]
     max_batch_size: 1
-    max_delay_s: 0
 """
+)
 NUM_CONNECTIONS = 24  # new connections: all on one of two workers once in 8 million runs
 NUM_HELD = 6
 
@@ -67,16 +68,17 @@ def served(start_server: StartServer, files: dict[str, str]) -> ServedProcess:
     )
 
 
-def _samples(served: ServedProcess, name: str) -> dict[str, float]:
-    """``name``'s samples by their ``worker`` (else ``class``) label, from /metrics;
-    of a model's, only the doubler's."""
+def _samples(served: ServedProcess, name: str, model: str = "doubler") -> dict[str, float]:
+    """``name``'s samples by their ``worker`` (else ``reason``, else ``class``) label, from
+    /metrics; of a model's, only ``model``'s."""
     text = httpx.get(f"http://{served.http_url}/metrics").text
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels
-            if sample.name == name and labels.get("model", "doubler") == "doubler":
-                found[labels.get("worker") or labels.get("class", "")] = sample.value
+            if sample.name == name and labels.get("model", model) == model:
+                key = labels.get("worker") or labels.get("reason") or labels.get("class", "")
+                found[key] = found.get(key, 0) + sample.value
     return found
 
 
@@ -168,8 +170,10 @@ def _worker_pids(engine_pid: int) -> list[int]:
     return pids
 
 
-def _held_requests(served: ServedProcess, gate: Path) -> Iterator[list[object]]:
-    """NUM_HELD requests to the gated model, each on its own connection, held in the
+def _held_requests(
+    served: ServedProcess, gate: Path, num_held: int = NUM_HELD
+) -> Iterator[list[object]]:
+    """``num_held`` requests to the gated model, each on its own connection, held in the
     engine until the gate goes; what each got back."""
     answers: list[object] = []
     lock = threading.Lock()
@@ -187,7 +191,7 @@ def _held_requests(served: ServedProcess, gate: Path) -> Iterator[list[object]]:
         with lock:
             answers.append(answer)
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(NUM_HELD)]
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(num_held)]
     for thread in threads:
         thread.start()
     yield answers
@@ -215,6 +219,32 @@ def test_sigterm_answers_what_every_worker_accepted_and_exits_0(
     next(holding, None)
     assert served.process.wait(timeout=60) == 0, served.output()
     assert sorted(answers, key=str) == sorted(((200, [i]) for i in range(NUM_HELD)), key=str)
+
+
+def test_a_client_that_leaves_withdraws_its_queued_request_from_the_engine(
+    served: ServedProcess, files: dict[str, str]
+) -> None:
+    gate, seen = Path(files["CARPOOL_TEST_GATE"]), Path(files["CARPOOL_TEST_SEEN"])
+    gate.touch()
+    holding = _held_requests(served, gate, num_held=1)  # holds the one replica
+    answers = next(holding)
+    wait_until(seen.exists, "the model to hold the first request")
+    body = b'{"inputs":[{"name":"X","datatype":"INT64","shape":[1,1],"data":[99]}]}'
+    head = f"POST /v2/models/gated/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    host, port = served.http_url.split(":")
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(head.encode() + body)
+        wait_until(
+            lambda: _samples(served, "carpool_pending_requests", "gated").get("normal") == 1,
+            "the second request to wait in the engine's queue",
+        )
+    wait_until(
+        lambda: _samples(served, "carpool_rejections_total", "gated").get("cancelled") == 1,
+        "the engine to withdraw it",
+    )
+    next(holding, None)
+    assert answers == [(200, [0])]
+    assert "99" not in seen.read_text().split()  # the model never saw it
 
 
 def test_a_killed_worker_is_started_again_and_serving_goes_on(served: ServedProcess) -> None:

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import multiprocessing
 import os
 import pickle
@@ -123,13 +122,9 @@ def serve_workers(
     """Serve with ``num_workers`` front-end worker processes on the ``ports`` held
     (``port`` and ``grpc_port``, as asked, are what they hold: port 0 reserved as the
     one the system picked); as :func:`carpool.server.run.serve` otherwise (same
-    errors, same exit statuses)."""
+    errors, same exit statuses; the options are checked by ``carpool serve``)."""
     if num_workers < 1:
         raise ConfigError("workers", num_workers, "an integer >= 1")
-    if isinstance(drain_timeout_s, bool) or not 0 <= drain_timeout_s < math.inf:
-        raise ConfigError("drain_timeout_s", drain_timeout_s, "a finite number of seconds >= 0")
-    if log_level not in LOG_LEVELS:
-        raise ConfigError("log_level", log_level, f"one of {', '.join(LOG_LEVELS)}")
     access = Access(api_key, protect_metrics, allow_policy_updates)
     use_default_logging()
     limits = limits if limits is not None else ServerLimits()

@@ -27,6 +27,7 @@ from carpool.server.http.handlers import Call, Stream, respond
 from carpool.server.http.headers import RequestHeaders
 from carpool.server.http.router import HttpRequest, route
 from carpool.server.infer import Answer, error_response
+from carpool.server.repository import ServedModel
 from carpool.server.workers.channel import Channel
 from carpool.server.workers.records import Kind, Record, decode, encode, encode_error
 
@@ -44,6 +45,7 @@ class Peer:
         self._on_forwarded = on_forwarded
         self._queued: dict[int, tuple[Batcher, Request]] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._models: dict[str, tuple[ServedModel, Batcher]] = {}
         self.counts: dict[str, int] = {}  # the worker's own, in its current life
         self._earlier_requests = 0  # answered in its earlier lives
         self.num_handoffs = 0  # INFER, RUN and FORWARD records, over the worker's lives
@@ -102,8 +104,7 @@ class Peer:
         header = record.header
         request_id = header["id"]
         try:
-            model = self.app.repository.get(header["model"])
-            batcher = model.require_batcher()
+            model, batcher = self._batched(header["model"])
             queued = batcher.enqueue_many(
                 record.arrays, **header["options"], arrival_s=header["arrival_s"]
             )
@@ -113,7 +114,15 @@ class Peer:
         self._queued[request_id] = (batcher, queued)
         queued.future.add_done_callback(functools.partial(self._landed, request_id, model))
 
-    def _landed(self, request_id: int, model: Any, future: asyncio.Future[Any]) -> None:
+    def _batched(self, name: str) -> tuple[ServedModel, Batcher]:
+        """The model ``name`` and its batcher (looked up once)."""
+        found = self._models.get(name)
+        if found is None:
+            model = self.app.repository.get(name)
+            found = self._models[name] = (model, model.require_batcher())
+        return found
+
+    def _landed(self, request_id: int, model: ServedModel, future: asyncio.Future[Any]) -> None:
         if self._queued.pop(request_id, None) is None or future.cancelled():
             return  # withdrawn: the worker's client left, or the worker died
         error = future.exception()

@@ -78,15 +78,16 @@ def encode(
     parts: list[bytes | memoryview] = []
     specs = []
     for name, value in (arrays or {}).items():
-        array = np.asarray(value)
-        if array.dtype == object:
+        array = value if type(value) is np.ndarray else np.asarray(value)
+        if array.dtype.hasobject:
             data = _elements(array)
             specs.append((name, "O", array.shape, len(data)))
             parts.append(data)
-        else:
+            continue
+        if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)
-            specs.append((name, array.dtype.str, array.shape, array.nbytes))
-            parts.append(array.reshape(-1).view(np.uint8).data if array.nbytes else b"")
+        specs.append((name, array.dtype.str, array.shape, array.nbytes))
+        parts.append(array.data.cast("B") if array.nbytes and array.ndim else array.tobytes())
     document = orjson.dumps({**header, "kind": int(kind), "arrays": specs, "blob": len(blob)})
     return [_U32.pack(len(document)), document, *parts, blob]
 
