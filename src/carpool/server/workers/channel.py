@@ -105,13 +105,13 @@ class Channel(asyncio.Protocol):
         transport = self._transport
         if transport is None:
             return
-        if self._out.write(parts):
+        size = sum(map(len, parts))
+        if self._out.write(parts, size):
             if not self._is_flush_due:
                 self._is_flush_due = True
                 asyncio.get_running_loop().call_soon(self.flush)
             return
         self.flush()  # the records before it first
-        size = sum(len(p) for p in parts)
         transport.write(b"".join([_INLINE, _U32.pack(size), *parts]))
 
     def flush(self) -> None:

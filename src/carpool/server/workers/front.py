@@ -56,16 +56,14 @@ class Link:
         self._ids = itertools.count(1)
         self._waiting: dict[int, _Waiting] = {}
         self.fronts: dict[str, RemoteFront] = {}
-        self.num_requests = 0  # handed to the engine, over the worker's life
         self.is_stopping = False
 
     @property
     def is_open(self) -> bool:
         return self.channel is not None and self.channel.is_open
 
-    def num_waiting(self, model: str | None = None) -> int:
-        if model is None:
-            return len(self._waiting)
+    def num_waiting(self, model: str) -> int:
+        """Requests to ``model`` the engine has not answered yet."""
         return sum(1 for w in self._waiting.values() if w.model == model)
 
     def send(
@@ -85,7 +83,6 @@ class Link:
         request_id = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = _Waiting(future, header.get("model"))
-        self.num_requests += 1
         self.send(kind, {**header, "id": request_id}, arrays, blob)
         return request_id, future
 

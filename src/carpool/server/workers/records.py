@@ -54,18 +54,18 @@ class Kind(enum.IntEnum):
     POLICY = 15
 
 
+_KINDS = {int(kind): kind for kind in Kind}
+
+
 @dataclass(slots=True)
 class Record:
-    """A decoded record: ``header`` (with ``kind`` and, for a request's records, ``id``),
-    its ``arrays`` by name, and its ``blob``."""
+    """A decoded record: its ``kind``, its ``header`` (with, for a request's records,
+    ``id``), its ``arrays`` by name, and its ``blob``."""
 
+    kind: Kind
     header: dict[str, Any]
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     blob: bytes | memoryview = b""
-
-    @property
-    def kind(self) -> Kind:
-        return Kind(self.header["kind"])
 
 
 def encode(
@@ -108,7 +108,7 @@ def decode(record: bytes | bytearray) -> Record:
             arrays[name] = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
         at += nbytes
     blob_bytes = header.pop("blob")
-    return Record(header, arrays, view[at : at + blob_bytes])
+    return Record(_KINDS[header["kind"]], header, arrays, view[at : at + blob_bytes])
 
 
 def _elements(array: np.ndarray) -> bytes:

@@ -56,10 +56,11 @@ class Ring:
 
     # -- the writer ----------------------------------------------------------------------
 
-    def write(self, parts: list[bytes | memoryview]) -> bool:
-        """Append one record made of ``parts``; False (nothing written) when it does not
-        fit in the space the reader has freed."""
-        size = sum(len(p) for p in parts)
+    def write(self, parts: list[bytes | memoryview], size: int | None = None) -> bool:
+        """Append one record made of ``parts`` (``size`` bytes in all, counted if None);
+        False (nothing written) when it does not fit in the space the reader has freed."""
+        if size is None:
+            size = sum(map(len, parts))
         capacity = self.capacity_bytes
         need = LENGTH_BYTES + size
         if need > capacity:
@@ -79,8 +80,9 @@ class Ring:
         _U32.pack_into(data, offset, size)
         at = offset + LENGTH_BYTES
         for part in parts:
-            data[at : at + len(part)] = part
-            at += len(part)
+            end = at + len(part)
+            data[at:end] = part
+            at = end
         self.write_pos = pos + skip + need
         return True
 
