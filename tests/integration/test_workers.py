@@ -63,9 +63,12 @@ def files(tmp_path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def served(start_server: StartServer, files: dict[str, str]) -> ServedProcess:
-    return start_server(
+    started = start_server(
         CONFIG, grpc=True, env=files, args=["--workers", "2", "--allow-policy-updates"]
     )
+    # Ready as soon as one worker answers; the engine says so once both listen.
+    wait_until(lambda: "front-end workers share" in started.output(), "both workers")
+    return started
 
 
 def _samples(served: ServedProcess, name: str, model: str = "doubler") -> dict[str, float]:
@@ -294,3 +297,15 @@ def test_port_0_serves_on_the_port_the_ready_line_names(tmp_path: Path) -> None:
             assert np.array_equal(_infer_http(f"127.0.0.1:{http.group(1)}", x), 2 * x)
     finally:
         assert served.stop() == 0, served.output()
+
+
+def test_a_taken_port_fails_at_once_before_the_models_load(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "carpool.cli", "serve", "--workers", "2"]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert f"HTTP port 127.0.0.1:{port}: could not bind" in done.stderr

@@ -49,7 +49,12 @@ from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES, PortInUse
 from carpool.server.grpc import host_port
 from carpool.server.limits import ServerLimits
 from carpool.server.repository import ModelRepository, ServedModel
-from carpool.server.run import LOG_LEVELS, _DrainDeadline, _exit_on_signal_while_loading
+from carpool.server.run import (
+    LOG_LEVELS,
+    _DrainDeadline,
+    _exit_on_signal_while_loading,
+    check_ports,
+)
 from carpool.server.workers.channel import Channel
 from carpool.server.workers.peer import Peer
 from carpool.server.workers.records import Kind
@@ -85,6 +90,7 @@ def reserve_ports(host: str, port: int, grpc_port: int | None) -> PortReservatio
     Raises:
         PortInUse: naming the wire, the address and the system's reason.
     """
+    check_ports(host, port, grpc_port)  # held by anyone, even with SO_REUSEPORT: fail
     sockets: list[socket.socket] = []
     ports: list[int] = []
     wanted = [("HTTP", port)] + ([("gRPC", grpc_port)] if grpc_port and grpc_port > 0 else [])

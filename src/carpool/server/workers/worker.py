@@ -129,13 +129,14 @@ def _is_flagged(flags: shared_memory.SharedMemory, index: int) -> bool:
 def bind_shared(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` with SO_REUSEPORT, so every worker (and the
     engine, holding the port) binds it: the kernel spreads connections over the ones
-    that listen."""
+    that listen. Without SO_REUSEADDR: a second server's own check (which retries with
+    it, :func:`carpool.server.run.check_ports`) must not get the port while it is held
+    and not yet listened on; SO_REUSEPORT alone binds over a previous run's TIME_WAIT."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
