@@ -32,13 +32,11 @@ import os
 import pickle
 import signal
 import socket
-from collections.abc import Iterator
 from multiprocessing import shared_memory
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import uvloop
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from carpool.core.policy import BatchPolicy, ClassPolicy
 from carpool.errors import ConfigError
@@ -56,6 +54,7 @@ from carpool.server.run import (
     check_ports,
 )
 from carpool.server.workers.channel import Channel
+from carpool.server.workers.counters import WorkerCollector
 from carpool.server.workers.peer import Peer
 from carpool.server.workers.records import Kind
 from carpool.server.workers.ring import Ring
@@ -175,7 +174,7 @@ class Engine:
         self._backoff_s = [MIN_BACKOFF_S] * num_workers
         self._stopping = False
         self._context = multiprocessing.get_context("spawn")
-        app.metrics.registry.register(WorkerCollector(self))
+        app.metrics.registry.register(WorkerCollector(self.peers, self.restarts))
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -378,36 +377,3 @@ def _worker_policy(model: ServedModel) -> BatchPolicy:
     policy = model.policy
     assert policy is not None, "a model with a batcher has a policy"
     return dataclasses.replace(policy, cost_fn=None)
-
-
-class WorkerCollector:
-    """``carpool_worker_*``: each front-end worker's counters, for ``/metrics``."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-
-    def collect(self) -> Iterator[Metric]:
-        labels = ["worker"]
-        requests = CounterMetricFamily(
-            "carpool_worker_requests",
-            "HTTP requests a front-end worker answered (reported by the worker).",
-            labels=labels,
-        )
-        handoffs = CounterMetricFamily(
-            "carpool_worker_handoffs",
-            "Requests a front-end worker handed to the engine (infer, forwarded routes).",
-            labels=labels,
-        )
-        restarts = CounterMetricFamily(
-            "carpool_worker_restarts", "Times a front-end worker was started again.", labels=labels
-        )
-        inflight = GaugeMetricFamily(
-            "carpool_worker_inflight", "Hand-offs the engine has not answered yet.", labels=labels
-        )
-        for peer in self._engine.peers:
-            worker = [str(peer.index)]
-            requests.add_metric(worker, peer.num_requests)
-            handoffs.add_metric(worker, peer.num_handoffs)
-            restarts.add_metric(worker, self._engine.restarts[peer.index])
-            inflight.add_metric(worker, peer.num_inflight)
-        yield from (requests, handoffs, restarts, inflight)
