@@ -48,6 +48,7 @@ from carpool.server.grpc import host_port
 from carpool.server.limits import ServerLimits
 from carpool.server.repository import ModelRepository, ServedModel
 from carpool.server.run import (
+    DEFAULT_DRAIN_TIMEOUT_S,
     LOG_LEVELS,
     _DrainDeadline,
     _exit_on_signal_while_loading,
@@ -122,7 +123,7 @@ def serve_workers(
     api_key: str | None = None,
     protect_metrics: bool = False,
     allow_policy_updates: bool = False,
-    drain_timeout_s: float = 30.0,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> None:
     """Serve with ``num_workers`` front-end worker processes on the ``ports`` held
     (``port`` and ``grpc_port``, as asked, are what they hold: port 0 reserved as the
