@@ -11,7 +11,9 @@ server and ``carpool trace`` records its batches and requests for Perfetto
 from __future__ import annotations
 
 import enum
+import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -160,6 +162,15 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            help="Front-end worker processes sharing the HTTP and gRPC ports (SO_REUSEPORT); "
+            "they decode requests and hand them to this process's batchers through shared "
+            "memory. 1: one process serves everything.",
+            min=1,
+        ),
+    ] = 1,
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
@@ -182,10 +193,19 @@ def serve(
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        check_ports(host, port, grpc_port)  # before a config's models load their weights
+        ports = None
+        if workers == 1:
+            check_ports(host, port, grpc_port)  # before a config's models load their weights
+        else:  # held from now on: the workers bind them too
+            from carpool.server.workers import reserve_ports, serve_workers
+
+            ports = reserve_ports(host, port, grpc_port)
         with exit_on_signal_while_building():
             repository = _repository(config)
-        run_server(
+        run: Callable[..., None] = run_server
+        if ports is not None:
+            run = functools.partial(serve_workers, ports=ports, num_workers=workers)
+        run(
             repository,
             host=host,
             port=port,

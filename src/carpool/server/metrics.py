@@ -26,6 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector
 
+from carpool.core.batcher import Batcher
 from carpool.core.policy import BatchPolicy
 from carpool.core.telemetry import REJECTION_REASONS, LatencyStats, TelemetrySnapshot
 from carpool.generation.telemetry import GenerationSnapshot
@@ -94,7 +95,7 @@ class TelemetryCollector(Collector):
         snapshots = [
             (m.name, b.snapshot(quantiles=False), self._bounds_of(m.name, b.policy))
             for m in self._repository
-            if (b := m.batcher) is not None
+            if isinstance(b := m.batcher, Batcher)  # a front-end worker's is the engine's
         ]
         yield from _class_metrics(snapshots)
         yield from _batch_metrics(snapshots)

@@ -168,7 +168,7 @@ def _model_route(
         return Route(RouteKind.INFER, model)
     if action == "policy":
         _allow(method, path, "GET", "POST")
-        model.require_batcher()  # a generation model: no batch policy to show or set, a 400
+        model.require_policy()  # a generation model: no batch policy to show or set, a 400
         if method != "POST":
             return Route(RouteKind.POLICY_GET, model)
         if not access.allow_policy_updates:
