@@ -4,6 +4,12 @@ Each replica runs one loop: ask the scheduler for a batch; if there is one, run 
 if not, sleep until a request arrives or the oldest request's delay expires. A batch is
 therefore closed only when a replica is free to run it, and while every replica is busy
 requests pile up, so batches grow with load (pull-based, least-loaded by construction).
+When a batch is ready and several replicas are idle, the one woken to take it is the one
+least busy lately (:class:`IdleReplicas`): its time computing, decayed with a time
+constant of ``BUSY_DECAY_S``, is the lowest. Waking the longest-idle one instead gives
+each replica about the same gap between batches whatever its speed, which leaves fast
+replicas less busy than slow ones. For a delay that runs out, idle replicas share one
+timer, which wakes the least busy of them too.
 
 A batch that raises is bisected until the failing requests are found; only they get a
 :class:`ModelError`. Out of memory splits the batch into halves, retries them, and lowers
@@ -27,8 +33,10 @@ join, and wakes an idle replica loop when it queues a request.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import inspect
 import logging
+import math
 from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -36,7 +44,7 @@ from typing import Protocol
 
 from carpool.core.admission import Intake, OomCap
 from carpool.core.batch_times import BatchTimes
-from carpool.core.clock import Clock
+from carpool.core.clock import Clock, TimerHandle
 from carpool.core.process_replica import process_replicas, process_source
 from carpool.core.queues import Queues
 from carpool.core.replicas import (
@@ -64,6 +72,10 @@ log = logging.getLogger("carpool")
 RENEW_WAIT_S = 1.0
 RENEW_WAIT_MAX_S = 30.0
 
+# The time constant over which a replica's time computing is remembered when choosing
+# which idle replica takes a batch: a few dozen batches of a typical model.
+BUSY_DECAY_S = 1.0
+
 
 class Decide(Protocol):
     """The batcher's call to its scheduler: a batch for a replica now, or when to look again.
@@ -75,9 +87,9 @@ class Decide(Protocol):
 class Dispatcher:
     """Runs one batcher's batches on its replicas (see the module docstring).
 
-    ``idle`` holds a future per replica loop waiting for work, oldest first: the batcher
-    holds the same deque (it is cleared, never rebound) and calls :meth:`wake_one` when it
-    queues a request.
+    ``idle`` holds a future per replica loop waiting for work, least busy lately first:
+    the batcher holds the same :class:`IdleReplicas` (it is cleared, never rebound) and
+    calls :meth:`wake_one` when it queues a request.
     """
 
     def __init__(
@@ -119,7 +131,11 @@ class Dispatcher:
         self.watchdog = Watchdog(clock, batch_timeout_s)  # the batcher sets its timeout_s
         self.replicas: list[ReplicaLike] = []  # kept after join(): their counters stay readable
         self._tasks: list[asyncio.Task[None]] = []
-        self.idle: deque[asyncio.Future[None]] = deque()
+        self.idle = IdleReplicas()
+        # One timer for all idle replicas: when the earliest of them asked to look again
+        # (a request's delay runs out), the least busy idle one is woken.
+        self._due: TimerHandle | None = None
+        self._due_s = math.inf
         # Each launched batch, by batch id, until it lands.
         self._launched: dict[int, _InFlight] = {}
         self.is_draining = False  # no request comes any more: loops end on empty queues
@@ -251,6 +267,7 @@ class Dispatcher:
         self.replicas, self._tasks = [], []
 
     def _close_replicas(self) -> None:
+        self._disarm()
         for replica in self.replicas:
             replica.close()
         if self._holds_switch_interval:
@@ -260,16 +277,34 @@ class Dispatcher:
     # -- waking idle replicas ---------------------------------------------------------
 
     def wake_one(self) -> None:
-        idle = self.idle
-        while idle:
-            waiter = idle.popleft()
+        """Wake the idle replica loop least busy lately."""
+        pop = self.idle.pop
+        while (waiter := pop()) is not None:
             if not waiter.done():
                 waiter.set_result(None)
                 return
 
+    def _arm(self, at_s: float) -> None:
+        """Wake the least busy idle replica at ``at_s``, unless one is woken earlier."""
+        if at_s >= self._due_s:
+            return
+        self._disarm()
+        self._due_s = at_s
+        self._due = self._clock.call_at(at_s, self._on_due)
+
+    def _disarm(self) -> None:
+        if self._due is not None:
+            self._due.cancel()
+        self._due, self._due_s = None, math.inf
+
+    def _on_due(self) -> None:
+        self._due, self._due_s = None, math.inf
+        self.wake_one()
+
     def wake_all(self) -> None:
-        while self.idle:
-            _wake(self.idle.popleft())
+        pop = self.idle.pop
+        while (waiter := pop()) is not None:
+            _wake(waiter)
 
     # -- requests taken out: expired, cancelled, closed -------------------------------
 
@@ -314,6 +349,7 @@ class Dispatcher:
     async def _replica_loop(self, replica: ReplicaLike) -> None:
         clock = self._clock
         inflight: deque[_InFlight] = deque()
+        busy = _Busy()
         while True:
             if not replica.is_healthy:
                 await self._renewed(replica)
@@ -337,7 +373,7 @@ class Dispatcher:
                 holds_replica = any(
                     f.batch.lead_class == landing.batch.lead_class for f in inflight
                 )
-                await self._land(replica, landing, holds_replica)
+                await self._land(replica, landing, holds_replica, busy)
                 if replica.blocks_loop:
                     await io_turn()
                 continue
@@ -348,7 +384,7 @@ class Dispatcher:
                 return
             if replica.idle_since_s is None:
                 replica.idle_since_s = now
-            await self._idle_wait(wake_at_s)
+            await self._idle_wait(wake_at_s, busy.key)
 
     async def _renewed(self, replica: ReplicaLike) -> None:
         """Wait until a replica given up after a hang has its model again, building it
@@ -378,22 +414,18 @@ class Dispatcher:
         finally:
             timer.cancel()
 
-    async def _idle_wait(self, wake_at_s: float | None) -> None:
+    async def _idle_wait(self, wake_at_s: float | None, key: float) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.idle.append(waiter)
-        timer = None
+        self.idle.push(waiter, key)
         if wake_at_s is not None:
-            timer = self._clock.call_at(wake_at_s, lambda: _wake(waiter))
+            self._arm(wake_at_s)
         try:
             await waiter
         finally:
-            if timer is not None:
-                timer.cancel()
             # Closed: its loop was closed under it, and this coroutine is being discarded.
             if not waiter.done() and not waiter.get_loop().is_closed():
                 waiter.cancel()
-            if waiter in self.idle:  # woken by its timer, not popped by a submit
-                self.idle.remove(waiter)
+            self.idle.discard(waiter)  # cancelled, not popped
 
     def _launch(self, replica: ReplicaLike, batch: Batch, now: float) -> _InFlight:
         """Mark the batch's requests running and start the model on each signature group."""
@@ -411,7 +443,9 @@ class Dispatcher:
         launched = self._launched[batch.batch_id] = _InFlight(batch, calls, attempts, now, cancels)
         return launched
 
-    async def _land(self, replica: ReplicaLike, inflight: _InFlight, holds_replica: bool) -> None:
+    async def _land(
+        self, replica: ReplicaLike, inflight: _InFlight, holds_replica: bool, busy: _Busy
+    ) -> None:
         """Wait for a launched batch and answer each of its requests."""
         batch = inflight.batch
         # A batch queued behind another cannot have started before that one ended.
@@ -431,6 +465,7 @@ class Dispatcher:
             end = self._clock.now()
             replica.last_landed_s = end
             compute_s = max(0.0, end - started_s)
+            busy.add(end, compute_s)
             self._telemetry.batch_done(batch, replica.counters, compute_s)
             if self._batch_times is not None:
                 self._batch_times.observe(batch.num_items, compute_s)
@@ -449,6 +484,80 @@ class Dispatcher:
                 queue.num_running -= 1
             if self._queues.num_live and self.idle:
                 self.wake_one()
+
+
+class IdleReplicas:
+    """The waiters of idle replica loops, the least busy lately first.
+
+    Each waiter is pushed with its replica's :attr:`_Busy.key`, which orders replicas by
+    their decayed time computing at any one moment, so :meth:`pop` is O(log n). A waiter
+    taken out otherwise (its timer woke it) stays in the heap, skipped when popped, until
+    such waiters are more than half of it.
+    """
+
+    __slots__ = ("_heap", "_live", "_seq")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._live: set[asyncio.Future[None]] = set()
+        self._seq = 0  # among equal keys, the first pushed comes out first
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def push(self, waiter: asyncio.Future[None], key: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (key, self._seq, waiter))
+        self._live.add(waiter)
+
+    def pop(self) -> asyncio.Future[None] | None:
+        """The waiter with the lowest key, taken out; None when there is none."""
+        heap, live = self._heap, self._live
+        while heap:
+            waiter = heapq.heappop(heap)[2]
+            if waiter in live:
+                live.remove(waiter)
+                return waiter
+        return None
+
+    def discard(self, waiter: asyncio.Future[None]) -> None:
+        live = self._live
+        if waiter in live:
+            live.remove(waiter)
+            if len(self._heap) > 2 * len(live) + 16:
+                self._heap = [entry for entry in self._heap if entry[2] in live]
+                heapq.heapify(self._heap)
+
+    def clear(self) -> None:
+        self._heap.clear()
+        self._live.clear()
+
+
+class _Busy:
+    """A replica's time computing, decayed with time constant ``BUSY_DECAY_S``.
+
+    Replicas that have all been up since about the same time have seen the same decayed
+    total time, so the lowest decayed busy time is the lowest recent busy fraction.
+    Between batches it only decays, at the same rate for every replica, so
+    ``log(busy_s) + at_s / BUSY_DECAY_S`` orders replicas as their busy times do at any
+    later moment: a key that needs no update while the replica is idle.
+    """
+
+    __slots__ = ("at_s", "busy_s", "key")
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.at_s = 0.0
+        self.key = -math.inf  # never busy: chosen first
+
+    def add(self, end_s: float, compute_s: float) -> None:
+        """A batch that computed ``compute_s`` landed at ``end_s``."""
+        if self.busy_s > 0.0:
+            self.busy_s *= math.exp(min(0.0, self.at_s - end_s) / BUSY_DECAY_S)
+        self.busy_s += compute_s
+        self.at_s = end_s
+        if self.busy_s > 0.0:
+            self.key = math.log(self.busy_s) + end_s / BUSY_DECAY_S
 
 
 @dataclass(slots=True)

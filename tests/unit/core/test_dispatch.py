@@ -17,6 +17,7 @@ import pytest
 
 from carpool import ClassPolicy, DeadlineExceeded
 from carpool.core.clock import settle
+from carpool.core.dispatch import IdleReplicas
 
 from .conftest import SAFETY_S, finish
 
@@ -240,6 +241,44 @@ async def test_drain_returns_when_the_work_an_idle_replica_waited_for_expires(
     await asyncio.wait_for(stopping, SAFETY_S)
 
 
+# -- which idle replica takes a batch ----------------------------------------------------------
+
+
+async def test_idle_replicas_of_mixed_speeds_end_up_about_as_busy(make_batcher, fake_clock, spawn):
+    """A fast and a slow replica (10 and 20 ms a batch), one request every 15 ms: both
+    are often idle when one arrives. Waking the longest-idle replica made them alternate,
+    one batch each, so the fast one computed half as long as the slow one; the replica
+    least busy lately takes it now, and the fast one runs about twice as many batches."""
+    batch_s = {"fast": 0.010, "slow": 0.020}
+    ran = dict.fromkeys(batch_s, 0)
+
+    def factory(device: str) -> Any:
+        async def model(batch: list[int]) -> list[int]:
+            done = asyncio.get_running_loop().create_future()
+            fake_clock.call_at(fake_clock.now() + batch_s[device], lambda: done.set_result(None))
+            await done
+            ran[device] += 1
+            return batch
+
+        return model
+
+    batcher = make_batcher(
+        fn_factory=factory, devices=["fast", "slow"], max_batch_size=1, max_delay_s=0.0
+    )
+    await asyncio.wait_for(batcher.start(), SAFETY_S)
+    answers = []
+    for i in range(200):  # 3 s: a few times the decay's time constant
+        answers.append(spawn(batcher.submit(i)))
+        await fake_clock.advance(0.015)
+    await fake_clock.advance(0.1)
+    assert await finish(*answers) == list(range(200))
+
+    assert ran["fast"] + ran["slow"] == 200
+    busy_fast, busy_slow = (ran[d] * batch_s[d] for d in ("fast", "slow"))
+    assert busy_fast >= 0.9 * busy_slow, ran  # was 0.5: 100 batches each
+    assert busy_fast <= 1.1 * busy_slow, ran
+
+
 # -- idle replicas wake for aged work --------------------------------------------------------
 
 
@@ -264,3 +303,40 @@ async def test_idle_replica_runs_an_aged_batch_of_a_capped_class(
 
     fake_model.release()
     assert await finish(first, second) == [10, 20]
+
+
+async def test_idle_replicas_share_one_timer_for_a_request_waiting_for_company(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    """Three replicas go idle while one request waits out its delay: one timer wakes one
+    of them for it. Each armed its own before; with the least busy woken first, the
+    others' timers fired every delay, for nothing, as long as they stayed idle."""
+    batcher = make_batcher(num_replicas=3, max_batch_size=2, max_delay_s=1.0)
+    await batcher.start()
+    fake_model.hold()
+    running = [spawn(batcher.submit(i)) for i in range(6)]
+    await fake_clock.advance(0.0)
+    assert fake_model.running == 3
+    lone = spawn(batcher.submit(6))
+    await fake_clock.advance(0.1)
+    fake_model.release()
+    await fake_clock.advance(0.0)
+    assert fake_model.running == 0
+    assert fake_clock.num_pending_timers == 1  # was 3: one per idle replica
+
+    await fake_clock.advance(0.9)
+    assert await finish(*running, lone) == [i * 10 for i in range(7)]
+    assert fake_model.sizes == [2, 2, 2, 1]
+
+
+async def test_idle_replicas_pop_the_lowest_key_first_and_skip_discarded_waiters():
+    loop = asyncio.get_running_loop()
+    idle = IdleReplicas()
+    waiters = [loop.create_future() for _ in range(4)]
+    for waiter, key in zip(waiters, [0.5, float("-inf"), 0.5, -1.0], strict=True):
+        idle.push(waiter, key)
+    idle.discard(waiters[3])
+    assert len(idle) == 3
+    # Never busy first, then equal keys in the order they were pushed.
+    assert [idle.pop() for _ in range(4)] == [waiters[1], waiters[0], waiters[2], None]
+    assert not idle
