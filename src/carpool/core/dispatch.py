@@ -9,7 +9,10 @@ least busy lately (:class:`IdleReplicas`): its time computing, decayed with a ti
 constant of ``BUSY_DECAY_S``, is the lowest. Waking the longest-idle one instead gives
 each replica about the same gap between batches whatever its speed, which leaves fast
 replicas less busy than slow ones. For a delay that runs out, idle replicas share one
-timer, which wakes the least busy of them too.
+timer, which wakes the least busy of them too. A batcher with one replica has no choice
+to make: its loop keeps no busy time and waits with a timer of its own, cancelled when a
+request wakes it, as before least-busy dispatch; the shared timer, never cancelled, woke
+it once more for nothing after most batches that filled before their delay ran out.
 
 A batch that raises is bisected until the failing requests are found; only they get a
 :class:`ModelError`. Out of memory splits the batch into halves, retries them, and lowers
@@ -278,8 +281,8 @@ class Dispatcher:
 
     def wake_one(self) -> None:
         """Wake the idle replica loop least busy lately."""
-        pop = self.idle.pop
-        while (waiter := pop()) is not None:
+        take = self.idle.take
+        while (waiter := take()) is not None:
             if not waiter.done():
                 waiter.set_result(None)
                 return
@@ -302,8 +305,8 @@ class Dispatcher:
         self.wake_one()
 
     def wake_all(self) -> None:
-        pop = self.idle.pop
-        while (waiter := pop()) is not None:
+        take = self.idle.take
+        while (waiter := take()) is not None:
             _wake(waiter)
 
     # -- requests taken out: expired, cancelled, closed -------------------------------
@@ -349,7 +352,8 @@ class Dispatcher:
     async def _replica_loop(self, replica: ReplicaLike) -> None:
         clock = self._clock
         inflight: deque[_InFlight] = deque()
-        busy = _Busy()
+        # Only among several replicas is there one least busy to choose.
+        busy = _Busy() if len(self.replicas) > 1 else None
         while True:
             if not replica.is_healthy:
                 await self._renewed(replica)
@@ -384,7 +388,7 @@ class Dispatcher:
                 return
             if replica.idle_since_s is None:
                 replica.idle_since_s = now
-            await self._idle_wait(wake_at_s, busy.key)
+            await self._idle_wait(wake_at_s, busy)
 
     async def _renewed(self, replica: ReplicaLike) -> None:
         """Wait until a replica given up after a hang has its model again, building it
@@ -414,18 +418,28 @@ class Dispatcher:
         finally:
             timer.cancel()
 
-    async def _idle_wait(self, wake_at_s: float | None, key: float) -> None:
+    async def _idle_wait(self, wake_at_s: float | None, busy: _Busy | None) -> None:
+        """Wait for a request or until ``wake_at_s``: on the idle replicas' shared timer
+        with ``busy`` (several replicas), on a timer of this wait's own without."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.idle.push(waiter, key)
-        if wake_at_s is not None:
-            self._arm(wake_at_s)
+        timer = None
+        if busy is None:
+            self.idle.push(waiter, 0.0)
+            if wake_at_s is not None:
+                timer = self._clock.call_at(wake_at_s, lambda: _wake(waiter))
+        else:
+            self.idle.push(waiter, busy.key)
+            if wake_at_s is not None:
+                self._arm(wake_at_s)
         try:
             await waiter
         finally:
+            if timer is not None:
+                timer.cancel()
             # Closed: its loop was closed under it, and this coroutine is being discarded.
             if not waiter.done() and not waiter.get_loop().is_closed():
                 waiter.cancel()
-            self.idle.discard(waiter)  # cancelled, not popped
+            self.idle.drop(waiter)  # woken by its own timer or cancelled, not taken
 
     def _launch(self, replica: ReplicaLike, batch: Batch, now: float) -> _InFlight:
         """Mark the batch's requests running and start the model on each signature group."""
@@ -444,7 +458,7 @@ class Dispatcher:
         return launched
 
     async def _land(
-        self, replica: ReplicaLike, inflight: _InFlight, holds_replica: bool, busy: _Busy
+        self, replica: ReplicaLike, inflight: _InFlight, holds_replica: bool, busy: _Busy | None
     ) -> None:
         """Wait for a launched batch and answer each of its requests."""
         batch = inflight.batch
@@ -465,7 +479,8 @@ class Dispatcher:
             end = self._clock.now()
             replica.last_landed_s = end
             compute_s = max(0.0, end - started_s)
-            busy.add(end, compute_s)
+            if busy is not None:
+                busy.add(end, compute_s)
             self._telemetry.batch_done(batch, replica.counters, compute_s)
             if self._batch_times is not None:
                 self._batch_times.observe(batch.num_items, compute_s)
@@ -486,51 +501,51 @@ class Dispatcher:
                 self.wake_one()
 
 
-class IdleReplicas:
-    """The waiters of idle replica loops, the least busy lately first.
+class IdleReplicas(set[asyncio.Future[None]]):
+    """The waiters of idle replica loops: a set of those still waiting, and a heap that
+    gives the least busy lately first.
 
     Each waiter is pushed with its replica's :attr:`_Busy.key`, which orders replicas by
-    their decayed time computing at any one moment, so :meth:`pop` is O(log n). A waiter
-    taken out otherwise (its timer woke it) stays in the heap, skipped when popped, until
-    such waiters are more than half of it.
+    their decayed time computing at any one moment, so :meth:`take` is O(log n). Being
+    the set itself, its truth and length are the set's, at C speed: the request path asks
+    whether a replica is idle on every request. A waiter taken out otherwise (its own
+    timer woke it, or it was cancelled) stays in the heap, skipped when met, until such
+    waiters are more than half of it.
     """
 
-    __slots__ = ("_heap", "_live", "_seq")
+    __slots__ = ("_heap", "_seq")
 
     def __init__(self) -> None:
+        super().__init__()
         self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._live: set[asyncio.Future[None]] = set()
         self._seq = 0  # among equal keys, the first pushed comes out first
-
-    def __len__(self) -> int:
-        return len(self._live)
 
     def push(self, waiter: asyncio.Future[None], key: float) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (key, self._seq, waiter))
-        self._live.add(waiter)
+        self.add(waiter)
 
-    def pop(self) -> asyncio.Future[None] | None:
+    def take(self) -> asyncio.Future[None] | None:
         """The waiter with the lowest key, taken out; None when there is none."""
-        heap, live = self._heap, self._live
+        heap = self._heap
         while heap:
             waiter = heapq.heappop(heap)[2]
-            if waiter in live:
-                live.remove(waiter)
+            if waiter in self:
+                self.remove(waiter)
                 return waiter
         return None
 
-    def discard(self, waiter: asyncio.Future[None]) -> None:
-        live = self._live
-        if waiter in live:
-            live.remove(waiter)
-            if len(self._heap) > 2 * len(live) + 16:
-                self._heap = [entry for entry in self._heap if entry[2] in live]
+    def drop(self, waiter: asyncio.Future[None]) -> None:
+        """Take out ``waiter`` if it is still here (its heap entry is left behind)."""
+        if waiter in self:
+            self.remove(waiter)
+            if len(self._heap) > 2 * len(self) + 16:
+                self._heap = [entry for entry in self._heap if entry[2] in self]
                 heapq.heapify(self._heap)
 
     def clear(self) -> None:
+        super().clear()
         self._heap.clear()
-        self._live.clear()
 
 
 class _Busy:

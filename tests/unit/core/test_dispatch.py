@@ -329,14 +329,41 @@ async def test_idle_replicas_share_one_timer_for_a_request_waiting_for_company(
     assert fake_model.sizes == [2, 2, 2, 1]
 
 
-async def test_idle_replicas_pop_the_lowest_key_first_and_skip_discarded_waiters():
+async def test_one_replica_woken_by_a_request_leaves_no_timer_behind(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    """One replica waits with a timer for a lone request's delay; a second request fills
+    the batch first. Its timer goes with the wait: a shared one, never cancelled, stayed
+    armed and woke the replica once more for nothing."""
+    batcher = make_batcher(num_replicas=1, max_batch_size=2, max_delay_s=1.0)
+    await batcher.start()
+    fake_model.hold()
+    first = spawn(batcher.submit(0))
+    await fake_clock.advance(0.1)
+    assert fake_model.running == 0
+    assert fake_clock.num_pending_timers == 1  # the delay of the lone request
+    delay_s = fake_clock.next_timer_s()
+    second = spawn(batcher.submit(1))
+    await fake_clock.advance(0.0)
+    assert fake_model.running == 1
+    # The running batch's watchdog (batch_timeout_s), and no other: the shared timer
+    # stayed armed for the lone request's delay.
+    assert fake_clock.num_pending_timers == 1
+    assert fake_clock.next_timer_s() != delay_s
+
+    fake_model.release()
+    assert await finish(first, second) == [0, 10]
+    assert fake_model.sizes == [2]
+
+
+async def test_idle_replicas_give_the_lowest_key_first_and_skip_dropped_waiters():
     loop = asyncio.get_running_loop()
     idle = IdleReplicas()
     waiters = [loop.create_future() for _ in range(4)]
     for waiter, key in zip(waiters, [0.5, float("-inf"), 0.5, -1.0], strict=True):
         idle.push(waiter, key)
-    idle.discard(waiters[3])
+    idle.drop(waiters[3])
     assert len(idle) == 3
     # Never busy first, then equal keys in the order they were pushed.
-    assert [idle.pop() for _ in range(4)] == [waiters[1], waiters[0], waiters[2], None]
+    assert [idle.take() for _ in range(4)] == [waiters[1], waiters[0], waiters[2], None]
     assert not idle
