@@ -5,14 +5,15 @@ if not, sleep until a request arrives or the oldest request's delay expires. A b
 therefore closed only when a replica is free to run it, and while every replica is busy
 requests pile up, so batches grow with load (pull-based, least-loaded by construction).
 When a batch is ready and several replicas are idle, the one woken to take it is the one
-least busy lately (:class:`IdleReplicas`): its time computing, decayed with a time
+least busy lately (:mod:`carpool.core.idle`): its time computing, decayed with a time
 constant of ``BUSY_DECAY_S``, is the lowest. Waking the longest-idle one instead gives
 each replica about the same gap between batches whatever its speed, which leaves fast
 replicas less busy than slow ones. For a delay that runs out, idle replicas share one
 timer, which wakes the least busy of them too. A batcher with one replica has no choice
 to make: its loop keeps no busy time and waits with a timer of its own, cancelled when a
-request wakes it, as before least-busy dispatch; the shared timer, never cancelled, woke
-it once more for nothing after most batches that filled before their delay ran out.
+request wakes it, as before least-busy dispatch (the shared timer is not cancelled when
+a request wakes a replica, so it woke a lone replica once more, for nothing, after a
+batch that filled before its delay ran out).
 
 A batch that raises is bisected until the failing requests are found; only they get a
 :class:`ModelError`. Out of memory splits the batch into halves, retries them, and lowers
@@ -36,7 +37,6 @@ join, and wakes an idle replica loop when it queues a request.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import inspect
 import logging
 import math
@@ -48,6 +48,7 @@ from typing import Protocol
 from carpool.core.admission import Intake, OomCap
 from carpool.core.batch_times import BatchTimes
 from carpool.core.clock import Clock, TimerHandle
+from carpool.core.idle import BusyTime, IdleReplicas
 from carpool.core.process_replica import process_replicas, process_source
 from carpool.core.queues import Queues
 from carpool.core.replicas import (
@@ -74,10 +75,6 @@ log = logging.getLogger("carpool")
 # after twice as long, up to RENEW_WAIT_MAX_S.
 RENEW_WAIT_S = 1.0
 RENEW_WAIT_MAX_S = 30.0
-
-# The time constant over which a replica's time computing is remembered when choosing
-# which idle replica takes a batch: a few dozen batches of a typical model.
-BUSY_DECAY_S = 1.0
 
 
 class Decide(Protocol):
@@ -353,7 +350,7 @@ class Dispatcher:
         clock = self._clock
         inflight: deque[_InFlight] = deque()
         # Only among several replicas is there one least busy to choose.
-        busy = _Busy() if len(self.replicas) > 1 else None
+        busy = BusyTime() if len(self.replicas) > 1 else None
         while True:
             if not replica.is_healthy:
                 await self._renewed(replica)
@@ -418,7 +415,7 @@ class Dispatcher:
         finally:
             timer.cancel()
 
-    async def _idle_wait(self, wake_at_s: float | None, busy: _Busy | None) -> None:
+    async def _idle_wait(self, wake_at_s: float | None, busy: BusyTime | None) -> None:
         """Wait for a request or until ``wake_at_s``: on the idle replicas' shared timer
         with ``busy`` (several replicas), on a timer of this wait's own without."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -458,7 +455,7 @@ class Dispatcher:
         return launched
 
     async def _land(
-        self, replica: ReplicaLike, inflight: _InFlight, holds_replica: bool, busy: _Busy | None
+        self, replica: ReplicaLike, inflight: _InFlight, holds_replica: bool, busy: BusyTime | None
     ) -> None:
         """Wait for a launched batch and answer each of its requests."""
         batch = inflight.batch
@@ -499,80 +496,6 @@ class Dispatcher:
                 queue.num_running -= 1
             if self._queues.num_live and self.idle:
                 self.wake_one()
-
-
-class IdleReplicas(set[asyncio.Future[None]]):
-    """The waiters of idle replica loops: a set of those still waiting, and a heap that
-    gives the least busy lately first.
-
-    Each waiter is pushed with its replica's :attr:`_Busy.key`, which orders replicas by
-    their decayed time computing at any one moment, so :meth:`take` is O(log n). Being
-    the set itself, its truth and length are the set's, at C speed: the request path asks
-    whether a replica is idle on every request. A waiter taken out otherwise (its own
-    timer woke it, or it was cancelled) stays in the heap, skipped when met, until such
-    waiters are more than half of it.
-    """
-
-    __slots__ = ("_heap", "_seq")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._seq = 0  # among equal keys, the first pushed comes out first
-
-    def push(self, waiter: asyncio.Future[None], key: float) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (key, self._seq, waiter))
-        self.add(waiter)
-
-    def take(self) -> asyncio.Future[None] | None:
-        """The waiter with the lowest key, taken out; None when there is none."""
-        heap = self._heap
-        while heap:
-            waiter = heapq.heappop(heap)[2]
-            if waiter in self:
-                self.remove(waiter)
-                return waiter
-        return None
-
-    def drop(self, waiter: asyncio.Future[None]) -> None:
-        """Take out ``waiter`` if it is still here (its heap entry is left behind)."""
-        if waiter in self:
-            self.remove(waiter)
-            if len(self._heap) > 2 * len(self) + 16:
-                self._heap = [entry for entry in self._heap if entry[2] in self]
-                heapq.heapify(self._heap)
-
-    def clear(self) -> None:
-        super().clear()
-        self._heap.clear()
-
-
-class _Busy:
-    """A replica's time computing, decayed with time constant ``BUSY_DECAY_S``.
-
-    Replicas that have all been up since about the same time have seen the same decayed
-    total time, so the lowest decayed busy time is the lowest recent busy fraction.
-    Between batches it only decays, at the same rate for every replica, so
-    ``log(busy_s) + at_s / BUSY_DECAY_S`` orders replicas as their busy times do at any
-    later moment: a key that needs no update while the replica is idle.
-    """
-
-    __slots__ = ("at_s", "busy_s", "key")
-
-    def __init__(self) -> None:
-        self.busy_s = 0.0
-        self.at_s = 0.0
-        self.key = -math.inf  # never busy: chosen first
-
-    def add(self, end_s: float, compute_s: float) -> None:
-        """A batch that computed ``compute_s`` landed at ``end_s``."""
-        if self.busy_s > 0.0:
-            self.busy_s *= math.exp(min(0.0, self.at_s - end_s) / BUSY_DECAY_S)
-        self.busy_s += compute_s
-        self.at_s = end_s
-        if self.busy_s > 0.0:
-            self.key = math.log(self.busy_s) + end_s / BUSY_DECAY_S
 
 
 @dataclass(slots=True)

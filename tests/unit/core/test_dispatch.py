@@ -17,7 +17,6 @@ import pytest
 
 from carpool import ClassPolicy, DeadlineExceeded
 from carpool.core.clock import settle
-from carpool.core.dispatch import IdleReplicas
 
 from .conftest import SAFETY_S, finish
 
@@ -354,16 +353,3 @@ async def test_one_replica_woken_by_a_request_leaves_no_timer_behind(
     fake_model.release()
     assert await finish(first, second) == [0, 10]
     assert fake_model.sizes == [2]
-
-
-async def test_idle_replicas_give_the_lowest_key_first_and_skip_dropped_waiters():
-    loop = asyncio.get_running_loop()
-    idle = IdleReplicas()
-    waiters = [loop.create_future() for _ in range(4)]
-    for waiter, key in zip(waiters, [0.5, float("-inf"), 0.5, -1.0], strict=True):
-        idle.push(waiter, key)
-    idle.drop(waiters[3])
-    assert len(idle) == 3
-    # Never busy first, then equal keys in the order they were pushed.
-    assert [idle.take() for _ in range(4)] == [waiters[1], waiters[0], waiters[2], None]
-    assert not idle
