@@ -169,7 +169,7 @@ class Batcher(Lifecycle):
         )
         super().__init__(name, clock=clock, queues=queues, telemetry=recorder, dispatch=dispatch)
         # The request path wakes an idle replica loop without a hop through the
-        # dispatcher: the same deque of waiters, the same bound method.
+        # dispatcher: the same IdleReplicas, the same bound method.
         self._idle = dispatch.idle
         self._wake_one = dispatch.wake_one
 
