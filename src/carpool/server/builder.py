@@ -74,6 +74,8 @@ def build_model(
             quantization=model.quantization,
             max_inputs=model.max_inputs,
             executor=model.executor or EmbeddingService.DEFAULT_EXECUTOR,
+            buffer_pool=model.buffer_pool,
+            buffer_pool_mb=model.buffer_pool_mb,
         )
         return ServedModel.of_embeddings(service)
     if model.kind == "generation":
@@ -97,6 +99,8 @@ def build_model(
         executor=model.executor or "auto",
         memory_probe=_memory_probe(model),
         replica_cpus=model.replica_cpus,
+        buffer_pool=model.buffer_pool,
+        buffer_pool_mb=model.buffer_pool_mb,
     )
     return ServedModel(
         name=model.name,
