@@ -123,7 +123,9 @@ class BufferPool:
         """An idle NumPy buffer of ``shape`` and ``dtype``, else a new one."""
         buffer = self._take(("numpy", np.dtype(dtype).str, shape))
         if buffer is None:
-            buffer = np.empty(shape, dtype=dtype)
+            buffer = _pinned_numpy(shape, dtype) if self.pin_memory else None
+            if buffer is None:
+                buffer = np.empty(shape, dtype=dtype)
         return buffer  # type: ignore[no-any-return]
 
     def acquire_torch(self, shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
@@ -193,6 +195,19 @@ def _key_of(buffer: Any) -> Hashable:
     if isinstance(buffer, np.ndarray):
         return ("numpy", buffer.dtype.str, buffer.shape)
     return ("torch", str(buffer.dtype), tuple(buffer.shape), str(buffer.device))
+
+
+def _pinned_numpy(shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
+    """A NumPy array over pinned torch memory (the runner's ``torch.from_numpy`` then copies
+    it to the device asynchronously), or None for a dtype torch has no tensor of."""
+    import torch
+
+    try:
+        like = torch.from_numpy(np.empty(0, dtype=dtype))
+    except TypeError:
+        return None
+    pinned: np.ndarray = torch.empty(shape, dtype=like.dtype, pin_memory=True).numpy()
+    return pinned
 
 
 _CUDA_LOGGED = False

@@ -334,6 +334,7 @@ def _fn_factory(
         return load_python(model.source)
     if model.kind == "torch":
         from carpool.models.torch import torch_factory
+        from carpool.models.torch_cuda import graph_sizes
 
         return torch_factory(
             model.source,
@@ -341,6 +342,10 @@ def _fn_factory(
             output_names=output_names,
             dtype=model.dtype,
             ragged_inputs=[t.name for t in inputs if t.ragged],
+            autocast=model.autocast,
+            cuda_graphs=graph_sizes(model.preferred_batch_sizes, model.max_batch_size)
+            if model.cuda_graphs
+            else None,
             output_dtypes=[
                 None if t.datatype in ("BYTES", "BF16") else DATATYPES[t.datatype] for t in outputs
             ],
