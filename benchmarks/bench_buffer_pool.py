@@ -184,9 +184,7 @@ async def interleaved(
                 f"  {name} pool {key:3}: {last['items_per_s']:9.0f} items/s, "
                 f"volatility {last['memory_volatility']:.4f}"
             )
-    med = {
-        key: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for key, rs in runs.items()
-    }
+    med = {key: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for key, rs in runs.items()}
     return {
         "runs": runs,
         "median": med,
@@ -240,9 +238,7 @@ def main() -> None:
         ("w1", NumpyCollator(), w1_batches, lambda b: w1_out),
         ("embeddings", PackedCollator(), embed_batches, lambda b: np.zeros((b.num_items, 384))),
     ):
-        pair = {
-            key: allocations(collator, batches, model, key == "on") for key in ("off", "on")
-        }
+        pair = {key: allocations(collator, batches, model, key == "on") for key in ("off", "on")}
         result["allocations"][name] = pair
         print(
             f"  {name:10}: {pair['off']['allocations_per_batch']:.2f} -> "
@@ -252,7 +248,9 @@ def main() -> None:
         )
 
     print(f"\n[2,3] saturation, pool off/on interleaved x{cfg.repeats}")
-    w1_payloads = [rng.standard_normal(W1_INPUT_DIM, dtype=np.float32) for _ in range(W1_SUBMITTERS)]
+    w1_payloads = [
+        rng.standard_normal(W1_INPUT_DIM, dtype=np.float32) for _ in range(W1_SUBMITTERS)
+    ]
     result["w1"] = asyncio.run(interleaved("w1", w1_batcher(W1Runner()), w1_payloads, cfg))
     if encoder is not None:
         # Texts cut to EMBED_TOKENS: a batch computes in well under a window on a busy VM.

@@ -1,8 +1,8 @@
 """Batch buffers reused batch after batch instead of allocated afresh (``buffer_pool: true``).
 
-A buffer is kept per *key*: what the collator writes (NumPy or torch, the dtype and trailing
-shape of the input signature, the device) and a *size bucket*, the rows rounded up to the next preferred batch
-size, else to the next power of two::
+A buffer is kept per *key*: what the collator writes (NumPy or torch, the dtype and
+trailing shape of the input signature, the device) and a *size bucket*, the rows rounded up
+to the next preferred batch size, else to the next power of two::
 
     batch of 5 rows, preferred sizes (4, 8)   ->  bucket 8: a [8, ...] buffer, the batch is
                                                   its first 5 rows (a contiguous view)

@@ -167,7 +167,9 @@ class PooledCollator:
         arrays = [a if type(a) is np.ndarray else np.asarray(a) for a in items]
         first = arrays[0]
         trailing = first.shape[1:]
-        if first.ndim == 0 or any(a.shape[1:] != trailing or a.dtype != first.dtype for a in arrays):
+        if first.ndim == 0 or any(
+            a.shape[1:] != trailing or a.dtype != first.dtype for a in arrays
+        ):
             return inner.collate(payloads, is_many)  # the wrapped collator's error or dtype
         n = len(arrays)
         lengths = self.pool.acquire_numpy((self.pool.bucket(n),), np.int64)
@@ -208,7 +210,9 @@ def unalias(outputs: Any, buffers: list[Any]) -> Any:
     if isinstance(outputs, tuple | list):
         return type(outputs)(unalias(v, buffers) for v in outputs)
     if isinstance(outputs, Packed):
-        return Packed(*(unalias(v, buffers) for v in (outputs.data, outputs.offsets, outputs.lengths)))
+        return Packed(
+            *(unalias(v, buffers) for v in (outputs.data, outputs.offsets, outputs.lengths))
+        )
     span = _span(outputs)
     if span is None:
         return outputs

@@ -99,7 +99,7 @@ class CudaCopies:
 
         self._torch = torch
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
     def to_device(self, tensor: Any) -> Any:
         torch = self._torch

@@ -88,7 +88,7 @@ class Param:
 def _level(kind: type, text: str) -> Number:
     if kind is bool:
         return int(_BOOLS[text.strip().lower()])  # a level 0 or 1: the report prints numbers
-    return kind(float(text)) if kind is int else kind(text)  # type: ignore[no-any-return]
+    return kind(float(text)) if kind is int else kind(text)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def _w1(**options: object) -> TorchRunner:
-    return TorchRunner(build_w1(), input_names=["x"], output_names=["y"], device="cuda:0", **options)
+    return TorchRunner(
+        build_w1(), input_names=["x"], output_names=["y"], device="cuda:0", **options
+    )
 
 
 def test_pool_buffers_are_pinned_on_a_cuda_device():
