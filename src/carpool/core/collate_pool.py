@@ -29,6 +29,7 @@ from carpool.core.collate import (
     PackedCollator,
     PaddedCollator,
     TorchCollator,
+    flatten,
 )
 from carpool.core.layout import Packed, Padded
 
@@ -116,52 +117,38 @@ class PooledCollator:
 
     def _stack_numpy(self, parts: list[Any], is_many: list[bool], lease: list[Any]) -> Any:
         arrays = [p if type(p) is np.ndarray else np.asarray(p) for p in parts]
-        first = arrays[0]
-        many = any(is_many)
-        if many:
-            arrays = [a if m else a[None] for a, m in zip(arrays, is_many, strict=True)]
-            rows = sum(a.shape[0] for a in arrays)
-            trailing = first.shape[1:] if is_many[0] else first.shape
-        else:
-            rows, trailing = len(arrays), first.shape
-        buffer = self.pool.acquire_numpy((self.pool.bucket(rows), *trailing), first.dtype)
-        lease.append(buffer)
-        out = buffer[:rows]
-        if many:
-            np.concatenate(arrays, out=out)
-        else:
-            np.stack(arrays, out=out)
-        return out
+        return self._stack(arrays, is_many, lease, None)
 
     def _stack_torch(self, parts: list[Any], is_many: list[bool], lease: list[Any]) -> Any:
         import torch
 
+        return self._stack(parts, is_many, lease, torch)
+
+    def _stack(self, parts: list[Any], is_many: list[bool], lease: list[Any], torch: Any) -> Any:
+        """Arrays (``torch`` None) or tensors stacked, or for ``many`` joined, into a buffer."""
         first = parts[0]
         many = any(is_many)
         if many:
-            parts = [p if m else p.unsqueeze(0) for p, m in zip(parts, is_many, strict=True)]
+            parts = [p if m else p[None] for p, m in zip(parts, is_many, strict=True)]
             rows = sum(int(p.shape[0]) for p in parts)
             trailing = tuple(first.shape[1:] if is_many[0] else first.shape)
         else:
             rows, trailing = len(parts), tuple(first.shape)
         shape = (self.pool.bucket(rows), *trailing)
-        buffer = self.pool.acquire_torch(shape, first.dtype, first.device)
+        if torch is None:
+            buffer: Any = self.pool.acquire_numpy(shape, first.dtype)
+            join, stack = np.concatenate, np.stack
+        else:
+            buffer = self.pool.acquire_torch(shape, first.dtype, first.device)
+            join, stack = torch.cat, torch.stack
         lease.append(buffer)
         out = buffer[:rows]
-        if many:
-            torch.cat(parts, out=out)
-        else:
-            torch.stack(parts, out=out)
+        (join if many else stack)(parts, out=out)
         return out
 
     def _packed(self, payloads: list[Any], is_many: list[bool], lease: list[Any]) -> Any:
         inner = self.inner
-        items: list[Any] = []
-        for payload, many in zip(payloads, is_many, strict=True):
-            if many:
-                items.extend(payload)
-            else:
-                items.append(payload)
+        items = flatten(payloads, is_many)
         if type(items[0]).__module__.startswith("torch"):
             return inner.collate(payloads, is_many)  # torch items: as without the pool
         arrays = [a if type(a) is np.ndarray else np.asarray(a) for a in items]
