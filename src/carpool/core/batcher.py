@@ -469,6 +469,8 @@ class Batcher(Lifecycle):
         if self._policy_check is not None:
             self._policy_check(policy)
         self._intake.check(policy)
+        if self._pool is not None:  # size buckets follow the preferred sizes
+            self._pool.preferred = policy.preferred_batch_sizes
         self._queues.reconfigure(policy)
         self._policy = policy
         self._policy_version += 1

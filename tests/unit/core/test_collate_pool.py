@@ -315,6 +315,13 @@ async def test_two_calls_in_flight_hold_two_buffers():
     assert sorted(int(b[0, 0]) for b in seen) == [0, 2]
 
 
+def test_a_new_policy_moves_the_size_buckets_to_its_preferred_sizes():
+    batcher = Batcher(lambda b: b, BatchPolicy(max_batch_size=8), buffer_pool=True)
+    assert batcher.buffer_pool is not None and batcher.buffer_pool.bucket(3) == 4
+    batcher.update_policy(preferred_batch_sizes=(3, 6))
+    assert batcher.buffer_pool.bucket(3) == 3 and batcher.buffer_pool.bucket(5) == 6
+
+
 def test_batched_takes_the_pool_options():
     @batched(buffer_pool=True, buffer_pool_mb=1)
     def model(batch: Any) -> Any:
