@@ -35,6 +35,7 @@ import yaml  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 
+from carpool.core.buffer_pool import DEFAULT_BUFFER_POOL_MB
 from carpool.core.policy import BatchPolicy, ClassPolicy
 from carpool.errors import ConfigError
 from carpool.models._source import is_import_ref
@@ -194,6 +195,12 @@ class ModelConfig(_Strict):
     executor: Literal["auto", "thread", "loop", "process"] | None = None
     # executor: process: the CPUs each replica's process is pinned to, as [[0], [1]].
     replica_cpus: list[list[int]] | None = None
+    # Collate into buffers reused batch after batch, at most buffer_pool_mb MiB of them idle.
+    buffer_pool: bool = False
+    buffer_pool_mb: float = Field(DEFAULT_BUFFER_POOL_MB, gt=0, allow_inf_nan=False)
+    # torch: CUDA graphs captured at the preferred batch sizes; float32 weights under autocast.
+    cuda_graphs: bool = False
+    autocast: bool = False
 
     @field_validator("version", mode="before")
     @classmethod
@@ -473,6 +480,11 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
             yield (f"{at}.executor", "process", "thread, loop or auto for this kind of model")
         if model.replica_cpus is not None and model.executor != "process":
             yield (f"{at}.replica_cpus", model.replica_cpus, "nothing unless executor: process")
+        if model.kind == "generation" and model.buffer_pool:
+            yield (f"{at}.buffer_pool", True, "false: a generation model keeps its own KV cache")
+        for key in ("cuda_graphs", "autocast"):
+            if getattr(model, key) and model.kind != "torch":
+                yield (f"{at}.{key}", True, "false: only torch models take it")
         if model.kind == "generation" and len(model.replica_devices()) > 1:
             yield (f"{at}.devices", model.replica_devices(), "one device: one engine per model")
         for key in GENERATION_FIELDS:

@@ -204,6 +204,10 @@ def test_config_datatypes_are_the_server_datatypes() -> None:
             "nothing unless executor: process",
         ),
         (_with_model_line("batch_timeout_s: 0"), "models[0].batch_timeout_s", "greater than 0"),
+        (_with_model_line('buffer_pool: "on"'), "models[0].buffer_pool", "valid boolean"),
+        (_with_model_line("buffer_pool_mb: 0"), "models[0].buffer_pool_mb", "greater than 0"),
+        (_with_model_line("cuda_graphs: true"), "models[0].cuda_graphs", "only torch models"),
+        (_with_model_line("autocast: true"), "models[0].autocast", "only torch models"),
         (_with_model_line("batch_timeout_s: .inf"), "models[0].batch_timeout_s", "finite"),
         ("models: []\n", "models", "at least 1 item"),
         ("", "(top level)", "the file is empty"),
@@ -281,6 +285,15 @@ def test_embeddings_entry_reads_a_folder_and_token_policy(config_dir: Path) -> N
     declared = text + "    inputs: [{name: T, datatype: BYTES, shape: []}]\n"
     with pytest.raises(ConfigError, match=r"models\[0\]\.inputs.*declares its own"):
         load_config(_write(config_dir, declared))
+
+
+def test_buffer_pool_is_read_and_off_when_absent(config_dir: Path) -> None:
+    config = load_config(_write(config_dir, _with_model_line("buffer_pool: true")))
+    assert config.models[0].buffer_pool is True
+    assert config.models[0].buffer_pool_mb == 256
+    assert config.models[1].buffer_pool is False
+    config = load_config(_write(config_dir, _with_model_line("buffer_pool_mb: 64")))
+    assert config.models[0].buffer_pool_mb == 64
 
 
 def test_executor_is_read_and_left_to_the_kind_when_absent(config_dir: Path) -> None:

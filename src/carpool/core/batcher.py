@@ -17,6 +17,7 @@ from typing import Any
 
 from carpool.core.admission import Intake, OomCap, deadline, inspect_payload, request_cost
 from carpool.core.batch_times import BatchTimes
+from carpool.core.buffer_pool import DEFAULT_BUFFER_POOL_MB, BufferPool, check_pool_options
 from carpool.core.clock import Clock, MonotonicClock
 from carpool.core.collate import Collator
 from carpool.core.dispatch import Dispatcher
@@ -75,6 +76,8 @@ class Batcher(Lifecycle):
             cannot serve (a token budget smaller than one item the model may take).
         replica_cpus: with ``executor="process"``, the CPUs each replica's process is
             pinned to (``[[0], [1]]``); its torch threads are set to match.
+        buffer_pool: collate into buffers reused batch after batch (see
+            :mod:`carpool.core.buffer_pool`); ``buffer_pool_mb`` bounds the idle ones.
 
     Raises:
         ConfigError: naming an argument of the wrong kind (a policy that is not a
@@ -101,6 +104,8 @@ class Batcher(Lifecycle):
         executor: str = "auto",
         policy_check: Callable[[BatchPolicy], None] | None = None,
         replica_cpus: list[list[int]] | None = None,
+        buffer_pool: bool = False,
+        buffer_pool_mb: float = DEFAULT_BUFFER_POOL_MB,
     ) -> None:
         if (fn is None) == (fn_factory is None):
             raise ConfigError("fn", fn, "exactly one of fn or fn_factory")
@@ -130,7 +135,17 @@ class Batcher(Lifecycle):
         self._policy_version = 0
         if policy_check is not None:
             policy_check(self._policy)
-        self._intake = Intake(collate)
+        check_pool_options(buffer_pool, buffer_pool_mb)
+        self._pool = (
+            BufferPool(
+                int(buffer_pool_mb * 2**20),
+                self._policy.preferred_batch_sizes,
+                pin_memory=any(d.startswith("cuda") for d in self._devices),
+            )
+            if buffer_pool
+            else None
+        )
+        self._intake = Intake(collate, self._pool)
         clock = clock if clock is not None else MonotonicClock()
         check_threading(switch_interval_s, executor)
         telemetry_cls = Telemetry if telemetry else NullTelemetry
@@ -199,6 +214,11 @@ class Batcher(Lifecycle):
         """Running, with a replica that can take a batch: False while every replica is
         being replaced after a batch ran past ``batch_timeout_s``."""
         return self._state is State.RUNNING and self._dispatch.is_healthy
+
+    @property
+    def buffer_pool(self) -> BufferPool | None:
+        """The pool batches are collated into (``buffer_pool=True``), else None."""
+        return self._pool
 
     @property
     def num_replicas(self) -> int:
@@ -454,6 +474,8 @@ class Batcher(Lifecycle):
         if self._policy_check is not None:
             self._policy_check(policy)
         self._intake.check(policy)
+        if self._pool is not None:  # size buckets follow the preferred sizes
+            self._pool.preferred = policy.preferred_batch_sizes
         self._queues.reconfigure(policy)
         self._policy = policy
         self._policy_version += 1

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, overload
 
 from carpool.core.batcher import Batcher
+from carpool.core.buffer_pool import DEFAULT_BUFFER_POOL_MB
 from carpool.core.clock import Clock
 from carpool.core.collate import Collator
 from carpool.core.policy import DEFAULT_CLASS, DEFAULT_CLASSES, BatchPolicy, ClassPolicy, CostFn
@@ -146,6 +147,8 @@ def batched(
     switch_interval_s: float | None = ...,
     executor: str = ...,
     replica_cpus: list[list[int]] | None = ...,
+    buffer_pool: bool = ...,
+    buffer_pool_mb: float = ...,
 ) -> Callable[[BatchTarget], BatchedFunction]: ...
 
 
@@ -178,6 +181,8 @@ def batched(
     switch_interval_s: float | None = 0.0005,
     executor: str = "auto",
     replica_cpus: list[list[int]] | None = None,
+    buffer_pool: bool = False,
+    buffer_pool_mb: float = DEFAULT_BUFFER_POOL_MB,
 ) -> BatchedFunction | Callable[[BatchTarget], BatchedFunction]:
     """Decorate a batched function: ``await f(x)`` then runs ``x`` inside some batch.
 
@@ -217,6 +222,8 @@ def batched(
             switch_interval_s=switch_interval_s,
             executor=executor,
             replica_cpus=replica_cpus,
+            buffer_pool=buffer_pool,
+            buffer_pool_mb=buffer_pool_mb,
         )
 
     def wrap(target: BatchTarget) -> BatchedFunction:

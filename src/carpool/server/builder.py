@@ -74,6 +74,8 @@ def build_model(
             quantization=model.quantization,
             max_inputs=model.max_inputs,
             executor=model.executor or EmbeddingService.DEFAULT_EXECUTOR,
+            buffer_pool=model.buffer_pool,
+            buffer_pool_mb=model.buffer_pool_mb,
         )
         return ServedModel.of_embeddings(service)
     if model.kind == "generation":
@@ -97,6 +99,8 @@ def build_model(
         executor=model.executor or "auto",
         memory_probe=_memory_probe(model),
         replica_cpus=model.replica_cpus,
+        buffer_pool=model.buffer_pool,
+        buffer_pool_mb=model.buffer_pool_mb,
     )
     return ServedModel(
         name=model.name,
@@ -330,6 +334,7 @@ def _fn_factory(
         return load_python(model.source)
     if model.kind == "torch":
         from carpool.models.torch import torch_factory
+        from carpool.models.torch_cuda import graph_sizes
 
         return torch_factory(
             model.source,
@@ -337,6 +342,10 @@ def _fn_factory(
             output_names=output_names,
             dtype=model.dtype,
             ragged_inputs=[t.name for t in inputs if t.ragged],
+            autocast=model.autocast,
+            cuda_graphs=graph_sizes(model.preferred_batch_sizes, model.max_batch_size)
+            if model.cuda_graphs
+            else None,
             output_dtypes=[
                 None if t.datatype in ("BYTES", "BF16") else DATATYPES[t.datatype] for t in outputs
             ],

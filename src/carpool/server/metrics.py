@@ -31,6 +31,7 @@ from carpool.core.policy import BatchPolicy
 from carpool.core.telemetry import REJECTION_REASONS, LatencyStats, TelemetrySnapshot
 from carpool.generation.telemetry import GenerationSnapshot
 from carpool.server.limits import InflightBytes
+from carpool.server.pool_metrics import pool_metrics
 from carpool.server.repository import ModelRepository
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
@@ -100,6 +101,13 @@ class TelemetryCollector(Collector):
         yield from _class_metrics(snapshots)
         yield from _batch_metrics(snapshots)
         yield from _replica_metrics(snapshots)
+        yield from pool_metrics(
+            [
+                (m.name, pool.stats())
+                for m in self._repository
+                if (b := m.batcher) is not None and (pool := b.buffer_pool) is not None
+            ]
+        )
         services = self._repository.generation_services()
         yield from _generation_metrics(
             [(name, g.engine.snapshot(quantiles=False)) for name, g in services.items()]

@@ -395,6 +395,8 @@ def recommended_config(entry: dict[str, Any], values: dict[str, Any]) -> dict[st
         ConfigError: when the result would not load (a bug in the entry given).
     """
     model = {**entry, **values}
+    if "buffer_pool" in values:  # searched as a level 0 or 1; the config takes a bool
+        model["buffer_pool"] = bool(values["buffer_pool"])
     if "devices" in model and "num_replicas" in values:
         del model["devices"]  # the tuned count wins; device then names every replica's
     document = {"models": [model]}

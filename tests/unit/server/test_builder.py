@@ -41,6 +41,39 @@ def test_builds_a_served_model_per_config_entry() -> None:
     assert model.batcher.num_replicas == 2
 
 
+def test_buffer_pool_keys_reach_the_batcher() -> None:
+    repository = build_repository(_config(buffer_pool=True, buffer_pool_mb=2))
+    pool = repository.get("m").batcher.buffer_pool
+    assert pool is not None and pool.budget_bytes == 2 * 2**20
+    assert build_repository(_config()).get("m").batcher.buffer_pool is None
+
+
+def test_torch_gpu_keys_reach_the_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    torch_model = {
+        "kind": "torch",
+        "source": "carpool.models.mlp:build_w1",
+        "inputs": [{"name": "X", "datatype": "FP32", "shape": [256]}],
+        "outputs": [{"name": "Y", "datatype": "FP32", "shape": [16]}],
+        "cuda_graphs": True,
+        "autocast": True,
+        "preferred_batch_sizes": [4, 8],
+        "max_batch_size": 8,
+    }
+    captured: dict[str, Any] = {}
+    import carpool.models.torch as torch_models
+
+    original = torch_models.torch_factory
+
+    def spy(source: str, **options: Any) -> Any:
+        captured.update(options)
+        return original(source, **options)
+
+    monkeypatch.setattr(torch_models, "torch_factory", spy)
+    build_runner(_config(**torch_model).models[0])
+    assert captured["autocast"] is True and captured["cuda_graphs"] == (4, 8)
+
+
 def test_source_that_does_not_import_names_the_model_key() -> None:
     with pytest.raises(ConfigError) as caught:
         build_repository(_config(source="carpool_no_such_module:f"), file="serve.yaml")
