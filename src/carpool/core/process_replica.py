@@ -97,14 +97,17 @@ class FunctionRef:
         return fn
 
 
-def process_source(fn: BatchFn | None, fn_factory: FnFactory | str | None) -> ModelSource:
-    """What a child process builds the model from; it must reach the child by pickle.
+def process_source(
+    fn: BatchFn | None, fn_factory: FnFactory | str | None, executor: str = "process"
+) -> ModelSource:
+    """What a child process (or a Ray actor) builds the model from; it must reach the
+    child by pickle.
 
     Raises:
         ConfigError: ``fn`` async or not picklable, ``fn_factory`` not picklable.
     """
     if fn is not None and is_async_callable(fn):
-        raise ConfigError("fn", fn, "a sync function for executor='process'")
+        raise ConfigError("fn", fn, f"a sync function for executor={executor!r}")
     field, value = ("fn", fn) if fn is not None else ("fn_factory", fn_factory)
     if isinstance(value, str):
         if value.count(":") != 1 or not all(value.split(":")):
@@ -120,7 +123,7 @@ def process_source(fn: BatchFn | None, fn_factory: FnFactory | str | None) -> Mo
         raise ConfigError(
             field,
             value,
-            "for executor='process', a picklable function (defined at a module's top "
+            f"for executor={executor!r}, a picklable function (defined at a module's top "
             "level, not a lambda or a closure), or fn_factory as a picklable callable or "
             f"a 'module:attr' string naming one ({type(exc).__name__}: {exc})",
         ) from None
@@ -153,7 +156,8 @@ def check_replica_cpus(replica_cpus: object, num_replicas: int) -> list[list[int
 # -- the child ------------------------------------------------------------------------
 
 
-def _build(source: ModelSource, device: str) -> BatchFn:
+def build_from_source(source: ModelSource, device: str) -> BatchFn:
+    """The model ``source`` gives on ``device`` (in a replica's process or Ray actor)."""
     fn, factory = source
     if fn is not None:
         return fn
@@ -192,7 +196,7 @@ def child_main(conn: Connection, source: ModelSource, device: str, cpus: list[in
         os.sched_setaffinity(0, cpus)
     _match_torch_threads(cpus)
     try:
-        fn = _build(source, device)
+        fn = build_from_source(source, device)
     except Exception as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
