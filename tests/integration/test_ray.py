@@ -20,7 +20,13 @@ httpclient = pytest.importorskip("tritonclient.http")
 
 from carpool import BatchTimeout, batched  # noqa: E402
 
-from .conftest import WAIT_LIMIT_S, ServedProcess, start_served_process, wait_until  # noqa: E402
+from .conftest import (  # noqa: E402
+    WAIT_LIMIT_S,
+    ServedProcess,
+    process_alive,
+    start_served_process,
+    wait_until,
+)
 from .raymodels import HANG_MARK, HANG_S, SLOW_MARK  # noqa: E402
 
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
@@ -98,15 +104,6 @@ def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie that nobody reaped yet has ended)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 @pytest.fixture
 def client(served: ServedProcess) -> Iterator[Any]:
     """A tritonclient.http client sending up to 8 requests at once (``async_infer``)."""
@@ -148,6 +145,13 @@ def _restarts(served: ServedProcess) -> float:
     return float(next(row for row in metrics.splitlines() if row.startswith(line)).split()[-1])
 
 
+def _forget_running(running_dir: Path) -> None:
+    """Before a test sends its slow or hung batch: what batches announced before is gone
+    (a slow batch retried on another replica announces itself there too)."""
+    for path in running_dir.iterdir():
+        path.unlink()
+
+
 def _running_pid(running_dir: Path) -> int:
     """The process of the slow or hung batch (once it announced itself)."""
     found: list[int] = []
@@ -157,8 +161,6 @@ def _running_pid(running_dir: Path) -> int:
         return bool(found)
 
     wait_until(announced, "a replica running the slow batch")
-    for path in running_dir.iterdir():
-        path.unlink()
     return found[0]
 
 
@@ -185,6 +187,7 @@ def test_an_actor_killed_mid_batch_loses_no_request(
     served: ServedProcess, running_dir: Path, client: Any
 ) -> None:
     before = _restarts(served)
+    _forget_running(running_dir)
     slow = _send(client, "on_ray", [SLOW_MARK])
     pid = _running_pid(running_dir)
     others = [_send(client, "on_ray", [float(i)]) for i in range(1, 25)]
@@ -198,7 +201,7 @@ def test_an_actor_killed_mid_batch_loses_no_request(
             np.testing.assert_array_equal(answer["OUTPUT0"], [[value * 2]])
     assert not isinstance(answers[-1], Exception)
     wait_until(lambda: _restarts(served) >= before + 1, "the killed actor counted as restarted")
-    wait_until(lambda: not _alive(pid), "the killed actor's process gone")
+    wait_until(lambda: not process_alive(pid), "the killed actor's process gone")
     np.testing.assert_array_equal(_infer(client, "on_ray", [3.0])["OUTPUT0"], [[6.0]])
     assert "runs again on replica" in served.output() or isinstance(answers[0], Exception)
 
@@ -207,11 +210,12 @@ def test_a_hung_actor_is_killed_and_replaced(
     served: ServedProcess, running_dir: Path, client: Any
 ) -> None:
     before = _restarts(served)
+    _forget_running(running_dir)
     with pytest.raises(Exception, match="batch_timeout_s") as raised:
         _infer(client, "on_ray", [HANG_MARK])
     assert "4" in str(raised.value)
     pid = _running_pid(running_dir)
-    wait_until(lambda: not _alive(pid), "the hung actor's process killed")
+    wait_until(lambda: not process_alive(pid), "the hung actor's process killed")
     wait_until(lambda: _restarts(served) >= before + 1, "the hung actor counted as restarted")
     results = [_infer(client, "on_ray", [v]) for v in [1.0, 2.0, 3.0, 4.0]]
     assert [float(r["OUTPUT0"][0, 0]) for r in results] == [2.0, 4.0, 6.0, 8.0]

@@ -25,20 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from carpool.core.process_replica import (
-    RESTART_WAIT_MAX_S,
-    RESTART_WAIT_S,
-    ChildState,
-    ModelSource,
-    build_from_source,
-    process_source,
-)
+from carpool.core.process_replica import ModelSource, build_from_source, process_source
 from carpool.core.ray_cluster import (
     DEFAULT_MAX_RESTARTS,
     RayOptions,
@@ -47,10 +39,15 @@ from carpool.core.ray_cluster import (
     ensure_connected,
     import_ray,
 )
+from carpool.core.remote_replica import (
+    RESTART_WAIT_MAX_S,
+    RESTART_WAIT_S,
+    ChildState,
+    RemoteReplica,
+)
 from carpool.core.replicas import BatchFn, FnFactory, ModelCall, RunOutput
-from carpool.core.telemetry import ReplicaCounters
-from carpool.core.watchdog import Watchdog, awaited_within
-from carpool.errors import ActorDied, ConfigError, Hung
+from carpool.core.watchdog import Watchdog
+from carpool.errors import ActorDied, ConfigError
 
 log = logging.getLogger("carpool.replicas")
 
@@ -79,14 +76,9 @@ class ReplicaActor:
         return self._fn(batch)
 
 
-class RayReplica:
+class RayReplica(RemoteReplica):
     """One copy of the model in a Ray actor (see the module docstring). ``group`` lists
     the model's Ray replicas: a call whose actor died runs again on another."""
-
-    pipeline_depth = 1
-    is_threaded = False
-    blocks_loop = False
-    num_stuck_threads = 0
 
     def __init__(
         self,
@@ -99,30 +91,13 @@ class RayReplica:
         options: RayOptions,
         group: list[RayReplica],
     ) -> None:
-        self.replica_id = replica_id
-        self.device = device
-        self.counters = ReplicaCounters(replica_id, device)
-        self.idle_since_s: float | None = None
-        self.last_landed_s = -math.inf
+        super().__init__(replica_id, device, name, now, watchdog, group)
         self.node_id: str | None = None  # where its actor runs, once it does
         self.pid: int | None = None
-        self._name = name
         self._source = source
-        self._now = now
-        self._watchdog = watchdog
         self._options = options
-        self._group = group
-        self._state = ChildState.STARTING
         self._actor: Any = None
         self._reason = "it was not started"  # why it is not READY, for ActorDied
-        self._lock = asyncio.Lock()  # one call at a time on the actor
-        self._restarter: asyncio.Task[None] | None = None
-        self._restart_wait_s = RESTART_WAIT_S
-
-    @property
-    def is_healthy(self) -> bool:
-        """Whether its actor is up, with its model built."""
-        return self._state is ChildState.READY
 
     @property
     def actor(self) -> Any:
@@ -243,38 +218,6 @@ class RayReplica:
                 self.node_id,
             )
 
-    async def renewed(self) -> None:
-        """Wait while the actor is being started again."""
-        restarter = self._restarter
-        while restarter is not None and not restarter.done():
-            await asyncio.shield(restarter)
-            restarter = self._restarter
-
-    def renew(self) -> None:
-        """Nothing to do: a dead actor is started again by the replica itself."""
-
-    def start(self, call: ModelCall) -> Awaitable[RunOutput]:
-        """Run ``call`` in the actor (see the module docstring); the awaitable gives one
-        result per request, or raises as a thread replica's would, or ActorDied."""
-        return self._run(call, may_retry=True)
-
-    async def _run(self, call: ModelCall, may_retry: bool) -> RunOutput:
-        try:
-            return await self._run_here(call)
-        except ActorDied:
-            if not may_retry:
-                raise
-            other = next((r for r in self._group if r is not self and r.is_healthy), None)
-            if other is None:
-                raise
-            log.warning(
-                "model %r: the batch of replica %d runs again on replica %d",
-                self._name,
-                self.replica_id,
-                other.replica_id,
-            )
-            return await other._run(call, may_retry=False)
-
     async def _run_here(self, call: ModelCall) -> RunOutput:
         ray = import_ray()
         async with self._lock:
@@ -285,17 +228,8 @@ class RayReplica:
             started = now()
             call.check_turn(started)
             ref = self._actor.run.remote(call.collate())
-            timeout_s = self._watchdog.timeout_s if self._watchdog is not None else None
             try:
-                if timeout_s is None:
-                    outputs = await ref
-                else:
-                    assert self._watchdog is not None
-                    clock = self._watchdog.clock
-                    outputs = await awaited_within(ref, clock, started, timeout_s, self.replica_id)
-            except Hung:
-                self._hung(started, timeout_s)
-                raise
+                outputs = await self._within_timeout(ref, started)
             except ray.exceptions.RayActorError as exc:
                 reason = _first_line(exc)
                 self._died(reason)
@@ -306,7 +240,7 @@ class RayReplica:
             self._restart_wait_s = RESTART_WAIT_S
             return call.output(outputs, started, now())
 
-    def _hung(self, started_s: float, timeout_s: float | None) -> None:
+    def _hung(self, started_s: float, timeout_s: float) -> None:
         """Kill the actor now: the next batch must not reach it. Ray restarts it (if
         ``max_restarts`` allows; else carpool creates another)."""
         log.error(

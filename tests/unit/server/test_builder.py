@@ -222,3 +222,25 @@ def test_declared_shape_mismatch_is_a_clear_400() -> None:
     status, body, _ = error_response(caught.value)
     assert status == 400
     assert b"'X'" in body and b"[2, 5]" in body and b"[-1, -1, 4]" in body, body
+
+
+def test_a_ray_section_connects_when_a_model_runs_on_ray(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("ray")
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr("carpool.server.builder.connect", lambda *args: calls.append(args))
+    model = {
+        "name": "m",
+        "kind": "python",
+        "source": "numpy:copy",
+        "inputs": [{"name": "X", "datatype": "FP32", "shape": [-1]}],
+        "outputs": [{"name": "Y", "datatype": "FP32", "shape": [-1]}],
+    }
+    ray_section = {"address": "auto", "namespace": "serving"}
+    on_ray = {**model, "executor": "ray", "num_replicas": 2, "ray_resources": {"num_cpus": 0.5}}
+    repository = build_repository(parse_config({"models": [on_ray], "ray": ray_section}))
+    assert calls == [("auto", "serving", None)]
+    assert repository.get("m").batcher.num_replicas == 2
+    build_repository(parse_config({"models": [model], "ray": ray_section}))
+    assert len(calls) == 1  # no model on Ray: nothing to connect to
