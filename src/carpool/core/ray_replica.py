@@ -66,14 +66,16 @@ class ReplicaActor:
             if folder not in sys.path and os.path.isdir(folder):
                 sys.path.append(folder)
         self._fn: BatchFn = build_from_source(source, device)
+        self._where = (str(import_ray().get_runtime_context().get_node_id()), os.getpid())
 
     def where(self) -> tuple[str, int]:
         """The node id and process id this actor runs in."""
-        ray = import_ray()
-        return str(ray.get_runtime_context().get_node_id()), os.getpid()
+        return self._where
 
-    def run(self, batch: Any) -> Any:
-        return self._fn(batch)
+    def run(self, batch: Any) -> tuple[tuple[str, int], Any]:
+        """Where it runs (a restart Ray made while the replica had no batch shows in it)
+        and the model's outputs."""
+        return self._where, self._fn(batch)
 
 
 class RayReplica(RemoteReplica):
@@ -229,7 +231,7 @@ class RayReplica(RemoteReplica):
             call.check_turn(started)
             ref = self._actor.run.remote(call.collate())
             try:
-                outputs = await self._within_timeout(ref, started)
+                where, outputs = await self._within_timeout(ref, started)
             except ray.exceptions.RayActorError as exc:
                 reason = _first_line(exc)
                 self._died(reason)
@@ -237,8 +239,23 @@ class RayReplica(RemoteReplica):
             except ray.exceptions.RayTaskError as exc:
                 cause = exc.cause
                 raise cause if isinstance(cause, Exception) else RuntimeError(str(exc)) from None
+            if where != (self.node_id, self.pid):  # Ray restarted it while it had no batch
+                self._restarted_unseen(*where)
             self._restart_wait_s = RESTART_WAIT_S
             return call.output(outputs, started, now())
+
+    def _restarted_unseen(self, node_id: str, pid: int) -> None:
+        log.warning(
+            "model %r, replica %d: its Ray actor (pid %s) was restarted by Ray while it ran "
+            "no batch; it runs as pid %s on node %s now",
+            self._name,
+            self.replica_id,
+            self.pid,
+            pid,
+            node_id,
+        )
+        self.node_id, self.pid = node_id, pid
+        self.counters.num_restarts += 1
 
     def _hung(self, started_s: float, timeout_s: float) -> None:
         """Kill the actor now: the next batch must not reach it. Ray restarts it (if
