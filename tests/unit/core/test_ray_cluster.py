@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import types
 from typing import Any
 
 import numpy as np
@@ -14,8 +15,11 @@ from carpool.core.ray_cluster import (
     RayOptions,
     check_max_restarts,
     check_ray_resources,
+    connect,
+    ensure_connected,
     import_ray,
 )
+from carpool.core.replicas import usable_cpus
 
 
 def double(batch: Any) -> Any:
@@ -102,3 +106,50 @@ def test_batcher_checks_ray_options(kwargs: dict[str, Any], field: str, expected
 def test_a_lambda_cannot_reach_an_actor_and_the_error_names_executor_ray() -> None:
     with pytest.raises(ConfigError, match="for executor='ray', a picklable function"):
         Batcher(lambda batch: batch, executor="ray")
+
+
+class FakeRay(types.ModuleType):
+    """Stands for the ``ray`` module: records ``init``, raises what it is told to."""
+
+    def __init__(self, raises: Exception | None = None) -> None:
+        super().__init__("ray")
+        self.inits: list[dict[str, Any]] = []
+        self.raises = raises
+
+    def is_initialized(self) -> bool:
+        return bool(self.inits)
+
+    def init(self, **kwargs: Any) -> None:
+        if self.raises is not None:
+            raise self.raises
+        self.inits.append(kwargs)
+
+
+def test_without_an_address_a_local_ray_starts_sized_to_this_machine(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ensure_connected()
+    ensure_connected()  # connected already: nothing more
+    assert fake.inits == [{"num_cpus": usable_cpus(), "include_dashboard": False}]
+    assert "starting a local one" in caplog.text
+
+
+def test_ray_address_in_the_environment_is_connected_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    ensure_connected()
+    assert fake.inits == [{"address": "10.0.0.1:6379", "namespace": None}]
+
+
+def test_an_address_with_no_cluster_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeRay(ConnectionError("Could not find any running Ray instance"))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    with pytest.raises(ConfigError) as caught:
+        connect("10.0.0.1:6379", runtime_env={"pip": ["x"]})
+    assert (caught.value.field, caught.value.value) == ("ray.address", "10.0.0.1:6379")
+    assert "the address of a running Ray cluster" in str(caught.value)
+    assert "Could not find any running Ray instance" in str(caught.value)
