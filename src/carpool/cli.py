@@ -171,6 +171,15 @@ def serve(
             min=1,
         ),
     ] = 1,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            help="Run the executor: ray models on the Ray cluster at this address (what "
+            "'ray start --head' prints; 'auto': the one on this machine), over the config's "
+            "ray.address; neither: RAY_ADDRESS, else a local Ray started for them.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
@@ -201,7 +210,7 @@ def serve(
 
             ports = reserve_ports(host, port, grpc_port)
         with exit_on_signal_while_building():
-            repository = _repository(config)
+            repository = _repository(config, ray_address)
         run: Callable[..., None] = run_server
         if ports is not None:
             run = functools.partial(serve_workers, ports=ports, num_workers=workers)
@@ -301,7 +310,7 @@ def trace(ctx: typer.Context) -> None:
     trace_main(list(ctx.args))
 
 
-def _repository(config_path: str | None) -> ModelRepository:
+def _repository(config_path: str | None, ray_address: str | None = None) -> ModelRepository:
     """The models of ``config_path``, or the built-in ones; a bad config exits with status 2."""
     from carpool.server.repository import ModelRepository
 
@@ -309,13 +318,19 @@ def _repository(config_path: str | None) -> ModelRepository:
         from carpool.server.defaults import default_models
 
         return ModelRepository(default_models())
-    from carpool.config import load_config
+    from carpool.config import RayConfig, load_config
     from carpool.errors import ConfigError
     from carpool.server.builder import build_repository
 
     _import_from(Path(config_path).resolve().parent, Path.cwd())
     try:
-        return build_repository(load_config(config_path), file=config_path)
+        loaded = load_config(config_path)
+        if ray_address is not None:
+            ray = loaded.ray or RayConfig(address=None, namespace=None, runtime_env=None)
+            loaded = loaded.model_copy(
+                update={"ray": ray.model_copy(update={"address": ray_address})}
+            )
+        return build_repository(loaded, file=config_path)
     except ConfigError as error:
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(2) from None

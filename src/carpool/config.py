@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -192,7 +193,7 @@ class ModelConfig(_Strict):
     # embeddings: int8 Linear layers (per-channel weights, per-token activations; CPU, float32)
     quantization: Literal["int8"] | None = None
     # Where a sync model runs (Batcher's executor); None: the kind's default.
-    executor: Literal["auto", "thread", "loop", "process"] | None = None
+    executor: Literal["auto", "thread", "loop", "process", "ray"] | None = None
     # executor: process: the CPUs each replica's process is pinned to, as [[0], [1]].
     replica_cpus: list[list[int]] | None = None
     # Collate into buffers reused batch after batch, at most buffer_pool_mb MiB of them idle.
@@ -201,6 +202,10 @@ class ModelConfig(_Strict):
     # torch: CUDA graphs captured at the preferred batch sizes; float32 weights under autocast.
     cuda_graphs: bool = False
     autocast: bool = False
+    # executor: ray: the Ray resources each replica's actor takes, as {num_cpus: 1}, and
+    # how often Ray restarts a dead actor before carpool creates another (-1: no limit).
+    ray_resources: dict[str, float] | None = None
+    max_restarts: int | None = Field(None, ge=-1)
 
     @field_validator("version", mode="before")
     @classmethod
@@ -247,10 +252,19 @@ class ModelConfig(_Strict):
         return [self.device or "cpu"] * (self.num_replicas or 1)
 
 
+class RayConfig(_Strict):
+    """The Ray cluster the ``executor: ray`` models run on (``ray.init``'s arguments)."""
+
+    address: str | None = Field(None, min_length=1)  # "auto": the one on this machine
+    namespace: str | None = Field(None, min_length=1)
+    runtime_env: dict[str, Any] | None = None
+
+
 class ServeConfig(_Strict):
     """What ``carpool serve CONFIG.yaml`` serves."""
 
     models: list[ModelConfig] = Field(min_length=1)
+    ray: RayConfig | None = None
 
 
 _NESTED: dict[tuple[type[BaseModel], str], type[BaseModel]] = {
@@ -258,6 +272,7 @@ _NESTED: dict[tuple[type[BaseModel], str], type[BaseModel]] = {
     (ModelConfig, "inputs"): TensorConfig,
     (ModelConfig, "outputs"): TensorConfig,
     (ModelConfig, "classes"): ClassConfig,
+    (ServeConfig, "ray"): RayConfig,
 }
 
 
@@ -476,8 +491,14 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
                 model.quantization,
                 "no quantization: only embeddings models take one",
             )
-        if model.executor == "process" and model.kind not in ("python", "torch", "onnx"):
-            yield (f"{at}.executor", "process", "thread, loop or auto for this kind of model")
+        if model.executor in ("process", "ray") and model.kind not in ("python", "torch", "onnx"):
+            yield (f"{at}.executor", model.executor, "thread, loop or auto for this kind of model")
+        for key in ("ray_resources", "max_restarts"):
+            if getattr(model, key) is not None and model.executor != "ray":
+                yield (f"{at}.{key}", getattr(model, key), "nothing unless executor: ray")
+        for name, amount in (model.ray_resources or {}).items():
+            if not name or not math.isfinite(amount) or amount < 0:
+                yield (f"{at}.ray_resources.{name}", amount, "a resource name and a number >= 0")
         if model.replica_cpus is not None and model.executor != "process":
             yield (f"{at}.replica_cpus", model.replica_cpus, "nothing unless executor: process")
         if model.kind == "generation" and model.buffer_pool:

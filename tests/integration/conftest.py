@@ -172,6 +172,15 @@ StartServer = Callable[..., ServedProcess]
 WAIT_LIMIT_S = 30.0  # a net against a hung test, never a timing assertion
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie that nobody reaped yet has ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def wait_until(condition: Callable[[], object], what: str) -> None:
     """Poll ``condition`` (another process's state) until it holds; fail naming ``what``
     after WAIT_LIMIT_S."""

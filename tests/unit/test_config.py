@@ -203,6 +203,27 @@ def test_config_datatypes_are_the_server_datatypes() -> None:
             "models[0].replica_cpus",
             "nothing unless executor: process",
         ),
+        (
+            _with_model_line("ray_resources: {num_cpus: 1}"),
+            "models[0].ray_resources",
+            "nothing unless executor: ray",
+        ),
+        (
+            _with_model_line("executor: ray\n    ray_resources: {num_gpus: -1}"),
+            "models[0].ray_resources.num_gpus",
+            "a number >= 0",
+        ),
+        (
+            _with_model_line("executor: ray\n    ray_resources: {num_cpus: one}"),
+            "models[0].ray_resources",
+            "a valid number",
+        ),
+        (
+            _with_model_line("executor: ray\n    max_restarts: -2"),
+            "models[0].max_restarts",
+            "greater than or equal to -1",
+        ),
+        (VALID + "ray: {adress: auto}\n", "ray.adress", "did you mean 'address'?"),
         (_with_model_line("batch_timeout_s: 0"), "models[0].batch_timeout_s", "greater than 0"),
         (_with_model_line('buffer_pool: "on"'), "models[0].buffer_pool", "valid boolean"),
         (_with_model_line("buffer_pool_mb: 0"), "models[0].buffer_pool_mb", "greater than 0"),
@@ -304,3 +325,31 @@ def test_executor_is_read_and_left_to_the_kind_when_absent(config_dir: Path) -> 
     config = load_config(_write(config_dir, text))
     assert config.models[0].executor == "process"
     assert config.models[0].replica_cpus == [[0], [1]]
+
+
+def test_executor_ray_is_only_for_batched_kinds(tmp_path: Path) -> None:
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text("{}")
+    text = "models:\n  - {name: e, kind: embeddings, source: folder, executor: ray}\n"
+    error = _error(_write(tmp_path, text))
+    assert (error.field, error.value) == ("models[0].executor", "ray")
+    assert "thread, loop or auto for this kind of model" in str(error)
+
+
+def test_ray_options_and_the_ray_section_are_read(config_dir: Path) -> None:
+    text = _with_model_line(
+        "executor: ray\n    ray_resources: {num_cpus: 1, num_gpus: 0.5, accel: 2}\n"
+        "    max_restarts: 5"
+    )
+    text += "ray: {address: auto, namespace: serving}\n"
+    config = load_config(_write(config_dir, text))
+    model = config.models[0]
+    assert (model.executor, model.max_restarts) == ("ray", 5)
+    assert model.ray_resources == {"num_cpus": 1.0, "num_gpus": 0.5, "accel": 2.0}
+    assert config.ray is not None
+    assert (config.ray.address, config.ray.namespace, config.ray.runtime_env) == (
+        "auto",
+        "serving",
+        None,
+    )
+    assert load_config(_write(config_dir, VALID)).ray is None

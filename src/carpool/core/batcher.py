@@ -25,6 +25,7 @@ from carpool.core.lifecycle import Lifecycle, State
 from carpool.core.policy import BatchPolicy
 from carpool.core.process_replica import check_replica_cpus, process_source
 from carpool.core.queues import Queues
+from carpool.core.ray_replica import ray_replica_maker
 from carpool.core.replicas import BatchFn, FnFactory, check_threading, replica_devices
 from carpool.core.request import Outcome, Request, RequestState
 from carpool.core.scheduler import Decision, Scheduler
@@ -78,6 +79,12 @@ class Batcher(Lifecycle):
             pinned to (``[[0], [1]]``); its torch threads are set to match.
         buffer_pool: collate into buffers reused batch after batch (see
             :mod:`carpool.core.buffer_pool`); ``buffer_pool_mb`` bounds the idle ones.
+        ray_resources: with ``executor="ray"`` (each replica a Ray actor, ``fn`` or
+            ``fn_factory`` as for ``"process"``: see :mod:`carpool.core.ray_replica`),
+            the Ray resources each actor takes, as ``{"num_cpus": 1, "num_gpus": 1}``
+            (default ``{"num_cpus": 1}``).
+        max_restarts: with ``executor="ray"``, how often Ray restarts a dead actor
+            before carpool creates another (default 3; -1: no limit).
 
     Raises:
         ConfigError: naming an argument of the wrong kind (a policy that is not a
@@ -106,11 +113,15 @@ class Batcher(Lifecycle):
         replica_cpus: list[list[int]] | None = None,
         buffer_pool: bool = False,
         buffer_pool_mb: float = DEFAULT_BUFFER_POOL_MB,
+        ray_resources: dict[str, float] | None = None,
+        max_restarts: int | None = None,
     ) -> None:
         if (fn is None) == (fn_factory is None):
             raise ConfigError("fn", fn, "exactly one of fn or fn_factory")
-        if isinstance(fn_factory, str) and executor != "process":
-            raise ConfigError("fn_factory", fn_factory, "a callable ('module:attr' needs process)")
+        if isinstance(fn_factory, str) and executor not in ("process", "ray"):
+            raise ConfigError(
+                "fn_factory", fn_factory, "a callable ('module:attr' needs process or ray)"
+            )
         _check_options(
             policy,
             name,
@@ -126,10 +137,13 @@ class Batcher(Lifecycle):
         self._memory_probe = memory_probe
         name = name or getattr(fn or fn_factory, "__name__", None) or "model"
         self._devices = replica_devices(num_replicas, devices)
-        if executor == "process":
-            process_source(fn, fn_factory)  # ConfigError now, not when it starts
-        elif replica_cpus is not None:
+        if executor in ("process", "ray"):
+            process_source(fn, fn_factory, executor)  # ConfigError now, not when it starts
+        if replica_cpus is not None and executor != "process":
             raise ConfigError("replica_cpus", replica_cpus, "None unless executor='process'")
+        make_replicas = ray_replica_maker(
+            executor, name, self._devices, fn, fn_factory, ray_resources, max_restarts
+        )
         cpus = check_replica_cpus(replica_cpus, len(self._devices))
         self._policy = policy if policy is not None else BatchPolicy()
         self._policy_version = 0
@@ -181,6 +195,7 @@ class Batcher(Lifecycle):
             batch_times=self._batch_times,
             batch_timeout_s=self._policy.batch_timeout_s,
             replica_cpus=cpus,
+            make_replicas=make_replicas,
         )
         super().__init__(name, clock=clock, queues=queues, telemetry=recorder, dispatch=dispatch)
         # The request path wakes an idle replica loop without a hop through the

@@ -149,6 +149,8 @@ def batched(
     replica_cpus: list[list[int]] | None = ...,
     buffer_pool: bool = ...,
     buffer_pool_mb: float = ...,
+    ray_resources: dict[str, float] | None = ...,
+    max_restarts: int | None = ...,
 ) -> Callable[[BatchTarget], BatchedFunction]: ...
 
 
@@ -183,6 +185,8 @@ def batched(
     replica_cpus: list[list[int]] | None = None,
     buffer_pool: bool = False,
     buffer_pool_mb: float = DEFAULT_BUFFER_POOL_MB,
+    ray_resources: dict[str, float] | None = None,
+    max_restarts: int | None = None,
 ) -> BatchedFunction | Callable[[BatchTarget], BatchedFunction]:
     """Decorate a batched function: ``await f(x)`` then runs ``x`` inside some batch.
 
@@ -224,6 +228,8 @@ def batched(
             replica_cpus=replica_cpus,
             buffer_pool=buffer_pool,
             buffer_pool_mb=buffer_pool_mb,
+            ray_resources=ray_resources,
+            max_restarts=max_restarts,
         )
 
     def wrap(target: BatchTarget) -> BatchedFunction:

@@ -41,7 +41,7 @@ import inspect
 import logging
 import math
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -111,8 +111,10 @@ class Dispatcher:
         batch_times: BatchTimes | None = None,
         batch_timeout_s: float | None = None,
         replica_cpus: list[list[int]] | None = None,
+        make_replicas: Callable[[Watchdog], Sequence[ReplicaLike]] | None = None,
     ) -> None:
         self._name = name
+        self._make_replicas = make_replicas  # replicas of another kind (executor="ray")
         self._replica_cpus = replica_cpus
         self._devices = devices
         self._fn = fn
@@ -146,7 +148,9 @@ class Dispatcher:
         """Load a replica per device (all are closed if one fails) and, while one runs on
         a thread, hold the interpreter's GIL switch interval."""
         replicas: list[ReplicaLike]
-        if self._executor == "process":
+        if self._make_replicas is not None:
+            replicas = list(self._make_replicas(self.watchdog))
+        elif self._executor == "process":
             source = process_source(self._fn, self._fn_factory)
             replicas = list(
                 process_replicas(

@@ -43,7 +43,7 @@ BatchFn = Callable[[Any], Any]
 FnFactory = Callable[[str], BatchFn]
 
 
-EXECUTORS = ("auto", "thread", "loop", "process")
+EXECUTORS = ("auto", "thread", "loop", "process", "ray")
 
 # A model's replicas build their copies on their own threads at once, so builds take turns:
 # a factory that seeds torch's global RNG (torch.manual_seed, then nn.Linear's

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from carpool.config import GENERATION_FIELDS, ModelConfig, ServeConfig, TensorConfig
 from carpool.core.batcher import Batcher
 from carpool.core.collate import RaggedDictCollator
+from carpool.core.ray_cluster import connect
 from carpool.core.telemetry import MemoryProbe
 from carpool.errors import ConfigError
 from carpool.generation.build import GenerationSettings
@@ -36,6 +37,11 @@ def build_repository(config: ServeConfig, *, file: str | None = None) -> ModelRe
         ConfigError: naming ``models[i].<key>`` (and ``file`` when given) when a model
             cannot be built: a source that does not import, an unreadable ONNX file.
     """
+    if config.ray is not None and any(m.executor == "ray" for m in config.models):
+        try:
+            connect(config.ray.address, config.ray.namespace, config.ray.runtime_env)
+        except ConfigError as error:
+            raise ConfigError(error.field, error.value, error.expected, file=file) from error
     models = []
     for i, model in enumerate(config.models):
         try:
@@ -88,7 +94,7 @@ def build_model(
     runner = build_runner(model, key=key, file=file)
     inputs, outputs = runner.inputs, runner.outputs
     factory: Callable[[str], Any] = checking_outputs(runner.fn_factory, outputs)
-    if model.executor == "process":
+    if model.executor in ("process", "ray"):
         factory = ConfiguredFactory(model, key, file)  # picklable, built again in each child
     batcher = Batcher(
         fn_factory=factory,
@@ -101,6 +107,8 @@ def build_model(
         replica_cpus=model.replica_cpus,
         buffer_pool=model.buffer_pool,
         buffer_pool_mb=model.buffer_pool_mb,
+        ray_resources=model.ray_resources,
+        max_restarts=model.max_restarts,
     )
     return ServedModel(
         name=model.name,
@@ -118,7 +126,8 @@ BATCHED_KINDS = ("python", "torch", "onnx")  # the kinds build_runner builds
 @dataclass(frozen=True, slots=True)
 class ConfiguredFactory:
     """A model's factory as its config describes it, picklable: how ``executor: process``
-    builds the model (checking its outputs) in each replica's process."""
+    (or ``ray``) builds the model (checking its outputs) in each replica's process (or
+    actor)."""
 
     model: ModelConfig
     key: str | None

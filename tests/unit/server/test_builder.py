@@ -17,16 +17,17 @@ from carpool.server.builder import build_repository, build_runner
 from carpool.server.infer import error_response
 from carpool.server.kserve.tensors import InferRequest, InputTensor
 
+BASE_MODEL = {
+    "name": "m",
+    "kind": "python",
+    "source": "numpy:copy",
+    "inputs": [{"name": "X", "datatype": "FP32", "shape": [-1]}],
+    "outputs": [{"name": "Y", "datatype": "FP32", "shape": [-1]}],
+}
+
 
 def _config(**model: Any) -> Any:
-    base = {
-        "name": "m",
-        "kind": "python",
-        "source": "numpy:copy",
-        "inputs": [{"name": "X", "datatype": "FP32", "shape": [-1]}],
-        "outputs": [{"name": "Y", "datatype": "FP32", "shape": [-1]}],
-    }
-    return parse_config({"models": [{**base, **model}]})
+    return parse_config({"models": [{**BASE_MODEL, **model}]})
 
 
 def test_builds_a_served_model_per_config_entry() -> None:
@@ -222,3 +223,18 @@ def test_declared_shape_mismatch_is_a_clear_400() -> None:
     status, body, _ = error_response(caught.value)
     assert status == 400
     assert b"'X'" in body and b"[2, 5]" in body and b"[-1, -1, 4]" in body, body
+
+
+def test_a_ray_section_connects_when_a_model_runs_on_ray(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("ray")
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr("carpool.server.builder.connect", lambda *args: calls.append(args))
+    ray_section = {"address": "auto", "namespace": "serving"}
+    on_ray = {**BASE_MODEL, "executor": "ray", "num_replicas": 2, "ray_resources": {"num_cpus": 1}}
+    repository = build_repository(parse_config({"models": [on_ray], "ray": ray_section}))
+    assert calls == [("auto", "serving", None)]
+    assert repository.get("m").batcher.num_replicas == 2
+    build_repository(parse_config({"models": [BASE_MODEL], "ray": ray_section}))
+    assert len(calls) == 1  # no model on Ray: nothing to connect to
