@@ -105,7 +105,7 @@ class TelemetryCollector(Collector):
             [
                 (m.name, pool.stats())
                 for m in self._repository
-                if (b := m.batcher) is not None and (pool := b.buffer_pool) is not None
+                if isinstance(b := m.batcher, Batcher) and (pool := b.buffer_pool) is not None
             ]
         )
         services = self._repository.generation_services()

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
+from carpool.core.batcher import Batcher
 from carpool.core.request import RequestTrace
 from carpool.errors import InvalidInput
 from carpool.generation.telemetry import GenerationTrace
@@ -84,7 +85,8 @@ class TraceHub:
     def _hook(self, *, on: bool) -> None:
         for model in self._repository:
             hook = self._hook_for(model.name) if on else None
-            if model.batcher is not None:
+            # A front-end worker's model is the engine's: its hub records there.
+            if isinstance(model.batcher, Batcher):
                 model.batcher.set_trace_hook(hook)
             if model.generation is not None:
                 model.generation.engine.set_trace_hook(hook)
