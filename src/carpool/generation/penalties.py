@@ -60,9 +60,7 @@ def _add_bias(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
 
 def _hold_stops(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
     pairs = [
-        (i, token)
-        for i in rows
-        for token in {*params[i].stop_token_ids, *params[i].eos_token_ids}
+        (i, token) for i in rows for token in {*params[i].stop_token_ids, *params[i].eos_token_ids}
     ]
     if pairs:
         index = torch.tensor(pairs, dtype=torch.long, device=logits.device)

@@ -165,7 +165,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     shared = torch.randint(4, VOCAB, (8,), generator=g).tolist()  # a prefix-cache hit
-    return [shared + torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in (3, 5, 1, 6, 4, 2)]
+    return [
+        shared + torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in (3, 5, 1, 6, 4, 2)
+    ]
 
 
 def _reference(folder: Path, prompt: list[int], kwargs: dict[str, object]) -> list[int]:
