@@ -213,8 +213,8 @@ def test_metrics_show_generation_in_vllm_vocabulary(served, client):
 @pytest.mark.parametrize(
     ("extra", "param", "match"),
     [
-        ({"n": 2}, "n", "one choice per request"),
-        ({"echo": True}, "echo", "echo=True is not supported"),
+        ({"best_of": 2}, "best_of", "best_of=2 is not supported"),
+        ({"echo": True, "logprobs": 1}, "echo", "prompt's log-probabilities"),
         ({"max_tokens": 5000}, "max_tokens", "lower max_tokens to 1022"),
         ({"temperature": -1}, "temperature", r"expected a number in \[0.0, 2.0\]"),
         ({"prompt": [1, 999]}, "prompt", r"prompt\[1\]=999"),

@@ -42,7 +42,9 @@ class LogprobsWriter:
             tokens.append(text)
             offsets.append(self._offset)
             self._offset += len(text)
-            top = {self._text(token): value for token, value in found.top}
+            top: dict[str, float] = {}
+            for token, value in found.top:  # most likely first: it keeps a shared string
+                top.setdefault(self._text(token), value)
             top.setdefault(text, found.logprob)
             tops.append(top)
         return {
