@@ -498,3 +498,14 @@ async def test_a_streamed_chat_carries_logprobs_per_chunk(app):
         assert len(entry["top_logprobs"]) == 2
         assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
         assert entry["logprob"] <= entry["top_logprobs"][0]["logprob"] + 1e-6
+
+
+async def test_min_tokens_holds_back_eos(app):
+    """vLLM: min_tokens keeps EOS (and stop_token_ids) from being sampled until that many
+    tokens are out. EOS (257) is made the certain pick by logit_bias."""
+    body = {"prompt": "hi", "max_tokens": 10, "temperature": 0, "logit_bias": {"257": 100}}
+    at_once = (await _post(app, "/v1/completions", **body)).json()
+    assert at_once["usage"]["completion_tokens"] == 1
+    held = (await _post(app, "/v1/completions", min_tokens=3, **body)).json()
+    assert held["usage"]["completion_tokens"] == 4  # three held, then EOS
+    assert held["choices"][0]["finish_reason"] == "stop"
