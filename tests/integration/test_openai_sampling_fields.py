@@ -1,12 +1,11 @@
 """The request fields the LLM ecosystem sends, against `carpool serve` (built-in models):
 the exact bodies `vllm bench serve` posts, parsed as it parses the stream; the official
-`openai` client with n > 1, logprobs (whole and streamed) and vLLM's sampling extensions;
+`openai` openai_client with n > 1, logprobs (whole and streamed) and vLLM's sampling extensions;
 a field no one defines, ignored and counted in /metrics, or refused under --strict-openai."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -17,19 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from .conftest import ServedProcess, start_served_process
 
 MODEL = "tiny-random-llama"  # byte tokenizer: one token a byte, BOS first
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
-    server = start_served_process(None, tmp_path_factory.mktemp("fields"))
-    yield server
-    assert server.stop() == 0, server.output()
-
-
-@pytest.fixture
-def client(served: ServedProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"http://{served.http_url}/v1", api_key="-", max_retries=0) as c:
-        yield c
 
 
 def _bench_stream(url: str, payload: dict[str, Any], *, is_chat: bool) -> tuple[str, int, int]:
@@ -57,7 +43,7 @@ def _bench_stream(url: str, payload: dict[str, Any], *, is_chat: bool) -> tuple[
     return text, num_chunks, completion_tokens
 
 
-def test_vllm_bench_serve_completions_body_streams_as_it_parses(served):
+def test_vllm_bench_serve_completions_body_streams_as_it_parses(builtin_served):
     payload = {
         "model": MODEL,
         "prompt": "The quick brown fox",
@@ -69,12 +55,12 @@ def test_vllm_bench_serve_completions_body_streams_as_it_parses(served):
         "ignore_eos": True,  # --ignore-eos
     }
     text, num_chunks, completion_tokens = _bench_stream(
-        f"http://{served.http_url}/v1/completions", payload, is_chat=False
+        f"http://{builtin_served.http_url}/v1/completions", payload, is_chat=False
     )
     assert completion_tokens == 12 and num_chunks >= 1 and text
 
 
-def test_vllm_bench_serve_chat_body_streams_as_it_parses(served):
+def test_vllm_bench_serve_chat_body_streams_as_it_parses(builtin_served):
     payload = {
         "model": MODEL,
         "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello there"}]}],
@@ -84,22 +70,22 @@ def test_vllm_bench_serve_chat_body_streams_as_it_parses(served):
         "ignore_eos": True,
     }
     _, num_chunks, completion_tokens = _bench_stream(
-        f"http://{served.http_url}/v1/chat/completions", payload, is_chat=True
+        f"http://{builtin_served.http_url}/v1/chat/completions", payload, is_chat=True
     )
     assert completion_tokens == 9 and num_chunks >= 2  # the role chunk, then the text
 
 
-def test_n_choices_from_the_openai_client(client):
-    response = client.completions.create(
+def test_n_choices_from_the_openai_client(openai_client):
+    response = openai_client.completions.create(
         model=MODEL, prompt="Once", max_tokens=6, n=3, seed=11, extra_body={"ignore_eos": True}
     )
     assert sorted(c.index for c in response.choices) == [0, 1, 2]
     assert response.usage is not None and response.usage.completion_tokens == 18
-    again = client.completions.create(
+    again = openai_client.completions.create(
         model=MODEL, prompt="Once", max_tokens=6, n=3, seed=11, extra_body={"ignore_eos": True}
     )
     assert [c.text for c in again.choices] == [c.text for c in response.choices]  # seeded
-    chat = client.chat.completions.create(
+    chat = openai_client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
@@ -107,8 +93,8 @@ def test_n_choices_from_the_openai_client(client):
     assert all(c.message.role == "assistant" for c in chat.choices)
 
 
-def test_completion_logprobs_from_the_openai_client(client):
-    response = client.completions.create(
+def test_completion_logprobs_from_the_openai_client(openai_client):
+    response = openai_client.completions.create(
         model=MODEL, prompt="Hello", max_tokens=5, logprobs=3, temperature=0,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
@@ -125,19 +111,19 @@ def test_completion_logprobs_from_the_openai_client(client):
     assert offsets[0] == 0 and offsets == sorted(offsets)
 
 
-def test_chat_logprobs_whole_and_streamed_agree(client):
+def test_chat_logprobs_whole_and_streamed_agree(openai_client):
     kwargs: dict[str, Any] = {
         "model": MODEL, "messages": [{"role": "user", "content": "Hey"}], "max_tokens": 6,
         "temperature": 0, "logprobs": True, "top_logprobs": 2,
         "extra_body": {"ignore_eos": True},
     }  # fmt: skip
-    whole = client.chat.completions.create(**kwargs)
+    whole = openai_client.chat.completions.create(**kwargs)
     content = whole.choices[0].logprobs.content
     assert content is not None and len(content) == 6
     assert all(len(entry.top_logprobs) == 2 for entry in content)
     streamed = [
         entry
-        for chunk in client.chat.completions.create(**kwargs, stream=True)
+        for chunk in openai_client.chat.completions.create(**kwargs, stream=True)
         for choice in chunk.choices
         if choice.logprobs is not None and choice.logprobs.content
         for entry in choice.logprobs.content
@@ -145,13 +131,13 @@ def test_chat_logprobs_whole_and_streamed_agree(client):
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
 
 
-def test_vllm_sampling_extensions_change_the_answer(client):
+def test_vllm_sampling_extensions_change_the_answer(openai_client):
     base = {"model": MODEL, "prompt": "Hi", "max_tokens": 8, "temperature": 0}
-    forced = client.completions.create(**base, logit_bias={"65": 100})  # byte "A"
+    forced = openai_client.completions.create(**base, logit_bias={"65": 100})  # byte "A"
     assert forced.choices[0].text == "A" * 8
     stops: dict[str, Any] = {"stop_token_ids": [65], "min_tokens": 3, "ignore_eos": True}
     for include in (True, False):
-        stopped = client.completions.create(
+        stopped = openai_client.completions.create(
             **base, logit_bias={"65": 100},
             extra_body={**stops, "include_stop_str_in_output": include},
         )  # fmt: skip
@@ -161,8 +147,8 @@ def test_vllm_sampling_extensions_change_the_answer(client):
         assert text.endswith("A") == include and "A" not in text[:-1]
 
 
-def _ignored(served: ServedProcess) -> dict[str, float]:
-    text = httpx.get(f"http://{served.http_url}/metrics").text
+def _ignored(builtin_served: ServedProcess) -> dict[str, float]:
+    text = httpx.get(f"http://{builtin_served.http_url}/metrics").text
     return {
         s.labels["field"]: s.value
         for family in text_string_to_metric_families(text)
@@ -171,15 +157,15 @@ def _ignored(served: ServedProcess) -> dict[str, float]:
     }
 
 
-def test_a_field_no_one_defines_is_ignored_and_counted(client, served):
-    before = _ignored(served).get("carpool_test_knob", 0.0)
+def test_a_field_no_one_defines_is_ignored_and_counted(openai_client, builtin_served):
+    before = _ignored(builtin_served).get("carpool_test_knob", 0.0)
     for _ in range(2):
-        response = client.completions.create(
+        response = openai_client.completions.create(
             model=MODEL, prompt="x", max_tokens=2, extra_body={"carpool_test_knob": 3}
         )
         assert response.choices[0].finish_reason in ("stop", "length")
-    assert _ignored(served)["carpool_test_knob"] == before + 2
-    assert served.output().count("'carpool_test_knob'") == 1  # warned once
+    assert _ignored(builtin_served)["carpool_test_knob"] == before + 2
+    assert builtin_served.output().count("'carpool_test_knob'") == 1  # warned once
 
 
 def test_strict_openai_refuses_a_field_no_one_defines(tmp_path):
