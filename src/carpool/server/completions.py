@@ -111,6 +111,8 @@ async def prepare(
         raise BadParam("stream_options", "stream_options: expected an object, with stream: true")
     priority = priority_class(doc, service.classes)
     sampling = sampling_params(doc, service, len(prompt_ids), is_chat)
+    if is_chat and flag(doc, "echo"):  # vLLM's: the last message again; not done here
+        raise BadParam("echo", "echo=True is not supported by carpool on chat; leave echo out")
     echo = "" if is_chat else _echo(doc, service, prompt_ids, sampling)
     return CompletionCall(
         service=service,

@@ -35,7 +35,7 @@ _SAMPLING = (
     "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
 )  # fmt: skip
 COMPLETION_FIELDS = (*_SAMPLING, "prompt", "echo")
-CHAT_FIELDS = (*_SAMPLING, "messages", "max_completion_tokens", "top_logprobs")
+CHAT_FIELDS = (*_SAMPLING, "messages", "max_completion_tokens", "top_logprobs", "echo")
 
 # Changing nothing carpool writes: user and bookkeeping fields, and vLLM's defaults
 # that carpool follows anyway.

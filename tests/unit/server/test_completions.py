@@ -229,6 +229,7 @@ async def test_bad_completion_requests_name_the_field(app, body, param, match):
         ({"messages": []}, "non-empty list"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "role='robot'"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools="),
+        ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo=True"),
     ],
 )
 async def test_bad_chat_requests_name_the_field(app, body, match):
