@@ -75,35 +75,35 @@ def apply_penalties(
     params: Sequence[SamplingParams],
 ) -> None:
     """Penalises ``logits[rows]`` in place: row ``rows[j]`` has the tokens
-    ``histories[j]``, of which the first ``num_prompt_tokens[j]`` are its prompt."""
+    ``histories[j]``, of which the first ``num_prompt_tokens[j]`` are its prompt.
+
+    Only the (row, token) pairs a history holds are read and written, never a whole
+    [rows, V] matrix: a sequence holds far fewer distinct tokens than the vocabulary."""
     device, vocab = logits.device, logits.shape[-1]
-    longest = max(len(h) for h in histories)
-    # Padding points at an extra column, dropped after counting.
-    tokens = torch.full((len(rows), longest), vocab, dtype=torch.long)
-    for j, history in enumerate(histories):
-        tokens[j, : len(history)] = torch.tensor(history, dtype=torch.long)
-    tokens = tokens.to(device)
-    positions = torch.arange(longest, device=device)
-    prompt_len = torch.tensor(num_prompt_tokens, device=device)
-    is_output = (positions[None, :] >= prompt_len[:, None]).to(logits.dtype)
-    counts = torch.zeros((len(rows), vocab + 1), dtype=logits.dtype, device=device)
-    counts.scatter_add_(1, tokens, is_output)
-    seen = torch.zeros((len(rows), vocab + 1), dtype=torch.bool, device=device)
-    seen.scatter_(1, tokens, True)
-    counts, seen = counts[:, :vocab], seen[:, :vocab]
+    lengths = torch.tensor([len(h) for h in histories])
+    tokens = torch.tensor([t for history in histories for t in history], dtype=torch.long)
+    owner = torch.repeat_interleave(torch.arange(len(rows)), lengths)  # j of each token
+    first = torch.cumsum(lengths, 0) - lengths
+    is_output = torch.arange(len(tokens)) - first[owner] >= torch.tensor(num_prompt_tokens)[owner]
+    keys = (torch.tensor(rows)[owner] * vocab + tokens).to(device)  # row * V + token
 
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=logits.dtype, device=device)[:, None]
+    def per_row(values: list[float]) -> torch.Tensor:  # indexed by the logits' row
+        full = torch.zeros(logits.shape[0], dtype=logits.dtype)
+        full[rows] = torch.tensor(values, dtype=logits.dtype)
+        return full.to(device)
 
-    repetition = column([p.repetition_penalty for p in params])
-    frequency = column([p.frequency_penalty for p in params])
-    presence = column([p.presence_penalty for p in params])
-    index = torch.tensor(rows, dtype=torch.long, device=device)
-    picked = logits[index]
-    penalised = torch.where(picked > 0, picked / repetition, picked * repetition)
-    picked = torch.where(seen, penalised, picked)
-    picked = picked - frequency * counts - presence * (counts > 0).to(logits.dtype)
-    logits[index] = picked
+    repetition = per_row([p.repetition_penalty for p in params])
+    seen = torch.unique(keys)
+    row, token = seen // vocab, seen % vocab
+    picked = logits[row, token]
+    factor = repetition[row]
+    logits[row, token] = torch.where(picked > 0, picked / factor, picked * factor)
+    output, counts = torch.unique(keys[is_output.to(device)], return_counts=True)
+    if len(output):
+        row, token = output // vocab, output % vocab
+        frequency = per_row([p.frequency_penalty for p in params])[row]
+        presence = per_row([p.presence_penalty for p in params])[row]
+        logits[row, token] -= frequency * counts.to(logits.dtype) + presence
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

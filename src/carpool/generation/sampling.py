@@ -150,10 +150,14 @@ class Sampler:
         uniform = torch.cat([self._uniform(seq_ids[i], params[i]) for i in rows]).to(device)
         targets = (uniform * cdf[:, -1])[:, None]
         chosen = torch.searchsorted(cdf, targets, right=True)[:, 0]
-        # u * total rounds to total at worst: fall back to the last token with mass.
-        ranks = torch.arange(probs.shape[-1], device=device)
-        last = torch.where(probs > 0, ranks, 0).amax(dim=-1)
-        return torch.minimum(chosen, last).tolist()
+        # u * total rounds to total at worst (the index is then past the end): fall back
+        # to the last token with mass. Any other index has mass (the CDF rises there).
+        past = chosen >= probs.shape[-1]
+        if bool(past.any()):
+            ranks = torch.arange(probs.shape[-1], device=device)
+            last = torch.where(probs[past] > 0, ranks, 0).amax(dim=-1)
+            chosen[past] = last
+        return chosen.tolist()
 
     def _uniform(self, seq_id: int, params: SamplingParams) -> torch.Tensor:
         if params.seed is None:
