@@ -20,12 +20,6 @@ from carpool.server.app import KServeApp
 from carpool.server.completions import prepare
 from carpool.server.generation import GenerationService
 from carpool.server.openai import BadParam
-from carpool.server.openai_fields import (
-    COMPLETION_FIELDS,
-    MAX_FIELD_NAMES,
-    OTHER_FIELDS,
-    IgnoredFields,
-)
 from carpool.server.repository import ModelRepository, ServedModel
 
 from ..generation.hf_folders import (
@@ -442,30 +436,6 @@ async def test_sampling_extensions_reach_the_sampling_params(app):
         )
 
 
-async def test_unknown_fields_are_ignored_and_counted_unless_strict(app, caplog):
-    body = orjson.dumps({"model": MODEL, "prompt": "x", "bogus": 1, "other": 2})
-    fields = IgnoredFields()
-    with caplog.at_level("WARNING", logger="carpool.server.openai"):
-        for _ in range(3):
-            await prepare(app.repository, body, is_chat=False, fields=fields)
-    assert fields.counts() == {"bogus": 3, "other": 3}
-    warned = [
-        r.getMessage() for r in caplog.records if "ignored the request field" in r.getMessage()
-    ]
-    assert len(warned) == 2  # one per field name, not per request
-    with pytest.raises(BadParam, match="--strict-openai") as caught:
-        await prepare(app.repository, body, is_chat=False, fields=IgnoredFields(strict=True))
-    assert caught.value.param == "bogus"
-
-
-async def test_ignored_field_names_past_the_bound_share_one_label(app):
-    fields = IgnoredFields()
-    for i in range(MAX_FIELD_NAMES + 5):
-        fields.check({"model": MODEL, f"f{i}": 1}, COMPLETION_FIELDS)
-    counts = fields.counts()
-    assert len(counts) == MAX_FIELD_NAMES + 1 and counts[OTHER_FIELDS] == 5
-
-
 async def test_n_choices_each_have_an_index_and_usage_counts_all(app):
     got = await call(
         app, "/v1/completions", model=MODEL, prompt="hi", max_tokens=4, n=3, seed=1,
@@ -486,9 +456,7 @@ async def test_a_streamed_chat_carries_logprobs_per_chunk(app):
         app, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
         max_tokens=5, ignore_eos=True, logprobs=True, top_logprobs=2, stream=True,
     )  # fmt: skip
-    chunks = [
-        orjson.loads(line[6:]) for line in got.body.split(b"\n\n") if line.startswith(b"data: {")
-    ]
+    chunks = _chunks(got)
     entries = [
         entry for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
         for entry in c["choices"][0]["logprobs"]["content"]
@@ -510,3 +478,20 @@ async def test_min_tokens_holds_back_eos(app):
     held = (await _post(app, "/v1/completions", min_tokens=3, **body)).json()
     assert held["usage"]["completion_tokens"] == 4  # three held, then EOS
     assert held["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_streamed_choices_each_finish_and_usage_counts_all(app):
+    got = await _post(
+        app, "/v1/completions", prompt="hi", max_tokens=3, n=2, ignore_eos=True, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = _chunks(got)
+    finished = [c["choices"][0] for c in chunks if c["choices"]]
+    finished = [choice["index"] for choice in finished if choice["finish_reason"]]
+    assert sorted(finished) == [0, 1]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def _chunks(got: Exchange) -> list[Any]:
+    """The JSON chunks of a streamed answer (``[DONE]`` left out)."""
+    return [orjson.loads(event) for event in got.events() if event != "[DONE]"]
