@@ -7,7 +7,9 @@ one of ``/v1/chat/completions``. A streamed chunk carries its own tokens' part::
                   "top_logprobs": [{"token": "Hi", "logprob": -1.9, "bytes": [...]}]}]}
 
 A token's string is its own decoded text (a byte-level piece of a character decodes to
-U+FFFD; its ``bytes`` are then those of that text, as the tokenizer gives no more).
+U+FFFD; its ``bytes`` are then those of that text, as the tokenizer gives no more), or,
+with vLLM's ``return_tokens_as_token_ids``, ``"token_id:<id>"``, which tells such pieces
+apart.
 """
 
 from __future__ import annotations
@@ -23,12 +25,20 @@ class LogprobsWriter:
     """One choice's log-probabilities; ``text_offset`` counts on from ``start_offset``
     (the echoed prompt's length)."""
 
-    __slots__ = ("_is_chat", "_offset", "_tokenizer")
+    __slots__ = ("_as_ids", "_is_chat", "_offset", "_tokenizer")
 
-    def __init__(self, tokenizer: Tokenizer, *, is_chat: bool, start_offset: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        is_chat: bool,
+        start_offset: int = 0,
+        tokens_as_ids: bool = False,
+    ) -> None:
         self._tokenizer = tokenizer
         self._is_chat = is_chat
         self._offset = start_offset
+        self._as_ids = tokens_as_ids
 
     def document(self, logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
         """The ``logprobs`` object of a choice (or chunk) holding these tokens."""
@@ -64,4 +74,6 @@ class LogprobsWriter:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def _text(self, token_id: int) -> str:
+        if self._as_ids:
+            return f"token_id:{token_id}"
         return self._tokenizer.decode([token_id])

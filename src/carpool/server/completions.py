@@ -67,6 +67,7 @@ class CompletionCall:
     created: int
     n: int = 1
     echo: str = ""
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
 
     def choice_sampling(self, index: int) -> SamplingParams:
         seed = self.sampling.seed
@@ -78,7 +79,12 @@ class CompletionCall:
         if self.sampling.logprobs is None:
             return None
         tokenizer = self.service.tokenizer
-        return LogprobsWriter(tokenizer, is_chat=self.is_chat, start_offset=len(self.echo))
+        return LogprobsWriter(
+            tokenizer,
+            is_chat=self.is_chat,
+            start_offset=len(self.echo),
+            tokens_as_ids=self.tokens_as_ids,
+        )
 
 
 async def prepare(
@@ -100,10 +106,16 @@ async def prepare(
     service = _service(repository, doc)
     loop = asyncio.get_running_loop()
     if is_chat:
-        prompt_ids = await loop.run_in_executor(None, _chat_prompt, service, doc.get("messages"))
-    else:
+        add_special = flag(
+            doc, "add_special_tokens", default=service.tokenizer.chat_adds_special_tokens
+        )
         prompt_ids = await loop.run_in_executor(
-            None, _completion_prompt, service, doc.get("prompt")
+            None, _chat_prompt, service, doc.get("messages"), add_special
+        )
+    else:
+        add_special = flag(doc, "add_special_tokens", default=True)
+        prompt_ids = await loop.run_in_executor(
+            None, _completion_prompt, service, doc.get("prompt"), add_special
         )
     stream = flag(doc, "stream")
     options = doc.get("stream_options")
@@ -126,6 +138,7 @@ async def prepare(
         created=int(time.time()),
         n=integer(doc, "n", 1, 1, MAX_CHOICES),
         echo=echo,
+        tokens_as_ids=flag(doc, "return_tokens_as_token_ids"),
     )
 
 
@@ -310,13 +323,13 @@ def _service(repository: ModelRepository, doc: dict[str, Any]) -> GenerationServ
     return service
 
 
-def _completion_prompt(service: GenerationService, prompt: Any) -> list[int]:
+def _completion_prompt(service: GenerationService, prompt: Any, add_special: bool) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str):
         if not prompt:
             raise BadParam("prompt", "prompt is an empty string; expected some text")
-        return service.tokenizer.encode(prompt)
+        return service.tokenizer.encode(prompt, add_special_tokens=add_special)
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str | list):
         try:
             return check_token_ids(prompt, service.tokenizer.vocab_size)
@@ -327,7 +340,7 @@ def _completion_prompt(service: GenerationService, prompt: Any) -> list[int]:
     raise BadParam("prompt", f"prompt={prompt!r}: expected a string or a list of token ids")
 
 
-def _chat_prompt(service: GenerationService, messages: Any) -> list[int]:
+def _chat_prompt(service: GenerationService, messages: Any, add_special: bool) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise BadParam("messages", "messages: expected a non-empty list of {role, content}")
     tokenizer = service.tokenizer
@@ -349,4 +362,4 @@ def _chat_prompt(service: GenerationService, messages: Any) -> list[int]:
         )
     except InvalidInput as error:
         raise BadParam("messages", str(error)) from None
-    return tokenizer.encode(text, add_special_tokens=tokenizer.chat_adds_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=add_special)

@@ -32,7 +32,8 @@ _SAMPLING = (
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n",
     "stream", "stream_options", "priority", "ignore_eos", "stop_token_ids", "logprobs",
     "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+    "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "add_special_tokens",
+    "return_tokens_as_token_ids",
 )  # fmt: skip
 COMPLETION_FIELDS = (*_SAMPLING, "prompt", "echo")
 CHAT_FIELDS = (*_SAMPLING, "messages", "max_completion_tokens", "top_logprobs", "echo")
@@ -42,9 +43,8 @@ CHAT_FIELDS = (*_SAMPLING, "messages", "max_completion_tokens", "top_logprobs", 
 HARMLESS = frozenset(
     {
         "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-        "request_id", "cache_salt", "spaces_between_special_tokens", "return_tokens_as_token_ids",
-        "add_special_tokens", "add_generation_prompt", "kv_transfer_params", "vllm_xargs",
-        "documents", "chat_template_kwargs", "mm_processor_kwargs",
+        "request_id", "cache_salt", "spaces_between_special_tokens", "kv_transfer_params",
+        "vllm_xargs", "mm_processor_kwargs",
     }
 )  # fmt: skip
 
@@ -82,6 +82,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (None, False),
     "prompt_embeds": (None,),
     "return_token_ids": (None, False),
+    "add_generation_prompt": (None, True),  # carpool's chat always opens the answer
+    "documents": (None, []),
+    "chat_template_kwargs": (None, {}),
 }
 
 

@@ -495,3 +495,16 @@ async def test_streamed_choices_each_finish_and_usage_counts_all(app):
 def _chunks(got: Exchange) -> list[Any]:
     """The JSON chunks of a streamed answer (``[DONE]`` left out)."""
     return [orjson.loads(event) for event in got.events() if event != "[DONE]"]
+
+
+async def test_add_special_tokens_and_tokens_as_ids_are_vllm_s(app):
+    plain = await _prepare(app, prompt="ab")
+    assert plain.prompt_ids == [256, *b"ab"]  # BOS added by default
+    bare = await _prepare(app, prompt="ab", add_special_tokens=False)
+    assert bare.prompt_ids == list(b"ab")
+    got = await call(
+        app, "/v1/completions", model=MODEL, prompt="hi", max_tokens=2, logprobs=1,
+        return_tokens_as_token_ids=True,
+    )  # fmt: skip
+    tokens = got.json()["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 2 and all(t.startswith("token_id:") for t in tokens)
