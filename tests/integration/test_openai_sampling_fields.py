@@ -168,8 +168,9 @@ def test_a_field_no_one_defines_is_ignored_and_counted(openai_client, builtin_se
     assert builtin_served.output().count("'carpool_test_knob'") == 1  # warned once
 
 
-def test_strict_openai_refuses_a_field_no_one_defines(tmp_path):
-    server = start_served_process(None, tmp_path, args=["--strict-openai"])
+@pytest.mark.parametrize("workers", ["1", "2"])  # 2: the workers forward to the engine
+def test_strict_openai_refuses_a_field_no_one_defines(tmp_path, workers):
+    server = start_served_process(None, tmp_path, args=["--strict-openai", "--workers", workers])
     try:
         with openai.OpenAI(
             base_url=f"http://{server.http_url}/v1", api_key="-", max_retries=0
