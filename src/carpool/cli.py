@@ -180,6 +180,15 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    strict_openai: Annotated[
+        bool,
+        typer.Option(
+            "--strict-openai",
+            help="Refuse (400) a /v1/completions or /v1/chat/completions field that neither "
+            "OpenAI nor vLLM defines; default: ignore it, log it once and count it in "
+            "carpool_openai_ignored_fields_total.",
+        ),
+    ] = False,
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
@@ -228,6 +237,7 @@ def serve(
             drain_timeout_s=drain_timeout_s,
             dashboard=not no_dashboard,
             otlp_endpoint=otlp_endpoint,
+            strict_openai=strict_openai,
         )
     except DrainTimedOut:  # already logged, with how many requests were cut off
         raise SystemExit(1) from None

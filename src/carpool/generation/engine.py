@@ -28,7 +28,7 @@ import logging
 import math
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from carpool.core.clock import Clock, MonotonicClock
@@ -43,7 +43,13 @@ from carpool.generation.telemetry import (
     RequestTimes,
 )
 from carpool.generation.tokenizer import Tokenizer, check_token_ids
-from carpool.generation.types import SamplingParams, SeqChunk, StepInput, StepOutput
+from carpool.generation.types import (
+    SamplingParams,
+    SeqChunk,
+    StepInput,
+    StepOutput,
+    TokenLogprobs,
+)
 
 log = logging.getLogger("carpool.generation")
 GenerationTraceHook = Callable[[GenerationTrace], None]
@@ -68,12 +74,14 @@ class Usage:
 @dataclass(frozen=True, slots=True)
 class GenerationEvent:
     """What one step produced for one request; the last event has ``finish_reason`` and
-    ``usage``. ``text`` may be empty while a character or a possible stop string is held."""
+    ``usage``. ``text`` may be empty while a character or a possible stop string is held.
+    ``logprobs``: one per token of ``token_ids`` when the request asked for them."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class _Stream:
@@ -208,6 +216,8 @@ class GenerationEngine:
             raise Closed(self.name)
         prompt = tuple(prompt_ids)
         self._check(prompt, sampling)
+        if sampling.min_tokens and not sampling.ignore_eos:  # the sampler holds EOS back too
+            sampling = replace(sampling, eos_token_ids=self.tokenizer.eos_token_ids)
         seq_id = next(self._seq_ids)
         output = self._outputs.start(prompt, sampling)
         stream = _Stream(prompt, sampling, priority, output, self._clock.now())
@@ -288,9 +298,14 @@ class GenerationEngine:
             if self._on_trace is not None:
                 self._record_step(chunks, started_s, started_s + compute_s)
             now = self._clock.now()
+            logprobs = {
+                c.seq_id: found
+                for c, found in zip(chunks, output.logprobs, strict=False)  # () when none asked
+                if found is not None
+            }
             for event in events:
                 try:
-                    self._deliver(event, now)
+                    self._deliver(event, now, logprobs.get(event.request_id))
                 except Exception as error:  # its text could not be made: it alone fails
                     log.exception(
                         "model %r: delivering sequence %d failed", self.name, event.request_id
@@ -361,21 +376,29 @@ class GenerationEngine:
             if stream is not None:
                 self._telemetry.scheduled(stream.times, now)
 
-    def _deliver(self, event: RequestEvent, now: float) -> None:
+    def _deliver(self, event: RequestEvent, now: float, found: TokenLogprobs | None) -> None:
         stream = self._streams.get(event.request_id)
         if stream is None:
             return  # aborted while its step ran
         delta = stream.output.process(event.new_token_ids, event.finish_reason)
+        logprobs = (found,) if found is not None and delta.token_ids else ()
         if delta.token_ids:
             self._telemetry.tokens(stream.times, len(delta.token_ids), now)
         if delta.finish_reason is None:
             if delta.token_ids:
-                stream.events.put_nowait(GenerationEvent(delta.text, delta.token_ids))
+                stream.events.put_nowait(
+                    GenerationEvent(delta.text, delta.token_ids, None, None, logprobs)
+                )
             return
-        self._finish(event.request_id, delta.finish_reason, now, delta.token_ids)
+        self._finish(event.request_id, delta.finish_reason, now, delta.token_ids, logprobs)
 
     def _finish(
-        self, seq_id: int, reason: FinishReason, now: float, token_ids: tuple[int, ...] = ()
+        self,
+        seq_id: int,
+        reason: FinishReason,
+        now: float,
+        token_ids: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprobs, ...] = (),
     ) -> None:
         """End ``seq_id`` for ``reason``: its last event carries the text still held."""
         stream = self._streams.pop(seq_id, None)
@@ -386,7 +409,7 @@ class GenerationEngine:
         self._wake.set()
         usage = Usage(len(stream.prompt_ids), stream.times.num_generated)
         text = stream.output.pending_text
-        stream.events.put_nowait(GenerationEvent(text, token_ids, reason, usage))
+        stream.events.put_nowait(GenerationEvent(text, token_ids, reason, usage, logprobs))
         self._telemetry.finished(stream.times, reason.value, now)
         self._report(seq_id, stream, reason.value, now)
 

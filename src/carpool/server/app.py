@@ -31,6 +31,7 @@ from carpool.server.http.router import HttpRequest, route
 from carpool.server.infer import Headers, InferPlans, error_response
 from carpool.server.limits import InflightBytes, ServerLimits, over_inflight_bytes
 from carpool.server.metrics import Metrics
+from carpool.server.openai_fields import IgnoredFields
 from carpool.server.repository import ModelRepository, ServedModel
 from carpool.server.timelines import TraceHub
 from carpool.server.waiting import WaitingRoom
@@ -48,7 +49,8 @@ class KServeApp:
     """The served state, and the ASGI application over it: it starts the models' batchers
     on lifespan startup and drains them on shutdown, so every accepted request is answered
     before the process exits. ``access``: the API key it requires and whether a policy may
-    be changed (by default no key, and no policy changes)."""
+    be changed (by default no key, and no policy changes). ``strict_openai``: refuse the
+    OpenAI request fields no one defines instead of ignoring them (``openai_fields.py``)."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class KServeApp:
         limits: ServerLimits | None = None,
         access: Access = DEFAULT_ACCESS,
         dashboard: bool = False,
+        strict_openai: bool = False,
     ) -> None:
         self.repository = repository
         # Sampled by carpool serve (server/run.py); the ASGI app alone serves it empty.
@@ -67,7 +70,8 @@ class KServeApp:
         self.inflight = InflightBytes(self.limits.max_inflight_bytes)
         self.access = access
         self.waiting_room = WaitingRoom()
-        self.metrics = Metrics(repository, self.inflight)
+        self.openai_fields = IgnoredFields(strict_openai)
+        self.metrics = Metrics(repository, self.inflight, self.openai_fields)
         self.plans = InferPlans()
         self.timelines = TraceHub(repository)  # request traces: /v2/timelines, OTLP
         # The infer fast path's request targets, each with the model it names

@@ -31,6 +31,7 @@ from carpool.core.policy import BatchPolicy
 from carpool.core.telemetry import REJECTION_REASONS, LatencyStats, TelemetrySnapshot
 from carpool.generation.telemetry import GenerationSnapshot
 from carpool.server.limits import InflightBytes
+from carpool.server.openai_fields import IgnoredFields
 from carpool.server.pool_metrics import pool_metrics
 from carpool.server.repository import ModelRepository
 
@@ -400,14 +401,40 @@ class ServerCollector(Collector):
         yield from (held, refused)
 
 
+class IgnoredFieldsCollector(Collector):
+    """The OpenAI request fields the server ignored, as neither OpenAI nor vLLM defines
+    them (``openai_fields.py``), by field name."""
+
+    def __init__(self, fields: IgnoredFields) -> None:
+        self._fields = fields
+
+    def collect(self) -> Iterator[Metric]:
+        ignored = CounterMetricFamily(
+            "carpool_openai_ignored_fields",
+            "Requests to /v1/completions and /v1/chat/completions that carried a field "
+            "neither OpenAI nor vLLM defines, ignored (refused under --strict-openai).",
+            labels=("field",),
+        )
+        for name, count in sorted(self._fields.counts().items()):
+            ignored.add_metric((name,), count)
+        yield ignored
+
+
 class Metrics:
     """A private registry holding the collectors; ``render()`` is the scrape body."""
 
-    def __init__(self, repository: ModelRepository, inflight: InflightBytes | None = None) -> None:
+    def __init__(
+        self,
+        repository: ModelRepository,
+        inflight: InflightBytes | None = None,
+        openai_fields: IgnoredFields | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(TelemetryCollector(repository))
         if inflight is not None:
             self.registry.register(ServerCollector(inflight))
+        if openai_fields is not None:
+            self.registry.register(IgnoredFieldsCollector(openai_fields))
 
     def render(
         self, accept: bytes | None = None, names: Collection[str] = ()

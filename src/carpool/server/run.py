@@ -81,6 +81,7 @@ def serve(
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     dashboard: bool = True,
     otlp_endpoint: str | None = None,
+    strict_openai: bool = False,
 ) -> None:
     """Serve HTTP on ``port`` and gRPC on ``grpc_port`` (None or <= 0: no gRPC) until
     SIGINT/SIGTERM; then stop accepting, drain every batcher, return (exit status 0).
@@ -95,7 +96,8 @@ def serve(
     off: 503 / UNAVAILABLE. ``dashboard``: sample every model each second for
     ``/dashboard`` (server/dashboard.py); off, ``/dashboard`` is a 404. With
     ``otlp_endpoint``, each request's timeline goes there as OpenTelemetry spans
-    (:mod:`carpool.server.otlp`).
+    (:mod:`carpool.server.otlp`). ``strict_openai``: refuse (400) the OpenAI request
+    fields neither OpenAI nor vLLM defines, instead of ignoring them.
 
     Raises:
         ConfigError: ``api_key`` is empty or not printable ASCII.
@@ -118,6 +120,7 @@ def serve(
         limits=limits,
         access=access,
         dashboard=dashboard,
+        strict_openai=strict_openai,
     )
     otlp = None if otlp_endpoint is None else start_otlp(app.timelines, otlp_endpoint)
     # uvloop, as HTTP ran before gRPC was added: grpc.aio (grpcio 1.85) serves on it; the

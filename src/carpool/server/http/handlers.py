@@ -35,6 +35,7 @@ from carpool.server.infer import (
 )
 from carpool.server.live import live_figures
 from carpool.server.metrics import Metrics
+from carpool.server.openai_fields import IgnoredFields
 from carpool.server.repository import ModelRepository, ServedModel
 from carpool.server.stats import model_stats
 from carpool.server.timelines import TraceHub, capture, capture_seconds
@@ -65,6 +66,7 @@ class Served(Protocol):
     max_body_bytes: int
     dashboard: Dashboard | None  # None: served with --no-dashboard
     timelines: TraceHub
+    openai_fields: IgnoredFields
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +224,9 @@ async def _openai_models(served: Served, call: Call) -> Answer:
 async def _completions(served: Served, call: Call) -> Answer | Stream:
     is_chat = call.route.kind is RouteKind.CHAT_COMPLETIONS
     document = _inflated(served, call)
-    prepared = await completions.prepare(served.repository, document, is_chat=is_chat)
+    prepared = await completions.prepare(
+        served.repository, document, is_chat=is_chat, fields=served.openai_fields
+    )
     if prepared.is_stream:  # watched by the caller, as it pumps the chunks
         return Stream(completions.stream(prepared))
     return 200, await call.watch(completions.respond(prepared)), (JSON,)

@@ -127,6 +127,7 @@ def serve_workers(
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     dashboard: bool = True,
     otlp_endpoint: str | None = None,
+    strict_openai: bool = False,
 ) -> None:
     """Serve with ``num_workers`` front-end worker processes on the ``ports`` held
     (``port`` and ``grpc_port``, as asked, are what they hold: port 0 reserved as the
@@ -145,6 +146,7 @@ def serve_workers(
         limits=limits,
         access=access,
         dashboard=dashboard,
+        strict_openai=strict_openai,  # the workers forward /v1 completions here
     )
     otlp = None if otlp_endpoint is None else start_otlp(app.timelines, otlp_endpoint)
     template = dict(
