@@ -196,6 +196,10 @@ def test_inference_statistics_grow_and_match_http(
     assert sum(b.compute_infer.count for b in after.batch_stats) == after.execution_count
     # Nothing runs now, so both wires report the very same numbers.
     over_http = _http_json(server, "/v2/models/mlp/stats")
+    # Over HTTP each model also carries carpool's own live figures (server/live.py),
+    # beside Triton's: an extra key JSON clients pass over, and no field of the proto.
+    for stats in over_http["model_stats"]:
+        assert stats.pop("carpool")["num_items"] >= 5
     as_triton = json_format.ParseDict(over_http, service_pb2.ModelStatisticsResponse())
     assert client.get_inference_statistics("mlp") == as_triton
     everyone = client.get_inference_statistics().model_stats

@@ -19,6 +19,10 @@ def test_bench_http_rows_become_figures_per_concurrency() -> None:
         "c64 p50 ms": 10.0,
         "c64 p99 ms": 40.0,
     }
+    result = _http(3000.0, 40.0)
+    result["rows"][0] |= {"ratio_to_ceiling": 0.9, "mean_batch_size": 48.0}
+    figures = http_figures(result)
+    assert (figures["c64 of ceiling"], figures["c64 mean batch"]) == (0.9, 48.0)
 
 
 def test_bench_peers_rows_are_named_by_server_and_a_failed_server_has_none() -> None:
