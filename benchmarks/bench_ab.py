@@ -55,7 +55,17 @@ def peers_figures(result: dict[str, Any]) -> Figures:
     return figures
 
 
+def decode_step_figures(result: dict[str, Any]) -> Figures:
+    """``bench_decode_step.py``'s rows: the step and its set-up, per batch size."""
+    figures: Figures = {}
+    for row in result["rows"]:
+        n = row["num_seqs"]
+        figures |= {f"n{n} step ms": row["step_ms"], f"n{n} prepare ms": row["prepare_ms"]}
+    return figures
+
+
 READERS: dict[str, Callable[[dict[str, Any]], Figures]] = {
+    "bench_decode_step.py": decode_step_figures,
     "bench_http.py": http_figures,
     "bench_peers.py": peers_figures,
 }
