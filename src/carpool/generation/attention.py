@@ -15,7 +15,8 @@ One step's chunks attend in two kinds of calls, planned once per step by
 * multi-token chunks (prefill, or a chunk of one) gather their own blocks and run one SDPA
   call each, causal on their own tokens.
 
-K/V are gathered a whole block at a time (a block is contiguous), not slot by slot. The
+K/V are gathered a whole block at a time (a block is contiguous), not slot by slot, with
+``index_select`` (a row copy per block). The
 query heads that share a KV head are folded into the query length (grouped-query attention
 without copying K/V).
 """
@@ -149,8 +150,9 @@ class PagedAttention:
             context = _attend_decode(group, q[group.rows], k_blocks, v_blocks)
             out.index_copy_(0, group.rows, context)
         for span in spans:
-            keys = k_blocks[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
-            values = v_blocks[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
+            length = span.context_len
+            keys = _gather(k_blocks, span.block_ids).view(-1, num_kv_heads, head_dim)[:length]
+            values = _gather(v_blocks, span.block_ids).view(-1, num_kv_heads, head_dim)[:length]
             query = q[span.start : span.end].transpose(0, 1)[None]  # [1, heads, q_len, D]
             context = F.scaled_dot_product_attention(
                 query,
@@ -174,9 +176,15 @@ def _attend_decode(
     # The heads sharing a KV head are adjacent: fold them into the query length.
     folded = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     length = group.max_len
-    keys = k_blocks[group.block_ids].view(n, -1, num_kv_heads, head_dim)[:, :length]
-    values = v_blocks[group.block_ids].view(n, -1, num_kv_heads, head_dim)[:, :length]
+    keys = _gather(k_blocks, group.block_ids).view(n, -1, num_kv_heads, head_dim)[:, :length]
+    values = _gather(v_blocks, group.block_ids).view(n, -1, num_kv_heads, head_dim)[:, :length]
     context = F.scaled_dot_product_attention(
         folded, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask
     )
     return context.reshape(n, num_heads, head_dim)
+
+
+def _gather(blocks: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Whole blocks, copied row by row: ``index_select`` on the blocks viewed as rows is
+    about twice as fast on the CPU as advanced indexing, which copies element by element."""
+    return blocks.view(blocks.shape[0], -1).index_select(0, block_ids.reshape(-1))
