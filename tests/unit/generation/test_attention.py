@@ -24,7 +24,7 @@ def test_every_sequence_is_in_exactly_one_group_shortest_first(
 
 @given(lengths_lists)
 def test_with_no_cost_for_a_call_each_distinct_length_is_a_group(lengths: list[int]) -> None:
-    groups = group_by_length(lengths, 0)
+    groups = group_by_length(lengths, 0, max_keys=1 << 30)
     assert len(groups) == len(set(lengths))
     assert all(len({lengths[i] for i in g}) == 1 for g in groups)
 
@@ -37,6 +37,14 @@ def test_a_group_grows_only_while_the_padding_it_adds_costs_less_than_a_call(
         members = [lengths[i] for i in group]
         for k in range(1, len(members)):
             assert k * (members[k] - members[k - 1]) <= cost_keys
+
+
+@given(lengths_lists, st.integers(1, 4096))
+def test_a_group_holds_at_most_max_keys_unless_it_is_one_sequence(
+    lengths: list[int], max_keys: int
+) -> None:
+    for group in group_by_length(lengths, 1 << 30, max_keys):
+        assert len(group) == 1 or len(group) * max(lengths[i] for i in group) <= max_keys
 
 
 def test_equal_lengths_share_one_call_without_a_mask() -> None:
