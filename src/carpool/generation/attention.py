@@ -34,8 +34,8 @@ import torch.nn.functional as F
 # One more SDPA call per layer costs about as much as reading this many padded keys (CPU,
 # one thread, head_dim 64; see docs/generation.md, "Decode attention").
 GROUP_COST_KEYS = 64
-# A group's gathered K/V (members x longest context) stays near the CPU's caches: one SDPA
-# call over 64 sequences of 256 keys took 12x as long as 16 calls over 4 each.
+# A group's gathered K/V (members x longest context) stays near the CPU's caches, where SDPA
+# runs many times faster than over one big gather (docs/generation.md, "Decode attention").
 MAX_GROUP_KEYS = 2048
 
 
@@ -197,6 +197,7 @@ def _attend_decode(
 
 
 def _gather(blocks: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Whole blocks, copied row by row: ``index_select`` on the blocks viewed as rows is
-    about twice as fast on the CPU as advanced indexing, which copies element by element."""
+    """Whole blocks, copied row by row: ``index_select`` on the blocks viewed as rows copies
+    a block at a time, where advanced indexing copies element by element (slower on the CPU,
+    see docs/generation.md)."""
     return blocks.view(blocks.shape[0], -1).index_select(0, block_ids.reshape(-1))
