@@ -9,11 +9,12 @@ machine falls on both alike.
     .venv/bin/python benchmarks/bench_ab.py --before /tmp/before/src --label NAME \\
         --rounds 3 bench_http.py -- --duration-s 5 --repeats 1 --rates 1000
 
-The script (``bench_http.py`` or ``bench_peers.py``, run from this checkout) runs with
-``PYTHONPATH`` set to each tree, so it and the servers it starts import that tree's
-carpool; what it writes with ``--json`` is read back. Reported per figure (closed-loop
-req/s and p50/p99 at each concurrency, per server for ``bench_peers.py``): each tree's
-runs, their medians, and after/before. Results go to
+The script (``bench_http.py``, ``bench_peers.py`` or ``bench_decode_step.py``, run from
+this checkout) runs with ``PYTHONPATH`` set to each tree, so it and the servers it starts
+import that tree's carpool; what it writes with ``--json`` is read back. Reported per
+figure (closed-loop req/s and p50/p99 at each concurrency, per server for
+``bench_peers.py``; step and set-up ms per batch size for ``bench_decode_step.py``): each
+tree's runs, their medians, and after/before. Results go to
 ``benchmarks/results/ab_<label>.json``.
 """
 
@@ -62,7 +63,17 @@ def peers_figures(result: dict[str, Any]) -> Figures:
     return figures
 
 
+def decode_step_figures(result: dict[str, Any]) -> Figures:
+    """``bench_decode_step.py``'s rows: the step and its set-up, per batch size."""
+    figures: Figures = {}
+    for row in result["rows"]:
+        n = row["num_seqs"]
+        figures |= {f"n{n} step ms": row["step_ms"], f"n{n} prepare ms": row["prepare_ms"]}
+    return figures
+
+
 READERS: dict[str, Callable[[dict[str, Any]], Figures]] = {
+    "bench_decode_step.py": decode_step_figures,
     "bench_http.py": http_figures,
     "bench_peers.py": peers_figures,
 }

@@ -1,15 +1,19 @@
 """Generation on one CPU thread: continuous batching vs static batching vs HF ``generate``.
 
-A small random-weight Llama (``MODEL_CONFIG``: hidden 256, 4 layers, 8 heads, 2 KV heads,
-intermediate 688, vocab 2000; seed 0) serves one fixed-seed workload: prompt and output
-lengths each log-uniform in [16, 512] (most short, some long), random prompt tokens, greedy,
-EOS ignored so every request generates exactly its output length. Systems, on the same
-weights:
+A random-weight Llama (``--model small``: hidden 256, 4 layers, 8 heads, 2 KV heads,
+intermediate 688, vocab 2000; ``--model 88m``: hidden 768, 12 layers, 12 heads, 4 KV heads,
+intermediate 2048, vocab 8000; seed 0) serves one fixed-seed workload: prompt and output
+lengths each log-uniform in [16, ``--max-len``] (default 512; most short, some long),
+random prompt tokens, greedy, EOS ignored so every request generates exactly its output
+length. Systems, on the same weights:
 
     continuous  carpool's Scheduler + KVCacheManager + BlockPool + ModelRunner in a step loop
     static      the same ModelRunner, batches of up to B in arrival order; a batch starts when
                 the previous one has finished entirely and runs until its longest member is
-                done (finished members stop producing tokens, the batch is held)
+                done (finished members leave the steps, the batch is held): idealised static
+    padded      classic padded static batching on the same runner: as static, but finished
+                members keep their slots and keep computing (their tokens thrown away) until
+                the batch ends, as ``generate`` does
     hf          transformers' LlamaForCausalLM.generate, left-padded batches of up to B,
                 min_new_tokens = max_new_tokens = the batch's longest output, same static
                 manner (only each request's own tokens count as useful output)
@@ -71,6 +75,7 @@ from carpool.generation.types import SamplingParams, SeqChunk, StepInput
 from carpool.generation.weights import random_llama, save_hf_folder
 
 DEFAULT_JSON = RESULTS / "generation.json"
+MODELS: dict[str, dict[str, Any]] = {}
 MODEL_CONFIG: dict[str, Any] = {
     "model_type": "llama",
     "vocab_size": 2000,
@@ -81,14 +86,19 @@ MODEL_CONFIG: dict[str, Any] = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 2048,
 }
+MODELS["small"] = MODEL_CONFIG
+MODELS["88m"] = {**MODEL_CONFIG, "vocab_size": 8000, "hidden_size": 768,
+                 "intermediate_size": 2048, "num_hidden_layers": 12,
+                 "num_attention_heads": 12, "num_key_value_heads": 4}  # fmt: skip
 MODEL_SEED = 0
 WORKLOAD_SEED = 0
 MIN_LEN, MAX_LEN = 16, 512
 BLOCK_SIZE = 16
 OVERHEAD_BATCH = 32
-SYSTEMS = ("continuous", "static", "hf")
+SYSTEMS = ("continuous", "static", "padded", "hf")
 PATTERNS = ("all-at-once", "poisson")
-LABELS = {"continuous": "carpool continuous", "static": "static (ModelRunner)", "hf": "HF generate"}
+LABELS = {"continuous": "carpool continuous", "static": "static (ModelRunner)",
+          "padded": "padded static", "hf": "HF generate"}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,15 +137,18 @@ class Run:
 # -- the workload ------------------------------------------------------------------------
 
 
-def log_uniform(rng: np.random.Generator, n: int) -> np.ndarray:
-    """``n`` integers log-uniform in [MIN_LEN, MAX_LEN]."""
-    return np.rint(np.exp(rng.uniform(math.log(MIN_LEN), math.log(MAX_LEN), n))).astype(int)
+def log_uniform(rng: np.random.Generator, n: int, max_len: int = MAX_LEN) -> np.ndarray:
+    """``n`` integers log-uniform in [MIN_LEN, max_len]."""
+    return np.rint(np.exp(rng.uniform(math.log(MIN_LEN), math.log(max_len), n))).astype(int)
 
 
-def build_workload(num_requests: int, seed: int, vocab_size: int) -> list[Request]:
+def build_workload(
+    num_requests: int, seed: int, vocab_size: int, max_len: int = MAX_LEN
+) -> list[Request]:
     """Prompts and output lengths, arrival offsets all 0 (see :func:`with_arrivals`)."""
     rng = np.random.default_rng(seed)
-    prompt_lens, output_lens = log_uniform(rng, num_requests), log_uniform(rng, num_requests)
+    prompt_lens = log_uniform(rng, num_requests, max_len)
+    output_lens = log_uniform(rng, num_requests, max_len)
     return [
         Request(i, tuple(rng.integers(1, vocab_size, int(p)).tolist()), int(o), 0.0)
         for i, (p, o) in enumerate(zip(prompt_lens, output_lens, strict=True))
@@ -238,10 +251,13 @@ def static_batches(
     return Run(traces, time.perf_counter() - t0, num_steps)
 
 
-def runner_batch(runner: ModelRunner) -> Callable[[list[Request], float, dict[int, Trace]], int]:
+def runner_batch(
+    runner: ModelRunner, keep_finished: bool = False, max_len: int = MAX_LEN
+) -> Callable[[list[Request], float, dict[int, Trace]], int]:
     """One static batch on ``runner``: one prefill step, then decode steps of the members
-    still short of their output length, until the longest is done."""
-    blocks_per_seq = -(-(2 * MAX_LEN) // runner.block_size)
+    still short of their output length (``keep_finished``: of every member, the finished
+    ones' tokens thrown away), until the longest is done."""
+    blocks_per_seq = -(-(2 * max_len) // runner.block_size)
 
     def run_batch(batch: list[Request], t0: float, traces: dict[int, Trace]) -> int:
         tables = {
@@ -256,36 +272,42 @@ def runner_batch(runner: ModelRunner) -> Callable[[list[Request], float, dict[in
             SeqChunk(r.request_id, r.prompt, 0, tables[r.request_id], True, sampling[r.request_id])
             for r in batch
         )
-        active = list(batch)
+        members = list(batch)
+        made: dict[int, list[int]] = {r.request_id: [] for r in batch}  # thrown away too
+        done: set[int] = set()
         finished: list[int] = []
         num_steps = 0
-        while active:
+        while len(done) < len(batch):
             num_steps += 1
-            step = StepInput(chunks, tuple(finished))
-            output = runner.execute(step)
+            output = runner.execute(StepInput(chunks, tuple(finished)))
             now = time.perf_counter() - t0
             finished = []
-            for r, token_id in zip(active, output.sampled, strict=True):
+            for r, token_id in zip(members, output.sampled, strict=True):
                 assert token_id is not None
+                made[r.request_id].append(token_id)
                 trace = traces[r.request_id]
+                if r.request_id in done:
+                    continue
                 trace.tokens.append(token_id)
                 trace.token_times_s.append(now)
                 if len(trace.tokens) == r.output_len:
                     trace.done_s = now
+                    done.add(r.request_id)
                     finished.append(r.request_id)
-            active = [r for r in active if r.request_id not in finished]
+            if not keep_finished:
+                members = [r for r in members if r.request_id not in done]
             chunks = tuple(
                 SeqChunk(
                     r.request_id,
-                    (traces[r.request_id].tokens[-1],),
-                    len(r.prompt) + len(traces[r.request_id].tokens) - 1,
+                    (made[r.request_id][-1],),
+                    len(r.prompt) + len(made[r.request_id]) - 1,
                     tables[r.request_id],
                     True,
                     sampling[r.request_id],
                 )
-                for r in active
+                for r in members
             )
-        runner.sampler.forget(finished)
+        runner.execute(StepInput((), tuple(made)))  # the runner forgets them all
         return num_steps
 
     return run_batch
@@ -429,7 +451,7 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         cont = by.get((pattern, "continuous"))
         if cont is None:
             continue
-        for base in ("static", "hf"):
+        for base in ("static", "padded", "hf"):
             other = by.get((pattern, base))
             if other is None:
                 continue
@@ -461,8 +483,11 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--patterns", default=",".join(PATTERNS))
+    parser.add_argument("--model", choices=sorted(MODELS), default="small")
+    parser.add_argument("--max-len", type=int, default=MAX_LEN, help="longest prompt/output")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
+    model_config = MODELS[args.model]
     systems = [s for s in SYSTEMS if s in args.systems.split(",")]
     patterns = [p for p in PATTERNS if p in args.patterns.split(",")]
 
@@ -478,13 +503,15 @@ def main() -> None:
     )
     print("machine:", machine, flush=True)
 
-    workload = build_workload(args.num_requests, WORKLOAD_SEED, MODEL_CONFIG["vocab_size"])
+    workload = build_workload(
+        args.num_requests, WORKLOAD_SEED, model_config["vocab_size"], args.max_len
+    )
     prompt_lens = [len(r.prompt) for r in workload]
     output_lens = [r.output_len for r in workload]
     workload_info = {
         "seed": WORKLOAD_SEED,
         "num_requests": len(workload),
-        "length_distribution": f"log-uniform integers in [{MIN_LEN}, {MAX_LEN}]",
+        "length_distribution": f"log-uniform integers in [{MIN_LEN}, {args.max_len}]",
         "prompt_tokens_mean": statistics.mean(prompt_lens),
         "prompt_tokens_median": statistics.median(prompt_lens),
         "prompt_tokens_max": max(prompt_lens),
@@ -498,14 +525,14 @@ def main() -> None:
     }
     print("workload:", workload_info, flush=True)
 
-    model = random_llama(MODEL_CONFIG, seed=MODEL_SEED)
+    model = random_llama(model_config, seed=MODEL_SEED)
     static_b = args.static_batch_size or args.max_num_seqs
     # The memory a static batch of B sequences padded to the longest prompt + output needs;
     # paged, continuous batching fits more sequences in it (--max-num-seqs).
-    num_blocks = static_b * -(-(2 * MAX_LEN) // BLOCK_SIZE) + 64
+    num_blocks = static_b * -(-(2 * args.max_len) // BLOCK_SIZE) + 64
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE)
     settings = {
-        "model": {**MODEL_CONFIG, "seed": MODEL_SEED, "dtype": "float32"},
+        "model": {**model_config, "name": args.model, "seed": MODEL_SEED, "dtype": "float32"},
         "max_num_seqs": args.max_num_seqs,
         "static_batch_size": static_b,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -521,8 +548,11 @@ def main() -> None:
             runner, reqs, args.max_num_seqs, args.max_num_batched_tokens
         )
     if "static" in systems:
-        batch_fn = runner_batch(runner)
+        batch_fn = runner_batch(runner, max_len=args.max_len)
         systems_run["static"] = lambda reqs: static_batches(reqs, static_b, batch_fn)
+    if "padded" in systems:
+        padded_fn = runner_batch(runner, keep_finished=True, max_len=args.max_len)
+        systems_run["padded"] = lambda reqs: static_batches(reqs, static_b, padded_fn)
     if "hf" in systems:
         from transformers import LlamaForCausalLM
 
@@ -559,7 +589,7 @@ def main() -> None:
 
     parity: dict[str, float] = {}
     for pattern in patterns:
-        for base in ("static", "hf"):
+        for base in ("static", "padded", "hf"):
             if (pattern, "continuous") in runs and (pattern, base) in runs:
                 parity[f"{pattern}/continuous_vs_{base}"] = agreement(
                     runs[pattern, "continuous"], runs[pattern, base]

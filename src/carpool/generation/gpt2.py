@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from carpool.generation.runner import FastLinear, PagedAttention, PagedDecoder
+from carpool.generation.attention import PagedAttention
+from carpool.generation.runner import FastLinear, PagedDecoder
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,13 +11,13 @@ run on the [T, hidden] matrix. Attention is the only place that knows the sequen
     kv_cache    [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
                 viewed per layer as [num_blocks * block_size, kv_heads, head_dim] slots
 
-Each layer first writes the step's new K/V into their slots (one ``index_copy_`` for all T
-tokens), then attends over each sequence's cached K/V ``[0, start_pos + len)`` gathered
-through its block table. Decode chunks (one token) are attended together in one SDPA call
-over a [n, L_max] gather with a key-padding mask, their query heads folded per KV head
-(grouped-query attention without copying K/V); longer chunks loop, one SDPA call each,
-causal on their own tokens. Logits are computed only at the last token of each chunk that
-``needs_logits``.
+The block tables live in the runner (``block_table.BlockTables``: one row per running
+sequence, updated with each step's new blocks); positions and the slot mapping are tensor
+ops over the step's rows. Each layer first writes the step's new K/V into their slots (one
+``index_copy_`` for all T tokens), then attends over each sequence's own cached K/V
+``[0, start_pos + len)``, read through its block table (``attention.py``: decode chunks
+grouped by context length, one SDPA call per group; longer chunks one call each). Logits
+are computed only at the last token of each chunk that ``needs_logits``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from carpool.generation.attention import PagedAttention, plan_attention
+from carpool.generation.block_table import BlockTables
 from carpool.generation.sampling import Sampler
 from carpool.generation.types import SeqChunk, StepInput, StepOutput
 from carpool.models import onednn
@@ -90,97 +92,6 @@ class PagedDecoder(nn.Module, abc.ABC):
 
 
 @dataclass(frozen=True, slots=True)
-class _Span:
-    """One multi-token chunk: its rows [start, end) of the packed batch and its context."""
-
-    start: int
-    end: int
-    context_slots: torch.Tensor  # [L] cache slots of positions 0 .. L-1
-    mask: torch.Tensor | None  # [q_len, L] True where a query may look; None: plain causal
-
-
-@dataclass(frozen=True, slots=True)
-class _DecodeGroup:
-    """All one-token chunks, attended in one SDPA call."""
-
-    rows: torch.Tensor | None  # [n] their rows in the packed batch; None: every row
-    block_ids: torch.Tensor  # [n, ceil(L_max / block_size)] (padding points at a valid block)
-    max_len: int  # L_max: the longest context among them
-    mask: torch.Tensor | None  # [n, 1, 1, L_max] key padding mask; None: equal lengths
-
-
-class PagedAttention:
-    """One step's attention over the paged KV cache; called by each layer with its index."""
-
-    def __init__(
-        self,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        spans: list[_Span],
-        decode: _DecodeGroup | None,
-    ) -> None:
-        self.kv_cache = kv_cache
-        self.slot_mapping = slot_mapping
-        self.spans = spans
-        self.decode = decode
-
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """q [T, heads, D], k and v [T, kv_heads, D] -> attention output [T, heads, D]."""
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache = self.kv_cache[layer, 0].view(-1, num_kv_heads, head_dim)
-        v_cache = self.kv_cache[layer, 1].view(-1, num_kv_heads, head_dim)
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
-        k_blocks, v_blocks = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
-        if self.decode is not None and self.decode.rows is None and not self.spans:
-            return self._attend_decode(self.decode, q, k_blocks, v_blocks)
-        out = torch.empty_like(q)
-        if self.decode is not None:
-            assert self.decode.rows is not None
-            out.index_copy_(
-                0, self.decode.rows, self._attend_decode(self.decode, q, k_blocks, v_blocks)
-            )
-        for span in self.spans:
-            keys = k_cache[span.context_slots].transpose(0, 1)[None]  # [1, kv_heads, L, D]
-            values = v_cache[span.context_slots].transpose(0, 1)[None]
-            query = q[span.start : span.end].transpose(0, 1)[None]  # [1, heads, q_len, D]
-            context = F.scaled_dot_product_attention(
-                query,
-                keys,
-                values,
-                attn_mask=span.mask,
-                is_causal=span.mask is None,
-                enable_gqa=True,
-            )
-            out[span.start : span.end] = context[0].transpose(0, 1)
-        return out
-
-    @staticmethod
-    def _attend_decode(
-        group: _DecodeGroup, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor
-    ) -> torch.Tensor:
-        """``k_blocks``/``v_blocks``: one layer's cache [num_blocks, block_size, kv_heads, D].
-
-        K/V are gathered a whole block at a time (a block is contiguous), not slot by slot:
-        per-slot gathering was half of a 32-sequence decode step on the CPU."""
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k_blocks.shape[2]
-        query = q if group.rows is None else q[group.rows]  # [n, heads, D]
-        n = query.shape[0]
-        # The heads sharing a KV head are adjacent: fold them into the query length.
-        query = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        length = group.max_len
-        keys = k_blocks[group.block_ids].view(n, -1, num_kv_heads, head_dim)[:, :length]
-        values = v_blocks[group.block_ids].view(n, -1, num_kv_heads, head_dim)[:, :length]
-        context = F.scaled_dot_product_attention(
-            query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask
-        )
-        return context.reshape(n, num_heads, head_dim)
-
-
-@dataclass(frozen=True, slots=True)
 class _Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -222,6 +133,7 @@ class ModelRunner:
             dtype=dtype,
         )
         self.sampler = Sampler(seed)
+        self.block_tables = BlockTables(self.device)
 
     @property
     def bytes_per_token(self) -> int:
@@ -244,6 +156,7 @@ class ModelRunner:
         ``model_time_s`` is the model's share: forward and logits, not the batch set-up
         or sampling."""
         self.sampler.forget(step.finished_seq_ids)
+        self.block_tables.forget(step.finished_seq_ids)
         if not step.chunks:
             return StepOutput(sampled=())
         batch = self._prepare(step.chunks)
@@ -267,11 +180,9 @@ class ModelRunner:
     def _prepare(self, chunks: tuple[SeqChunk, ...]) -> _Batch:
         bs = self.block_size
         ids: list[int] = []
-        lengths: list[int] = []
+        num_tokens: list[int] = []
         starts: list[int] = []
         logit_rows: list[int] = []
-        num_blocks = max(len(c.block_table) for c in chunks)
-        tables: list[tuple[int, ...]] = []
         for chunk in chunks:
             n = len(chunk.token_ids)
             if n == 0 or (chunk.start_pos + n + bs - 1) // bs > len(chunk.block_table):
@@ -281,69 +192,31 @@ class ModelRunner:
                     f"block_table has {len(chunk.block_table)}"
                 )
             ids.extend(chunk.token_ids)
-            lengths.append(n)
+            num_tokens.append(n)
             starts.append(chunk.start_pos)
             if chunk.needs_logits:
                 logit_rows.append(len(ids) - 1)
-            pad = num_blocks - len(chunk.block_table)
-            tables.append(chunk.block_table + (0,) * pad if pad else chunk.block_table)
         device = self.device
-        table = torch.tensor(tables, dtype=torch.long, device=device)  # [n, max_blocks]
-        meta = torch.tensor([lengths, starts], dtype=torch.long, device=device)
-        num_tokens = len(ids)
-        if num_tokens == len(chunks):  # every chunk decodes one token
+        rows = self.block_tables.update([c.seq_id for c in chunks], [c.block_table for c in chunks])
+        table = self.block_tables.table[rows]  # [n, columns]
+        meta = torch.tensor([num_tokens, starts], dtype=torch.long, device=device)
+        total = len(ids)
+        if total == len(chunks):  # every chunk decodes one token
             positions = meta[1]
-            seq_index = None
+            token_table = table
         else:
             seq_index = torch.repeat_interleave(
-                torch.arange(len(chunks), device=device), meta[0], output_size=num_tokens
+                torch.arange(len(chunks), device=device), meta[0], output_size=total
             )
             first_row = torch.cumsum(meta[0], 0) - meta[0]
-            positions = torch.arange(num_tokens, device=device) + (meta[1] - first_row)[seq_index]
-        rows = table if seq_index is None else table[seq_index]
-        slot_mapping = rows.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
-        spans, decode = self._plan_attention(chunks, table, meta)
+            positions = torch.arange(total, device=device) + (meta[1] - first_row)[seq_index]
+            token_table = table[seq_index]
+        block = token_table.gather(1, (positions // bs)[:, None])[:, 0]
+        slot_mapping = block * bs + positions % bs
+        plan = plan_attention(table, num_tokens, starts, bs)
         return _Batch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=positions,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
-            attention=PagedAttention(self.kv_cache, slot_mapping, spans, decode),
+            attention=PagedAttention(self.kv_cache, slot_mapping, plan),
         )
-
-    def _plan_attention(
-        self, chunks: tuple[SeqChunk, ...], table: torch.Tensor, meta: torch.Tensor
-    ) -> tuple[list[_Span], _DecodeGroup | None]:
-        bs, device = self.block_size, self.device
-        spans: list[_Span] = []
-        decode_index: list[int] = []
-        decode_rows: list[int] = []
-        row = 0
-        for i, chunk in enumerate(chunks):
-            n = len(chunk.token_ids)
-            if n == 1:
-                decode_index.append(i)
-                decode_rows.append(row)
-            else:
-                context = torch.arange(chunk.start_pos + n, device=device)
-                slots = table[i, context // bs] * bs + context % bs
-                mask = None
-                if chunk.start_pos:
-                    query = torch.arange(chunk.start_pos, chunk.start_pos + n, device=device)
-                    mask = context[None, :] <= query[:, None]
-                spans.append(_Span(row, row + n, slots, mask))
-            row += n
-        if not decode_index:
-            return spans, None
-        lengths = meta[1] + 1  # a decode chunk's context ends at its own token
-        max_len = max(chunks[i].start_pos for i in decode_index) + 1
-        grid = torch.arange(max_len, device=device)
-        all_decode = len(decode_index) == len(chunks)
-        if not all_decode:
-            index = torch.tensor(decode_index, dtype=torch.long, device=device)
-            table, lengths = table[index], lengths[index]
-        block_ids = table[:, : -(-max_len // bs)]
-        mask = None
-        if any(chunks[i].start_pos + 1 != max_len for i in decode_index):
-            mask = (grid[None, :] < lengths[:, None])[:, None, None, :]
-        rows = None if all_decode else torch.tensor(decode_rows, dtype=torch.long, device=device)
-        return spans, _DecodeGroup(rows, block_ids, max_len, mask)

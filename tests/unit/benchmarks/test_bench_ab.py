@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench_ab import compare, http_figures, peers_figures
+from bench_ab import compare, decode_step_figures, http_figures, peers_figures
 
 
 def _http(rate: float, p99: float) -> dict[str, object]:
@@ -33,6 +33,11 @@ def test_bench_peers_rows_are_named_by_server_and_a_failed_server_has_none() -> 
         ]
     }
     assert peers_figures(result) == {"carpool c64 req/s": 2.0, "carpool c64 p99 ms": 9.0}
+
+
+def test_bench_decode_step_rows_become_step_and_set_up_figures_per_batch_size() -> None:
+    result = {"rows": [{"num_seqs": 64, "step_ms": 300.0, "prepare_ms": 0.5, "max_context": 9}]}
+    assert decode_step_figures(result) == {"n64 step ms": 300.0, "n64 prepare ms": 0.5}
 
 
 def test_medians_of_each_tree_and_their_ratio() -> None:

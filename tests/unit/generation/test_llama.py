@@ -12,6 +12,7 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from carpool.errors import ConfigError
+from carpool.generation.attention import group_by_length
 from carpool.generation.runner import ModelRunner
 from carpool.generation.types import SeqChunk, StepInput
 from carpool.generation.weights import load_model, random_llama, save_hf_folder
@@ -78,6 +79,18 @@ def test_greedy_matches_transformers_alone_chunked_and_batched(
     assert alone == expected
     assert chunked == expected
     assert batched == expected
+
+
+def test_greedy_matches_transformers_with_widely_spread_lengths_in_one_step(
+    folder: Path, reference: LlamaForCausalLM
+) -> None:
+    # Contexts from 2 to 116 tokens decode in the same steps, in 3 or more length groups.
+    lengths = [1, 2, 9, 31, 60, 61, 110]
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in lengths]
+    assert len(group_by_length([n + 1 for n in lengths])) >= 3
+    runner = ModelRunner(load_model(folder), 128, 4)
+    assert generate(runner, prompts) == [hf_generate(reference, p) for p in prompts]
 
 
 def test_last_logits_close_to_transformers(folder: Path, reference: LlamaForCausalLM) -> None:
