@@ -166,11 +166,15 @@ def test_trace_of_an_unreachable_server_exits_1(tmp_path: Path) -> None:
     assert not (tmp_path / "t.json").exists()
 
 
-def _complete(url: str, num_requests: int) -> None:
+def _complete(url: str, stop: threading.Event) -> None:
+    """Completions until ``stop`` (the recording ended), at most MAX_REQUESTS: requests
+    that all ended before the recording began would leave it empty."""
     import openai
 
     client = openai.OpenAI(base_url=f"http://{url}/v1", api_key="unused")
-    for _ in range(num_requests):
+    for _ in range(MAX_REQUESTS):
+        if stop.is_set():
+            break
         client.completions.create(model="tiny-random-llama", prompt="hello", max_tokens=4)
     client.close()
 
@@ -181,12 +185,16 @@ def test_generation_requests_are_steps_on_the_engine_track(
     served = start_server(None)  # the built-in models: tiny-random-llama generates
     out = tmp_path / "trace.json"
     trace = _start_trace(served, out)
-    threads = [threading.Thread(target=_complete, args=(served.http_url, 20)) for _ in range(2)]
+    stop = threading.Event()
+    threads = [threading.Thread(target=_complete, args=(served.http_url, stop)) for _ in range(2)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
-    output, _ = trace.communicate(timeout=TRACE_TIMEOUT_S)
+    try:
+        output, _ = trace.communicate(timeout=TRACE_TIMEOUT_S)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
     assert trace.returncode == 0, output
     document = json.loads(out.read_text())
     check_trace_events(document)
