@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from carpool.core.batch_times import BatchTimeFit
 from carpool.core.policy import MAX_AUTO_DELAY_S, BatchPolicy, ClassLimits
 
-RATE_TAU_S = 1.0  # the arrival-rate counter forgets with this time constant
+RATE_TAU_S = 0.5  # the arrival-rate counter forgets with this time constant
 TARGET_UTILIZATION = 0.8  # rho: the most of the replica's time a target batch size uses
 HYSTERESIS = 0.25  # a new target size replaces the one in force past this relative change
 GAP_FACTOR = 2.0  # send when no arrival came for this many mean gaps
@@ -134,7 +134,8 @@ class Adaptive:
             return cap
         overhead_s, per_item_s = self._fit.line()
         if limits.is_auto_size and per_item_s > 0:
-            cap = min(cap, max(1, math.ceil(overhead_s / (KNEE_SHARE * per_item_s))))
+            knee = overhead_s / (KNEE_SHARE * per_item_s)
+            cap = min(cap, max(1, math.ceil(min(knee, cap))))
         for higher in policy.limits.values():
             if higher.rank >= limits.rank or higher.slo_s is None:
                 continue
@@ -160,7 +161,7 @@ class Adaptive:
         elif rate * per_item_s >= rho:
             wanted = max_items
         else:
-            wanted = math.ceil(rate * overhead_s / (rho - rate * per_item_s))
+            wanted = math.ceil(min(max_items, rate * overhead_s / (rho - rate * per_item_s)))
         wanted = max(1, min(wanted, max_items))
         held = self._targets.get(limits.name)
         if held is not None and abs(wanted - held) <= HYSTERESIS * held:
@@ -223,5 +224,9 @@ class Adaptive:
 def _largest_within(allowed_s: float, overhead_s: float, per_item_s: float) -> int:
     """The largest batch whose predicted time is within ``allowed_s`` (at least 1)."""
     if per_item_s <= 0:
-        return 1 << 30 if overhead_s <= allowed_s else 1
-    return max(1, math.floor((allowed_s - overhead_s) / per_item_s))
+        return _UNBOUNDED if overhead_s <= allowed_s else 1
+    items = (allowed_s - overhead_s) / per_item_s
+    return max(1, math.floor(min(_UNBOUNDED, max(0.0, items))))
+
+
+_UNBOUNDED = 1 << 30  # more items than any batch holds
