@@ -1,10 +1,14 @@
 """The delay and the batch size chosen from the traffic (``max_delay_s: auto``,
 ``max_batch_size: auto``), within each class's latency budget.
 
-Two measurements drive it: each class's arrival rate (:class:`ArrivalRate`, a counter
-that forgets with a time constant of :data:`RATE_TAU_S`) and the model's batch-time line
-``t(b) = overhead + per_item * b`` (:class:`~carpool.core.batch_times.BatchTimeFit`,
-fitted from its own batches). From them, each time a replica is free:
+Two measurements drive it: each class's rate of arrivals *while one of its requests
+is already waiting* (:class:`CompanyRate`, forgetting with a time constant of
+:data:`RATE_TAU_S`) and the model's batch-time line ``t(b) = overhead + per_item * b``
+(:class:`~carpool.core.batch_times.BatchTimeFit`, fitted from its own batches). The rate
+that counts is the one a waiting request sees, not the overall one: a client that sends
+its next request only when the last was answered (concurrency 1) arrives often, but
+never while another of its requests waits, so waiting for it would gain nothing; in
+open-loop traffic both rates agree. From them, each time a replica is free:
 
 - **Target size.** The smallest batch ``b`` that keeps the replica at most
   :data:`TARGET_UTILIZATION` busy at the class's rate ``r``: ``r * t(b) / b <= rho``.
@@ -48,6 +52,7 @@ KNEE_SHARE = 0.1  # max_batch_size auto: overhead under this share of the per-it
 SLO_HEADROOM = 0.8  # the share of slo_s the controller plans with (the rest: hand-offs)
 ACTIVE_RATE_RPS = 0.5  # a class slower than this is not protected by capping others
 COLD_BATCHES = 8  # batches measured before the controller trusts its line
+MIN_WAITING_S = 0.002  # waiting seen (decayed) before a company rate is trusted
 
 
 class ArrivalRate:
@@ -77,6 +82,47 @@ class ArrivalRate:
         return self._count * decay / self._tau_s
 
 
+class CompanyRate:
+    """Arrivals per second over the time the class had a request waiting: the company a
+    waiting request can expect. Both the arrivals counted and the waiting time decay with
+    time constant ``tau_s``; 0 until :data:`MIN_WAITING_S` of waiting was seen."""
+
+    __slots__ = ("_count", "_is_waiting", "_last_s", "_tau_s", "_waiting_s")
+
+    def __init__(self, tau_s: float = RATE_TAU_S) -> None:
+        self._tau_s = tau_s
+        self._count = 0.0
+        self._waiting_s = 0.0
+        self._last_s = 0.0
+        self._is_waiting = False
+
+    def _advance(self, now: float) -> None:
+        elapsed_s = now - self._last_s
+        if elapsed_s > 0:
+            keep = math.exp(-elapsed_s / self._tau_s)
+            self._count *= keep
+            self._waiting_s *= keep
+            if self._is_waiting:
+                self._waiting_s += elapsed_s
+            self._last_s = now
+
+    def note(self, now: float, had_company: bool, num: int = 1) -> None:
+        """``num`` arrivals at ``now``; ``had_company``: one of the class was waiting."""
+        self._advance(now)
+        if had_company:
+            self._count += num
+        self._is_waiting = True
+
+    def emptied(self, now: float) -> None:
+        """The class has no request waiting any more (its last ones left in a batch)."""
+        self._advance(now)
+        self._is_waiting = False
+
+    def rate_rps(self, now: float) -> float:
+        self._advance(now)
+        return 0.0 if self._waiting_s < MIN_WAITING_S else self._count / self._waiting_s
+
+
 @dataclass(frozen=True, slots=True)
 class ClassChoice:
     """What the controller has in force for one class: for ``/metrics`` and the policy."""
@@ -86,6 +132,7 @@ class ClassChoice:
     batch_size: int  # the target size (the size cap when the delay is fixed)
     max_batch_size: int  # the most a batch led by this class may hold now
     arrival_rate_rps: float
+    company_rate_rps: float  # arrivals per second while one of the class waits
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,22 +148,38 @@ class AdaptiveState:
 class Adaptive:
     """The controller of one batcher (see the module docstring)."""
 
-    __slots__ = ("_fit", "_rates", "_targets")
+    __slots__ = ("_company", "_fit", "_rates", "_targets")
 
     def __init__(self, fit: BatchTimeFit) -> None:
         self._fit = fit
         self._rates: dict[str, ArrivalRate] = {}
+        self._company: dict[str, CompanyRate] = {}
         self._targets: dict[str, int] = {}
 
-    def arrived(self, class_name: str, now: float, num: int = 1) -> None:
+    def arrived(self, class_name: str, now: float, had_company: bool, num: int = 1) -> None:
+        """``num`` requests of the class arrived; ``had_company``: one was waiting."""
         rate = self._rates.get(class_name)
         if rate is None:
             rate = self._rates[class_name] = ArrivalRate()
+            self._company[class_name] = CompanyRate()
         rate.note(now, num)
+        self._company[class_name].note(now, had_company, num)
+
+    def emptied(self, class_name: str, now: float) -> None:
+        """No request of the class waits any more."""
+        company = self._company.get(class_name)
+        if company is not None:
+            company.emptied(now)
 
     def rate_rps(self, class_name: str, now: float) -> float:
+        """All arrivals of the class, per second."""
         rate = self._rates.get(class_name)
         return 0.0 if rate is None else rate.rate_rps(now)
+
+    def company_rps(self, class_name: str, now: float) -> float:
+        """Arrivals per second while one of the class waits (:class:`CompanyRate`)."""
+        company = self._company.get(class_name)
+        return 0.0 if company is None else company.rate_rps(now)
 
     @property
     def is_warm(self) -> bool:
@@ -153,7 +216,7 @@ class Adaptive:
 
     def target_size(self, limits: ClassLimits, max_items: int, now: float) -> int:
         """The batch size worth waiting for at the class's rate now (module docstring)."""
-        rate = self.rate_rps(limits.name, now)
+        rate = self.company_rps(limits.name, now)
         overhead_s, per_item_s = self._fit.line()
         rho = TARGET_UTILIZATION
         if rate * (overhead_s + per_item_s) <= rho:
@@ -187,7 +250,7 @@ class Adaptive:
         if num_items >= target:
             return now
         rate = self._rates.get(limits.name)
-        rate_rps = 0.0 if rate is None else rate.rate_rps(now)
+        rate_rps = self.company_rps(limits.name, now)
         if rate is None or rate_rps <= 0.0 or rate.last_arrival_s is None:
             return now
         due = now + (target - num_items) / rate_rps
@@ -209,14 +272,17 @@ class Adaptive:
         choices = []
         for limits in policy.limits.values():
             max_items = self.max_items(policy, limits, now, now)
-            rate_rps = self.rate_rps(limits.name, now)
+            rate_rps = self.company_rps(limits.name, now)
             if not limits.is_auto_delay or not self.is_warm:
                 delay_s, target = limits.max_delay_s, max_items
             else:
                 target = min(self._targets.get(limits.name, 1), max_items)
                 wait_s = (target - 1) / rate_rps if rate_rps > 0 else 0.0
                 delay_s = min(wait_s, self.budget_s(limits, target))
-            choices.append(ClassChoice(limits.name, delay_s, target, max_items, rate_rps))
+            arrival_rps = self.rate_rps(limits.name, now)
+            choices.append(
+                ClassChoice(limits.name, delay_s, target, max_items, arrival_rps, rate_rps)
+            )
         overhead_s, per_item_s = self._fit.line()
         return AdaptiveState(tuple(choices), overhead_s, per_item_s, self._fit.num_batches)
 

@@ -407,7 +407,8 @@ class Batcher(Lifecycle):
             raise
         self._telemetry.admitted(request)
         if self._is_adaptive:
-            self._adaptive.arrived(limits.name, now)
+            had_company = self._queues.by_name[limits.name].num_live > 1
+            self._adaptive.arrived(limits.name, now, had_company)
         if deadline_s is not None:
             request.timer = self._clock.call_at(deadline_s, lambda: self._on_deadline(request))
         if self._idle:
@@ -423,7 +424,7 @@ class Batcher(Lifecycle):
 
     def _decide(self, now: float, *, behind_class: str | None) -> Decision:
         """The dispatcher's replica loops ask this for their next batch."""
-        return self._scheduler.decide(
+        decision = self._scheduler.decide(
             now,
             self._policy,
             self._queues,
@@ -436,6 +437,11 @@ class Batcher(Lifecycle):
             predict_s=self._batch_times.predict_s,
             adaptive=self._adaptive if self._is_adaptive else None,
         )
+        if self._is_adaptive and decision.batch is not None:
+            for name in {r.class_name for r in decision.batch.requests}:
+                if self._queues.by_name[name].num_live == 0:
+                    self._adaptive.emptied(name, now)
+        return decision
 
     def _on_deadline(self, request: Request) -> None:
         if request.state is _QUEUED:

@@ -21,6 +21,7 @@ from carpool.core.adaptive import (
     SLO_HEADROOM,
     Adaptive,
     ArrivalRate,
+    CompanyRate,
 )
 from carpool.core.batch_times import BatchTimeFit
 from carpool.core.policy import (
@@ -45,10 +46,11 @@ def _fit(overhead_s: float = OVERHEAD_S, per_item_s: float = PER_ITEM_S) -> Batc
 
 
 def _steady(adaptive: Adaptive, name: str, rate_rps: float, until_s: float) -> None:
-    """Arrivals of class ``name`` every 1/rate seconds from 0 up to ``until_s``."""
+    """Arrivals of class ``name`` every 1/rate seconds from 0 up to ``until_s``, each
+    finding one of its class waiting (open-loop traffic, as a waiting request sees it)."""
     gap_s = 1.0 / rate_rps
     for i in range(int(until_s / gap_s) + 1):
-        adaptive.arrived(name, i * gap_s)
+        adaptive.arrived(name, i * gap_s, True)
 
 
 # -- the pieces: arrival rate and batch-time line --------------------------------------
@@ -66,6 +68,33 @@ def test_the_arrival_rate_decays_when_arrivals_stop() -> None:
     for i in range(5001):
         rate.note(i * 0.001)
     assert rate.rate_rps(8.0) == pytest.approx(1000 * math.exp(-3), rel=0.02)
+
+
+def test_the_company_rate_counts_only_arrivals_that_find_one_waiting() -> None:
+    # Open loop: 1000 rps, a batch taken every 4 ms: arrivals find company 3 times in 4.
+    open_loop = CompanyRate()
+    for i in range(4000):
+        open_loop.note(i * 0.001, had_company=i % 4 != 0)
+        if i % 4 == 3:
+            open_loop.emptied(i * 0.001)
+    assert open_loop.rate_rps(4.0) == pytest.approx(1000, rel=0.05)
+    # Closed loop, one client: 300 rps, each request alone, taken at once.
+    closed = CompanyRate()
+    for i in range(1200):
+        closed.note(i / 300, had_company=False)
+        closed.emptied(i / 300 + 0.00005)
+    assert closed.rate_rps(4.0) == 0.0
+
+
+def test_a_lone_closed_loop_client_is_never_kept_waiting() -> None:
+    adaptive = Adaptive(_fit(overhead_s=0.05, per_item_s=0.001))  # a slow model
+    limits = _policy(slo_s=1.0).class_limits(None)
+    t = 0.0
+    for _ in range(100):  # each request answered 51 ms later, the next sent 1 ms after
+        adaptive.arrived(limits.name, t, False)
+        assert adaptive.due_s(limits, 1, 64, t, t) == t
+        adaptive.emptied(limits.name, t)
+        t += 0.052
 
 
 def test_the_fit_recovers_a_line() -> None:
@@ -103,7 +132,7 @@ def test_cold_it_behaves_as_a_small_fixed_window() -> None:
     fit = BatchTimeFit()
     adaptive = Adaptive(fit)
     limits = _policy().class_limits(None)
-    adaptive.arrived(limits.name, 1.0)
+    adaptive.arrived(limits.name, 1.0, False)
     assert adaptive.due_s(limits, 1, 64, 1.0, 1.0) == 1.0 + COLD_START_DELAY_S
     for _ in range(COLD_BATCHES):
         fit.observe(1, OVERHEAD_S)
@@ -123,7 +152,7 @@ def test_at_high_rate_it_waits_for_the_size_that_keeps_the_replica_under_rho() -
     limits = _policy().class_limits(None)
     _steady(adaptive, limits.name, 1000, until_s=5.0)
     now = 5.0
-    rate_rps = adaptive.rate_rps(limits.name, now)
+    rate_rps = adaptive.company_rps(limits.name, now)
     # r * (a / b + c) <= 0.8  ->  b >= r a / (0.8 - r c): 1000 * 0.002 / 0.5 = 4 at 1000
     target = math.ceil(rate_rps * OVERHEAD_S / (0.8 - rate_rps * PER_ITEM_S))
     assert target in (4, 5)
@@ -140,7 +169,7 @@ def test_it_sends_when_no_arrival_came_for_a_few_mean_gaps() -> None:
     now = 5.0
     # 1 of 4 queued: the rate says 3 ms more; the gap rule says 2 mean gaps (2 ms).
     due = adaptive.due_s(limits, 1, 64, now, now)
-    assert due == pytest.approx(5.0 + GAP_FACTOR / adaptive.rate_rps(limits.name, now))
+    assert due == pytest.approx(5.0 + GAP_FACTOR / adaptive.company_rps(limits.name, now))
 
 
 def test_it_never_waits_past_the_slo_less_the_predicted_compute() -> None:
@@ -222,7 +251,7 @@ def test_the_model_slo_is_inherited_by_classes_without_one_and_by_the_defaults()
 # -- bounds, for any line, rate and queue ---------------------------------------------
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     overhead_s=st.floats(0.0, 0.05),
     per_item_s=st.floats(0.0, 0.01),
@@ -245,7 +274,7 @@ def test_it_never_exceeds_its_budget_nor_the_size_caps(
     policy = _policy(max_batch_size=max_batch_size, slo_s=slo_s)
     limits = policy.class_limits(None)
     now = 10.0
-    adaptive.arrived(limits.name, now - 5.0)
+    adaptive.arrived(limits.name, now - 5.0, False)
     _steady_until(adaptive, limits.name, rate_rps, now)
     oldest_s = now - waited_s
     max_items = adaptive.max_items(policy, limits, oldest_s, now)
@@ -265,7 +294,7 @@ def _steady_until(adaptive: Adaptive, name: str, rate_rps: float, now: float) ->
     num = int(5.0 * rate_rps)
     steps = min(num, 20_000)
     for i in range(steps):
-        adaptive.arrived(name, now - 5.0 + 5.0 * (i + 1) / steps, num // steps)
+        adaptive.arrived(name, now - 5.0 + 5.0 * (i + 1) / steps, True, num // steps)
 
 
 # -- in a simulated serving loop ------------------------------------------------------
@@ -301,8 +330,8 @@ class _Sim:
                 self.samples.append((now, mine.delay_s, mine.batch_size))
                 next_sample += sample_every_s
             if now == next_arrival:
+                adaptive.arrived(limits.name, now, bool(queue))
                 queue.append(now)
-                adaptive.arrived(limits.name, now)
                 next_arrival = now + rng.expovariate(self.rate_of(now))  # type: ignore[operator]
             due = math.inf
             if busy_until > now or not queue:
@@ -315,6 +344,8 @@ class _Sim:
                 continue
             for _ in range(num):
                 queue.popleft()
+            if not queue:
+                adaptive.emptied(limits.name, now)
             compute_s = (OVERHEAD_S + PER_ITEM_S * num) * rng.uniform(
                 1 - self.noise, 1 + self.noise
             )
@@ -358,7 +389,7 @@ def test_it_follows_a_step_in_the_arrival_rate_within_a_few_seconds() -> None:
 # -- through the scheduler ------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     overhead_s=st.floats(0.0, 0.02),
     per_item_s=st.floats(0.0, 0.002),
