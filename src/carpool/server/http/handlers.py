@@ -282,6 +282,7 @@ def adaptive_document(state: AdaptiveState) -> dict[str, Any]:
                 "batch_size": c.batch_size,
                 "max_batch_size": c.max_batch_size,
                 "arrival_rate_rps": c.arrival_rate_rps,
+                "company_rate_rps": c.company_rate_rps,
             }
             for c in state.classes
         },
