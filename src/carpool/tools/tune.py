@@ -28,7 +28,9 @@ from carpool.errors import ConfigError
 from carpool.tools.orthogonal import Design, FactorEffect, design_for, main_effects
 from carpool.tools.tune_trial import Measurement, TrialConfig
 
-Number = int | float
+Number = int | float | str  # a level: a number, or "auto" (AUTO_PARAMS)
+# Parameters that may also be searched at "auto" (carpool.core.adaptive), against numbers.
+AUTO_PARAMS = ("max_batch_size", "max_delay_s")
 # Parameters a trial can set, with their types: BatchPolicy fields and the replica count.
 TUNABLE: dict[str, type] = {
     "max_batch_size": int,
@@ -68,12 +70,19 @@ class Param:
         if kind is None:
             raise ConfigError("--param", name, f"one of {sorted(TUNABLE)}")
         try:
-            values = tuple(kind(float(v)) if kind is int else kind(v) for v in rest.split(","))
+            values = tuple(_level(name, kind, v.strip()) for v in rest.split(","))
         except ValueError:
+            also = ' or "auto"' if name in AUTO_PARAMS else ""
             raise ConfigError(
-                f"--param {name}", rest, f"comma-separated {kind.__name__}s"
+                f"--param {name}", rest, f"comma-separated {kind.__name__}s{also}"
             ) from None
         return cls(name, values)
+
+
+def _level(name: str, kind: type, text: str) -> Number:
+    if text == "auto" and name in AUTO_PARAMS:
+        return text
+    return int(float(text)) if kind is int else float(text)
 
 
 @dataclass(frozen=True, slots=True)
