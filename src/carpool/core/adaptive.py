@@ -27,10 +27,11 @@ open-loop traffic both rates agree. From them, each time a replica is free:
   batch's time, and a bigger batch only adds latency.
 - **Classes keep their promise.** A batch led by a lower class is capped so that a
   higher class's request arriving just after it starts still fits in its ``slo_s``:
-  that batch's time plus one item's. A batch is also capped to what the time its
-  oldest request has left allows, so filling a higher class's batch with lower-class
-  work never takes it past its budget. Both hold only for higher classes with traffic
-  (a rate above :data:`ACTIVE_RATE_RPS`) and once the line is known.
+  that batch's time plus one item's. Lower-class work fills a batch only as far as the
+  time its oldest request has left allows, so filling a higher class's batch never takes
+  it past its budget (the class's own waiting items are never cut for it). Both hold
+  only for higher classes with traffic (a rate above :data:`ACTIVE_RATE_RPS`) and once
+  the line is known.
 
 Before :data:`COLD_BATCHES` batches were measured it behaves as a fixed window of
 :data:`~carpool.core.policy.COLD_START_DELAY_S`. Everything reads the time passed in.
@@ -188,10 +189,18 @@ class Adaptive:
     # -- the size ------------------------------------------------------------------
 
     def max_items(
-        self, policy: BatchPolicy, limits: ClassLimits, oldest_arrival_s: float, now: float
+        self,
+        policy: BatchPolicy,
+        limits: ClassLimits,
+        oldest_arrival_s: float,
+        now: float,
+        num_own_items: int = 1,
     ) -> int:
         """The most items a batch led by class ``limits`` may hold now: at least 1, at
-        most the class's ``max_batch_size`` (the caller applies cost budgets)."""
+        most the class's ``max_batch_size`` (the caller applies cost budgets). The time
+        its oldest request has left limits only the lower-class fill: the class's own
+        ``num_own_items`` waiting are never cut for it (a backlog run one by one would
+        only grow)."""
         cap = limits.max_batch_size
         if not self.is_warm or not self._fit.is_identified:
             return cap
@@ -209,7 +218,8 @@ class Adaptive:
             cap = min(cap, _largest_within(allowed_s, overhead_s, per_item_s))
         if limits.slo_s is not None:
             left_s = SLO_HEADROOM * limits.slo_s - (now - oldest_arrival_s)
-            cap = min(cap, _largest_within(left_s, overhead_s, per_item_s))
+            within = _largest_within(left_s, overhead_s, per_item_s)
+            cap = min(cap, max(within, num_own_items))
         return cap
 
     # -- the delay -----------------------------------------------------------------

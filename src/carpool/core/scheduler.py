@@ -153,7 +153,8 @@ class Scheduler:
             max_items = queue.limits.max_batch_size
             if adaptive is not None:
                 oldest_s = heads[queue.name].arrival_s
-                max_items = adaptive.max_items(policy, queue.limits, oldest_s, now)
+                own = queue.num_live_items
+                max_items = adaptive.max_items(policy, queue.limits, oldest_s, now, own)
             if max_items_cap is not None:
                 max_items = min(max_items, max_items_cap)
             plan, expired = self._plan(queue, queues, policy, max_items, now)

@@ -208,7 +208,7 @@ def test_lower_class_batches_are_capped_while_a_higher_class_has_traffic() -> No
     assert OVERHEAD_S + PER_ITEM_S * expected + OVERHEAD_S + PER_ITEM_S <= 0.016 + 1e-12
 
 
-def test_a_batch_is_filled_only_as_far_as_its_oldest_request_has_time_left() -> None:
+def test_lower_class_fill_goes_only_as_far_as_the_oldest_request_has_time_left() -> None:
     classes = (ClassPolicy("interactive", slo_s=0.02), ClassPolicy("background", slo_s=30.0))
     policy = _policy(max_batch_size=128, classes=classes, default_class="background", slo_s=None)
     adaptive = Adaptive(_fit())
@@ -218,7 +218,9 @@ def test_a_batch_is_filled_only_as_far_as_its_oldest_request_has_time_left() -> 
     left_s = SLO_HEADROOM * 0.02 - waited_s
     expected = math.floor((left_s - OVERHEAD_S) / PER_ITEM_S)
     assert adaptive.max_items(policy, interactive, now - waited_s, now) == expected
-    assert adaptive.max_items(policy, interactive, now - 1.0, now) == 1  # late: alone
+    assert adaptive.max_items(policy, interactive, now - 1.0, now) == 1  # late: no fill
+    # Its own backlog is never cut for it: run one by one, a backlog would only grow.
+    assert adaptive.max_items(policy, interactive, now - 1.0, now, num_own_items=40) == 40
 
 
 def test_auto_is_accepted_per_model_and_per_class_and_anything_else_named() -> None:
@@ -451,7 +453,9 @@ def test_batches_it_closes_keep_max_batch_size_and_max_batch_cost(
             )
         heads = {q.name: q.head() for q in queues.ordered}
         caps = {
-            n: adaptive.max_items(policy, policy.limits[n], h.arrival_s, now)
+            n: adaptive.max_items(
+                policy, policy.limits[n], h.arrival_s, now, queues.by_name[n].num_live_items
+            )
             for n, h in heads.items()
             if h is not None
         }
