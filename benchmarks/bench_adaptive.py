@@ -101,7 +101,7 @@ def _loads(capacity: float, quick: bool) -> list[tuple[str, list[str], float]]:
     return loads
 
 
-def _goodput(url: str, flags: list[str], duration_s: float) -> dict[str, float]:
+def _goodput(url: str, flags: list[str], duration_s: float) -> dict[str, Any]:
     argv = [url, "--model", "mlp", "--protocol", "kserve-binary", "--input-shape", "1,256"]
     argv += [*flags, "--duration", f"{duration_s:g}s", "--warmup", "1s", "--seed", "0"]
     config = config_from_args(build_parser().parse_args([*argv, "--no-progress"]))
@@ -182,7 +182,7 @@ def _sweep(url: str, capacity: float, quick: bool) -> dict[str, Any]:
     ]
     settings += [("auto", {"max_delay_s": "auto", "max_batch_size": "auto"}), ("aimd", None)]
     loads = _loads(capacity, quick)
-    table: dict[str, dict[str, dict[str, float]]] = {}
+    table: dict[str, dict[str, dict[str, Any]]] = {}
     for name, policy in settings:
         table[name] = {}
         for label, flags, duration_s in loads:
@@ -193,6 +193,9 @@ def _sweep(url: str, capacity: float, quick: bool) -> dict[str, Any]:
                 _set(url, **policy)
                 table[name][label] = _goodput(url, flags, duration_s)
             row = table[name][label]
+            if name == "auto":  # what the controller had in force at the end of the load
+                document = httpx.get(f"{url}/v2/models/mlp/policy", timeout=10.0).json()
+                row["adaptive"] = document["adaptive"]
             print(
                 f"{name:>18} {label:>13}: goodput {row['goodput_rps']:7.0f}/s  "
                 f"p50 {row['p50_ms']:6.2f} ms  p99 {row['p99_ms']:7.2f} ms",
@@ -221,7 +224,7 @@ def _sweep(url: str, capacity: float, quick: bool) -> dict[str, Any]:
     }
 
 
-def _ratio(table: dict[str, dict[str, dict[str, float]]], a: str, b: str, load: str) -> float:
+def _ratio(table: dict[str, dict[str, dict[str, Any]]], a: str, b: str, load: str) -> float:
     base = table[b][load]["goodput_rps"]
     return table[a][load]["goodput_rps"] / base if base else 0.0
 
