@@ -24,7 +24,8 @@ open-loop traffic both rates agree. From them, each time a replica is free:
   are all waiting send nothing more: the batch goes).
 - **Size cap** (``max_batch_size: auto``). The knee of ``t(b)``: past
   ``overhead / (KNEE_SHARE * per_item)`` the fixed overhead is under a tenth of the
-  batch's time, and a bigger batch only adds latency.
+  batch's time, and a bigger batch only adds latency; but never below the target size
+  (under overload the size that keeps up, else the cap), or the queue would only grow.
 - **Classes keep their promise.** A batch led by a lower class is capped so that a
   higher class's request arriving just after it starts still fits in its ``slo_s``:
   that batch's time plus one item's. Lower-class work fills a batch only as far as the
@@ -207,6 +208,10 @@ class Adaptive:
         overhead_s, per_item_s = self._fit.line()
         if limits.is_auto_size and per_item_s > 0:
             knee = overhead_s / (KNEE_SHARE * per_item_s)
+            # Past the knee a larger batch only adds latency while the replica keeps up;
+            # when it does not, the size that keeps up is the floor (else the queue grows).
+            rate = self.company_rps(limits.name, now)
+            knee = max(knee, _keep_up_size(rate, overhead_s, per_item_s, cap))
             cap = min(cap, max(1, math.ceil(min(knee, cap))))
         for higher in policy.limits.values():
             if higher.rank >= limits.rank or higher.slo_s is None:
@@ -228,14 +233,7 @@ class Adaptive:
         """The batch size worth waiting for at the class's rate now (module docstring)."""
         rate = self.company_rps(limits.name, now)
         overhead_s, per_item_s = self._fit.line()
-        rho = TARGET_UTILIZATION
-        if rate * (overhead_s + per_item_s) <= rho:
-            wanted = 1
-        elif rate * per_item_s >= rho:
-            wanted = max_items
-        else:
-            wanted = math.ceil(min(max_items, rate * overhead_s / (rho - rate * per_item_s)))
-        wanted = max(1, min(wanted, max_items))
+        wanted = _keep_up_size(rate, overhead_s, per_item_s, max_items)
         held = self._targets.get(limits.name)
         if held is not None and abs(wanted - held) <= HYSTERESIS * held:
             wanted = min(held, max_items)
@@ -295,6 +293,18 @@ class Adaptive:
             )
         overhead_s, per_item_s = self._fit.line()
         return AdaptiveState(tuple(choices), overhead_s, per_item_s, self._fit.num_batches)
+
+
+def _keep_up_size(rate_rps: float, overhead_s: float, per_item_s: float, max_items: int) -> int:
+    """The smallest batch that keeps the replica at most TARGET_UTILIZATION busy at
+    ``rate_rps`` (``max_items`` when none does), in [1, max_items]."""
+    rho = TARGET_UTILIZATION
+    if rate_rps * (overhead_s + per_item_s) <= rho:
+        return 1
+    if rate_rps * per_item_s >= rho:
+        return max_items
+    wanted = math.ceil(min(max_items, rate_rps * overhead_s / (rho - rate_rps * per_item_s)))
+    return max(1, min(wanted, max_items))
 
 
 def _largest_within(allowed_s: float, overhead_s: float, per_item_s: float) -> int:

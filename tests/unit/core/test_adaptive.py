@@ -194,6 +194,17 @@ def test_auto_batch_size_is_the_knee_of_the_line() -> None:
     assert flat.max_items(_policy(max_batch_size="auto"), limits, 0.0, 0.0) == 256
 
 
+def test_auto_batch_size_is_never_below_the_size_that_keeps_up() -> None:
+    adaptive = Adaptive(_fit())
+    policy = _policy(max_batch_size="auto", slo_s=1.0)
+    limits = policy.class_limits(None)
+    _steady(adaptive, limits.name, 2600, until_s=5.0)  # r c = 0.78: b >= r a / (0.8 - r c)
+    rate_rps = adaptive.company_rps(limits.name, 5.0)
+    keep_up = math.ceil(rate_rps * OVERHEAD_S / (0.8 - rate_rps * PER_ITEM_S))
+    assert keep_up > 67  # past the knee
+    assert adaptive.max_items(policy, limits, 5.0, 5.0) == min(256, keep_up)
+
+
 def test_lower_class_batches_are_capped_while_a_higher_class_has_traffic() -> None:
     classes = (ClassPolicy("interactive", slo_s=0.02), ClassPolicy("background", slo_s=30.0))
     policy = _policy(max_batch_size=128, classes=classes, default_class="background", slo_s=None)
