@@ -179,9 +179,14 @@ class Adaptive:
         return 0.0 if rate is None else rate.rate_rps(now)
 
     def company_rps(self, class_name: str, now: float) -> float:
-        """Arrivals per second while one of the class waits (:class:`CompanyRate`)."""
+        """Arrivals per second while one of the class waits (:class:`CompanyRate`), at
+        most the overall rate: over HTTP, arrivals bunch while requests wait (answers
+        leave together, their clients send together), and W1 under Poisson load saw
+        twice the overall rate while waiting, which made the targets twice too large."""
         company = self._company.get(class_name)
-        return 0.0 if company is None else company.rate_rps(now)
+        if company is None:
+            return 0.0
+        return min(company.rate_rps(now), self.rate_rps(class_name, now))
 
     @property
     def is_warm(self) -> bool:
