@@ -36,12 +36,16 @@ Figures = dict[str, float]
 
 
 def http_figures(result: dict[str, Any]) -> Figures:
-    """``bench_http.py``'s closed-loop rows: req/s, p50 and p99 per concurrency."""
+    """``bench_http.py``'s closed-loop rows: req/s, p50 and p99 per concurrency, and
+    req/s over the offline W1 ceiling measured around it (``of ceiling``: a shared core
+    that slows the model slows this run's ceiling too) and the mean batch size."""
     figures: Figures = {}
     for row in result["rows"]:
         c = row["concurrency"]
         figures |= {f"c{c} req/s": row["rate_rps"], f"c{c} p50 ms": row["p50_ms"]}
         figures[f"c{c} p99 ms"] = row["p99_ms"]
+        figures[f"c{c} of ceiling"] = row["ratio_to_ceiling"]
+        figures[f"c{c} mean batch"] = row["mean_batch_size"]
     return figures
 
 

@@ -36,6 +36,12 @@ Per (replicas, load), medians over ``--repeats`` (each with its own seed):
   those turns out (counted by :class:`CountingClock`, at the CPU cost of an empty turn
   measured at the start of each run): an estimate of carpool's own share.
 
+The garbage collector is set up as ``carpool serve`` sets it once its models are loaded
+(``--gc serve``, the default): a full collection, ``gc.freeze()`` of what is alive, and a
+young generation of ``YOUNG_GC_THRESHOLD`` objects (``carpool.server.run``), here once the
+replicas are loaded and before the first arrival, undone after each run. ``--gc python``
+keeps Python's defaults, as the simulation ran before.
+
 Targets (issue 24; benchmark targets, printed PASS/FAIL, never asserted in tests):
 at 90% load, from 10 to 1000 replicas, throughput >= 0.95 of the offered rate (at 90%
 load throughput cannot exceed 0.90 of capacity, so "0.95 of capacity" is read as keeping
@@ -47,12 +53,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import math
 import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +71,7 @@ from carpool import BatchPolicy
 from carpool.core.batcher import Batcher
 from carpool.core.clock import FakeClock, TimerHandle, settle
 from carpool.core.request import Outcome, RequestTrace
+from carpool.server.run import YOUNG_GC_THRESHOLD
 
 SETTLE_ROUNDS = 20  # loop turns FakeClock.advance lets run: 2 settles, and one per timer
 MAX_BATCH_SIZE = 8
@@ -91,6 +100,7 @@ class SimConfig:
     fixed_s: float = FIXED_S
     per_item_s: float = PER_ITEM_S
     max_delay_s: float = MAX_DELAY_S
+    gc: str = "serve"  # the garbage collector as carpool serve sets it, or "python"
 
 
 @dataclass(slots=True)
@@ -227,6 +237,22 @@ def poisson_arrivals(rate_rps: float, start_s: float, end_s: float, seed: int) -
     return times[times < end_s]
 
 
+@contextlib.contextmanager
+def collector_as_served() -> Iterator[None]:
+    """The garbage collector as ``carpool serve`` sets it once its models are loaded (a
+    full collection, what is alive frozen, a young generation of ``YOUNG_GC_THRESHOLD``),
+    then as it was."""
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+
+
 async def simulate(config: SimConfig) -> SimResult:
     """Run one simulation (see the module docstring) and measure it."""
     clock = CountingClock()
@@ -244,6 +270,7 @@ async def simulate(config: SimConfig) -> SimResult:
         on_trace=ledger.trace,
     )
     await batcher.start()
+    collector = collector_as_served() if config.gc == "serve" else contextlib.nullcontext()
     capacity_rps = sim.capacity_rps()
     offered_rps = config.load * capacity_rps
     slowest_s = batch_time_s(config.max_batch_size, min(speeds), config)
@@ -253,13 +280,14 @@ async def simulate(config: SimConfig) -> SimResult:
     window_end_s = window_start_s + per_replica * slowest_s
     arrivals = poisson_arrivals(offered_rps, start_s, window_end_s, config.seed)
 
-    cpu_start, wall_start = time.process_time(), time.perf_counter()
-    await _drive(batcher, clock, ledger, arrivals.tolist(), config.tick_s)
-    while ledger.settle():
-        next_s = clock.next_timer_s()
-        await clock.advance(max(0.0, (next_s or clock.now()) - clock.now()))
-    cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
-    await batcher.stop(drain=True)
+    with collector:
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        await _drive(batcher, clock, ledger, arrivals.tolist(), config.tick_s)
+        while ledger.settle():
+            next_s = clock.next_timer_s()
+            await clock.advance(max(0.0, (next_s or clock.now()) - clock.now()))
+        cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
+        await batcher.stop(drain=True)
 
     num_batches = sum(len(b) for b in sim.batches)
     window_s = window_end_s - window_start_s
@@ -441,6 +469,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with few replicas, the window lasts this many slowest batch times / replicas",
     )
     parser.add_argument("--tick-s", type=float, default=0.0005)
+    parser.add_argument(
+        "--gc",
+        choices=("serve", "python"),
+        default="serve",
+        help="the garbage collector as carpool serve sets it (default), or Python's defaults",
+    )
     parser.add_argument("--json", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -466,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                     window_batches=args.window_batches,
                     min_window_batches=args.min_window_batches,
                     tick_s=args.tick_s,
+                    gc=args.gc,
                 )
                 runs.append(asyncio.run(simulate(config)))
             row = {"num_replicas": num_replicas, "load": load, **medians(runs)}

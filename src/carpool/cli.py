@@ -3,13 +3,17 @@
 ``carpool serve [CONFIG.yaml]`` serves the models a config lists (the built-in ones without
 one) over KServe v2 HTTP and gRPC and OpenAI's API; ``carpool demo`` shows what batching
 buys on the reference MLP; ``carpool bench``, ``tune`` and ``doctor`` measure, tune and
-diagnose (see docs/tuning.md and docs/doctor.md).
+diagnose (see docs/tuning.md and docs/doctor.md); ``carpool top [URL]`` watches a running
+server and ``carpool trace`` records its batches and requests for Perfetto
+(docs/observability.md).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -141,11 +145,56 @@ def serve(
             max=86_400,
         ),
     ] = 30.0,
+    no_dashboard: Annotated[
+        bool,
+        typer.Option(
+            "--no-dashboard",
+            help="Serve no /dashboard, and sample nothing for it (on: live charts of each "
+            "model's last 5 minutes).",
+        ),
+    ] = False,
+    otlp_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="Send each request's timeline (arrived, batch closed, compute started and "
+            "ended, answered) as OpenTelemetry spans to this OTLP/HTTP collector, e.g. "
+            "http://127.0.0.1:4318 (needs the otel extra).",
+            show_default=False,
+        ),
+    ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            help="Front-end worker processes sharing the HTTP and gRPC ports (SO_REUSEPORT); "
+            "they decode requests and hand them to this process's batchers through shared "
+            "memory. 1: one process serves everything.",
+            min=1,
+        ),
+    ] = 1,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            help="Run the executor: ray models on the Ray cluster at this address (what "
+            "'ray start --head' prints; 'auto': the one on this machine), over the config's "
+            "ray.address; neither: RAY_ADDRESS, else a local Ray started for them.",
+            show_default=False,
+        ),
+    ] = None,
+    strict_openai: Annotated[
+        bool,
+        typer.Option(
+            "--strict-openai",
+            help="Refuse (400) a /v1/completions or /v1/chat/completions field that neither "
+            "OpenAI nor vLLM defines; default: ignore it, log it once and count it in "
+            "carpool_openai_ignored_fields_total.",
+        ),
+    ] = False,
 ) -> None:
     """Serve the models of CONFIG (or the built-in ones) over KServe v2 HTTP and gRPC."""
     from carpool.errors import ConfigError
     from carpool.server.access import api_key_from
     from carpool.server.errors import DrainTimedOut, PortInUse
+    from carpool.server.otlp import traces_url
     from carpool.server.run import check_ports, exit_on_signal_while_building
     from carpool.server.run import serve as run_server
 
@@ -156,14 +205,25 @@ def serve(
         )
     try:
         key = api_key_from(api_key)  # the flag, else CARPOOL_API_KEY
+        if otlp_endpoint is not None:
+            traces_url(otlp_endpoint)  # a bad URL: status 2 before any model loads
     except ConfigError as error:  # before the ports are taken or a model loads
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        check_ports(host, port, grpc_port)  # before a config's models load their weights
+        ports = None
+        if workers == 1:
+            check_ports(host, port, grpc_port)  # before a config's models load their weights
+        else:  # held from now on: the workers bind them too
+            from carpool.server.workers import reserve_ports, serve_workers
+
+            ports = reserve_ports(host, port, grpc_port)
         with exit_on_signal_while_building():
-            repository = _repository(config)
-        run_server(
+            repository = _repository(config, ray_address)
+        run: Callable[..., None] = run_server
+        if ports is not None:
+            run = functools.partial(serve_workers, ports=ports, num_workers=workers)
+        run(
             repository,
             host=host,
             port=port,
@@ -175,6 +235,9 @@ def serve(
             protect_metrics=protect_metrics,
             allow_policy_updates=allow_policy_updates,
             drain_timeout_s=drain_timeout_s,
+            dashboard=not no_dashboard,
+            otlp_endpoint=otlp_endpoint,
+            strict_openai=strict_openai,
         )
     except DrainTimedOut:  # already logged, with how many requests were cut off
         raise SystemExit(1) from None
@@ -222,6 +285,18 @@ def tune(ctx: typer.Context) -> None:
     tune_main(list(ctx.args))
 
 
+@app.command()
+def top(
+    url: Annotated[
+        str, typer.Argument(help="The server's HTTP address.")
+    ] = "http://127.0.0.1:8000",
+) -> None:
+    """A live terminal view of a running server: q quits, arrows pick a model, s sorts, ? help."""
+    from carpool.tools.top import run_top
+
+    run_top(url)
+
+
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     add_help_option=False,
@@ -234,7 +309,18 @@ def doctor(ctx: typer.Context) -> None:
     doctor_main(list(ctx.args))
 
 
-def _repository(config_path: str | None) -> ModelRepository:
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def trace(ctx: typer.Context) -> None:
+    """Record a running server's requests and batches as a Perfetto trace (--help)."""
+    from carpool.tools.trace import main as trace_main
+
+    trace_main(list(ctx.args))
+
+
+def _repository(config_path: str | None, ray_address: str | None = None) -> ModelRepository:
     """The models of ``config_path``, or the built-in ones; a bad config exits with status 2."""
     from carpool.server.repository import ModelRepository
 
@@ -242,13 +328,19 @@ def _repository(config_path: str | None) -> ModelRepository:
         from carpool.server.defaults import default_models
 
         return ModelRepository(default_models())
-    from carpool.config import load_config
+    from carpool.config import RayConfig, load_config
     from carpool.errors import ConfigError
     from carpool.server.builder import build_repository
 
     _import_from(Path(config_path).resolve().parent, Path.cwd())
     try:
-        return build_repository(load_config(config_path), file=config_path)
+        loaded = load_config(config_path)
+        if ray_address is not None:
+            ray = loaded.ray or RayConfig(address=None, namespace=None, runtime_env=None)
+            loaded = loaded.model_copy(
+                update={"ray": ray.model_copy(update={"address": ray_address})}
+            )
+        return build_repository(loaded, file=config_path)
     except ConfigError as error:
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -35,6 +36,7 @@ import yaml  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 
+from carpool.core.buffer_pool import DEFAULT_BUFFER_POOL_MB
 from carpool.core.policy import BatchPolicy, ClassPolicy
 from carpool.errors import ConfigError
 from carpool.models._source import is_import_ref
@@ -198,9 +200,19 @@ class ModelConfig(_Strict):
     # embeddings: int8 Linear layers (per-channel weights, per-token activations; CPU, float32)
     quantization: Literal["int8"] | None = None
     # Where a sync model runs (Batcher's executor); None: the kind's default.
-    executor: Literal["auto", "thread", "loop", "process"] | None = None
+    executor: Literal["auto", "thread", "loop", "process", "ray"] | None = None
     # executor: process: the CPUs each replica's process is pinned to, as [[0], [1]].
     replica_cpus: list[list[int]] | None = None
+    # Collate into buffers reused batch after batch, at most buffer_pool_mb MiB of them idle.
+    buffer_pool: bool = False
+    buffer_pool_mb: float = Field(DEFAULT_BUFFER_POOL_MB, gt=0, allow_inf_nan=False)
+    # torch: CUDA graphs captured at the preferred batch sizes; float32 weights under autocast.
+    cuda_graphs: bool = False
+    autocast: bool = False
+    # executor: ray: the Ray resources each replica's actor takes, as {num_cpus: 1}, and
+    # how often Ray restarts a dead actor before carpool creates another (-1: no limit).
+    ray_resources: dict[str, float] | None = None
+    max_restarts: int | None = Field(None, ge=-1)
 
     @field_validator("version", mode="before")
     @classmethod
@@ -249,10 +261,19 @@ class ModelConfig(_Strict):
         return [self.device or "cpu"] * (self.num_replicas or 1)
 
 
+class RayConfig(_Strict):
+    """The Ray cluster the ``executor: ray`` models run on (``ray.init``'s arguments)."""
+
+    address: str | None = Field(None, min_length=1)  # "auto": the one on this machine
+    namespace: str | None = Field(None, min_length=1)
+    runtime_env: dict[str, Any] | None = None
+
+
 class ServeConfig(_Strict):
     """What ``carpool serve CONFIG.yaml`` serves."""
 
     models: list[ModelConfig] = Field(min_length=1)
+    ray: RayConfig | None = None
 
 
 _NESTED: dict[tuple[type[BaseModel], str], type[BaseModel]] = {
@@ -260,6 +281,7 @@ _NESTED: dict[tuple[type[BaseModel], str], type[BaseModel]] = {
     (ModelConfig, "inputs"): TensorConfig,
     (ModelConfig, "outputs"): TensorConfig,
     (ModelConfig, "classes"): ClassConfig,
+    (ServeConfig, "ray"): RayConfig,
 }
 
 
@@ -479,10 +501,21 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
                 model.quantization,
                 "no quantization: only embeddings models take one",
             )
-        if model.executor == "process" and model.kind not in ("python", "torch", "onnx"):
-            yield (f"{at}.executor", "process", "thread, loop or auto for this kind of model")
+        if model.executor in ("process", "ray") and model.kind not in ("python", "torch", "onnx"):
+            yield (f"{at}.executor", model.executor, "thread, loop or auto for this kind of model")
+        for key in ("ray_resources", "max_restarts"):
+            if getattr(model, key) is not None and model.executor != "ray":
+                yield (f"{at}.{key}", getattr(model, key), "nothing unless executor: ray")
+        for name, amount in (model.ray_resources or {}).items():
+            if not name or not math.isfinite(amount) or amount < 0:
+                yield (f"{at}.ray_resources.{name}", amount, "a resource name and a number >= 0")
         if model.replica_cpus is not None and model.executor != "process":
             yield (f"{at}.replica_cpus", model.replica_cpus, "nothing unless executor: process")
+        if model.kind == "generation" and model.buffer_pool:
+            yield (f"{at}.buffer_pool", True, "false: a generation model keeps its own KV cache")
+        for key in ("cuda_graphs", "autocast"):
+            if getattr(model, key) and model.kind != "torch":
+                yield (f"{at}.{key}", True, "false: only torch models take it")
         if model.kind == "generation" and len(model.replica_devices()) > 1:
             yield (f"{at}.devices", model.replica_devices(), "one device: one engine per model")
         for key in GENERATION_FIELDS:

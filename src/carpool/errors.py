@@ -39,6 +39,8 @@ caller (the settler answers each request with one of the errors above), so none 
     ├── Withdrawn                 its turn came with requests their callers cancelled
     └── Displaced                 it waited on a replica thread given up after a hang
     Hung                          it ran past batch_timeout_s (its requests get BatchTimeout)
+    ReplicaDied                   its replica's process died under it (a ModelError saying so)
+    └── ActorDied                 its replica's Ray actor died or was lost with its node
 """
 
 from __future__ import annotations
@@ -284,3 +286,18 @@ class ReplicaDied(Exception):
         )
         self.exitcode = exitcode
         self.replica_id = replica_id
+
+
+class ActorDied(ReplicaDied):
+    """A replica's Ray actor died while it ran a model call (killed, crashed, its node
+    lost), or was being started again: ``reason`` is what Ray said."""
+
+    def __init__(self, model: str, replica_id: int, reason: str) -> None:
+        Exception.__init__(
+            self,
+            f"the Ray actor of replica {replica_id} of model {model!r} died while running "
+            f"this batch ({reason})",
+        )
+        self.exitcode = None
+        self.replica_id = replica_id
+        self.reason = reason

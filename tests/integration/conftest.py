@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 HERE = Path(__file__).resolve().parent
@@ -172,6 +173,15 @@ StartServer = Callable[..., ServedProcess]
 WAIT_LIMIT_S = 30.0  # a net against a hung test, never a timing assertion
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie that nobody reaped yet has ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def wait_until(condition: Callable[[], object], what: str) -> None:
     """Poll ``condition`` (another process's state) until it holds; fail naming ``what``
     after WAIT_LIMIT_S."""
@@ -252,6 +262,23 @@ def _is_ready(served: ServedProcess) -> bool:
         return False
     finally:
         client.close()
+
+
+@pytest.fixture(scope="module")
+def builtin_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
+    """`carpool serve` with the built-in models (``tiny-random-llama`` among them), one
+    server for the test module that asks for it."""
+    server = start_served_process(None, tmp_path_factory.mktemp("builtin"))
+    yield server
+    assert server.stop() == 0, server.output()
+
+
+@pytest.fixture
+def openai_client(builtin_served: ServedProcess) -> Iterator[openai.OpenAI]:
+    """The official ``openai`` client on ``builtin_served``, without retries."""
+    url = f"http://{builtin_served.http_url}/v1"
+    with openai.OpenAI(base_url=url, api_key="-", max_retries=0) as client:
+        yield client
 
 
 @pytest.fixture

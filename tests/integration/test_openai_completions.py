@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,22 +16,19 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import ServedProcess, start_served_process
+from .conftest import ServedProcess
 
 MODEL = "tiny-random-llama"  # max_model_len 1024, byte tokenizer: one token a byte, BOS first
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
-    server = start_served_process(None, tmp_path_factory.mktemp("completions"))
-    yield server
-    assert server.stop() == 0, server.output()
+def served(builtin_served: ServedProcess) -> ServedProcess:
+    return builtin_served
 
 
 @pytest.fixture
-def client(served: ServedProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"http://{served.http_url}/v1", api_key="-", max_retries=0) as c:
-        yield c
+def client(openai_client: openai.OpenAI) -> openai.OpenAI:
+    return openai_client
 
 
 def _metrics(served: ServedProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -213,8 +209,8 @@ def test_metrics_show_generation_in_vllm_vocabulary(served, client):
 @pytest.mark.parametrize(
     ("extra", "param", "match"),
     [
-        ({"n": 2}, "n", "one choice per request"),
-        ({"echo": True}, "echo", "echo=True is not supported"),
+        ({"best_of": 2}, "best_of", "best_of=2 is not supported"),
+        ({"echo": True, "logprobs": 1}, "echo", "prompt's log-probabilities"),
         ({"max_tokens": 5000}, "max_tokens", "lower max_tokens to 1022"),
         ({"temperature": -1}, "temperature", r"expected a number in \[0.0, 2.0\]"),
         ({"prompt": [1, 999]}, "prompt", r"prompt\[1\]=999"),

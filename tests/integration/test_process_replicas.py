@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from .conftest import DOUBLER_CONFIG, StartServer, wait_until
+from .conftest import DOUBLER_CONFIG, StartServer, process_alive, wait_until
 
 # The doubler, sleeping 20 ms per batch so that both replicas take batches.
 CONFIG = DOUBLER_CONFIG.replace("configmodels:double", "configmodels:slow_double") + (
@@ -21,15 +21,6 @@ def _children(pid: int) -> set[int]:
         text = (task / "children").read_text()
         found.update(int(p) for p in text.split())
     return found
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie that nobody reaped yet has ended)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_a_model_with_process_replicas_is_answered_over_http(start_server: StartServer) -> None:
@@ -55,4 +46,6 @@ def test_a_model_with_process_replicas_is_answered_over_http(start_server: Start
         assert busy and float(busy[0].split()[-1]) > 0, metrics
     assert served.stop() == 0, served.output()
     # multiprocessing's resource tracker ends once it reads the server's end of its pipe
-    wait_until(lambda: not any(_alive(pid) for pid in children), "no child of the server left")
+    wait_until(
+        lambda: not any(process_alive(pid) for pid in children), "no child of the server left"
+    )

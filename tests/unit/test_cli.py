@@ -27,8 +27,32 @@ def test_version() -> None:
 def test_serve_keeps_its_flags() -> None:
     result = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
-    for flag in ("CONFIG", "--host", "--port", "--grpc-port", "--log-level"):
+    for flag in ("CONFIG", "--host", "--port", "--grpc-port", "--log-level", "--ray-address"):
         assert flag in result.output, flag
+
+
+def test_ray_address_wins_over_the_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("ray")
+    from carpool.cli import _repository
+
+    calls: list[tuple[object, ...]] = []
+    monkeypatch.setattr("carpool.server.builder.connect", lambda *args: calls.append(args))
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        textwrap.dedent("""\
+            ray: {address: auto, namespace: serving}
+            models:
+              - name: m
+                kind: python
+                source: numpy:copy
+                inputs: [{name: X, datatype: FP32, shape: [-1]}]
+                outputs: [{name: Y, datatype: FP32, shape: [-1]}]
+                executor: ray
+            """)
+    )
+    _repository(str(config), "10.0.0.1:6379")
+    _repository(str(config))
+    assert calls == [("10.0.0.1:6379", "serving", None), ("auto", "serving", None)]
 
 
 def test_a_broken_config_exits_2_naming_the_key(tmp_path: Path) -> None:

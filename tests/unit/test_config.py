@@ -203,7 +203,32 @@ def test_config_datatypes_are_the_server_datatypes() -> None:
             "models[0].replica_cpus",
             "nothing unless executor: process",
         ),
+        (
+            _with_model_line("ray_resources: {num_cpus: 1}"),
+            "models[0].ray_resources",
+            "nothing unless executor: ray",
+        ),
+        (
+            _with_model_line("executor: ray\n    ray_resources: {num_gpus: -1}"),
+            "models[0].ray_resources.num_gpus",
+            "a number >= 0",
+        ),
+        (
+            _with_model_line("executor: ray\n    ray_resources: {num_cpus: one}"),
+            "models[0].ray_resources",
+            "a valid number",
+        ),
+        (
+            _with_model_line("executor: ray\n    max_restarts: -2"),
+            "models[0].max_restarts",
+            "greater than or equal to -1",
+        ),
+        (VALID + "ray: {adress: auto}\n", "ray.adress", "did you mean 'address'?"),
         (_with_model_line("batch_timeout_s: 0"), "models[0].batch_timeout_s", "greater than 0"),
+        (_with_model_line('buffer_pool: "on"'), "models[0].buffer_pool", "valid boolean"),
+        (_with_model_line("buffer_pool_mb: 0"), "models[0].buffer_pool_mb", "greater than 0"),
+        (_with_model_line("cuda_graphs: true"), "models[0].cuda_graphs", "only torch models"),
+        (_with_model_line("autocast: true"), "models[0].autocast", "only torch models"),
         (_with_model_line("batch_timeout_s: .inf"), "models[0].batch_timeout_s", "finite"),
         ("models: []\n", "models", "at least 1 item"),
         ("", "(top level)", "the file is empty"),
@@ -283,6 +308,15 @@ def test_embeddings_entry_reads_a_folder_and_token_policy(config_dir: Path) -> N
         load_config(_write(config_dir, declared))
 
 
+def test_buffer_pool_is_read_and_off_when_absent(config_dir: Path) -> None:
+    config = load_config(_write(config_dir, _with_model_line("buffer_pool: true")))
+    assert config.models[0].buffer_pool is True
+    assert config.models[0].buffer_pool_mb == 256
+    assert config.models[1].buffer_pool is False
+    config = load_config(_write(config_dir, _with_model_line("buffer_pool_mb: 64")))
+    assert config.models[0].buffer_pool_mb == 64
+
+
 def test_executor_is_read_and_left_to_the_kind_when_absent(config_dir: Path) -> None:
     config = load_config(_write(config_dir, _with_model_line("executor: loop")))
     assert config.models[0].executor == "loop"
@@ -291,3 +325,31 @@ def test_executor_is_read_and_left_to_the_kind_when_absent(config_dir: Path) -> 
     config = load_config(_write(config_dir, text))
     assert config.models[0].executor == "process"
     assert config.models[0].replica_cpus == [[0], [1]]
+
+
+def test_executor_ray_is_only_for_batched_kinds(tmp_path: Path) -> None:
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text("{}")
+    text = "models:\n  - {name: e, kind: embeddings, source: folder, executor: ray}\n"
+    error = _error(_write(tmp_path, text))
+    assert (error.field, error.value) == ("models[0].executor", "ray")
+    assert "thread, loop or auto for this kind of model" in str(error)
+
+
+def test_ray_options_and_the_ray_section_are_read(config_dir: Path) -> None:
+    text = _with_model_line(
+        "executor: ray\n    ray_resources: {num_cpus: 1, num_gpus: 0.5, accel: 2}\n"
+        "    max_restarts: 5"
+    )
+    text += "ray: {address: auto, namespace: serving}\n"
+    config = load_config(_write(config_dir, text))
+    model = config.models[0]
+    assert (model.executor, model.max_restarts) == ("ray", 5)
+    assert model.ray_resources == {"num_cpus": 1.0, "num_gpus": 0.5, "accel": 2.0}
+    assert config.ray is not None
+    assert (config.ray.address, config.ray.namespace, config.ray.runtime_env) == (
+        "auto",
+        "serving",
+        None,
+    )
+    assert load_config(_write(config_dir, VALID)).ray is None

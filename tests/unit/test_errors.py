@@ -11,6 +11,7 @@ import pytest
 import carpool
 from carpool import errors
 from carpool.errors import (
+    ActorDied,
     BatchTimeout,
     CallNotRun,
     CapacityError,
@@ -42,7 +43,7 @@ ALL_ERRORS = [
 
 
 # Signals between core's stages: they never reach a caller.
-SIGNALS = {CallNotRun, StartedLate, Withdrawn, Displaced, Hung, ReplicaDied}
+SIGNALS = {CallNotRun, StartedLate, Withdrawn, Displaced, Hung, ReplicaDied, ActorDied}
 
 
 def _defined_exception_classes() -> list[type[BaseException]]:
@@ -72,6 +73,16 @@ def test_signals_between_stages_are_neither_carpool_errors_nor_public() -> None:
         assert not issubclass(cls, CarpoolError), cls
         assert not hasattr(carpool, cls.__name__), cls
     assert all(issubclass(c, CallNotRun) for c in (StartedLate, Withdrawn, Displaced))
+    assert issubclass(ActorDied, ReplicaDied)  # handled as a dead process replica is
+
+
+def test_a_dead_actor_says_which_replica_and_what_ray_said() -> None:
+    died = ActorDied("mlp", 1, "killed by ray.kill")
+    assert str(died) == (
+        "the Ray actor of replica 1 of model 'mlp' died while running this batch "
+        "(killed by ray.kill)"
+    )
+    assert (died.replica_id, died.reason, died.exitcode) == (1, "killed by ray.kill", None)
 
 
 def test_every_exception_is_exported_from_the_package() -> None:

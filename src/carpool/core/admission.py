@@ -12,7 +12,9 @@ import numbers
 from collections.abc import Hashable
 from typing import Any
 
+from carpool.core.buffer_pool import BufferPool
 from carpool.core.collate import Collator, collator_for
+from carpool.core.collate_pool import pooled
 from carpool.core.layout import LengthBuckets
 from carpool.core.policy import BatchPolicy, ClassLimits
 from carpool.core.request import Request
@@ -110,13 +112,24 @@ class Intake:
 
     ``collate`` is a name ("auto", "numpy", "packed", ...) or a Collator; "auto" picks one
     from the first payload (:meth:`choose`). A collator with a ``lengths`` method (packed,
-    padded) measures each request's tokens, longest item and length bucket.
+    padded) measures each request's tokens, longest item and length bucket. With a
+    ``pool``, the adopted collator writes its batches into the pool's buffers
+    (:mod:`carpool.core.collate_pool`).
     """
 
-    __slots__ = ("_buckets", "_buckets_source", "_collate", "collator", "has_lengths", "pads")
+    __slots__ = (
+        "_buckets",
+        "_buckets_source",
+        "_collate",
+        "collator",
+        "has_lengths",
+        "pads",
+        "pool",
+    )
 
-    def __init__(self, collate: str | Collator) -> None:
+    def __init__(self, collate: str | Collator, pool: BufferPool | None = None) -> None:
         self._collate = collate
+        self.pool = pool
         self.collator: Collator | None = None
         if isinstance(collate, str):
             named = collator_for(collate, None)  # validates the name now, not on the first request
@@ -143,7 +156,7 @@ class Intake:
         _check_tokens(policy, collator)
         self.has_lengths = hasattr(collator, "lengths")
         self.pads = bool(getattr(collator, "pads", False))
-        self.collator = collator
+        self.collator = pooled(collator, self.pool)
 
     def check(self, policy: BatchPolicy) -> None:
         """Refuse a token budget that the collator in use cannot measure. None chosen yet

@@ -18,6 +18,7 @@ from typing import Any
 from carpool.core.adaptive import Adaptive, AdaptiveState
 from carpool.core.admission import Intake, OomCap, deadline, inspect_payload, request_cost
 from carpool.core.batch_times import BatchTimes
+from carpool.core.buffer_pool import DEFAULT_BUFFER_POOL_MB, BufferPool, check_pool_options
 from carpool.core.clock import Clock, MonotonicClock
 from carpool.core.collate import Collator
 from carpool.core.dispatch import Dispatcher
@@ -25,6 +26,7 @@ from carpool.core.lifecycle import Lifecycle, State
 from carpool.core.policy import BatchPolicy
 from carpool.core.process_replica import check_replica_cpus, process_source
 from carpool.core.queues import Queues
+from carpool.core.ray_replica import ray_replica_maker
 from carpool.core.replicas import BatchFn, FnFactory, check_threading, replica_devices
 from carpool.core.request import Outcome, Request, RequestState
 from carpool.core.scheduler import Decision, Scheduler
@@ -76,6 +78,14 @@ class Batcher(Lifecycle):
             cannot serve (a token budget smaller than one item the model may take).
         replica_cpus: with ``executor="process"``, the CPUs each replica's process is
             pinned to (``[[0], [1]]``); its torch threads are set to match.
+        buffer_pool: collate into buffers reused batch after batch (see
+            :mod:`carpool.core.buffer_pool`); ``buffer_pool_mb`` bounds the idle ones.
+        ray_resources: with ``executor="ray"`` (each replica a Ray actor, ``fn`` or
+            ``fn_factory`` as for ``"process"``: see :mod:`carpool.core.ray_replica`),
+            the Ray resources each actor takes, as ``{"num_cpus": 1, "num_gpus": 1}``
+            (default ``{"num_cpus": 1}``).
+        max_restarts: with ``executor="ray"``, how often Ray restarts a dead actor
+            before carpool creates another (default 3; -1: no limit).
 
     Raises:
         ConfigError: naming an argument of the wrong kind (a policy that is not a
@@ -102,11 +112,17 @@ class Batcher(Lifecycle):
         executor: str = "auto",
         policy_check: Callable[[BatchPolicy], None] | None = None,
         replica_cpus: list[list[int]] | None = None,
+        buffer_pool: bool = False,
+        buffer_pool_mb: float = DEFAULT_BUFFER_POOL_MB,
+        ray_resources: dict[str, float] | None = None,
+        max_restarts: int | None = None,
     ) -> None:
         if (fn is None) == (fn_factory is None):
             raise ConfigError("fn", fn, "exactly one of fn or fn_factory")
-        if isinstance(fn_factory, str) and executor != "process":
-            raise ConfigError("fn_factory", fn_factory, "a callable ('module:attr' needs process)")
+        if isinstance(fn_factory, str) and executor not in ("process", "ray"):
+            raise ConfigError(
+                "fn_factory", fn_factory, "a callable ('module:attr' needs process or ray)"
+            )
         _check_options(
             policy,
             name,
@@ -122,16 +138,29 @@ class Batcher(Lifecycle):
         self._memory_probe = memory_probe
         name = name or getattr(fn or fn_factory, "__name__", None) or "model"
         self._devices = replica_devices(num_replicas, devices)
-        if executor == "process":
-            process_source(fn, fn_factory)  # ConfigError now, not when it starts
-        elif replica_cpus is not None:
+        if executor in ("process", "ray"):
+            process_source(fn, fn_factory, executor)  # ConfigError now, not when it starts
+        if replica_cpus is not None and executor != "process":
             raise ConfigError("replica_cpus", replica_cpus, "None unless executor='process'")
+        make_replicas = ray_replica_maker(
+            executor, name, self._devices, fn, fn_factory, ray_resources, max_restarts
+        )
         cpus = check_replica_cpus(replica_cpus, len(self._devices))
         self._policy = policy if policy is not None else BatchPolicy()
         self._policy_version = 0
         if policy_check is not None:
             policy_check(self._policy)
-        self._intake = Intake(collate)
+        check_pool_options(buffer_pool, buffer_pool_mb)
+        self._pool = (
+            BufferPool(
+                int(buffer_pool_mb * 2**20),
+                self._policy.preferred_batch_sizes,
+                pin_memory=any(d.startswith("cuda") for d in self._devices),
+            )
+            if buffer_pool
+            else None
+        )
+        self._intake = Intake(collate, self._pool)
         clock = clock if clock is not None else MonotonicClock()
         check_threading(switch_interval_s, executor)
         telemetry_cls = Telemetry if telemetry else NullTelemetry
@@ -169,10 +198,11 @@ class Batcher(Lifecycle):
             batch_times=self._batch_times,
             batch_timeout_s=self._policy.batch_timeout_s,
             replica_cpus=cpus,
+            make_replicas=make_replicas,
         )
         super().__init__(name, clock=clock, queues=queues, telemetry=recorder, dispatch=dispatch)
         # The request path wakes an idle replica loop without a hop through the
-        # dispatcher: the same deque of waiters, the same bound method.
+        # dispatcher: the same IdleReplicas, the same bound method.
         self._idle = dispatch.idle
         self._wake_one = dispatch.wake_one
 
@@ -202,6 +232,11 @@ class Batcher(Lifecycle):
         """Running, with a replica that can take a batch: False while every replica is
         being replaced after a batch ran past ``batch_timeout_s``."""
         return self._state is State.RUNNING and self._dispatch.is_healthy
+
+    @property
+    def buffer_pool(self) -> BufferPool | None:
+        """The pool batches are collated into (``buffer_pool=True``), else None."""
+        return self._pool
 
     @property
     def num_replicas(self) -> int:
@@ -449,6 +484,11 @@ class Batcher(Lifecycle):
 
     # -- policy and telemetry ---------------------------------------------------------
 
+    def set_trace_hook(self, hook: TraceHook | None) -> None:
+        """Call ``hook`` with each finished request's :class:`RequestTrace` from now on,
+        in place of the constructor's ``on_trace``; None: no hook (no trace is built)."""
+        self._telemetry.on_trace = None if hook is None else guarded_hook(hook, self._name)
+
     def set_policy(self, policy: BatchPolicy) -> None:
         """Replace the policy while running; takes effect at the next batch.
 
@@ -461,6 +501,8 @@ class Batcher(Lifecycle):
         if self._policy_check is not None:
             self._policy_check(policy)
         self._intake.check(policy)
+        if self._pool is not None:  # size buckets follow the preferred sizes
+            self._pool.preferred = policy.preferred_batch_sizes
         self._queues.reconfigure(policy)
         self._policy = policy
         self._is_adaptive = policy.is_adaptive

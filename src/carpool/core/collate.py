@@ -70,7 +70,7 @@ class ListCollator:
         return len(payload)
 
     def collate(self, payloads: list[Any], is_many: list[bool]) -> Any:
-        return list(_flatten(payloads, is_many))
+        return list(flatten(payloads, is_many))
 
     def split(self, outputs: Any, counts: list[int], is_many: list[bool]) -> list[Any]:
         return split_outputs(outputs, counts, is_many)
@@ -187,7 +187,7 @@ class PackedCollator:
         return [int(item.shape[0]) for item in items]
 
     def collate(self, payloads: list[Any], is_many: list[bool]) -> Any:
-        return Packed.from_items(_flatten(payloads, is_many))
+        return Packed.from_items(flatten(payloads, is_many))
 
     def split(self, outputs: Any, counts: list[int], is_many: list[bool]) -> list[Any]:
         return split_outputs(_unpack(outputs), counts, is_many)
@@ -208,7 +208,7 @@ class PaddedCollator(PackedCollator):
         self.multiple_of = multiple_of
 
     def collate(self, payloads: list[Any], is_many: list[bool]) -> Any:
-        packed = Packed.from_items(_flatten(payloads, is_many))
+        packed = Packed.from_items(flatten(payloads, is_many))
         data, mask = packed.to_padded(self.pad_value, self.multiple_of)
         return Padded(data, mask, packed.lengths)
 
@@ -283,7 +283,8 @@ def _first_item(payload: Any, is_many: bool) -> Any:
     return first
 
 
-def _flatten(payloads: list[Any], is_many: list[bool]) -> list[Any]:
+def flatten(payloads: list[Any], is_many: list[bool]) -> list[Any]:
+    """Every item of a batch's payloads, a ``submit_many`` payload's items in turn."""
     if not any(is_many):
         return payloads
     items: list[Any] = []

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, overload
 
 from carpool.core.batcher import Batcher
+from carpool.core.buffer_pool import DEFAULT_BUFFER_POOL_MB
 from carpool.core.clock import Clock
 from carpool.core.collate import Collator
 from carpool.core.policy import DEFAULT_CLASS, DEFAULT_CLASSES, BatchPolicy, ClassPolicy, CostFn
@@ -147,6 +148,10 @@ def batched(
     switch_interval_s: float | None = ...,
     executor: str = ...,
     replica_cpus: list[list[int]] | None = ...,
+    buffer_pool: bool = ...,
+    buffer_pool_mb: float = ...,
+    ray_resources: dict[str, float] | None = ...,
+    max_restarts: int | None = ...,
 ) -> Callable[[BatchTarget], BatchedFunction]: ...
 
 
@@ -180,6 +185,10 @@ def batched(
     switch_interval_s: float | None = 0.0005,
     executor: str = "auto",
     replica_cpus: list[list[int]] | None = None,
+    buffer_pool: bool = False,
+    buffer_pool_mb: float = DEFAULT_BUFFER_POOL_MB,
+    ray_resources: dict[str, float] | None = None,
+    max_restarts: int | None = None,
 ) -> BatchedFunction | Callable[[BatchTarget], BatchedFunction]:
     """Decorate a batched function: ``await f(x)`` then runs ``x`` inside some batch.
 
@@ -220,6 +229,10 @@ def batched(
             switch_interval_s=switch_interval_s,
             executor=executor,
             replica_cpus=replica_cpus,
+            buffer_pool=buffer_pool,
+            buffer_pool_mb=buffer_pool_mb,
+            ray_resources=ray_resources,
+            max_restarts=max_restarts,
         )
 
     def wrap(target: BatchTarget) -> BatchedFunction:

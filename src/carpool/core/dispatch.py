@@ -4,6 +4,16 @@ Each replica runs one loop: ask the scheduler for a batch; if there is one, run 
 if not, sleep until a request arrives or the oldest request's delay expires. A batch is
 therefore closed only when a replica is free to run it, and while every replica is busy
 requests pile up, so batches grow with load (pull-based, least-loaded by construction).
+When a batch is ready and several replicas are idle, the one woken to take it is the one
+least busy lately (:mod:`carpool.core.idle`): its time computing, decayed with a time
+constant of ``BUSY_DECAY_S``, is the lowest. Waking the longest-idle one instead gives
+each replica about the same gap between batches whatever its speed, which leaves fast
+replicas less busy than slow ones. For a delay that runs out, idle replicas share one
+timer, which wakes the least busy of them too. A batcher with one replica has no choice
+to make: its loop keeps no busy time and waits with a timer of its own, cancelled when a
+request wakes it, as before least-busy dispatch (the shared timer is not cancelled when
+a request wakes a replica, so it woke a lone replica once more, for nothing, after a
+batch that filled before its delay ran out).
 
 A batch that raises is bisected until the failing requests are found; only they get a
 :class:`ModelError`. Out of memory splits the batch into halves, retries them, and lowers
@@ -29,14 +39,16 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from carpool.core.admission import Intake, OomCap
 from carpool.core.batch_times import BatchTimes
-from carpool.core.clock import Clock
+from carpool.core.clock import Clock, TimerHandle
+from carpool.core.idle import BusyTime, IdleReplicas
 from carpool.core.process_replica import process_replicas, process_source
 from carpool.core.queues import Queues
 from carpool.core.replicas import (
@@ -75,9 +87,9 @@ class Decide(Protocol):
 class Dispatcher:
     """Runs one batcher's batches on its replicas (see the module docstring).
 
-    ``idle`` holds a future per replica loop waiting for work, oldest first: the batcher
-    holds the same deque (it is cleared, never rebound) and calls :meth:`wake_one` when it
-    queues a request.
+    ``idle`` holds a future per replica loop waiting for work, least busy lately first:
+    the batcher holds the same :class:`IdleReplicas` (it is cleared, never rebound) and
+    calls :meth:`wake_one` when it queues a request.
     """
 
     def __init__(
@@ -99,8 +111,10 @@ class Dispatcher:
         batch_times: BatchTimes | None = None,
         batch_timeout_s: float | None = None,
         replica_cpus: list[list[int]] | None = None,
+        make_replicas: Callable[[Watchdog], Sequence[ReplicaLike]] | None = None,
     ) -> None:
         self._name = name
+        self._make_replicas = make_replicas  # replicas of another kind (executor="ray")
         self._replica_cpus = replica_cpus
         self._devices = devices
         self._fn = fn
@@ -119,7 +133,11 @@ class Dispatcher:
         self.watchdog = Watchdog(clock, batch_timeout_s)  # the batcher sets its timeout_s
         self.replicas: list[ReplicaLike] = []  # kept after join(): their counters stay readable
         self._tasks: list[asyncio.Task[None]] = []
-        self.idle: deque[asyncio.Future[None]] = deque()
+        self.idle = IdleReplicas()
+        # One timer for all idle replicas: when the earliest of them asked to look again
+        # (a request's delay runs out), the least busy idle one is woken.
+        self._due: TimerHandle | None = None
+        self._due_s = math.inf
         # Each launched batch, by batch id, until it lands.
         self._launched: dict[int, _InFlight] = {}
         self.is_draining = False  # no request comes any more: loops end on empty queues
@@ -130,7 +148,9 @@ class Dispatcher:
         """Load a replica per device (all are closed if one fails) and, while one runs on
         a thread, hold the interpreter's GIL switch interval."""
         replicas: list[ReplicaLike]
-        if self._executor == "process":
+        if self._make_replicas is not None:
+            replicas = list(self._make_replicas(self.watchdog))
+        elif self._executor == "process":
             source = process_source(self._fn, self._fn_factory)
             replicas = list(
                 process_replicas(
@@ -251,6 +271,7 @@ class Dispatcher:
         self.replicas, self._tasks = [], []
 
     def _close_replicas(self) -> None:
+        self._disarm()
         for replica in self.replicas:
             replica.close()
         if self._holds_switch_interval:
@@ -260,16 +281,34 @@ class Dispatcher:
     # -- waking idle replicas ---------------------------------------------------------
 
     def wake_one(self) -> None:
-        idle = self.idle
-        while idle:
-            waiter = idle.popleft()
+        """Wake the idle replica loop least busy lately."""
+        take = self.idle.take
+        while (waiter := take()) is not None:
             if not waiter.done():
                 waiter.set_result(None)
                 return
 
+    def _arm(self, at_s: float) -> None:
+        """Wake the least busy idle replica at ``at_s``, unless one is woken earlier."""
+        if at_s >= self._due_s:
+            return
+        self._disarm()
+        self._due_s = at_s
+        self._due = self._clock.call_at(at_s, self._on_due)
+
+    def _disarm(self) -> None:
+        if self._due is not None:
+            self._due.cancel()
+        self._due, self._due_s = None, math.inf
+
+    def _on_due(self) -> None:
+        self._due, self._due_s = None, math.inf
+        self.wake_one()
+
     def wake_all(self) -> None:
-        while self.idle:
-            _wake(self.idle.popleft())
+        take = self.idle.take
+        while (waiter := take()) is not None:
+            _wake(waiter)
 
     # -- requests taken out: expired, cancelled, closed -------------------------------
 
@@ -314,6 +353,8 @@ class Dispatcher:
     async def _replica_loop(self, replica: ReplicaLike) -> None:
         clock = self._clock
         inflight: deque[_InFlight] = deque()
+        # Only among several replicas is there one least busy to choose.
+        busy = BusyTime() if len(self.replicas) > 1 else None
         while True:
             if not replica.is_healthy:
                 await self._renewed(replica)
@@ -337,7 +378,7 @@ class Dispatcher:
                 holds_replica = any(
                     f.batch.lead_class == landing.batch.lead_class for f in inflight
                 )
-                await self._land(replica, landing, holds_replica)
+                await self._land(replica, landing, holds_replica, busy)
                 if replica.blocks_loop:
                     await io_turn()
                 continue
@@ -348,7 +389,7 @@ class Dispatcher:
                 return
             if replica.idle_since_s is None:
                 replica.idle_since_s = now
-            await self._idle_wait(wake_at_s)
+            await self._idle_wait(wake_at_s, busy)
 
     async def _renewed(self, replica: ReplicaLike) -> None:
         """Wait until a replica given up after a hang has its model again, building it
@@ -378,12 +419,19 @@ class Dispatcher:
         finally:
             timer.cancel()
 
-    async def _idle_wait(self, wake_at_s: float | None) -> None:
+    async def _idle_wait(self, wake_at_s: float | None, busy: BusyTime | None) -> None:
+        """Wait for a request or until ``wake_at_s``: on the idle replicas' shared timer
+        with ``busy`` (several replicas), on a timer of this wait's own without."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.idle.append(waiter)
         timer = None
-        if wake_at_s is not None:
-            timer = self._clock.call_at(wake_at_s, lambda: _wake(waiter))
+        if busy is None:
+            self.idle.push(waiter, 0.0)
+            if wake_at_s is not None:
+                timer = self._clock.call_at(wake_at_s, lambda: _wake(waiter))
+        else:
+            self.idle.push(waiter, busy.key)
+            if wake_at_s is not None:
+                self._arm(wake_at_s)
         try:
             await waiter
         finally:
@@ -392,8 +440,7 @@ class Dispatcher:
             # Closed: its loop was closed under it, and this coroutine is being discarded.
             if not waiter.done() and not waiter.get_loop().is_closed():
                 waiter.cancel()
-            if waiter in self.idle:  # woken by its timer, not popped by a submit
-                self.idle.remove(waiter)
+            self.idle.drop(waiter)  # woken by its own timer or cancelled, not taken
 
     def _launch(self, replica: ReplicaLike, batch: Batch, now: float) -> _InFlight:
         """Mark the batch's requests running and start the model on each signature group."""
@@ -411,7 +458,9 @@ class Dispatcher:
         launched = self._launched[batch.batch_id] = _InFlight(batch, calls, attempts, now, cancels)
         return launched
 
-    async def _land(self, replica: ReplicaLike, inflight: _InFlight, holds_replica: bool) -> None:
+    async def _land(
+        self, replica: ReplicaLike, inflight: _InFlight, holds_replica: bool, busy: BusyTime | None
+    ) -> None:
         """Wait for a launched batch and answer each of its requests."""
         batch = inflight.batch
         # A batch queued behind another cannot have started before that one ended.
@@ -431,6 +480,8 @@ class Dispatcher:
             end = self._clock.now()
             replica.last_landed_s = end
             compute_s = max(0.0, end - started_s)
+            if busy is not None:
+                busy.add(end, compute_s)
             self._telemetry.batch_done(batch, replica.counters, compute_s)
             if self._batch_times is not None:
                 self._batch_times.observe(batch.num_items, compute_s)

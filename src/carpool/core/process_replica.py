@@ -29,32 +29,33 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
-import enum
 import importlib
 import logging
-import math
 import multiprocessing
 import os
 import pickle
 import signal
 import sys
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from carpool.core.remote_replica import (
+    RESTART_WAIT_MAX_S,
+    RESTART_WAIT_S,
+    ChildState,
+    RemoteReplica,
+)
 from carpool.core.replicas import BatchFn, FnFactory, ModelCall, RunOutput, is_async_callable
 from carpool.core.shm_ring import Header, Reader, Region
-from carpool.core.telemetry import ReplicaCounters
-from carpool.core.watchdog import Watchdog, awaited_within
-from carpool.errors import ConfigError, Hung, ReplicaDied
+from carpool.core.watchdog import Watchdog
+from carpool.errors import ConfigError, ReplicaDied
 
 log = logging.getLogger("carpool.replicas")
 
 SPAWN = multiprocessing.get_context("spawn")
-RESTART_WAIT_S = 0.1
-RESTART_WAIT_MAX_S = 5.0
 STOP_WAIT_S = 2.0  # how long a child may take to end after it was asked to
 
 # What a process replica builds its model from: the function itself, a factory called
@@ -71,13 +72,6 @@ def _kill_children() -> None:
     for process in list(_children):
         if process.is_alive():
             process.kill()
-
-
-class ChildState(enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    DEAD = "dead"  # to be started again
-    CLOSED = "closed"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,14 +91,17 @@ class FunctionRef:
         return fn
 
 
-def process_source(fn: BatchFn | None, fn_factory: FnFactory | str | None) -> ModelSource:
-    """What a child process builds the model from; it must reach the child by pickle.
+def process_source(
+    fn: BatchFn | None, fn_factory: FnFactory | str | None, executor: str = "process"
+) -> ModelSource:
+    """What a child process (or a Ray actor) builds the model from; it must reach the
+    child by pickle.
 
     Raises:
         ConfigError: ``fn`` async or not picklable, ``fn_factory`` not picklable.
     """
     if fn is not None and is_async_callable(fn):
-        raise ConfigError("fn", fn, "a sync function for executor='process'")
+        raise ConfigError("fn", fn, f"a sync function for executor={executor!r}")
     field, value = ("fn", fn) if fn is not None else ("fn_factory", fn_factory)
     if isinstance(value, str):
         if value.count(":") != 1 or not all(value.split(":")):
@@ -120,7 +117,7 @@ def process_source(fn: BatchFn | None, fn_factory: FnFactory | str | None) -> Mo
         raise ConfigError(
             field,
             value,
-            "for executor='process', a picklable function (defined at a module's top "
+            f"for executor={executor!r}, a picklable function (defined at a module's top "
             "level, not a lambda or a closure), or fn_factory as a picklable callable or "
             f"a 'module:attr' string naming one ({type(exc).__name__}: {exc})",
         ) from None
@@ -153,7 +150,8 @@ def check_replica_cpus(replica_cpus: object, num_replicas: int) -> list[list[int
 # -- the child ------------------------------------------------------------------------
 
 
-def _build(source: ModelSource, device: str) -> BatchFn:
+def build_from_source(source: ModelSource, device: str) -> BatchFn:
+    """The model ``source`` gives on ``device`` (in a replica's process or Ray actor)."""
     fn, factory = source
     if fn is not None:
         return fn
@@ -192,7 +190,7 @@ def child_main(conn: Connection, source: ModelSource, device: str, cpus: list[in
         os.sched_setaffinity(0, cpus)
     _match_torch_threads(cpus)
     try:
-        fn = _build(source, device)
+        fn = build_from_source(source, device)
     except Exception as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
@@ -227,14 +225,9 @@ def child_main(conn: Connection, source: ModelSource, device: str, cpus: list[in
 # -- this side ------------------------------------------------------------------------
 
 
-class ProcessReplica:
+class ProcessReplica(RemoteReplica):
     """One copy of the model in its own process (see the module docstring). ``group``
     lists the model's process replicas: a call whose process died runs again on another."""
-
-    pipeline_depth = 1
-    is_threaded = False
-    blocks_loop = False
-    num_stuck_threads = 0
 
     def __init__(
         self,
@@ -247,32 +240,15 @@ class ProcessReplica:
         cpus: list[int] | None,
         group: list[ProcessReplica],
     ) -> None:
-        self.replica_id = replica_id
-        self.device = device
-        self.counters = ReplicaCounters(replica_id, device)
-        self.idle_since_s: float | None = None
-        self.last_landed_s = -math.inf
-        self._name = name
+        super().__init__(replica_id, device, name, now, watchdog, group)
         self._source = source
-        self._now = now
-        self._watchdog = watchdog
         self._cpus = cpus
-        self._group = group
-        self._state = ChildState.STARTING
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: asyncio.Future[Any] | None = None  # the reply awaited
         self._region = Region()  # batches to the child
         self._reader = Reader()  # outputs from it
-        self._lock = asyncio.Lock()  # one call at a time on the process
-        self._restarter: asyncio.Task[None] | None = None
-        self._restart_wait_s = RESTART_WAIT_S
-
-    @property
-    def is_healthy(self) -> bool:
-        """Whether its process is up, with its model built."""
-        return self._state is ChildState.READY
 
     @property
     def pid(self) -> int | None:
@@ -416,38 +392,6 @@ class ProcessReplica:
         if self._state is not ChildState.CLOSED:
             self._state = ChildState.DEAD
 
-    async def renewed(self) -> None:
-        """Wait while the process is being started again."""
-        restarter = self._restarter
-        while restarter is not None and not restarter.done():
-            await asyncio.shield(restarter)
-            restarter = self._restarter
-
-    def renew(self) -> None:
-        """Nothing to do: a dead process is started again by the replica itself."""
-
-    def start(self, call: ModelCall) -> Awaitable[RunOutput]:
-        """Run ``call`` in the process (see the module docstring); the awaitable gives one
-        result per request, or raises as a thread replica's would, or ReplicaDied."""
-        return self._run(call, may_retry=True)
-
-    async def _run(self, call: ModelCall, may_retry: bool) -> RunOutput:
-        try:
-            return await self._run_here(call)
-        except ReplicaDied:
-            if not may_retry:
-                raise
-            other = next((r for r in self._group if r is not self and r.is_healthy), None)
-            if other is None:
-                raise
-            log.warning(
-                "model %r: the batch of replica %d runs again on replica %d",
-                self._name,
-                self.replica_id,
-                other.replica_id,
-            )
-            return await other._run(call, may_retry=False)
-
     async def _run_here(self, call: ModelCall) -> RunOutput:
         async with self._lock:
             await self.renewed()
@@ -461,19 +405,7 @@ class ProcessReplica:
             pending = self._pending = self._loop.create_future()
             with contextlib.suppress(OSError):  # it died: its sentinel fails ``pending``
                 self._conn.send(header)
-            timeout_s = self._watchdog.timeout_s if self._watchdog is not None else None
-            try:
-                if timeout_s is None:
-                    reply: Header = await pending
-                else:
-                    assert self._watchdog is not None
-                    clock = self._watchdog.clock
-                    reply = await awaited_within(
-                        pending, clock, started, timeout_s, self.replica_id
-                    )
-            except Hung:
-                self._hung(started, timeout_s)
-                raise
+            reply: Header = await self._within_timeout(pending, started)
             outputs = self._reader.read(reply, copy=True)
             self._restart_wait_s = RESTART_WAIT_S
             return call.output(outputs, started, now())
@@ -482,7 +414,7 @@ class ProcessReplica:
         process = self._process
         return None if process is None else process.exitcode
 
-    def _hung(self, started_s: float, timeout_s: float | None) -> None:
+    def _hung(self, started_s: float, timeout_s: float) -> None:
         """Kill the process now and restart it: the next batch must not reach it."""
         process = self._process
         log.error(

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from carpool.core.collate import Collator
+from carpool.core.collate_pool import PooledCollator
 from carpool.core.request import Request
 from carpool.core.telemetry import ReplicaCounters
 from carpool.core.watchdog import (
@@ -42,7 +43,7 @@ BatchFn = Callable[[Any], Any]
 FnFactory = Callable[[str], BatchFn]
 
 
-EXECUTORS = ("auto", "thread", "loop", "process")
+EXECUTORS = ("auto", "thread", "loop", "process", "ray")
 
 # A model's replicas build their copies on their own threads at once, so builds take turns:
 # a factory that seeds torch's global RNG (torch.manual_seed, then nn.Linear's
@@ -479,8 +480,10 @@ class Replica:
                     assert watching is not None
                     watching.unwatch(watch)
             if outputs is _LATE:
+                call.release()
                 raise StartedLate(started)
             if outputs is _WITHDRAWN:
+                call.release()
                 raise Withdrawn(started)
             return call.output(outputs, started, ended)
 
@@ -549,6 +552,7 @@ class ModelCall:
     is_many: list[bool] = field(init=False)
     counts: list[int] = field(init=False)
     deadline_s: float | None = field(init=False)
+    lease: list[Any] = field(init=False, default_factory=list)  # pooled buffers held
 
     def __post_init__(self) -> None:
         requests = self.requests
@@ -563,7 +567,19 @@ class ModelCall:
         return ModelCall(requests, self.collator, self.cancels)
 
     def collate(self) -> Any:
-        return self.collator.collate(self.payloads, self.is_many)
+        collator = self.collator
+        if type(collator) is PooledCollator:
+            batch, self.lease = collator.collate_leased(self.payloads, self.is_many)
+            return batch
+        return collator.collate(self.payloads, self.is_many)
+
+    def release(self) -> None:
+        """Give pooled buffers back when the model did not run on them (late, withdrawn)."""
+        lease, self.lease = self.lease, []
+        collator = self.collator
+        if lease and type(collator) is PooledCollator:
+            for buffer in lease:
+                collator.pool.release(buffer)
 
     def is_withdrawn(self) -> bool:
         """Whether a caller cancelled one of this call's requests."""
@@ -577,6 +593,13 @@ class ModelCall:
             raise Withdrawn(started_s)
 
     def output(self, outputs: Any, started_s: float, ended_s: float) -> RunOutput:
+        lease = self.lease
+        if lease:  # outputs aliasing the pooled input are copied before it goes back
+            self.lease = []
+            collator = self.collator
+            assert type(collator) is PooledCollator
+            results = collator.split_leased(outputs, self.counts, self.is_many, lease)
+            return RunOutput(results, started_s, ended_s)
         return RunOutput(
             self.collator.split(outputs, self.counts, self.is_many), started_s, ended_s
         )

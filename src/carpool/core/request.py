@@ -144,6 +144,12 @@ class RequestTrace:
     def compute_s(self) -> float:
         return self.compute_ended_s - self.compute_started_s
 
+    @property
+    def answer_s(self) -> float:
+        """From the end of its batch's compute to its answer: its outputs split off and
+        its future settled (longer when the loop that settles it is busy)."""
+        return max(0.0, self.answered_s - self.compute_ended_s)
+
     def describe(self) -> str:
         """One line for a person: where the time went."""
         if math.isnan(self.batch_closed_s):

@@ -23,6 +23,7 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 RING_SIZE = 8192  # a power of two: the ring index is masked, not divided
+SLOWEST_WINDOW_S = 10.0  # how long the slowest request answered stays the one shown
 # Every reason ``ClassStats.rejections`` may count: exporters show each from 0, since a
 # counter series that first appears at 1 is invisible to Prometheus' rate().
 REJECTION_REASONS: tuple[str, ...] = ("cancelled", "closed", "deadline", "invalid", "queue_full")
@@ -211,6 +212,9 @@ class TelemetrySnapshot:
     # Refused from their head (every queue full) before their body, and so their class,
     # was read: counted for the model, in no class.
     num_refused_from_head: int = 0
+    # The slowest request answered in the last SLOWEST_WINDOW_S or so: where a p99's time
+    # went (carpool top and the dashboard show it).
+    slowest: RequestTrace | None = None
 
 
 class _ClassCounters:
@@ -298,6 +302,9 @@ class Telemetry:
         self._fill_sum = 0.0
         self._num_tokens = 0
         self._num_slots = 0
+        self._slowest: RequestTrace | None = None
+        self._slowest_s = 0.0
+        self._slowest_since_s = -math.inf
         self._compute = Histogram()
         self._mem: list[int] = []  # [num, peak, trough, total]
 
@@ -394,6 +401,8 @@ class Telemetry:
             if slo is not None:
                 counters.slo_total += 1
                 counters.slo_met += total_s <= slo
+            if total_s > self._slowest_s or now - self._slowest_since_s > SLOWEST_WINDOW_S:
+                self._keep_slowest(request, now, total_s)
             if self.on_trace is not None or (
                 self.slow_request_s is not None and total_s > self.slow_request_s
             ):
@@ -406,6 +415,14 @@ class Telemetry:
         self._ok_sizes[num_items] += 1
         self._ok_size_compute[num_items] += call_s
         self._last_ok_unix_s = time.time()
+
+    def _keep_slowest(self, request: Request, now: float, total_s: float) -> None:
+        """Keep ``request`` as the slowest: a slower one replaces it, and once it is older
+        than SLOWEST_WINDOW_S the next one answered starts a new window."""
+        if now - self._slowest_since_s > SLOWEST_WINDOW_S:
+            self._slowest_since_s = now
+        self._slowest = trace_of(request, Outcome.OK, now)
+        self._slowest_s = total_s
 
     def _report(self, trace: RequestTrace, total_s: float) -> None:
         if self.slow_request_s is not None and total_s > self.slow_request_s:
@@ -483,6 +500,7 @@ class Telemetry:
             latency=Histogram.merged(
                 [c.latency for c in self._classes.values()], quantiles=quantiles
             ),
+            slowest=self._slowest,
         )
 
     def _class_stats(

@@ -25,9 +25,10 @@ import asyncio
 import enum
 import itertools
 import logging
-from collections.abc import AsyncGenerator, Sequence
+import math
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from carpool.core.clock import Clock, MonotonicClock
@@ -35,11 +36,23 @@ from carpool.errors import Closed, InvalidInput, ModelError
 from carpool.generation.output import OutputProcessor, OutputState
 from carpool.generation.request import FinishReason, RequestEvent
 from carpool.generation.scheduler import Scheduler, ScheduleResult
-from carpool.generation.telemetry import EngineTelemetry, GenerationSnapshot, RequestTimes
+from carpool.generation.telemetry import (
+    EngineTelemetry,
+    GenerationSnapshot,
+    GenerationTrace,
+    RequestTimes,
+)
 from carpool.generation.tokenizer import Tokenizer, check_token_ids
-from carpool.generation.types import SamplingParams, SeqChunk, StepInput, StepOutput
+from carpool.generation.types import (
+    SamplingParams,
+    SeqChunk,
+    StepInput,
+    StepOutput,
+    TokenLogprobs,
+)
 
 log = logging.getLogger("carpool.generation")
+GenerationTraceHook = Callable[[GenerationTrace], None]
 
 
 class StepRunner(Protocol):
@@ -61,18 +74,22 @@ class Usage:
 @dataclass(frozen=True, slots=True)
 class GenerationEvent:
     """What one step produced for one request; the last event has ``finish_reason`` and
-    ``usage``. ``text`` may be empty while a character or a possible stop string is held."""
+    ``usage``. ``text`` may be empty while a character or a possible stop string is held.
+    ``logprobs``: one per token of ``token_ids`` when the request asked for them."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class _Stream:
     """One request in flight: its queue of events, its output state and its times."""
 
-    __slots__ = ("events", "is_done", "output", "priority", "prompt_ids", "sampling", "times")
+    __slots__ = (
+        "events", "is_done", "output", "priority", "prompt_ids", "sampling", "steps", "times",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -89,6 +106,7 @@ class _Stream:
         self.events: asyncio.Queue[GenerationEvent | BaseException] = asyncio.Queue()
         self.times = RequestTimes(now, len(prompt_ids))
         self.is_done = False
+        self.steps: list[tuple[float, float]] = []  # kept only while a trace hook is on
 
 
 class _State(enum.Enum):
@@ -137,6 +155,7 @@ class GenerationEngine:
         self._task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._telemetry = EngineTelemetry()
+        self._on_trace: GenerationTraceHook | None = None
 
     @property
     def is_running(self) -> bool:
@@ -197,6 +216,8 @@ class GenerationEngine:
             raise Closed(self.name)
         prompt = tuple(prompt_ids)
         self._check(prompt, sampling)
+        if sampling.min_tokens and not sampling.ignore_eos:  # the sampler holds EOS back too
+            sampling = replace(sampling, eos_token_ids=self.tokenizer.eos_token_ids)
         seq_id = next(self._seq_ids)
         output = self._outputs.start(prompt, sampling)
         stream = _Stream(prompt, sampling, priority, output, self._clock.now())
@@ -214,6 +235,11 @@ class GenerationEngine:
         finally:
             if not stream.is_done:  # the consumer left early: leave at the next step
                 self._finish(seq_id, FinishReason.ABORT, self._clock.now())
+
+    def set_trace_hook(self, hook: GenerationTraceHook | None) -> None:
+        """Call ``hook`` with each finished request's :class:`GenerationTrace` from now
+        on (its steps: those run while the hook was on); None: no hook, nothing kept."""
+        self._on_trace = hook
 
     def snapshot(self, *, quantiles: bool = True) -> GenerationSnapshot:
         """What the engine measured so far; ``quantiles=False`` leaves the percentiles
@@ -269,15 +295,50 @@ class GenerationEngine:
                 self._fail(chunks, error)
                 continue
             self._telemetry.step(len(chunks), compute_s)
+            if self._on_trace is not None:
+                self._record_step(chunks, started_s, started_s + compute_s)
             now = self._clock.now()
+            logprobs = {
+                c.seq_id: found
+                for c, found in zip(chunks, output.logprobs, strict=False)  # () when none asked
+                if found is not None
+            }
             for event in events:
                 try:
-                    self._deliver(event, now)
+                    self._deliver(event, now, logprobs.get(event.request_id))
                 except Exception as error:  # its text could not be made: it alone fails
                     log.exception(
                         "model %r: delivering sequence %d failed", self.name, event.request_id
                     )
                     self._fail_seqs([event.request_id], error)
+
+    def _record_step(self, chunks: Sequence[SeqChunk], started_s: float, ended_s: float) -> None:
+        for chunk in chunks:
+            stream = self._streams.get(chunk.seq_id)
+            if stream is not None:
+                stream.steps.append((started_s, ended_s))
+
+    def _report(self, seq_id: int, stream: _Stream, outcome: str, now: float) -> None:
+        hook, times = self._on_trace, stream.times
+        if hook is None:
+            return
+        nan = math.nan
+        trace = GenerationTrace(
+            request_id=seq_id,
+            class_name=stream.priority or "default",
+            outcome=outcome,
+            num_prompt_tokens=times.num_prompt_tokens,
+            num_generated=times.num_generated,
+            arrived_s=times.arrival_s,
+            scheduled_s=nan if times.scheduled_s is None else times.scheduled_s,
+            first_token_s=nan if times.first_token_s is None else times.first_token_s,
+            answered_s=now,
+            steps=tuple(stream.steps),
+        )
+        try:
+            hook(trace)
+        except Exception:  # a faulty hook must not strand the other requests
+            log.exception("model %r: the trace hook raised", self.name)
 
     async def _idle(self) -> None:
         self._wake.clear()
@@ -315,21 +376,29 @@ class GenerationEngine:
             if stream is not None:
                 self._telemetry.scheduled(stream.times, now)
 
-    def _deliver(self, event: RequestEvent, now: float) -> None:
+    def _deliver(self, event: RequestEvent, now: float, found: TokenLogprobs | None) -> None:
         stream = self._streams.get(event.request_id)
         if stream is None:
             return  # aborted while its step ran
         delta = stream.output.process(event.new_token_ids, event.finish_reason)
+        logprobs = (found,) if found is not None and delta.token_ids else ()
         if delta.token_ids:
             self._telemetry.tokens(stream.times, len(delta.token_ids), now)
         if delta.finish_reason is None:
             if delta.token_ids:
-                stream.events.put_nowait(GenerationEvent(delta.text, delta.token_ids))
+                stream.events.put_nowait(
+                    GenerationEvent(delta.text, delta.token_ids, None, None, logprobs)
+                )
             return
-        self._finish(event.request_id, delta.finish_reason, now, delta.token_ids)
+        self._finish(event.request_id, delta.finish_reason, now, delta.token_ids, logprobs)
 
     def _finish(
-        self, seq_id: int, reason: FinishReason, now: float, token_ids: tuple[int, ...] = ()
+        self,
+        seq_id: int,
+        reason: FinishReason,
+        now: float,
+        token_ids: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprobs, ...] = (),
     ) -> None:
         """End ``seq_id`` for ``reason``: its last event carries the text still held."""
         stream = self._streams.pop(seq_id, None)
@@ -340,8 +409,9 @@ class GenerationEngine:
         self._wake.set()
         usage = Usage(len(stream.prompt_ids), stream.times.num_generated)
         text = stream.output.pending_text
-        stream.events.put_nowait(GenerationEvent(text, token_ids, reason, usage))
+        stream.events.put_nowait(GenerationEvent(text, token_ids, reason, usage, logprobs))
         self._telemetry.finished(stream.times, reason.value, now)
+        self._report(seq_id, stream, reason.value, now)
 
     def _fail_all(self, error: Exception) -> None:
         log.exception("model %r: the scheduler failed", self.name)
@@ -363,3 +433,4 @@ class GenerationEngine:
             failure.__cause__ = error
             stream.events.put_nowait(failure)
             self._telemetry.finished(stream.times, "error", now)
+            self._report(seq_id, stream, "error", now)

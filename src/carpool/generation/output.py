@@ -56,21 +56,50 @@ class OutputProcessor:
         stop_ids = frozenset(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids |= self._eos_ids
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        return OutputState(detokenizer, stop_ids, sampling.stop)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, skip_special_tokens=sampling.skip_special_tokens
+        )
+        return OutputState(
+            detokenizer,
+            stop_ids,
+            sampling.stop,
+            min_tokens=sampling.min_tokens,
+            include_stop=sampling.include_stop_str_in_output,
+        )
 
 
 class OutputState:
-    """One request's text so far: what was decoded and not yet sent, and its stops."""
+    """One request's text so far: what was decoded and not yet sent, and its stops.
 
-    __slots__ = ("_detokenizer", "_stop_ids", "_stops", "pending_text")
+    Stop strings count only once ``min_tokens`` tokens are out (as in vLLM; the sampler
+    holds back stop tokens until then). With ``include_stop`` the stop string, or the
+    stop token's text, ends the text instead of being cut off."""
+
+    __slots__ = (
+        "_detokenizer",
+        "_include_stop",
+        "_min_tokens",
+        "_num_tokens",
+        "_stop_ids",
+        "_stops",
+        "pending_text",
+    )
 
     def __init__(
-        self, detokenizer: IncrementalDetokenizer, stop_ids: frozenset[int], stops: tuple[str, ...]
+        self,
+        detokenizer: IncrementalDetokenizer,
+        stop_ids: frozenset[int],
+        stops: tuple[str, ...],
+        *,
+        min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         self._detokenizer = detokenizer
         self._stop_ids = stop_ids
         self._stops = stops
+        self._min_tokens = min_tokens
+        self._include_stop = include_stop
+        self._num_tokens = 0
         self.pending_text = ""  # decoded, not yet sent: may begin a stop string
 
     def process(
@@ -87,14 +116,23 @@ class OutputState:
         reason = finish_reason
         for i, token in enumerate(token_ids):
             if token in self._stop_ids:  # the stop token counts, its text is not shown
-                token_ids, text_ids, reason = token_ids[: i + 1], token_ids[:i], FinishReason.STOP
+                shown = i + 1 if self._include_stop else i
+                token_ids, text_ids, reason = (
+                    token_ids[: i + 1],
+                    token_ids[:shown],
+                    FinishReason.STOP,
+                )
                 break
+        self._num_tokens += len(token_ids)
         text = self.pending_text + self._detokenizer.push(text_ids)
-        stop_at = _find_stop(text, self._stops)
-        if stop_at is not None:
+        stops = self._stops if self._num_tokens >= self._min_tokens else ()
+        found = _find_stop(text, stops)
+        stop_at = None
+        if found is not None:
+            stop_at = found[0] + (len(found[1]) if self._include_stop else 0)
             text, reason = text[:stop_at], FinishReason.STOP
         if reason is None:
-            held = _held_back(text, self._stops)
+            held = _held_back(text, stops)
             sent, self.pending_text = text[: len(text) - held], text[len(text) - held :]
             return TextDelta(sent, token_ids)
         if stop_at is None:
@@ -103,10 +141,10 @@ class OutputState:
         return TextDelta(text, token_ids, reason)
 
 
-def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where the earliest stop string in ``text`` starts (the text held back before
-    this step could begin one, so it is searched again with the new text)."""
-    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """Where the earliest stop string in ``text`` starts, and which it is (the text held
+    back before this step could begin one, so it is searched again with the new text)."""
+    found = [(i, s) for i, s in ((text.find(s), s) for s in stops if s) if i >= 0]
     return min(found) if found else None
 
 

@@ -251,11 +251,13 @@ class ModelRunner:
         logits = self._forward(batch)
         model_time_s = time.perf_counter() - started
         chosen = [c for c in step.chunks if c.needs_logits]
-        tokens = iter(
-            self.sampler.sample(logits, [c.sampling for c in chosen], [c.seq_id for c in chosen])
-        )
+        picked, picked_logprobs = self.sampler.sample_chunks(logits, chosen)
+        tokens, logprobs = iter(picked), iter(picked_logprobs)
         sampled = tuple(next(tokens) if c.needs_logits else None for c in step.chunks)
-        return StepOutput(sampled=sampled, model_time_s=model_time_s)
+        if not any(picked_logprobs):
+            return StepOutput(sampled=sampled, model_time_s=model_time_s)
+        found = tuple(next(logprobs) if c.needs_logits else None for c in step.chunks)
+        return StepOutput(sampled=sampled, model_time_s=model_time_s, logprobs=found)
 
     @torch.inference_mode()
     def _forward(self, batch: _Batch) -> torch.Tensor:

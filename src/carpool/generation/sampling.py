@@ -1,4 +1,6 @@
-"""Picks each request's next token from its logits: greedy, or temperature, top-k, top-p.
+"""Picks each request's next token from its logits: greedy, or temperature, min-p, top-k,
+top-p, after the logit bias, ``min_tokens`` and penalties of ``penalties.py``; and reports
+the log-probabilities a request asked for.
 
 Every operation works row by row, so a row's token depends only on its own logits, its
 ``SamplingParams`` and its random draw, never on the other rows of the batch. A request
@@ -17,7 +19,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from carpool.generation.types import SamplingParams
+from carpool.generation.penalties import apply_min_p, process_logits
+from carpool.generation.types import SamplingParams, SeqChunk, TokenLogprobs
 
 # Top-p alone looks at the most likely tokens first: a full sort of each row costs ~1.5 ms
 # for 32 rows of 1000 on the CPU here. Rows fall back to a full sort when their top
@@ -83,6 +86,17 @@ class Sampler:
         for seq_id in seq_ids:
             self._generators.pop(seq_id, None)
 
+    def sample_chunks(
+        self, logits: torch.Tensor, chunks: Sequence[SeqChunk]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """``logits`` [n, V] (row i belongs to ``chunks[i]``) -> n token ids, and for each
+        row whose request asked for ``logprobs``, its token's log-probabilities (under the
+        model's own logits, as vLLM reports them); None for the others."""
+        params = [c.sampling for c in chunks]
+        processed = process_logits(logits, chunks)
+        tokens = self.sample(processed, params, [c.seq_id for c in chunks])
+        return tokens, token_logprobs(logits, tokens, params)
+
     def sample(
         self,
         logits: torch.Tensor,
@@ -101,8 +115,8 @@ class Sampler:
             for i, token in zip(greedy, chosen, strict=True):
                 tokens[i] = token
         random_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
-        filtered = [i for i in random_rows if params[i].top_k > 0 or params[i].top_p < 1.0]
-        plain = [i for i in random_rows if params[i].top_k <= 0 and params[i].top_p >= 1.0]
+        filtered = [i for i in random_rows if _is_filtered(params[i])]
+        plain = [i for i in random_rows if not _is_filtered(params[i])]
         for rows, is_filtered in ((filtered, True), (plain, False)):
             if rows:
                 chosen = self._draw(logits, rows, params, seq_ids, is_filtered)
@@ -123,19 +137,27 @@ class Sampler:
         temperature = torch.tensor([p.temperature for p in picked], device=device)
         scaled = logits[rows].float() / temperature[:, None]
         if is_filtered:
+            if any(p.min_p > 0.0 for p in picked):
+                min_p = torch.tensor([p.min_p for p in picked], device=device)
+                scaled = apply_min_p(scaled, min_p)
             vocab = logits.shape[-1]  # a larger top_k is all of it (and fits the tensor)
-            top_k = torch.tensor([min(p.top_k, vocab) for p in picked], device=device)
-            top_p = torch.tensor([p.top_p for p in picked], device=device)
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+            if any(p.top_k > 0 or p.top_p < 1.0 for p in picked):
+                top_k = torch.tensor([min(p.top_k, vocab) for p in picked], device=device)
+                top_p = torch.tensor([p.top_p for p in picked], device=device)
+                scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = torch.softmax(scaled, dim=-1).double()
         cdf = torch.cumsum(probs, dim=-1)
         uniform = torch.cat([self._uniform(seq_ids[i], params[i]) for i in rows]).to(device)
         targets = (uniform * cdf[:, -1])[:, None]
         chosen = torch.searchsorted(cdf, targets, right=True)[:, 0]
-        # u * total rounds to total at worst: fall back to the last token with mass.
-        ranks = torch.arange(probs.shape[-1], device=device)
-        last = torch.where(probs > 0, ranks, 0).amax(dim=-1)
-        return torch.minimum(chosen, last).tolist()
+        # u * total rounds to total at worst (the index is then past the end): fall back
+        # to the last token with mass. Any other index has mass (the CDF rises there).
+        past = chosen >= probs.shape[-1]
+        if bool(past.any()):
+            ranks = torch.arange(probs.shape[-1], device=device)
+            last = torch.where(probs[past] > 0, ranks, 0).amax(dim=-1)
+            chosen[past] = last
+        return chosen.tolist()
 
     def _uniform(self, seq_id: int, params: SamplingParams) -> torch.Tensor:
         if params.seed is None:
@@ -145,3 +167,33 @@ class Sampler:
             generator = torch.Generator().manual_seed(params.seed)
             self._generators[seq_id] = generator
         return torch.rand(1, generator=generator, dtype=torch.float64)
+
+
+def _is_filtered(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], params: Sequence[SamplingParams]
+) -> list[TokenLogprobs | None]:
+    """Each asking row's token log-probability and its ``logprobs`` most likely
+    alternatives, from ``logits`` [n, V] in one log-softmax and one top-k."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    found: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return found
+    device = logits.device
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)
+    chosen = torch.tensor([tokens[i] for i in rows], dtype=torch.long, device=device)
+    own = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    num_top = min(logits.shape[-1], max(params[i].logprobs or 0 for i in rows))
+    top_values, top_ids = torch.topk(logprobs, num_top, dim=-1) if num_top else (None, None)
+    for j, i in enumerate(rows):
+        top: tuple[tuple[int, float], ...] = ()
+        wanted = params[i].logprobs or 0
+        if top_values is not None and top_ids is not None and wanted:
+            pairs = zip(top_ids[j, :wanted].tolist(), top_values[j, :wanted].tolist(), strict=True)
+            top = tuple(pairs)
+        found[i] = TokenLogprobs(tokens[i], own[j], top)
+    return found

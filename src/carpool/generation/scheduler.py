@@ -320,6 +320,12 @@ class Scheduler:
                 block_table=self.kv_cache.block_table(request.request_id),
                 needs_logits=needs_logits,
                 sampling=request.sampling,
+                num_prompt_tokens=request.num_prompt_tokens,
+                history=(
+                    tuple(request.all_token_ids)
+                    if needs_logits and request.sampling.has_penalties
+                    else ()
+                ),
             )
         )
         plan.num_tokens_left -= num_new

@@ -75,6 +75,24 @@ class RequestTimes:
         self.last_token_s = self.arrival_s
 
 
+@dataclass(frozen=True, slots=True)
+class GenerationTrace:
+    """Where one generation request's time went, for a trace hook: seconds on the
+    engine's clock, NaN for a moment it never reached; ``steps`` are the (start, end) of
+    each forward pass it was in, in order (its prefill first)."""
+
+    request_id: int
+    class_name: str
+    outcome: str  # its finish reason, or "error"
+    num_prompt_tokens: int
+    num_generated: int
+    arrived_s: float
+    scheduled_s: float
+    first_token_s: float
+    answered_s: float
+    steps: tuple[tuple[float, float], ...]
+
+
 class EngineTelemetry:
     """Token counters and latency histograms (the scheduler keeps the rest)."""
 

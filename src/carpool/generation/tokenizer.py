@@ -63,8 +63,9 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids``, special tokens left out, broken UTF-8 as U+FFFD."""
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``, special tokens left out (unless ``skip_special_tokens``
+        is false), broken UTF-8 as U+FFFD."""
         ...
 
 
@@ -106,7 +107,8 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [self.BOS_ID, *ids] if add_special_tokens else ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        # BOS and EOS have no text (bos_token and eos_token are empty): nothing to show.
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
 
@@ -230,11 +232,11 @@ class HFTokenizer:
         ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return [int(i) for i in ids]
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         ids = list(token_ids)
-        if self._skipped_ids:
+        if self._skipped_ids and skip_special_tokens:
             ids = [i for i in ids if i not in self._skipped_ids]
-        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+        return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -289,12 +291,15 @@ class IncrementalDetokenizer:
     the first generated token decodes next to them, as it would in the full text.
     """
 
-    __slots__ = ("_ids", "_prefix_offset", "_read_offset", "_tokenizer")
+    __slots__ = ("_ids", "_prefix_offset", "_read_offset", "_skip_special", "_tokenizer")
 
     CONTEXT_TOKENS = 6  # ids decoded left of the new ones, for merges and leading spaces
 
-    def __init__(self, tokenizer: Tokenizer, prefix: Sequence[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prefix: Sequence[int] = (), *, skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids = list(prefix[-self.CONTEXT_TOKENS :])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -311,7 +316,7 @@ class IncrementalDetokenizer:
     def _advance(self, *, final: bool) -> str:
         if self._read_offset == len(self._ids):
             return ""
-        decode = self._tokenizer.decode
+        decode = self._decode
         before = decode(self._ids[self._prefix_offset : self._read_offset])
         after = decode(self._ids[self._prefix_offset :])
         if not final and after.endswith(REPLACEMENT_CHAR):
@@ -326,6 +331,11 @@ class IncrementalDetokenizer:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return delta
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        if self._skip_special:  # the tokenizer's default: test fakes need not take the flag
+            return self._tokenizer.decode(token_ids)
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
 def check_token_ids(token_ids: Sequence[Any], vocab_size: int, what: str = "prompt") -> list[int]:

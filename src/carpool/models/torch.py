@@ -33,6 +33,9 @@ from carpool.core.replicas import BUILD_LOCK
 from carpool.core.telemetry import MemoryProbe
 from carpool.errors import ConfigError, ModelError
 from carpool.models._source import build_with, import_ref, is_import_ref
+from carpool.models.torch_cuda import CudaCopies, CudaGraphs, autocast_dtype
+
+log = logging.getLogger("carpool.models.torch")
 
 
 class TorchRunner:
@@ -48,6 +51,8 @@ class TorchRunner:
         dtype: str | None = None,
         output_dtypes: Sequence[np.dtype[Any] | None] | None = None,
         ragged_inputs: Sequence[str] = (),
+        autocast: bool = False,
+        cuda_graphs: Sequence[int] | None = None,
     ) -> None:
         import torch
 
@@ -64,6 +69,16 @@ class TorchRunner:
         if self.dtype is not None:
             module = module.to(self.dtype)
         self.module = module
+        # The GPU path (carpool.models.torch_cuda); on a CPU each option logs and stays off.
+        self.autocast = autocast_dtype(autocast, self.device, self.dtype)
+        self.precision = str(self.autocast or self.dtype or torch.float32).removeprefix("torch.")
+        on_cuda = self.device.type == "cuda"
+        self._copies = CudaCopies(self.device) if on_cuda else None
+        self.graphs = None
+        if cuda_graphs and (not on_cuda or ragged_inputs):
+            log.info("cuda_graphs: true needs a CUDA device and no ragged input; runs eagerly")
+        elif cuda_graphs:
+            self.graphs = CudaGraphs(module, cuda_graphs, self.device)
 
     def __call__(self, inputs: dict[str, Any]) -> dict[str, np.ndarray]:
         torch = self._torch
@@ -76,7 +91,13 @@ class TorchRunner:
                     args += [self._tensor(value.data), cu_seqlens]
                 else:
                     args.append(self._tensor(value))
-            result = self.module(*args)
+            if self.graphs is not None:
+                result = self.graphs(args, self.autocast)
+            elif self.autocast is not None:
+                with torch.autocast(self.device.type, dtype=self.autocast):
+                    result = self.module(*args)
+            else:
+                result = self.module(*args)
             if isinstance(result, dict):  # by the declared names
                 missing = [name for name in self.output_names if name not in result]
                 if missing:
@@ -105,7 +126,8 @@ class TorchRunner:
             }
 
     def _tensor(self, array: np.ndarray) -> Any:
-        tensor = self._torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        tensor = self._torch.from_numpy(np.ascontiguousarray(array))
+        tensor = tensor.to(self.device) if self._copies is None else self._copies.to_device(tensor)
         if self.dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(self.dtype)
         return tensor
@@ -375,6 +397,8 @@ def torch_factory(
     dtype: str | None = None,
     output_dtypes: Sequence[np.dtype[Any] | None] | None = None,
     ragged_inputs: Sequence[str] = (),
+    autocast: bool = False,
+    cuda_graphs: Sequence[int] | None = None,
 ) -> Callable[[str], TorchRunner]:
     """A per-replica factory for ``Batcher(fn_factory=...)``: each replica loads its own copy.
 
@@ -393,6 +417,8 @@ def torch_factory(
             dtype=dtype,
             output_dtypes=output_dtypes,
             ragged_inputs=ragged_inputs,
+            autocast=autocast,
+            cuda_graphs=cuda_graphs,
         )
 
     return make

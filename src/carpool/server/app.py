@@ -22,6 +22,7 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 from carpool.server.access import DEFAULT_ACCESS, Access
+from carpool.server.dashboard import Dashboard
 from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES
 from carpool.server.http.body import BodyBytes, BodyCheck, declared_too_large
 from carpool.server.http.handlers import Call, Stream, respond
@@ -30,7 +31,9 @@ from carpool.server.http.router import HttpRequest, route
 from carpool.server.infer import Headers, InferPlans, error_response
 from carpool.server.limits import InflightBytes, ServerLimits, over_inflight_bytes
 from carpool.server.metrics import Metrics
+from carpool.server.openai_fields import IgnoredFields
 from carpool.server.repository import ModelRepository, ServedModel
+from carpool.server.timelines import TraceHub
 from carpool.server.waiting import WaitingRoom
 
 Scope = MutableMapping[str, Any]
@@ -46,7 +49,8 @@ class KServeApp:
     """The served state, and the ASGI application over it: it starts the models' batchers
     on lifespan startup and drains them on shutdown, so every accepted request is answered
     before the process exits. ``access``: the API key it requires and whether a policy may
-    be changed (by default no key, and no policy changes)."""
+    be changed (by default no key, and no policy changes). ``strict_openai``: refuse the
+    OpenAI request fields no one defines instead of ignoring them (``openai_fields.py``)."""
 
     def __init__(
         self,
@@ -55,15 +59,21 @@ class KServeApp:
         max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         limits: ServerLimits | None = None,
         access: Access = DEFAULT_ACCESS,
+        dashboard: bool = False,
+        strict_openai: bool = False,
     ) -> None:
         self.repository = repository
+        # Sampled by carpool serve (server/run.py); the ASGI app alone serves it empty.
+        self.dashboard = Dashboard(repository) if dashboard else None
         self.max_body_bytes = max_body_bytes
         self.limits = limits if limits is not None else ServerLimits()
         self.inflight = InflightBytes(self.limits.max_inflight_bytes)
         self.access = access
         self.waiting_room = WaitingRoom()
-        self.metrics = Metrics(repository, self.inflight)
+        self.openai_fields = IgnoredFields(strict_openai)
+        self.metrics = Metrics(repository, self.inflight, self.openai_fields)
         self.plans = InferPlans()
+        self.timelines = TraceHub(repository)  # request traces: /v2/timelines, OTLP
         # The infer fast path's request targets, each with the model it names
         # (server/http/dispatch.py): at most two a model (with and without its version),
         # as only the served ones are kept.

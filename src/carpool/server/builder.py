@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from carpool.config import GENERATION_FIELDS, ModelConfig, ServeConfig, TensorConfig
 from carpool.core.batcher import Batcher
 from carpool.core.collate import RaggedDictCollator
+from carpool.core.ray_cluster import connect
 from carpool.core.telemetry import MemoryProbe
 from carpool.errors import ConfigError
 from carpool.generation.build import GenerationSettings
@@ -36,6 +37,11 @@ def build_repository(config: ServeConfig, *, file: str | None = None) -> ModelRe
         ConfigError: naming ``models[i].<key>`` (and ``file`` when given) when a model
             cannot be built: a source that does not import, an unreadable ONNX file.
     """
+    if config.ray is not None and any(m.executor == "ray" for m in config.models):
+        try:
+            connect(config.ray.address, config.ray.namespace, config.ray.runtime_env)
+        except ConfigError as error:
+            raise ConfigError(error.field, error.value, error.expected, file=file) from error
     models = []
     for i, model in enumerate(config.models):
         try:
@@ -74,6 +80,8 @@ def build_model(
             quantization=model.quantization,
             max_inputs=model.max_inputs,
             executor=model.executor or EmbeddingService.DEFAULT_EXECUTOR,
+            buffer_pool=model.buffer_pool,
+            buffer_pool_mb=model.buffer_pool_mb,
         )
         return ServedModel.of_embeddings(service)
     if model.kind == "generation":
@@ -86,7 +94,7 @@ def build_model(
     runner = build_runner(model, key=key, file=file)
     inputs, outputs = runner.inputs, runner.outputs
     factory: Callable[[str], Any] = checking_outputs(runner.fn_factory, outputs)
-    if model.executor == "process":
+    if model.executor in ("process", "ray"):
         factory = ConfiguredFactory(model, key, file)  # picklable, built again in each child
     batcher = Batcher(
         fn_factory=factory,
@@ -97,6 +105,10 @@ def build_model(
         executor=model.executor or "auto",
         memory_probe=_memory_probe(model),
         replica_cpus=model.replica_cpus,
+        buffer_pool=model.buffer_pool,
+        buffer_pool_mb=model.buffer_pool_mb,
+        ray_resources=model.ray_resources,
+        max_restarts=model.max_restarts,
     )
     return ServedModel(
         name=model.name,
@@ -114,7 +126,8 @@ BATCHED_KINDS = ("python", "torch", "onnx")  # the kinds build_runner builds
 @dataclass(frozen=True, slots=True)
 class ConfiguredFactory:
     """A model's factory as its config describes it, picklable: how ``executor: process``
-    builds the model (checking its outputs) in each replica's process."""
+    (or ``ray``) builds the model (checking its outputs) in each replica's process (or
+    actor)."""
 
     model: ModelConfig
     key: str | None
@@ -330,6 +343,7 @@ def _fn_factory(
         return load_python(model.source)
     if model.kind == "torch":
         from carpool.models.torch import torch_factory
+        from carpool.models.torch_cuda import graph_sizes
 
         return torch_factory(
             model.source,
@@ -337,6 +351,10 @@ def _fn_factory(
             output_names=output_names,
             dtype=model.dtype,
             ragged_inputs=[t.name for t in inputs if t.ragged],
+            autocast=model.autocast,
+            cuda_graphs=graph_sizes(model.preferred_batch_sizes, model.policy().size_limit)
+            if model.cuda_graphs
+            else None,
             output_dtypes=[
                 None if t.datatype in ("BYTES", "BF16") else DATATYPES[t.datatype] for t in outputs
             ],

@@ -4,9 +4,9 @@
 bad request gets a plain error response); then :func:`respond` builds the whole answer,
 or :func:`stream` yields it as server-sent events in OpenAI's chunk shape::
 
-    data: {"id": "cmpl-…", "object": "text_completion", "choices": [{"text": "He", …}]}
+    data: {"id": "cmpl-…", "object": "text_completion", "choices": [{"index": 0, "text": "He", …}]}
 
-    data: {… "choices": [{"text": "llo", "finish_reason": "length", …}]}
+    data: {… "choices": [{"index": 1, "text": "llo", "finish_reason": "length", …}]}
 
     data: {… "choices": [], "usage": {…}}          (with stream_options.include_usage)
 
@@ -14,18 +14,19 @@ or :func:`stream` yields it as server-sent events in OpenAI's chunk shape::
 
 Taken: ``model``, ``prompt`` (a string or a list of token ids; one prompt) or
 ``messages``, ``max_tokens`` (chat: also ``max_completion_tokens``; default 16 for
-completions, the rest of the context for chat), ``temperature``, ``top_p``, ``seed``,
-``stop``, ``n`` (1 only), ``stream``, ``stream_options.include_usage``, ``user``
-(ignored), and carpool's extensions ``top_k``, ``ignore_eos``, ``stop_token_ids`` and
-``priority`` (a class name: interactive, normal, background). Refused with a 400 naming
-the field: ``n > 1``, ``echo``, ``logprobs``, ``best_of > 1``, ``suffix``, ``logit_bias``,
-non-zero penalties, tools, a ``response_format`` other than text. A prompt or
-``max_tokens`` past the context is a 400 with OpenAI's ``context_length_exceeded`` code.
+completions, the rest of the context for chat), ``stream``,
+``stream_options.include_usage``, ``n`` (choices sampled side by side; with a ``seed``,
+choice i samples with ``seed + i``, as vLLM), ``echo`` (completions: the prompt's text
+first), ``logprobs`` / ``top_logprobs``, the sampling fields of ``completion_params.py``
+and carpool's ``priority`` (a class name: interactive, normal, background). Other fields
+follow ``openai_fields.py``. A prompt or ``max_tokens`` past the context is a 400 with
+OpenAI's ``context_length_exceeded`` code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -38,68 +39,22 @@ from carpool.errors import InvalidInput
 from carpool.generation.chat import ChatMessage, render_chat
 from carpool.generation.engine import GenerationEvent, Usage
 from carpool.generation.tokenizer import check_token_ids
-from carpool.generation.types import SamplingParams
+from carpool.generation.types import SamplingParams, TokenLogprobs
+from carpool.server.completion_logprobs import LogprobsWriter
+from carpool.server.completion_params import flag, integer, sampling_params
 from carpool.server.errors import NotFound, openai_error
 from carpool.server.generation import GenerationService
-from carpool.server.openai import BadParam, json_object, priority_class
+from carpool.server.openai import BadParam, parse_object, priority_class
+from carpool.server.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, IgnoredFields
 from carpool.server.repository import ModelRepository
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
-MAX_STOP_STRINGS = 4
-
-_COMMON = (
-    "model",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "n",
-    "stream",
-    "stream_options",
-    "user",
-    "priority",
-    "ignore_eos",
-    "stop_token_ids",
-    "logprobs",
-    "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
-)
-COMPLETION_FIELDS = (*_COMMON, "prompt", "echo", "best_of", "suffix")
-CHAT_FIELDS = (
-    *_COMMON,
-    "messages",
-    "max_completion_tokens",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "response_format",
-)
-# Known fields carpool does not implement: the values that mean "not used".
-_UNUSED: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
-    "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, False, True),
-    "response_format": (None, {"type": "text"}),  # plain text: what carpool writes anyway
-}
+MAX_CHOICES = 128  # OpenAI's bound on n
 
 
 @dataclass(frozen=True, slots=True)
 class CompletionCall:
-    """A checked request, ready to run."""
+    """A checked request, ready to run: ``n`` choices, each sampled with
+    ``choice_sampling(i)``; ``echo`` is the text written before each choice's."""
 
     service: GenerationService
     prompt_ids: list[int]
@@ -110,86 +65,201 @@ class CompletionCall:
     include_usage: bool
     response_id: str
     created: int
+    n: int = 1
+    echo: str = ""
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
+
+    def choice_sampling(self, index: int) -> SamplingParams:
+        seed = self.sampling.seed
+        if index == 0 or seed is None:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=(seed + index + 2**63) % 2**64 - 2**63)
+
+    def logprobs_writer(self) -> LogprobsWriter | None:
+        if self.sampling.logprobs is None:
+            return None
+        tokenizer = self.service.tokenizer
+        return LogprobsWriter(
+            tokenizer,
+            is_chat=self.is_chat,
+            start_offset=len(self.echo),
+            tokens_as_ids=self.tokens_as_ids,
+        )
 
 
-async def prepare(repository: ModelRepository, body: bytes, *, is_chat: bool) -> CompletionCall:
-    """The request in ``body``, checked and tokenized.
+async def prepare(
+    repository: ModelRepository,
+    body: bytes,
+    *,
+    is_chat: bool,
+    fields: IgnoredFields | None = None,
+) -> CompletionCall:
+    """The request in ``body``, checked and tokenized; ``fields``: the server's policy
+    for fields no one defines (default: ignore them, uncounted).
 
     Raises:
         BadParam: naming the field that is missing, malformed or not supported.
         NotFound: when ``model`` is not a generation model.
     """
-    doc = json_object(body, CHAT_FIELDS if is_chat else COMPLETION_FIELDS)
+    doc = parse_object(body)
+    (fields or IgnoredFields()).check(doc, CHAT_FIELDS if is_chat else COMPLETION_FIELDS)
     service = _service(repository, doc)
-    for name, unused in _UNUSED.items():
-        if name in doc and not _is_unused(doc[name], unused):
-            raise BadParam(name, _unsupported(name, doc[name]))
     loop = asyncio.get_running_loop()
     if is_chat:
-        prompt_ids = await loop.run_in_executor(None, _chat_prompt, service, doc.get("messages"))
-    else:
-        prompt_ids = await loop.run_in_executor(
-            None, _completion_prompt, service, doc.get("prompt")
+        add_special = flag(
+            doc, "add_special_tokens", default=service.tokenizer.chat_adds_special_tokens
         )
-    stream = _flag(doc, "stream")
+        prompt_ids = await loop.run_in_executor(
+            None, _chat_prompt, service, doc.get("messages"), add_special
+        )
+    else:
+        add_special = flag(doc, "add_special_tokens", default=True)
+        prompt_ids = await loop.run_in_executor(
+            None, _completion_prompt, service, doc.get("prompt"), add_special
+        )
+    stream = flag(doc, "stream")
     options = doc.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
         raise BadParam("stream_options", "stream_options: expected an object, with stream: true")
     priority = priority_class(doc, service.classes)
+    sampling = sampling_params(doc, service, len(prompt_ids), is_chat)
+    if is_chat and flag(doc, "echo"):  # vLLM's: the last message again; not done here
+        raise BadParam("echo", "echo=True is not supported by carpool on chat; leave echo out")
+    echo = "" if is_chat else _echo(doc, service, prompt_ids, sampling)
     return CompletionCall(
         service=service,
         prompt_ids=prompt_ids,
-        sampling=_sampling(doc, service, len(prompt_ids), is_chat),
+        sampling=sampling,
         priority=priority,
         is_chat=is_chat,
         is_stream=stream,
         include_usage=bool(options and options.get("include_usage") is True),
         response_id=f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}",
         created=int(time.time()),
+        n=integer(doc, "n", 1, 1, MAX_CHOICES),
+        echo=echo,
+        tokens_as_ids=flag(doc, "return_tokens_as_token_ids"),
     )
+
+
+def _echo(
+    doc: dict[str, Any], service: GenerationService, prompt_ids: list[int], sampling: SamplingParams
+) -> str:
+    if not flag(doc, "echo"):
+        return ""
+    if sampling.logprobs is not None:
+        raise BadParam(
+            "echo",
+            "echo with logprobs asks for the prompt's log-probabilities, which carpool does "
+            "not compute; leave one of them out",
+        )
+    prompt = doc.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else service.tokenizer.decode(prompt_ids)
+
+
+async def _choices(call: CompletionCall) -> AsyncGenerator[tuple[int, GenerationEvent], None]:
+    """Every choice's events as they come, each with its choice's index. Leaving early
+    (or one choice failing) aborts every choice still running."""
+    engine = call.service.engine
+    if call.n == 1:
+        events = engine.generate(call.prompt_ids, call.sampling, call.priority)
+        try:
+            async for event in events:
+                yield 0, event
+        finally:
+            await events.aclose()
+        return
+    queue: asyncio.Queue[tuple[int, GenerationEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        try:
+            sampling = call.choice_sampling(index)
+            async for event in engine.generate(call.prompt_ids, sampling, call.priority):
+                queue.put_nowait((index, event))
+        except Exception as error:
+            queue.put_nowait((index, error))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(call.n)]
+    try:
+        running = call.n
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def respond(call: CompletionCall) -> bytes:
     """The whole (non-streamed) response body."""
-    engine = call.service.engine
-    texts: list[str] = []
-    last: GenerationEvent | None = None
-    async for event in engine.generate(call.prompt_ids, call.sampling, call.priority):
-        texts.append(event.text)
-        last = event
-    assert last is not None and last.finish_reason is not None and last.usage is not None
-    text = "".join(texts)
-    choice: dict[str, Any] = {
-        "index": 0,
-        "logprobs": None,
-        "finish_reason": last.finish_reason.value,
-    }
-    if call.is_chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+    texts: list[list[str]] = [[call.echo] for _ in range(call.n)]
+    logprobs: list[list[TokenLogprobs]] = [[] for _ in range(call.n)]
+    finish: list[str | None] = [None] * call.n
+    completion_tokens = prompt_tokens = 0
+    async for index, event in _choices(call):
+        texts[index].append(event.text)
+        logprobs[index].extend(event.logprobs)
+        if event.finish_reason is not None:
+            finish[index] = event.finish_reason.value
+        if event.usage is not None:
+            prompt_tokens = event.usage.prompt_tokens
+            completion_tokens += event.usage.completion_tokens
+    choices = []
+    for index in range(call.n):
+        text = "".join(texts[index])
+        writer = call.logprobs_writer()
+        choice: dict[str, Any] = {
+            "index": index,
+            "logprobs": None if writer is None else writer.document(logprobs[index]),
+            "finish_reason": finish[index],
+        }
+        if call.is_chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choices.append(choice)
     document = _envelope(call, chunk=False)
-    document["choices"] = [choice]
-    document["usage"] = _usage(last.usage)
+    document["choices"] = choices
+    document["usage"] = _usage(Usage(prompt_tokens, completion_tokens))
     return orjson.dumps(document)
 
 
 async def stream(call: CompletionCall) -> AsyncGenerator[bytes, None]:
     """The response as server-sent events, ``data: [DONE]`` last. A failure after the
     first event is sent as an ``error`` event (the status line is already out)."""
-    events = call.service.engine.generate(call.prompt_ids, call.sampling, call.priority)
+    events = _choices(call)
+    writers = [call.logprobs_writer() for _ in range(call.n)]
+    completion_tokens = prompt_tokens = 0
     try:
-        if call.is_chat:
-            yield _sse(_chunk(call, {"role": "assistant", "content": ""}, None))
-        async for event in events:
+        for index in range(call.n):
+            if call.is_chat:
+                yield _sse(_chunk(call, index, {"role": "assistant", "content": ""}, None))
+            elif call.echo:
+                yield _sse(_chunk(call, index, call.echo, None))
+        async for index, event in events:
             finish = event.finish_reason.value if event.finish_reason is not None else None
-            if event.text or finish is not None:
-                yield _sse(_chunk(call, event.text, finish))
-            if event.usage is not None and call.include_usage:
-                document = _envelope(call, chunk=True)
-                document["choices"] = []
-                document["usage"] = _usage(event.usage)
-                yield _sse(document)
+            writer = writers[index]
+            if event.text or finish is not None or (writer is not None and event.logprobs):
+                found = None if writer is None else writer.document(event.logprobs)
+                yield _sse(_chunk(call, index, event.text, finish, found))
+            if event.usage is not None:
+                prompt_tokens = event.usage.prompt_tokens
+                completion_tokens += event.usage.completion_tokens
+        if call.include_usage:
+            document = _envelope(call, chunk=True)
+            document["choices"] = []
+            document["usage"] = _usage(Usage(prompt_tokens, completion_tokens))
+            yield _sse(document)
     except Exception as error:
         _, document = openai_error(error)
         yield _sse(document)
@@ -215,9 +285,15 @@ def _envelope(call: CompletionCall, *, chunk: bool) -> dict[str, Any]:
     }
 
 
-def _chunk(call: CompletionCall, text: str | dict[str, str], finish: str | None) -> dict[str, Any]:
+def _chunk(
+    call: CompletionCall,
+    index: int,
+    text: str | dict[str, str],
+    finish: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     document = _envelope(call, chunk=True)
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
     if call.is_chat:
         choice["delta"] = text if isinstance(text, dict) else ({"content": text} if text else {})
     else:
@@ -247,19 +323,13 @@ def _service(repository: ModelRepository, doc: dict[str, Any]) -> GenerationServ
     return service
 
 
-def _unsupported(name: str, value: Any) -> str:
-    if name == "n":
-        return f"n={value!r}: carpool returns one choice per request; send n requests instead"
-    return f"{name}={value!r} is not supported by carpool; leave {name} out"
-
-
-def _completion_prompt(service: GenerationService, prompt: Any) -> list[int]:
+def _completion_prompt(service: GenerationService, prompt: Any, add_special: bool) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str):
         if not prompt:
             raise BadParam("prompt", "prompt is an empty string; expected some text")
-        return service.tokenizer.encode(prompt)
+        return service.tokenizer.encode(prompt, add_special_tokens=add_special)
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str | list):
         try:
             return check_token_ids(prompt, service.tokenizer.vocab_size)
@@ -270,7 +340,7 @@ def _completion_prompt(service: GenerationService, prompt: Any) -> list[int]:
     raise BadParam("prompt", f"prompt={prompt!r}: expected a string or a list of token ids")
 
 
-def _chat_prompt(service: GenerationService, messages: Any) -> list[int]:
+def _chat_prompt(service: GenerationService, messages: Any, add_special: bool) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise BadParam("messages", "messages: expected a non-empty list of {role, content}")
     tokenizer = service.tokenizer
@@ -292,127 +362,4 @@ def _chat_prompt(service: GenerationService, messages: Any) -> list[int]:
         )
     except InvalidInput as error:
         raise BadParam("messages", str(error)) from None
-    return tokenizer.encode(text, add_special_tokens=tokenizer.chat_adds_special_tokens)
-
-
-def _sampling(
-    doc: dict[str, Any], service: GenerationService, num_prompt: int, is_chat: bool
-) -> SamplingParams:
-    room = service.max_model_len - num_prompt
-    # Context errors open as OpenAI's and vLLM's do ("This model's maximum context length
-    # is N tokens"; clients such as LiteLLM match it) and carry OpenAI's code.
-    what = "messages" if is_chat else "prompt"
-    context = f"This model's maximum context length is {service.max_model_len} tokens"
-    if room < 1:
-        raise BadParam(
-            what,
-            f"{context}. However, your {what} resulted in {num_prompt} tokens, leaving no "
-            f"room for output (at most {service.max_model_len} tokens per sequence, "
-            f"{what} and output together); shorten the {what}",
-            code=CONTEXT_LENGTH_EXCEEDED,
-        )
-    # The newer name first, unless it is absent or null (the client's None), as vLLM reads it.
-    is_new = is_chat and doc.get("max_completion_tokens") is not None
-    key = "max_completion_tokens" if is_new else "max_tokens"
-    max_tokens = doc.get(key)
-    if max_tokens is None:
-        max_tokens = room if is_chat else min(DEFAULT_MAX_TOKENS, room)
-    elif isinstance(max_tokens, int) and max_tokens > room:  # refused before a stream starts
-        raise BadParam(
-            key,
-            f"{context}. However, you requested {num_prompt + max_tokens} tokens "
-            f"({num_prompt} in the {what}, {max_tokens} in the completion); lower {key} "
-            f"to {room} or less",
-            code=CONTEXT_LENGTH_EXCEEDED,
-        )
-    vocab_size = service.tokenizer.vocab_size
-    # -1 or 0: off (vLLM writes -1); more than the vocabulary is all of it.
-    top_k = min(max(_integer(doc, "top_k", 0, -1), 0), vocab_size)
-    try:
-        stop_token_ids = tuple(
-            check_token_ids(_list(doc, "stop_token_ids"), vocab_size, "stop_token_ids")
-        )
-    except InvalidInput as error:  # check_token_ids knows no OpenAI params: name it
-        raise BadParam("stop_token_ids", str(error)) from None
-    return SamplingParams(
-        temperature=_number(doc, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(doc, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=top_k,
-        seed=_integer(doc, "seed", None, -(2**63), 2**63 - 1),  # int64, as vLLM bounds it
-        max_tokens=_integer({key: max_tokens}, key, None, 1),
-        stop=_stop(doc.get("stop")),
-        stop_token_ids=stop_token_ids,
-        ignore_eos=_flag(doc, "ignore_eos"),
-    )
-
-
-def _is_unused(value: Any, unused: tuple[Any, ...]) -> bool:
-    """Whether ``value`` is one of the "not used" values, by type too: ``0`` is not
-    ``False`` (``logprobs: 0`` asks for log-probabilities)."""
-    return any(value is u or (type(value) is type(u) and value == u) for u in unused)
-
-
-def _number(
-    doc: dict[str, Any],
-    name: str,
-    default: float,
-    low: float,
-    high: float,
-    *,
-    low_open: bool = False,
-) -> float:
-    value = doc.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadParam(name, f"{name}={value!r}: expected a number")
-    if not (low < value if low_open else low <= value) or value > high:
-        bracket = "(" if low_open else "["
-        raise BadParam(name, f"{name}={value!r}: expected a number in {bracket}{low}, {high}]")
-    return float(value)
-
-
-def _integer(
-    doc: dict[str, Any], name: str, default: Any, low: int, high: int | None = None
-) -> Any:
-    value = doc.get(name)
-    if value is None:
-        return default
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or value < low
-        or (high is not None and value > high)
-    ):
-        expected = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise BadParam(name, f"{name}={value!r}: expected an integer {expected}")
-    return value
-
-
-def _flag(doc: dict[str, Any], name: str) -> bool:
-    value = doc.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise BadParam(name, f"{name}={value!r}: expected true or false")
-    return value
-
-
-def _list(doc: dict[str, Any], name: str) -> list[Any]:
-    value = doc.get(name)
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise BadParam(name, f"{name}={value!r}: expected a list")
-    return value
-
-
-def _stop(value: Any) -> tuple[str, ...]:
-    stops = [value] if isinstance(value, str) else value
-    if stops is None:
-        return ()
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise BadParam("stop", f"stop={value!r}: expected a string or a list of non-empty strings")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise BadParam("stop", f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS}")
-    return tuple(stops)
+    return tokenizer.encode(text, add_special_tokens=add_special)

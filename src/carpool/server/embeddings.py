@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from carpool.core.batcher import Batcher
+from carpool.core.buffer_pool import DEFAULT_BUFFER_POOL_MB
 from carpool.core.layout import Packed
 from carpool.core.policy import BatchPolicy
 from carpool.errors import ConfigError, InvalidInput
@@ -70,6 +71,8 @@ class EmbeddingService:
         quantization: str | None = None,
         max_inputs: int = DEFAULT_MAX_INPUTS,
         executor: str = DEFAULT_EXECUTOR,
+        buffer_pool: bool = False,
+        buffer_pool_mb: float = DEFAULT_BUFFER_POOL_MB,
     ) -> None:
         from carpool.models.embeddings import TextEncoder
 
@@ -90,6 +93,8 @@ class EmbeddingService:
             collate="packed",
             executor=executor,
             policy_check=self._check_policy,  # at startup and on every policy update
+            buffer_pool=buffer_pool,
+            buffer_pool_mb=buffer_pool_mb,
         )
 
     def _check_policy(self, policy: BatchPolicy) -> None:

@@ -307,6 +307,7 @@ def bind_grpc_server(
     *,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     access: Access | None = None,
+    reuse_port: bool = False,
 ) -> grpc.aio.Server:
     """A gRPC server for ``repository`` (through ``servicer``, whose :meth:`drain
     <InferenceServicer.drain>` the caller calls on shutdown) bound to ``host:port``, not
@@ -314,6 +315,7 @@ def bind_grpc_server(
     models are loaded, holding the port with a plain socket until then. A request message
     over ``max_message_bytes`` is refused with RESOURCE_EXHAUSTED; one without the API key
     of ``access``, if it has one, with UNAUTHENTICATED (:mod:`carpool.server.access`).
+    ``reuse_port``: share the port with the other front-end workers (``--workers``).
 
     Raises:
         PortInUse: the address cannot be bound.
@@ -326,7 +328,7 @@ def bind_grpc_server(
             ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
             # grpcio sets SO_REUSEPORT by default: a second server on a port another gRPC
             # server holds would bind, and the kernel would split connections between them.
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(reuse_port)),
         ],
     )
     add_servicer(server, servicer or InferenceServicer(repository))

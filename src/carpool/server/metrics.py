@@ -26,11 +26,14 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector
 
+from carpool.core.batcher import Batcher
 from carpool.core.policy import BatchPolicy
 from carpool.core.telemetry import REJECTION_REASONS, LatencyStats, TelemetrySnapshot
 from carpool.generation.telemetry import GenerationSnapshot
 from carpool.server.adaptive_metrics import adaptive_metrics
 from carpool.server.limits import InflightBytes
+from carpool.server.openai_fields import IgnoredFields
+from carpool.server.pool_metrics import pool_metrics
 from carpool.server.repository import ModelRepository
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
@@ -95,7 +98,7 @@ class TelemetryCollector(Collector):
         snapshots = [
             (m.name, b.snapshot(quantiles=False), self._bounds_of(m.name, b.policy))
             for m in self._repository
-            if (b := m.batcher) is not None
+            if isinstance(b := m.batcher, Batcher)  # a front-end worker's is the engine's
         ]
         yield from _class_metrics(snapshots)
         yield from _batch_metrics(snapshots)
@@ -104,7 +107,14 @@ class TelemetryCollector(Collector):
             [
                 (m.name, state)
                 for m in self._repository
-                if (b := m.batcher) is not None and (state := b.adaptive_state()) is not None
+                if isinstance(b := m.batcher, Batcher) and (state := b.adaptive_state()) is not None
+            ]
+        )
+        yield from pool_metrics(
+            [
+                (m.name, pool.stats())
+                for m in self._repository
+                if isinstance(b := m.batcher, Batcher) and (pool := b.buffer_pool) is not None
             ]
         )
         services = self._repository.generation_services()
@@ -399,14 +409,40 @@ class ServerCollector(Collector):
         yield from (held, refused)
 
 
+class IgnoredFieldsCollector(Collector):
+    """The OpenAI request fields the server ignored, as neither OpenAI nor vLLM defines
+    them (``openai_fields.py``), by field name."""
+
+    def __init__(self, fields: IgnoredFields) -> None:
+        self._fields = fields
+
+    def collect(self) -> Iterator[Metric]:
+        ignored = CounterMetricFamily(
+            "carpool_openai_ignored_fields",
+            "Requests to /v1/completions and /v1/chat/completions that carried a field "
+            "neither OpenAI nor vLLM defines, ignored (refused under --strict-openai).",
+            labels=("field",),
+        )
+        for name, count in sorted(self._fields.counts().items()):
+            ignored.add_metric((name,), count)
+        yield ignored
+
+
 class Metrics:
     """A private registry holding the collectors; ``render()`` is the scrape body."""
 
-    def __init__(self, repository: ModelRepository, inflight: InflightBytes | None = None) -> None:
+    def __init__(
+        self,
+        repository: ModelRepository,
+        inflight: InflightBytes | None = None,
+        openai_fields: IgnoredFields | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(TelemetryCollector(repository))
         if inflight is not None:
             self.registry.register(ServerCollector(inflight))
+        if openai_fields is not None:
+            self.registry.register(IgnoredFieldsCollector(openai_fields))
 
     def render(
         self, accept: bytes | None = None, names: Collection[str] = ()

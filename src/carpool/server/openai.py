@@ -102,6 +102,15 @@ async def create_embeddings(repository: ModelRepository, body: bytes) -> bytes:
 
 def json_object(body: bytes, known_fields: tuple[str, ...]) -> dict[str, Any]:
     """The request body as a JSON object of ``known_fields``; raises naming what is wrong."""
+    doc = parse_object(body)
+    unknown = sorted(set(doc) - set(known_fields))
+    if unknown:
+        raise BadParam(unknown[0], f"unknown field {unknown[0]!r}; expected {list(known_fields)}")
+    return doc
+
+
+def parse_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, whatever its fields; raises saying what is wrong."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as error:
@@ -110,9 +119,6 @@ def json_object(body: bytes, known_fields: tuple[str, ...]) -> dict[str, Any]:
         ) from None
     if not isinstance(doc, dict):
         raise InvalidInput(f"the request body is a JSON {type(doc).__name__}; expected an object")
-    unknown = sorted(set(doc) - set(known_fields))
-    if unknown:
-        raise BadParam(unknown[0], f"unknown field {unknown[0]!r}; expected {list(known_fields)}")
     return doc
 
 

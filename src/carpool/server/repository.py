@@ -27,6 +27,7 @@ import numpy as np
 
 from carpool.core.batcher import Batcher
 from carpool.core.collate import shared_rows
+from carpool.core.front import BatchFront
 from carpool.core.policy import MAX_AUTO_DELAY_S, BatchPolicy
 from carpool.errors import ConfigError, InvalidInput
 from carpool.server.errors import NotFound
@@ -99,7 +100,7 @@ class ServedModel:
     platform: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-    batcher: Batcher | None = None
+    batcher: BatchFront | None = None  # a Batcher, or a front-end worker's face of one
     infer: KServeInfer | None = None
     embeddings: EmbeddingService | None = None
     generation: GenerationService | None = None
@@ -198,6 +199,17 @@ class ServedModel:
             return self.generation.classes
         return tuple(c.name for c in self._batcher().policy.classes)
 
+    def require_policy(self) -> BatchPolicy:
+        """The batch policy, for ``/policy``: what a front-end worker can check too.
+
+        Raises:
+            ConfigError: for a generation model (a 400 on ``/policy``), as
+                :meth:`require_batcher`.
+        """
+        if self.generation is not None:
+            raise self.generation.no_batch_policy()
+        return self._batcher().policy
+
     def require_batcher(self) -> Batcher:
         """The batcher, for what only a batched model has: the policy ``GET`` and
         ``POST .../policy`` show and set, what ``carpool tune`` and ``bench`` drive.
@@ -209,9 +221,11 @@ class ServedModel:
         """
         if self.generation is not None:
             raise self.generation.no_batch_policy()
-        return self._batcher()
+        batcher = self._batcher()
+        assert isinstance(batcher, Batcher), "asked of the engine, never of a front-end worker"
+        return batcher
 
-    def _batcher(self) -> Batcher:
+    def _batcher(self) -> BatchFront:
         assert self.batcher is not None, "a model without a generation engine has a batcher"
         return self.batcher
 

@@ -43,6 +43,7 @@ from carpool.server.grpc import InferenceServicer, bind_grpc_server, host_port
 from carpool.server.http.server import HttpServer
 from carpool.server.limits import ServerLimits
 from carpool.server.memory import TICK_S, Trimmer, malloc_trim
+from carpool.server.otlp import start_otlp
 from carpool.server.repository import ModelRepository
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
@@ -78,6 +79,9 @@ def serve(
     protect_metrics: bool = False,
     allow_policy_updates: bool = False,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    dashboard: bool = True,
+    otlp_endpoint: str | None = None,
+    strict_openai: bool = False,
 ) -> None:
     """Serve HTTP on ``port`` and gRPC on ``grpc_port`` (None or <= 0: no gRPC) until
     SIGINT/SIGTERM; then stop accepting, drain every batcher, return (exit status 0).
@@ -89,7 +93,11 @@ def serve(
     ``allow_policy_updates`` lets ``POST .../policy`` change a batch policy
     (:mod:`carpool.server.access`).
     What is unanswered ``drain_timeout_s`` after the signal is cut
-    off: 503 / UNAVAILABLE.
+    off: 503 / UNAVAILABLE. ``dashboard``: sample every model each second for
+    ``/dashboard`` (server/dashboard.py); off, ``/dashboard`` is a 404. With
+    ``otlp_endpoint``, each request's timeline goes there as OpenTelemetry spans
+    (:mod:`carpool.server.otlp`). ``strict_openai``: refuse (400) the OpenAI request
+    fields neither OpenAI nor vLLM defines, instead of ignoring them.
 
     Raises:
         ConfigError: ``api_key`` is empty or not printable ASCII.
@@ -106,11 +114,23 @@ def serve(
     use_default_logging()
     for name in ("carpool.server.http", "carpool.server.access"):
         logging.getLogger(name).setLevel(LOG_LEVELS[log_level])
-    app = KServeApp(repository, max_body_bytes=max_request_bytes, limits=limits, access=access)
+    app = KServeApp(
+        repository,
+        max_body_bytes=max_request_bytes,
+        limits=limits,
+        access=access,
+        dashboard=dashboard,
+        strict_openai=strict_openai,
+    )
+    otlp = None if otlp_endpoint is None else start_otlp(app.timelines, otlp_endpoint)
     # uvloop, as HTTP ran before gRPC was added: grpc.aio (grpcio 1.85) serves on it; the
     # gRPC integration tests (tritonclient.grpc, SIGTERM drain, exit 0) run on this loop.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(app, host, port, grpc_port, max_request_bytes, drain_timeout_s))
+        try:
+            runner.run(_serve(app, host, port, grpc_port, max_request_bytes, drain_timeout_s))
+        finally:
+            if otlp is not None:
+                otlp.close()  # the last spans sent
 
 
 def _freeze_startup_heap() -> None:
@@ -315,12 +335,16 @@ async def _serve(
                 return
             logger.info("stopping: no new requests; answering the accepted ones")
             deadline.arm()
+            app.timelines.close()  # a carpool trace in flight answers now, not at its end
             stop_grpc()
             stopping.set()
 
         grpc_address = host_port(host, grpc_port or 0) if grpc_server is not None else None
         restore_signals = _stop_on_signal(loop, on_signal)
         trimming = asyncio.ensure_future(_trim_after_bursts(http, repository))
+        if app.dashboard is not None:
+            sampling = asyncio.ensure_future(app.dashboard.run())
+            trimming.add_done_callback(lambda _: sampling.cancel())  # cancelled below
         try:
             for sock in sockets:
                 # Only now, as they start listening: the connections they accept inherit

@@ -20,7 +20,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from carpool.core.batcher import Batcher
+from carpool.core.front import BatchFront
 
 CHECK_S = 0.001  # how often the room is looked at while connections wait
 MAX_WAIT_S = 1.0  # the Retry-After of the 429 that sent the connection here
@@ -32,20 +32,20 @@ class WaitingRoom:
     __slots__ = ("_timer", "_waiting")
 
     def __init__(self) -> None:
-        self._waiting: dict[Batcher, deque[tuple[float, Callable[[bool], bool]]]] = {}
+        self._waiting: dict[BatchFront, deque[tuple[float, Callable[[bool], bool]]]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
     @property
     def num_waiting(self) -> int:
         return sum(len(q) for q in self._waiting.values())
 
-    def num_waiting_for(self, batcher: Batcher) -> int:
+    def num_waiting_for(self, batcher: BatchFront) -> int:
         """Connections waiting for ``batcher``: each holds a place in its queues, so a
         request on another connection does not take the room they wait for."""
         waiting = self._waiting.get(batcher)
         return 0 if waiting is None else len(waiting)
 
-    def wait(self, batcher: Batcher, resume: Callable[[bool], bool]) -> None:
+    def wait(self, batcher: BatchFront, resume: Callable[[bool], bool]) -> None:
         """``resume(True)`` once ``batcher`` has room, in turn, or ``resume(False)`` after
         :data:`MAX_WAIT_S` without; it returns False when its connection is gone, which
         takes no room."""

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", dest="json_path", help="write the results as JSON")
     out.add_argument("--csv", dest="csv_path", help="write one CSV row per point")
     out.add_argument("--plots", dest="plots_dir", help="write PNG plots to this folder")
+    out.add_argument(
+        "--html", dest="html_path", help="write one self-contained HTML report (plots inside)"
+    )
     out.add_argument("--no-progress", action="store_true", help="no live display")
     return p
 
@@ -132,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         csv_path=writable_path("csv", args.csv_path),
         plots_dir=Path(args.plots_dir) if args.plots_dir else None,
         show_progress=not args.no_progress and sys.stderr.isatty(),
+        html_path=writable_path("html", args.html_path),
     )
 
 
@@ -296,6 +300,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     print(benchreport.text_table(results))
     benchreport.write_outputs(config, results)
+    if config.html_path is not None:
+        from carpool.tools.report import bench_html, write_html
+
+        write_html(config.html_path, bench_html(config, results))
 
 
 def _event_loop_runner() -> Any:

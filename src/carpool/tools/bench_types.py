@@ -35,6 +35,7 @@ class BenchConfig:
     csv_path: Path | None
     plots_dir: Path | None
     show_progress: bool
+    html_path: Path | None = None  # the self-contained report (tools/report.py)
 
 
 @dataclass(frozen=True, slots=True)

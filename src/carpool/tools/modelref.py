@@ -170,9 +170,12 @@ class ConfiguredModel:
         self.check_batched(command)
         return self._keyed(lambda: build_runner(self.model, key=self.key, file=self.file))
 
-    def served(self, command: str, *, num_replicas: int | None = None) -> ServedModel:
+    def served(
+        self, command: str, *, num_replicas: int | None = None, buffer_pool: bool | None = None
+    ) -> ServedModel:
         """The model as ``carpool serve`` serves it: its batcher, policy and devices;
-        ``num_replicas`` replicas instead of the config's (its devices taken in turn).
+        ``num_replicas`` replicas instead of the config's (its devices taken in turn), and
+        ``buffer_pool`` instead of the config's when given.
 
         Raises:
             ConfigError: naming ``models[i].<field>`` and the file (see :meth:`check_batched`).
@@ -185,6 +188,8 @@ class ConfiguredModel:
             devices = model.replica_devices()
             placed = [devices[i % len(devices)] for i in range(num_replicas)]
             model = model.model_copy(update={"devices": placed, "num_replicas": None})
+        if buffer_pool is not None:
+            model = model.model_copy(update={"buffer_pool": buffer_pool})
         return self._keyed(lambda: build_model(model, key=self.key, file=self.file))
 
     def _keyed(self, build: Callable[[], _T]) -> _T:

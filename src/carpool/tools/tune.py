@@ -31,7 +31,8 @@ from carpool.tools.tune_trial import Measurement, TrialConfig
 Number = int | float | str  # a level: a number, or "auto" (AUTO_PARAMS)
 # Parameters that may also be searched at "auto" (carpool.core.adaptive), against numbers.
 AUTO_PARAMS = ("max_batch_size", "max_delay_s")
-# Parameters a trial can set, with their types: BatchPolicy fields and the replica count.
+# Parameters a trial can set, with their types: BatchPolicy fields, the replica count and
+# the batch buffer pool (0 off, 1 on; rebuilt like the replica count).
 TUNABLE: dict[str, type] = {
     "max_batch_size": int,
     "max_delay_s": float,
@@ -41,7 +42,11 @@ TUNABLE: dict[str, type] = {
     "timeout_s": float,
     "oom_recovery_s": float,
     "num_replicas": int,
+    "buffer_pool": bool,
 }
+# Parameters that rebuild the batcher rather than change its policy.
+REBUILDS = ("num_replicas", "buffer_pool")
+_BOOLS = {"0": False, "false": False, "off": False, "1": True, "true": True, "on": True}
 STRATEGIES = ("grid", "taguchi", "hill", "halving")
 OBJECTIVES = ("throughput", "items")
 
@@ -70,19 +75,25 @@ class Param:
         if kind is None:
             raise ConfigError("--param", name, f"one of {sorted(TUNABLE)}")
         try:
-            values = tuple(_level(name, kind, v.strip()) for v in rest.split(","))
-        except ValueError:
+            values = tuple(_level(name, kind, v) for v in rest.split(","))
+        except (ValueError, KeyError):
             also = ' or "auto"' if name in AUTO_PARAMS else ""
             raise ConfigError(
-                f"--param {name}", rest, f"comma-separated {kind.__name__}s{also}"
+                f"--param {name}",
+                rest,
+                "comma-separated on/off (or 1/0, true/false)"
+                if kind is bool
+                else f"comma-separated {kind.__name__}s{also}",
             ) from None
         return cls(name, values)
 
 
 def _level(name: str, kind: type, text: str) -> Number:
-    if text == "auto" and name in AUTO_PARAMS:
-        return text
-    return int(float(text)) if kind is int else float(text)
+    if text.strip() == "auto" and name in AUTO_PARAMS:
+        return "auto"
+    if kind is bool:
+        return int(_BOOLS[text.strip().lower()])  # a level 0 or 1: the report prints numbers
+    return kind(float(text)) if kind is int else kind(text)
 
 
 @dataclass(frozen=True, slots=True)

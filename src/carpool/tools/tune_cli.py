@@ -7,8 +7,8 @@ as serve runs it), or ``http://HOST:PORT/v2/models/NAME`` (a model on a running 
 server started with ``--allow-policy-updates``, tuned through its ``/policy`` endpoint; the
 API key it requires, if any, from ``CARPOOL_API_KEY``). The best feasible config is written to
 ``--out`` as a config ``carpool serve`` loads; ``--report DIR`` adds the markdown/HTML report
-and plots. Exit status: 0 with a recommendation, 1 when no trial met the constraints, 2 on
-bad usage.
+and plots, ``--html FILE`` the same report as one self-contained file. Exit status: 0 with
+a recommendation, 1 when no trial met the constraints, 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--rate", type=float, help="open-loop Poisson arrivals (req/s)")
     p.add_argument("--eta", type=int, default=3, help="successive halving keeps 1/eta")
     p.add_argument("--report", type=Path, metavar="DIR", help="write tune.md/.html and plots")
+    p.add_argument("--html", type=Path, metavar="FILE", help="write one self-contained HTML report")
     p.add_argument(
         "--config",
         "--model-config",
@@ -161,6 +162,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     writable_path("--out", args.out)
     if args.report is not None:  # a folder: what goes in it must be writable
         writable_path("--report", args.report / "tune.md")
+    writable_path("--html", args.html)
     if args.model_config is not None:
         base_entry(args.model_config, args.model_name)
 
@@ -255,6 +257,11 @@ async def run(args: argparse.Namespace) -> int:
     if args.report is not None:
         path = write_report(outcome, args.report, label)
         print(f"report: {path}")
+    if args.html is not None:
+        from carpool.tools.report import write_html
+        from carpool.tools.report_tune import tune_html
+
+        write_html(args.html, tune_html(outcome, label))
     best = outcome.best
     if best is None:
         print("no trial met the constraints; no config written", file=sys.stderr)

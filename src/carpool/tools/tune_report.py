@@ -268,7 +268,8 @@ def render_html(blocks: list[Block], title: str) -> str:
     return "\n".join(out)
 
 
-def _plot_pareto(outcome: TuneOutcome, path: Path) -> None:
+def plot_pareto(outcome: TuneOutcome, path: Path) -> None:
+    """Throughput against p99 of every trial, the Pareto front and the SLO, to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -303,7 +304,9 @@ def _plot_pareto(outcome: TuneOutcome, path: Path) -> None:
     plt.close(fig)
 
 
-def _plot_heatmaps(outcome: TuneOutcome, folder: Path) -> dict[str, str]:
+def plot_heatmaps(outcome: TuneOutcome, folder: Path) -> dict[str, str]:
+    """Throughput and p99 over max_delay_s x max_batch_size into ``folder``; returns
+    ``{"heatmap_throughput": file name, "heatmap_p99": file name}``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -359,10 +362,10 @@ def write_report(outcome: TuneOutcome, folder: Path, target: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     images: dict[str, str] = {}
     if any(r.measurement.error is None for r in outcome.results):
-        _plot_pareto(outcome, folder / "pareto.png")
+        plot_pareto(outcome, folder / "pareto.png")
         images["pareto"] = "pareto.png"
     if {"max_delay_s", "max_batch_size"} <= set(outcome.space.names):
-        images.update(_plot_heatmaps(outcome, folder))
+        images.update(plot_heatmaps(outcome, folder))
     blocks = report_blocks(outcome, target, images)
     (folder / "tune.html").write_text(render_html(blocks, f"carpool tune: {target}"), "utf-8")
     markdown = folder / "tune.md"
@@ -392,6 +395,8 @@ def recommended_config(entry: dict[str, Any], values: dict[str, Any]) -> dict[st
         ConfigError: when the result would not load (a bug in the entry given).
     """
     model = {**entry, **values}
+    if "buffer_pool" in values:  # searched as a level 0 or 1; the config takes a bool
+        model["buffer_pool"] = bool(values["buffer_pool"])
     if "devices" in model and "num_replicas" in values:
         del model["devices"]  # the tuned count wins; device then names every replica's
     document = {"models": [model]}

@@ -24,6 +24,7 @@ from carpool.core.clock import Clock, MonotonicClock
 from carpool.core.policy import BatchPolicy
 from carpool.errors import ConfigError
 from carpool.tools.modelref import MODEL_FORMS, ConfiguredModel, Form, ModelRef, resolve_import
+from carpool.tools.tune import REBUILDS
 from carpool.tools.tune_trial import TrialConfig, WindowSample
 
 ERROR_PAUSE_S = 0.001  # a closed-loop caller's pause after a failed request
@@ -198,26 +199,41 @@ class InProcessRunner:
         self._batcher: Batcher | None = None
         self._driver: LoadDriver | None = None
 
-    def _new_batcher(self, policy: BatchPolicy, num_replicas: int, name: str) -> Batcher:
+    def _new_batcher(
+        self, policy: BatchPolicy, num_replicas: int, name: str, buffer_pool: bool | None = None
+    ) -> Batcher:
         if self._entry is None:
             return Batcher(
-                self._fn, policy, fn_factory=self._factory, num_replicas=num_replicas, name=name
+                self._fn,
+                policy,
+                fn_factory=self._factory,
+                num_replicas=num_replicas,
+                name=name,
+                buffer_pool=bool(buffer_pool),
             )
-        batcher = self._entry.served("tune", num_replicas=num_replicas).require_batcher()
+        served = self._entry.served("tune", num_replicas=num_replicas, buffer_pool=buffer_pool)
+        batcher = served.require_batcher()
         batcher.set_policy(policy)
         return batcher
 
     async def start_trial(self, config: TrialConfig) -> None:
         changes = config.as_dict()
         num_replicas = int(changes.pop("num_replicas", self.num_replicas))
+        pool = changes.pop("buffer_pool", None)
+        buffer_pool = None if pool is None else bool(pool)
         policy = self.base_policy.replace(**changes)  # ConfigError when invalid
         batcher = self._batcher
-        if batcher is not None and batcher.num_replicas == num_replicas:
+        if (
+            batcher is not None
+            and batcher.num_replicas == num_replicas
+            and (buffer_pool is None or (batcher.buffer_pool is not None) == buffer_pool)
+        ):
             batcher.set_policy(policy)
         else:
             if batcher is not None:
                 await batcher.stop()
-            batcher = self._batcher = self._new_batcher(policy, num_replicas, "tune")
+            batcher = self._new_batcher(policy, num_replicas, "tune", buffer_pool)
+            self._batcher = batcher
             await batcher.start()
         payload = self._payload
         driver = self._driver = LoadDriver(lambda: _submit_one(batcher, payload), self._load)
@@ -326,12 +342,14 @@ class ServerRunner:
 
     async def start_trial(self, config: TrialConfig) -> None:
         changes = config.as_dict()
-        if "num_replicas" in changes:
-            raise ConfigError(
-                "num_replicas",
-                changes["num_replicas"],
-                "no replica changes on a running server (tune it in-process, or restart per value)",
-            )
+        for name in REBUILDS:
+            if name in changes:
+                raise ConfigError(
+                    name,
+                    changes[name],
+                    f"no {name} changes on a running server (tune it in-process, or restart "
+                    "per value)",
+                )
         if self._body is None:
             await self.connect()  # also notes the starting policy, before the first change
         self._changed.update(changes)

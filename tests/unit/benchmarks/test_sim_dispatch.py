@@ -3,14 +3,17 @@ request answered once, throughput within capacity, balance a fraction. Never tim
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
 
+from carpool.server.run import YOUNG_GC_THRESHOLD
 from sim_dispatch import (
     SimConfig,
     batch_time_s,
     check_targets,
+    collector_as_served,
     poisson_arrivals,
     replica_speeds,
     simulate,
@@ -22,6 +25,16 @@ def tiny(num_replicas: int, load: float, seed: int) -> SimConfig:
     return SimConfig(
         num_replicas, load, seed, warmup_batches=5.0, window_batches=20.0, min_window_batches=0
     )
+
+
+def test_the_collector_runs_as_carpool_serve_sets_it_then_as_it_was() -> None:
+    thresholds = gc.get_threshold()
+    frozen = gc.get_freeze_count()
+    with collector_as_served():
+        assert gc.get_threshold() == (YOUNG_GC_THRESHOLD, *thresholds[1:])
+        assert gc.get_freeze_count() > frozen  # the heap at the start is out of its reach
+    assert gc.get_threshold() == thresholds
+    assert gc.get_freeze_count() == 0
 
 
 @pytest.mark.parametrize("load", [0.5, 0.95])

@@ -240,6 +240,44 @@ async def test_drain_returns_when_the_work_an_idle_replica_waited_for_expires(
     await asyncio.wait_for(stopping, SAFETY_S)
 
 
+# -- which idle replica takes a batch ----------------------------------------------------------
+
+
+async def test_idle_replicas_of_mixed_speeds_end_up_about_as_busy(make_batcher, fake_clock, spawn):
+    """A fast and a slow replica (10 and 20 ms a batch), one request every 15 ms: both
+    are often idle when one arrives. Waking the longest-idle replica made them alternate,
+    one batch each, so the fast one computed half as long as the slow one; the replica
+    least busy lately takes it now, and the fast one runs about twice as many batches."""
+    batch_s = {"fast": 0.010, "slow": 0.020}
+    ran = dict.fromkeys(batch_s, 0)
+
+    def factory(device: str) -> Any:
+        async def model(batch: list[int]) -> list[int]:
+            done = asyncio.get_running_loop().create_future()
+            fake_clock.call_at(fake_clock.now() + batch_s[device], lambda: done.set_result(None))
+            await done
+            ran[device] += 1
+            return batch
+
+        return model
+
+    batcher = make_batcher(
+        fn_factory=factory, devices=["fast", "slow"], max_batch_size=1, max_delay_s=0.0
+    )
+    await asyncio.wait_for(batcher.start(), SAFETY_S)
+    answers = []
+    for i in range(200):  # 3 s: a few times the decay's time constant
+        answers.append(spawn(batcher.submit(i)))
+        await fake_clock.advance(0.015)
+    await fake_clock.advance(0.1)
+    assert await finish(*answers) == list(range(200))
+
+    assert ran["fast"] + ran["slow"] == 200
+    busy_fast, busy_slow = (ran[d] * batch_s[d] for d in ("fast", "slow"))
+    assert busy_fast >= 0.9 * busy_slow, ran  # was 0.5: 100 batches each
+    assert busy_fast <= 1.1 * busy_slow, ran
+
+
 # -- idle replicas wake for aged work --------------------------------------------------------
 
 
@@ -264,3 +302,54 @@ async def test_idle_replica_runs_an_aged_batch_of_a_capped_class(
 
     fake_model.release()
     assert await finish(first, second) == [10, 20]
+
+
+async def test_idle_replicas_share_one_timer_for_a_request_waiting_for_company(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    """Three replicas go idle while one request waits out its delay: one timer wakes one
+    of them for it. Each armed its own before; with the least busy woken first, the
+    others' timers fired every delay, for nothing, as long as they stayed idle."""
+    batcher = make_batcher(num_replicas=3, max_batch_size=2, max_delay_s=1.0)
+    await batcher.start()
+    fake_model.hold()
+    running = [spawn(batcher.submit(i)) for i in range(6)]
+    await fake_clock.advance(0.0)
+    assert fake_model.running == 3
+    lone = spawn(batcher.submit(6))
+    await fake_clock.advance(0.1)
+    fake_model.release()
+    await fake_clock.advance(0.0)
+    assert fake_model.running == 0
+    assert fake_clock.num_pending_timers == 1  # was 3: one per idle replica
+
+    await fake_clock.advance(0.9)
+    assert await finish(*running, lone) == [i * 10 for i in range(7)]
+    assert fake_model.sizes == [2, 2, 2, 1]
+
+
+async def test_one_replica_woken_by_a_request_leaves_no_timer_behind(
+    make_batcher, fake_model, fake_clock, spawn
+):
+    """One replica waits with a timer for a lone request's delay; a second request fills
+    the batch first. Its timer goes with the wait: a shared one, never cancelled, stayed
+    armed and woke the replica once more for nothing."""
+    batcher = make_batcher(num_replicas=1, max_batch_size=2, max_delay_s=1.0)
+    await batcher.start()
+    fake_model.hold()
+    first = spawn(batcher.submit(0))
+    await fake_clock.advance(0.1)
+    assert fake_model.running == 0
+    assert fake_clock.num_pending_timers == 1  # the delay of the lone request
+    delay_s = fake_clock.next_timer_s()
+    second = spawn(batcher.submit(1))
+    await fake_clock.advance(0.0)
+    assert fake_model.running == 1
+    # The running batch's watchdog (batch_timeout_s), and no other: the shared timer
+    # stayed armed for the lone request's delay.
+    assert fake_clock.num_pending_timers == 1
+    assert fake_clock.next_timer_s() != delay_s
+
+    fake_model.release()
+    assert await finish(first, second) == [0, 10]
+    assert fake_model.sizes == [2]

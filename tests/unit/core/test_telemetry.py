@@ -16,6 +16,7 @@ from carpool.core.telemetry import (
     LATENCY_BUCKETS_S,
     REJECTION_REASONS,
     RING_SIZE,
+    SLOWEST_WINDOW_S,
     Histogram,
     NullTelemetry,
     ReplicaCounters,
@@ -362,6 +363,26 @@ async def test_on_trace_gets_each_answered_request() -> None:
     assert trace.queue_s == pytest.approx(0.03)
     assert trace.compute_s == pytest.approx(0.03)
     assert "compute 30.00 ms" in trace.describe()
+
+
+async def test_snapshot_keeps_the_slowest_request_of_the_last_window() -> None:
+    telemetry = Telemetry("m", SLOS)
+    assert telemetry.snapshot(0.0, {}, []).slowest is None
+    slow, fast = _request(arrival_s=0.0), _request(arrival_s=0.9)
+    for request in (slow, fast):
+        request.batch_closed_s = request.compute_start_s = 0.95
+        request.compute_end_s = 1.0
+    telemetry.answered_ok([slow, fast], 1.0)
+    slowest = telemetry.snapshot(1.0, {}, []).slowest
+    assert slowest is not None and slowest.request_id == slow.request_id
+    assert slowest.wait_s == pytest.approx(0.95)
+    # Past the window, the next one answered starts a new window, however fast it was.
+    late = _request(arrival_s=1.0 + SLOWEST_WINDOW_S)
+    late.batch_closed_s = late.compute_start_s = late.arrival_s
+    late.compute_end_s = late.arrival_s + 0.01
+    telemetry.answered_ok([late], late.compute_end_s + 0.01)
+    slowest = telemetry.snapshot(20.0, {}, []).slowest
+    assert slowest is not None and slowest.request_id == late.request_id
 
 
 async def test_slow_requests_are_logged_with_where_the_time_went(

@@ -18,6 +18,7 @@ from carpool.generation.kv_cache import KVCacheManager
 from carpool.generation.request import FinishReason, RequestEvent
 from carpool.generation.runner import ModelRunner
 from carpool.generation.scheduler import Scheduler, SchedulerConfig
+from carpool.generation.telemetry import GenerationTrace
 from carpool.generation.tokenizer import ByteTokenizer, Tokenizer
 from carpool.generation.types import SamplingParams, StepInput, StepOutput
 from carpool.generation.weights import random_llama
@@ -466,3 +467,35 @@ async def test_a_failing_step_fails_its_requests_returns_their_blocks_and_servin
         await engine.stop()
     assert runner.num_steps > 3
     assert_all_blocks_free(scheduler)
+
+
+async def test_a_trace_hook_gets_each_request_with_its_steps(engine, runner):
+    traces: list[GenerationTrace] = []
+    engine.set_trace_hook(traces.append)
+    await _collect(engine, _prompt("hi"), max_tokens=3)
+    [trace] = traces
+    assert (trace.outcome, trace.num_prompt_tokens, trace.num_generated) == ("length", 3, 3)
+    assert (trace.arrived_s, trace.scheduled_s) == (100.0, 100.0)
+    assert trace.first_token_s == pytest.approx(100.01)
+    assert trace.answered_s == pytest.approx(100.03)
+    expected = [(100.0, 100.01), (100.01, 100.02), (100.02, 100.03)]
+    assert [pytest.approx(step) for step in expected] == list(trace.steps)
+
+
+async def test_a_failed_step_is_traced_as_an_error(engine, runner):
+    traces: list[GenerationTrace] = []
+    engine.set_trace_hook(traces.append)
+    runner.fail_next = True
+    with pytest.raises(ModelError):
+        await _collect(engine, _prompt("q"))
+    [trace] = traces
+    assert trace.outcome == "error"
+    assert trace.steps == ()  # the step that failed never ran to its end
+
+
+async def test_no_trace_once_the_hook_is_taken_off(engine, runner):
+    traces: list[GenerationTrace] = []
+    engine.set_trace_hook(traces.append)
+    engine.set_trace_hook(None)
+    await _collect(engine, _prompt("hi"), max_tokens=2)
+    assert traces == []

@@ -131,3 +131,39 @@ def test_the_last_delta_flushes_a_broken_character_and_keeps_the_held_text() -> 
     assert state.pending_text == "x"
     last = state.process([0xC3], FinishReason.LENGTH)  # half a character, then the end
     assert (last.text, last.finish_reason) == ("x\ufffd", FinishReason.LENGTH)
+
+
+@pytest.mark.parametrize(("include", "expected"), [(True, "hello w"), (False, "he")])
+def test_include_stop_str_in_output_keeps_the_stop_string(include: bool, expected: str) -> None:
+    deltas = feed(start(stop=("llo w",), include_stop_str_in_output=include), [1, 2, 3, 4])
+    assert text(deltas) == expected and deltas[-1].finish_reason is FinishReason.STOP
+
+
+@pytest.mark.parametrize(("include", "expected"), [(True, "he?"), (False, "he")])
+def test_include_stop_str_in_output_shows_the_stop_token_s_text(
+    include: bool, expected: str
+) -> None:
+    deltas = feed(start(stop_token_ids=(6,), include_stop_str_in_output=include), [1, 6, 2])
+    assert text(deltas) == expected and deltas[-1].token_ids == (6,)
+
+
+def test_stop_strings_wait_for_min_tokens() -> None:
+    deltas = feed(start(stop=("llo",), min_tokens=3), [1, 2, 3, 2, 4])
+    assert text(deltas) == "hello wor"  # the first "llo" came with token 2 of 3
+    assert len(deltas) == 4 and deltas[-1].finish_reason is FinishReason.STOP
+
+
+class SpecialWordTokenizer(WordTokenizer):
+    """Shows EOS as ``<eos>`` when asked not to skip special tokens."""
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return super().decode(token_ids)
+        return "".join("<eos>" if t == EOS else WORDS.get(t, "") for t in token_ids)
+
+
+@pytest.mark.parametrize(("skip", "expected"), [(True, "hello"), (False, "he<eos>llo")])
+def test_skip_special_tokens_false_shows_them(skip: bool, expected: str) -> None:
+    params = SamplingParams(ignore_eos=True, skip_special_tokens=skip)
+    state = OutputProcessor(SpecialWordTokenizer()).start((7,), params)
+    assert text(feed(state, [1, EOS, 2])) == expected

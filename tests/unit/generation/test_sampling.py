@@ -105,3 +105,13 @@ def test_top_p_of_one_filters_nothing(top_k: int) -> None:
     logits = torch.linspace(0.0, -30.0, 64)[None, :]
     filtered = apply_top_k_top_p(logits, torch.tensor([top_k]), torch.tensor([1.0]))
     assert int(torch.isfinite(filtered).sum()) == (top_k or 64)
+
+
+def test_a_draw_at_the_very_end_of_the_cdf_takes_the_last_token_with_mass(monkeypatch) -> None:
+    """u * total can round up to total: searchsorted then points past the vocabulary."""
+    sampler = Sampler(seed=0)
+    monkeypatch.setattr(sampler, "_uniform", lambda *_: torch.ones(1, dtype=torch.float64))
+    logits = torch.zeros(2, 10)
+    logits[0, 7:] = float("-inf")  # row 0: tokens 7-9 have no mass
+    params = [SamplingParams(temperature=1.0)] * 2
+    assert sampler.sample(logits, params, [0, 1]) == [6, 9]

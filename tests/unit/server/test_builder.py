@@ -17,16 +17,17 @@ from carpool.server.builder import build_repository, build_runner
 from carpool.server.infer import error_response
 from carpool.server.kserve.tensors import InferRequest, InputTensor
 
+BASE_MODEL = {
+    "name": "m",
+    "kind": "python",
+    "source": "numpy:copy",
+    "inputs": [{"name": "X", "datatype": "FP32", "shape": [-1]}],
+    "outputs": [{"name": "Y", "datatype": "FP32", "shape": [-1]}],
+}
+
 
 def _config(**model: Any) -> Any:
-    base = {
-        "name": "m",
-        "kind": "python",
-        "source": "numpy:copy",
-        "inputs": [{"name": "X", "datatype": "FP32", "shape": [-1]}],
-        "outputs": [{"name": "Y", "datatype": "FP32", "shape": [-1]}],
-    }
-    return parse_config({"models": [{**base, **model}]})
+    return parse_config({"models": [{**BASE_MODEL, **model}]})
 
 
 def test_builds_a_served_model_per_config_entry() -> None:
@@ -39,6 +40,39 @@ def test_builds_a_served_model_per_config_entry() -> None:
     assert model.batcher.policy.max_batch_size == 8
     assert model.batcher.policy.max_delay_s == 0.01
     assert model.batcher.num_replicas == 2
+
+
+def test_buffer_pool_keys_reach_the_batcher() -> None:
+    repository = build_repository(_config(buffer_pool=True, buffer_pool_mb=2))
+    pool = repository.get("m").batcher.buffer_pool
+    assert pool is not None and pool.budget_bytes == 2 * 2**20
+    assert build_repository(_config()).get("m").batcher.buffer_pool is None
+
+
+def test_torch_gpu_keys_reach_the_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    torch_model = {
+        "kind": "torch",
+        "source": "carpool.models.mlp:build_w1",
+        "inputs": [{"name": "X", "datatype": "FP32", "shape": [256]}],
+        "outputs": [{"name": "Y", "datatype": "FP32", "shape": [16]}],
+        "cuda_graphs": True,
+        "autocast": True,
+        "preferred_batch_sizes": [4, 8],
+        "max_batch_size": 8,
+    }
+    captured: dict[str, Any] = {}
+    import carpool.models.torch as torch_models
+
+    original = torch_models.torch_factory
+
+    def spy(source: str, **options: Any) -> Any:
+        captured.update(options)
+        return original(source, **options)
+
+    monkeypatch.setattr(torch_models, "torch_factory", spy)
+    build_runner(_config(**torch_model).models[0])
+    assert captured["autocast"] is True and captured["cuda_graphs"] == (4, 8)
 
 
 def test_source_that_does_not_import_names_the_model_key() -> None:
@@ -189,3 +223,18 @@ def test_declared_shape_mismatch_is_a_clear_400() -> None:
     status, body, _ = error_response(caught.value)
     assert status == 400
     assert b"'X'" in body and b"[2, 5]" in body and b"[-1, -1, 4]" in body, body
+
+
+def test_a_ray_section_connects_when_a_model_runs_on_ray(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("ray")
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr("carpool.server.builder.connect", lambda *args: calls.append(args))
+    ray_section = {"address": "auto", "namespace": "serving"}
+    on_ray = {**BASE_MODEL, "executor": "ray", "num_replicas": 2, "ray_resources": {"num_cpus": 1}}
+    repository = build_repository(parse_config({"models": [on_ray], "ray": ray_section}))
+    assert calls == [("auto", "serving", None)]
+    assert repository.get("m").batcher.num_replicas == 2
+    build_repository(parse_config({"models": [BASE_MODEL], "ray": ray_section}))
+    assert len(calls) == 1  # no model on Ray: nothing to connect to

@@ -137,7 +137,7 @@ async def test_a_client_leaving_mid_stream_aborts_its_request(app):
 
 
 async def test_errors_have_openai_shape(app):
-    got = await _post(app, "/v1/completions", prompt="x", n=3)
+    got = await _post(app, "/v1/completions", prompt="x", n=0)
     assert got.status == 400
     error = got.json()["error"]
     assert error["param"] == "n" and error["type"] == "invalid_request_error"
@@ -187,10 +187,15 @@ async def test_extensions_and_stop_forms_are_read(app):
 @pytest.mark.parametrize(
     ("body", "param", "match"),
     [
-        ({"prompt": "x", "echo": True}, "echo", "not supported"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "prompt's log-probabilities"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", r"in \[0, 20\]"),
         ({"prompt": "x", "best_of": 2}, "best_of", "not supported"),
-        ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+        ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty", r"\[-2.0, 2.0\]"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", r"\(0.0, inf\]"),
+        ({"prompt": "x", "min_tokens": 17}, "min_tokens", r"in \[0, 16\]"),
+        ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", "token id in"),
+        ({"prompt": "x", "logit_bias": {"5": "up"}}, "logit_bias", "expected a number"),
+        ({"prompt": "x", "n": 129}, "n", r"in \[1, 128\]"),
         ({"prompt": ["a", "b"]}, "prompt", "holds 2 prompts"),
         ({"prompt": ""}, "prompt", "empty string"),
         ({"prompt": {"a": 1}}, "prompt", "expected a string or a list of token ids"),
@@ -203,7 +208,6 @@ async def test_extensions_and_stop_forms_are_read(app):
         ({"prompt": "x", "priority": "vip"}, "priority", "one of"),
         ({"prompt": "x", "max_tokens": 200}, "max_tokens", "lower max_tokens to 126"),
         ({"prompt": "x", "stream": "yes"}, "stream", "true or false"),
-        ({"prompt": "x", "bogus": 1}, "bogus", "unknown field"),
         ({"prompt": "x" * 200}, "prompt", "at most 128 tokens"),
     ],
 )
@@ -219,6 +223,7 @@ async def test_bad_completion_requests_name_the_field(app, body, param, match):
         ({"messages": []}, "non-empty list"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "role='robot'"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools="),
+        ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo=True"),
     ],
 )
 async def test_bad_chat_requests_name_the_field(app, body, match):
@@ -286,10 +291,12 @@ async def test_a_top_k_past_int64_is_the_whole_vocabulary_and_harms_no_neighbour
 
 async def test_completion_logprobs_zero_is_not_silently_dropped(app):
     """OpenAI: logprobs=0 still returns the sampled token's logprob ("up to logprobs+1
-    elements"). carpool refuses logprobs it cannot give. Was: 0 == False slipped through
-    _UNUSED and the answer carried "logprobs": null."""
+    elements"). Was: 0 == False slipped through and the answer carried "logprobs": null."""
     got = await call(app, "/v1/completions", model=MODEL, prompt="hi", max_tokens=2, logprobs=0)
-    assert got.status == 400 and got.json()["error"]["param"] == "logprobs", got.json()
+    assert got.status == 200, got.json()
+    logprobs = got.json()["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == 2 and all(v <= 0 for v in logprobs["token_logprobs"])
+    assert [len(top) for top in logprobs["top_logprobs"]] == [1, 1]  # the sampled token only
 
 
 async def test_invalid_stop_token_ids_name_the_param(app):
@@ -401,3 +408,103 @@ async def test_chat_with_a_folder_without_template_is_a_400(tmp_path):
     with pytest.raises(BadParam, match="no chat template") as refused:
         await _chat_prompt_ids(folder, [{"role": "user", "content": "Hi"}])
     assert refused.value.param == "messages"
+
+
+# -- the fields the ecosystem sends ---------------------------------------------------------
+
+
+async def test_sampling_extensions_reach_the_sampling_params(app):
+    got = await _prepare(
+        app, prompt="x", repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=1.0,
+        min_p=0.1, min_tokens=3, logit_bias={"7": 150, "9": -2}, logprobs=3,
+        include_stop_str_in_output=True, skip_special_tokens=False, n=2, seed=5,
+    )  # fmt: skip
+    s = got.sampling
+    assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (1.2, -0.5, 1.0)
+    assert (s.min_p, s.min_tokens, s.logprobs) == (0.1, 3, 3)
+    assert s.logit_bias == ((7, 100.0), (9, -2.0))  # clamped to OpenAI's [-100, 100]
+    assert s.include_stop_str_in_output and not s.skip_special_tokens
+    assert got.n == 2 and [got.choice_sampling(i).seed for i in range(2)] == [5, 6]
+    chat = await _prepare(
+        app, is_chat=True, messages=[{"role": "user", "content": "a"}], logprobs=True,
+        top_logprobs=4,
+    )  # fmt: skip
+    assert chat.sampling.logprobs == 4
+    with pytest.raises(BadParam, match="needs logprobs: true"):
+        await _prepare(
+            app, is_chat=True, messages=[{"role": "user", "content": "a"}], top_logprobs=2
+        )
+
+
+async def test_n_choices_each_have_an_index_and_usage_counts_all(app):
+    got = await call(
+        app, "/v1/completions", model=MODEL, prompt="hi", max_tokens=4, n=3, seed=1,
+        ignore_eos=True, echo=True,
+    )  # fmt: skip
+    assert got.status == 200, got.json()
+    document = got.json()
+    assert [c["index"] for c in document["choices"]] == [0, 1, 2]
+    assert all(c["text"].startswith("hi") for c in document["choices"])  # echo
+    assert document["usage"]["completion_tokens"] == 12
+    assert document["usage"]["prompt_tokens"] == 3  # counted once
+    texts = {c["text"] for c in document["choices"]}
+    assert len(texts) > 1  # seeds 1, 2, 3: not three copies of one sample
+
+
+async def test_a_streamed_chat_carries_logprobs_per_chunk(app):
+    got = await _post(
+        app, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5, ignore_eos=True, logprobs=True, top_logprobs=2, stream=True,
+    )  # fmt: skip
+    chunks = _chunks(got)
+    entries = [
+        entry for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+        for entry in c["choices"][0]["logprobs"]["content"]
+    ]  # fmt: skip
+    assert len(entries) == 5
+    for entry in entries:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
+        assert entry["logprob"] <= entry["top_logprobs"][0]["logprob"] + 1e-6
+
+
+async def test_min_tokens_holds_back_eos(app):
+    """vLLM: min_tokens keeps EOS (and stop_token_ids) from being sampled until that many
+    tokens are out. EOS (257) is made the certain pick by logit_bias."""
+    body = {"prompt": "hi", "max_tokens": 10, "temperature": 0, "logit_bias": {"257": 100}}
+    at_once = (await _post(app, "/v1/completions", **body)).json()
+    assert at_once["usage"]["completion_tokens"] == 1
+    held = (await _post(app, "/v1/completions", min_tokens=3, **body)).json()
+    assert held["usage"]["completion_tokens"] == 4  # three held, then EOS
+    assert held["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_streamed_choices_each_finish_and_usage_counts_all(app):
+    got = await _post(
+        app, "/v1/completions", prompt="hi", max_tokens=3, n=2, ignore_eos=True, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = _chunks(got)
+    finished = [c["choices"][0] for c in chunks if c["choices"]]
+    finished = [choice["index"] for choice in finished if choice["finish_reason"]]
+    assert sorted(finished) == [0, 1]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def _chunks(got: Exchange) -> list[Any]:
+    """The JSON chunks of a streamed answer (``[DONE]`` left out)."""
+    return [orjson.loads(event) for event in got.events() if event != "[DONE]"]
+
+
+async def test_add_special_tokens_and_tokens_as_ids_are_vllm_s(app):
+    plain = await _prepare(app, prompt="ab")
+    assert plain.prompt_ids == [256, *b"ab"]  # BOS added by default
+    bare = await _prepare(app, prompt="ab", add_special_tokens=False)
+    assert bare.prompt_ids == list(b"ab")
+    got = await call(
+        app, "/v1/completions", model=MODEL, prompt="hi", max_tokens=2, logprobs=1,
+        return_tokens_as_token_ids=True,
+    )  # fmt: skip
+    tokens = got.json()["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 2 and all(t.startswith("token_id:") for t in tokens)

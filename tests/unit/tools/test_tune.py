@@ -158,6 +158,14 @@ def test_param_parse_searches_auto_against_numbers_where_the_policy_takes_it() -
         Param.parse("timeout_s=auto")  # no adaptive timeout
 
 
+def test_buffer_pool_param_takes_on_off_levels() -> None:
+    assert Param.parse("buffer_pool=off,on").values == (0, 1)
+    assert Param.parse("buffer_pool=0,1").values == (0, 1)
+    assert Param.parse("buffer_pool=True,False").values == (1, 0)
+    with pytest.raises(ConfigError, match="on/off"):
+        Param.parse("buffer_pool=maybe,on")
+
+
 def test_space_neighbours_stay_on_the_grid() -> None:
     space = _space()
     assert sorted(space.neighbours((0, 0))) == [(0, 1), (1, 0)]

@@ -107,6 +107,8 @@ def test_recommended_config_takes_a_base_entry_and_refuses_an_invalid_one(tmp_pa
     document = recommended_config(entry, {"num_replicas": 3, "max_batch_size": 8})
     model = document["models"][0]
     assert model["timeout_s"] == 1.0 and "devices" not in model and model["num_replicas"] == 3
+    pooled = recommended_config(entry, {"buffer_pool": 1})["models"][0]
+    assert pooled["buffer_pool"] is True  # a searched level 1, written as the config's bool
     with pytest.raises(ConfigError, match="invalid --model="):
         base_entry(base, "nope")
     with pytest.raises(ConfigError):

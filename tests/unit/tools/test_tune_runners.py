@@ -126,6 +126,22 @@ async def test_a_new_replica_count_rebuilds_the_batcher(models: str) -> None:
         await runner.close()
 
 
+async def test_buffer_pool_on_or_off_rebuilds_the_batcher(models: str) -> None:
+    runner = InProcessRunner(f"{models}:double", ITEM, LoadSpec(concurrency=4))
+    try:
+        await measure_trial(runner, TrialConfig((("buffer_pool", 0),)), SHORT)
+        first = runner._batcher
+        assert first is not None and first.buffer_pool is None
+        await measure_trial(runner, TrialConfig((("buffer_pool", 0), ("max_delay_s", 0.0))), SHORT)
+        assert runner._batcher is first  # same pool setting: the policy changed in place
+        m = await measure_trial(runner, TrialConfig((("buffer_pool", 1),)), ANSWERING)
+        assert runner._batcher is not first and runner._batcher is not None
+        pool = runner._batcher.buffer_pool
+        assert pool is not None and m.num_requests > 0 and pool.stats().hits > 0
+    finally:
+        await runner.close()
+
+
 async def test_an_invalid_policy_is_a_failed_trial(models: str) -> None:
     runner = InProcessRunner(f"{models}:double", ITEM, LoadSpec(concurrency=1))
     m = await measure_trial(runner, TrialConfig((("max_batch_size", 0),)), SHORT)

@@ -22,7 +22,9 @@ from carpool.core.adaptive import AdaptiveState
 from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
 from carpool.server import completions, openai
+from carpool.server.dashboard import Dashboard, static_file
 from carpool.server.encoding import inflate, response_encoding
+from carpool.server.errors import NotFound
 from carpool.server.http.router import HttpRequest, Route, RouteKind
 from carpool.server.infer import (
     Answer,
@@ -32,9 +34,12 @@ from carpool.server.infer import (
     infer_response,
     prepare_infer,
 )
+from carpool.server.live import live_figures
 from carpool.server.metrics import Metrics
+from carpool.server.openai_fields import IgnoredFields
 from carpool.server.repository import ModelRepository, ServedModel
 from carpool.server.stats import model_stats
+from carpool.server.timelines import TraceHub, capture, capture_seconds
 
 # Triton's extension names for what carpool serves: schedule_policy is the priority and
 # timeout request parameters; classification is server/classification.py. Not served, each
@@ -60,6 +65,9 @@ class Served(Protocol):
     metrics: Metrics
     plans: InferPlans
     max_body_bytes: int
+    dashboard: Dashboard | None  # None: served with --no-dashboard
+    timelines: TraceHub
+    openai_fields: IgnoredFields
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +144,19 @@ async def _server_metadata(served: Served, call: Call) -> Answer:
     return _json({"name": "carpool", "version": __version__, "extensions": EXTENSIONS})
 
 
+def _stats(model: ServedModel) -> dict[str, Any]:
+    """Triton's statistics of ``model``, and under ``"carpool"`` what it is doing now
+    (server/live.py: what carpool top shows)."""
+    return model_stats(model) | {"carpool": live_figures(model)}
+
+
 async def _models_stats(served: Served, call: Call) -> Answer:
-    return _json({"model_stats": [model_stats(m) for m in served.repository]})
+    return _json({"model_stats": [_stats(m) for m in served.repository]})
+
+
+async def _timelines(served: Served, call: Call) -> Answer:
+    seconds = capture_seconds(call.request.query)
+    return _json(await call.watch(capture(served.timelines, seconds)))
 
 
 async def _index(served: Served, call: Call) -> Answer:
@@ -178,7 +197,24 @@ async def _model_config(served: Served, call: Call) -> Answer:
 
 
 async def _model_stats(served: Served, call: Call) -> Answer:
-    return _json({"model_stats": [model_stats(_model(call))]})
+    return _json({"model_stats": [_stats(_model(call))]})
+
+
+async def _dashboard(served: Served, call: Call) -> Answer:
+    """``/dashboard`` (the page), ``/dashboard/series`` (its data), ``/dashboard/{file}``."""
+    path = call.request.path
+    if served.dashboard is None:
+        raise NotFound(
+            f"path {path!r} (the server runs with --no-dashboard)", ["/v2/...", "/metrics"]
+        )
+    name = path.rstrip("/").removeprefix("/dashboard").lstrip("/") or "dashboard.html"
+    if name == "series":
+        return _json(served.dashboard.series())
+    found = static_file(name)
+    if found is None:
+        raise NotFound(f"path {path!r}", ["/dashboard", "/dashboard/series"])
+    data, content_type = found
+    return 200, data, ((b"content-type", content_type),)
 
 
 async def _embeddings(served: Served, call: Call) -> Answer:
@@ -193,7 +229,9 @@ async def _openai_models(served: Served, call: Call) -> Answer:
 async def _completions(served: Served, call: Call) -> Answer | Stream:
     is_chat = call.route.kind is RouteKind.CHAT_COMPLETIONS
     document = _inflated(served, call)
-    prepared = await completions.prepare(served.repository, document, is_chat=is_chat)
+    prepared = await completions.prepare(
+        served.repository, document, is_chat=is_chat, fields=served.openai_fields
+    )
     if prepared.is_stream:  # watched by the caller, as it pumps the chunks
         return Stream(completions.stream(prepared))
     return 200, await call.watch(completions.respond(prepared)), (JSON,)
@@ -205,6 +243,7 @@ _HANDLERS: dict[RouteKind, Handler] = {
     RouteKind.HEALTH_READY: _ready,
     RouteKind.SERVER_METADATA: _server_metadata,
     RouteKind.MODELS_STATS: _models_stats,
+    RouteKind.TIMELINES: _timelines,
     RouteKind.REPOSITORY_INDEX: _index,
     RouteKind.INFER: _infer,
     RouteKind.POLICY_GET: _policy,
@@ -217,6 +256,7 @@ _HANDLERS: dict[RouteKind, Handler] = {
     RouteKind.OPENAI_MODELS: _openai_models,
     RouteKind.COMPLETIONS: _completions,
     RouteKind.CHAT_COMPLETIONS: _completions,
+    RouteKind.DASHBOARD: _dashboard,
 }
 
 

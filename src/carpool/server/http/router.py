@@ -8,12 +8,14 @@ Every path carpool serves is told apart here, for requests read by carpool's own
     GET  /v2/models/{m}[/versions/{v}]                   model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready | /config | /stats
     GET  /v2/models/stats                                every model's statistics
+    GET  /v2/timelines?seconds=S                         requests finished in the next S s
     POST /v2/repository/index                            every model and its state
     POST /v2/models/{m}[/versions/{v}]/infer             JSON and binary tensors
     GET | POST /v2/models/{m}[/versions/{v}]/policy      batch policy; POST changes fields
     POST /v1/embeddings | GET /v1/models                 OpenAI-compatible (server/openai.py)
     POST /v1/completions | /v1/chat/completions          generation (server/completions.py)
     GET  /metrics                                        Prometheus exposition
+    GET  /dashboard | /dashboard/series | /dashboard/{file}   live charts (server/dashboard.py)
 
 Whatever can be refused from the head alone is refused here, before the body is read: a
 missing API key (401), an unknown path or model (404), another method (405), an endpoint
@@ -49,6 +51,7 @@ class RouteKind(enum.Enum):
     HEALTH_READY = "health ready"
     SERVER_METADATA = "server metadata"
     MODELS_STATS = "every model's statistics"
+    TIMELINES = "request timelines"
     REPOSITORY_INDEX = "repository index"
     INFER = "infer"
     POLICY_GET = "policy"
@@ -61,6 +64,7 @@ class RouteKind(enum.Enum):
     OPENAI_MODELS = "models"
     COMPLETIONS = "completions"
     CHAT_COMPLETIONS = "chat completions"
+    DASHBOARD = "dashboard"
 
 
 # The routes whose answer needs the request's body; the others are answered from the head.
@@ -122,10 +126,13 @@ def route_path(repository: ModelRepository, access: Access, method: str, path: s
     if parts == ["metrics"]:
         _allow(method, path, "GET")
         return Route(RouteKind.METRICS)
+    if parts[:1] == ["dashboard"]:  # the page, its series and files: the handler tells them
+        _allow(method, path, "GET")
+        return Route(RouteKind.DASHBOARD)
     if parts[:1] == ["v1"]:
         return _openai(method, path, parts[1:])
     if not parts or parts[0] != "v2":
-        raise NotFound(f"path {path!r}", ["/v2/...", "/v1/..."])
+        raise NotFound(f"path {path!r}", ["/v2/...", "/v1/...", "/metrics", "/dashboard"])
     rest = parts[1:]
     if rest in (["health", "live"], ["health", "ready"]):
         _allow(method, path, "GET")
@@ -136,6 +143,9 @@ def route_path(repository: ModelRepository, access: Access, method: str, path: s
     if rest == ["models", "stats"]:  # every model's statistics, as Triton's extension
         _allow(method, path, "GET")
         return Route(RouteKind.MODELS_STATS)
+    if rest == ["timelines"]:  # server/timelines.py
+        _allow(method, path, "GET")
+        return Route(RouteKind.TIMELINES)
     if rest == ["repository", "index"]:
         _allow(method, path, "POST")
         return Route(RouteKind.REPOSITORY_INDEX)
@@ -158,7 +168,7 @@ def _model_route(
         return Route(RouteKind.INFER, model)
     if action == "policy":
         _allow(method, path, "GET", "POST")
-        model.require_batcher()  # a generation model: no batch policy to show or set, a 400
+        model.require_policy()  # a generation model: no batch policy to show or set, a 400
         if method != "POST":
             return Route(RouteKind.POLICY_GET, model)
         if not access.allow_policy_updates:

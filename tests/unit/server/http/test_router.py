@@ -39,6 +39,7 @@ def _request(method: str, path: str, authorization: bytes | None = None) -> Http
         ("HEAD", "/v2/health/ready", RouteKind.HEALTH_READY),
         ("GET", "/v2", RouteKind.SERVER_METADATA),
         ("GET", "/v2/models/stats", RouteKind.MODELS_STATS),
+        ("GET", "/v2/timelines", RouteKind.TIMELINES),
         ("POST", "/v2/repository/index", RouteKind.REPOSITORY_INDEX),
         ("POST", "/v2/models/m/infer", RouteKind.INFER),
         ("POST", "/v2/models/m/versions/1/infer", RouteKind.INFER),

@@ -1,0 +1,174 @@
+"""CPU per request of the whole server with ``carpool serve --workers N``.
+
+For each model (a no-op one, whose answer is a slice of its input, and W1's ``mlp``)
+and each worker count, the server starts pinned to ``--server-cpus``, ``wrk -t1`` on
+``CARPOOL_BENCH_LOAD_CPU`` drives ``POST /v2/models/{m}/infer`` (binary KServe body)
+closed-loop for ``--duration-s``, and the CPU the server used meanwhile (user + system
+of the engine and every worker, from ``/proc/PID/stat``) is divided by the requests the
+engine answered (its ``/stats``). The ratio of workers-N to workers-1 is the front
+end's overhead: the issue's target is within 1.10, so that throughput scales with the
+cores given to the workers.
+
+    .venv/bin/python benchmarks/bench_workers.py [--workers 1,2,4] [--duration-s 4]
+        [--concurrency 64] [--server-cpus 0]
+
+Writes benchmarks/results/workers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+import benchlib
+from wrkrun import free_port, run_wrk, write_post_script, write_w1_binary_body
+
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+NOOP_MODULE = '''\
+def noop(inputs):
+    """W1's shapes, no compute: the first 16 values of each row."""
+    return {"OUTPUT0": inputs["INPUT0"][:, :16]}
+'''
+MODEL_CONFIG = """\
+models:
+  - name: {name}
+    kind: python
+    source: {source}
+    inputs:  [{{name: INPUT0, datatype: FP32, shape: [256]}}]
+    outputs: [{{name: OUTPUT0, datatype: FP32, shape: [16]}}]
+    max_batch_size: 64
+    max_delay_s: 0.002
+    executor: thread
+"""
+MODELS = {"noop": "bench_noop_model:noop", "mlp": "carpool.server.defaults:w1_factory"}
+
+
+def tree_cpu_ticks(pid: int) -> int:
+    """User + system ticks of ``pid`` and all its descendants now alive."""
+    total = 0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            stat = Path(f"/proc/{current}/stat").read_text()
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except FileNotFoundError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])
+        pending += [int(child) for child in children]
+    return total
+
+
+def _answered(url: str, model: str) -> int:
+    stats = httpx.get(f"{url}/v2/models/{model}/stats").json()["model_stats"][0]
+    return int(stats["inference_count"])
+
+
+def measure(
+    folder: Path, model: str, workers: int, args: argparse.Namespace, script: Path
+) -> dict[str, Any]:
+    config = folder / f"{model}.yaml"
+    config.write_text(MODEL_CONFIG.format(name=model, source=MODELS[model]))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [*benchlib.carpool_serve(port, 0, config), "--workers", str(workers)]
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    log = folder / f"serve-{model}-{workers}.log"
+    server = benchlib.start_server(argv, {"PYTHONPATH": path}, log, args.server_cpus)
+    try:
+        benchlib.wait_kserve_ready(url, server)
+        time.sleep(1.0)  # every worker listening (the ready lines come after the last)
+        infer = f"{url}/v2/models/{model}/infer"
+        run_wrk(infer, script, args.concurrency, 1.0, benchlib.LOAD_CPU)  # warm-up
+        ticks, answered = tree_cpu_ticks(server.pid), _answered(url, model)
+        start = time.perf_counter()
+        result = run_wrk(infer, script, args.concurrency, args.duration_s, benchlib.LOAD_CPU)
+        elapsed_s = time.perf_counter() - start
+        used_s = (tree_cpu_ticks(server.pid) - ticks) / TICKS_PER_S
+        requests = _answered(url, model) - answered - 1  # less the /stats scrape's own
+    finally:
+        status = benchlib.stop_server(server)
+    cpu_us = used_s / max(requests, 1) * 1e6
+    row = {
+        "model": model,
+        "workers": workers,
+        "rate_rps": result["rate_rps"],
+        "p99_ms": result["p99_ms"],
+        "requests": requests,
+        "server_cpu_s": round(used_s, 3),
+        "cpu_us_per_request": round(cpu_us, 1),
+        "server_cores_used": round(used_s / elapsed_s, 2),
+        "non_2xx": result["non_2xx"],
+        "exit_status": status,
+    }
+    print(
+        f"{model:5s} --workers {workers}: {result['rate_rps']:8.0f} req/s  "
+        f"{cpu_us:6.1f} us CPU/request  ({used_s / elapsed_s:.2f} cores)  "
+        f"p99 {result['p99_ms']:.1f} ms  exit {status}"
+    )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workers", default="1,2,4")
+    parser.add_argument("--models", default="noop,mlp")
+    parser.add_argument("--duration-s", type=float, default=4.0)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--server-cpus", default=benchlib.SERVER_CPU)
+    parser.add_argument("--out", type=Path, default=benchlib.RESULTS / "workers.json")
+    args = parser.parse_args()
+    benchlib.require_wrk("bench_workers.py")
+    machine = benchlib.machine_info(**benchlib.wrk_info(), server_cpus=args.server_cpus)
+    print(f"machine: {machine}")
+    counts = [int(w) for w in args.workers.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "bench_noop_model.py").write_text(NOOP_MODULE)
+        body, script = folder / "body", folder / "post.lua"
+        header_length = write_w1_binary_body(body)
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "Inference-Header-Content-Length": str(header_length),
+        }
+        write_post_script(script, body, headers)
+        for model in args.models.split(","):
+            base = None
+            for workers in counts:
+                row = measure(folder, model, workers, args, script)
+                if workers == counts[0]:
+                    base = row
+                assert base is not None
+                row["cpu_ratio_to_first"] = round(
+                    row["cpu_us_per_request"] / base["cpu_us_per_request"], 3
+                )
+                row["rate_ratio_to_first"] = round(row["rate_rps"] / base["rate_rps"], 3)
+                print(
+                    f"      ratio to --workers {counts[0]}: CPU/request "
+                    f"{row['cpu_ratio_to_first']:.2f}, req/s {row['rate_ratio_to_first']:.2f}"
+                )
+                rows.append(row)
+    benchlib.write_results(
+        args.out,
+        {
+            "machine": machine,
+            "utc": benchlib.utc_now(),
+            "duration_s": args.duration_s,
+            "concurrency": args.concurrency,
+            "rows": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""``executor: ray``: replicas as Ray actors on a real two-node cluster on this machine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+httpclient = pytest.importorskip("tritonclient.http")
+
+from carpool import BatchTimeout, batched  # noqa: E402
+
+from .conftest import (  # noqa: E402
+    WAIT_LIMIT_S,
+    ServedProcess,
+    process_alive,
+    start_served_process,
+    wait_until,
+)
+from .raymodels import HANG_MARK, HANG_S, SLOW_MARK  # noqa: E402
+
+OBJECT_STORE_BYTES = 80 * 1024 * 1024
+
+# The same model twice: on two Ray actors (one CPU each: one per node), and on a thread.
+MODEL = """\
+  - name: {name}
+    kind: python
+    source: raymodels:double_with_pid
+    inputs: [{{name: INPUT0, datatype: FP32, shape: [-1]}}]
+    outputs:
+      - {{name: OUTPUT0, datatype: FP32, shape: [-1]}}
+      - {{name: PID, datatype: INT64, shape: [1]}}
+    max_batch_size: 8
+    max_delay_s: 0.002
+    batch_timeout_s: 4
+"""
+CONFIG = (
+    "models:\n"
+    + MODEL.format(name="on_ray")
+    + "    executor: ray\n    num_replicas: 2\n    ray_resources: {num_cpus: 1}\n"
+    + MODEL.format(name="on_thread")
+    + "    executor: thread\n"
+)
+
+
+@pytest.fixture(scope="module")
+def running_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where a model in an actor says which process runs a slow or hung batch."""
+    return tmp_path_factory.mktemp("ray-running")
+
+
+@pytest.fixture(scope="module")
+def cluster(running_dir: Path) -> Iterator[Any]:
+    """Two Ray nodes of one CPU each on this machine. The actors' processes inherit this
+    process's environment: the model's folder on PYTHONPATH, CARPOOL_TEST_RAY_DIR."""
+    here = str(Path(__file__).resolve().parent)
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "CARPOOL_TEST_RAY_DIR")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved["PYTHONPATH"]) if p)
+    os.environ["CARPOOL_TEST_RAY_DIR"] = str(running_dir)
+    node_args = {"num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES}
+    started = cluster_utils.Cluster(
+        initialize_head=True, head_node_args={**node_args, "include_dashboard": False}
+    )
+    try:
+        started.add_node(**node_args)
+        yield started
+    finally:
+        ray.shutdown()
+        started.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def served(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
+    folder = tmp_path_factory.mktemp("ray-server")
+    server = start_served_process(CONFIG, folder, args=["--ray-address", cluster.address])
+    yield server
+    assert server.stop() == 0, server.output()
+
+
+def _raylets(cluster: Any) -> dict[int, str]:
+    """Each node's raylet process id: the parent of the processes of its actors."""
+    return {
+        node.all_processes["raylet"][0].process.pid: node.node_id
+        for node in cluster.list_all_nodes()
+    }
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.fixture
+def client(served: ServedProcess) -> Iterator[Any]:
+    """A tritonclient.http client sending up to 8 requests at once (``async_infer``)."""
+    client = httpclient.InferenceServerClient(served.http_url, concurrency=8, network_timeout=60.0)
+    yield client
+    client.close()
+
+
+def _send(client: Any, model: str, values: list[float]) -> Any:
+    """``client.async_infer`` of ``values`` as one request; ``.get_result()`` answers."""
+    data = np.asarray([values], dtype=np.float32)
+    infer_input = httpclient.InferInput("INPUT0", list(data.shape), "FP32")
+    infer_input.set_data_from_numpy(data)
+    return client.async_infer(model, [infer_input])
+
+
+def _answer(pending: Any) -> dict[str, np.ndarray] | Exception:
+    try:
+        result = pending.get_result()
+    except Exception as exc:  # tritonclient's InferenceServerException
+        return exc
+    return {name: result.as_numpy(name) for name in ("OUTPUT0", "PID")}
+
+
+def _answer_ok(pending: Any) -> dict[str, np.ndarray]:
+    answer = _answer(pending)
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
+
+
+def _infer(client: Any, model: str, values: list[float]) -> dict[str, np.ndarray]:
+    return _answer_ok(_send(client, model, values))
+
+
+def _restarts(served: ServedProcess) -> float:
+    metrics = httpx.get(f"http://{served.http_url}/metrics", timeout=5).text
+    line = 'carpool_replica_restarts_total{model="on_ray"} '
+    return float(next(row for row in metrics.splitlines() if row.startswith(line)).split()[-1])
+
+
+def _forget_running(running_dir: Path) -> None:
+    """Before a test sends its slow or hung batch: what batches announced before is gone
+    (a slow batch retried on another replica announces itself there too)."""
+    for path in running_dir.iterdir():
+        path.unlink()
+
+
+def _running_pid(running_dir: Path) -> int:
+    """The process of the slow or hung batch (once it announced itself)."""
+    found: list[int] = []
+
+    def announced() -> bool:
+        found[:] = [int(p.name.removeprefix("running-")) for p in running_dir.iterdir()]
+        return bool(found)
+
+    wait_until(announced, "a replica running the slow batch")
+    return found[0]
+
+
+def test_ray_replicas_answer_as_thread_replicas_do_from_both_nodes(
+    served: ServedProcess, cluster: Any, client: Any
+) -> None:
+    requests = [[i + 0.5, i / 4 + 0.1, -2.5] for i in range(40)]  # none is a mark
+    on_ray = [_send(client, "on_ray", v) for v in requests]
+    on_thread = [_send(client, "on_thread", v) for v in requests]
+    pids: set[int] = set()
+    for ray_pending, thread_pending, values in zip(on_ray, on_thread, requests, strict=True):
+        ray_result, thread_result = _answer_ok(ray_pending), _answer_ok(thread_pending)
+        np.testing.assert_array_equal(ray_result["OUTPUT0"], thread_result["OUTPUT0"])
+        np.testing.assert_array_equal(ray_result["OUTPUT0"][0], np.float32(values) * 2)
+        pids.add(int(ray_result["PID"][0, 0]))
+    assert served.process.pid not in pids
+    raylets = _raylets(cluster)
+    nodes = {raylets[_parent(pid)] for pid in pids}
+    assert len(pids) == 2 and len(nodes) == 2, (pids, raylets)
+    assert _restarts(served) == 0
+
+
+def _post(served: ServedProcess, value: float) -> tuple[int, Any]:
+    """One request to on_ray over HTTP/JSON: its status and body. From threads: a
+    tritonclient.http client sends from gevent greenlets, which run only while the test
+    waits in tritonclient, not while it waits for the slow batch to start."""
+    body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 1], "data": [value]}]}
+    url = f"http://{served.http_url}/v2/models/on_ray/infer"
+    response = httpx.post(url, json=body, timeout=60)
+    return response.status_code, response.json()
+
+
+def test_an_actor_killed_mid_batch_loses_no_request(
+    served: ServedProcess, running_dir: Path, client: Any
+) -> None:
+    before = _restarts(served)
+    _forget_running(running_dir)
+    values = [SLOW_MARK] + [float(i) for i in range(1, 25)]
+    with ThreadPoolExecutor(8) as pool:
+        slow = pool.submit(_post, served, SLOW_MARK)
+        pid = _running_pid(running_dir)
+        others = [pool.submit(_post, served, v) for v in values[1:]]
+        os.kill(pid, signal.SIGKILL)  # the actor's process dies under its batch
+        answers = [f.result() for f in [slow, *others]]  # one answer per request, none lost
+    for value, (status, body) in zip(values, answers, strict=True):
+        if status != 200:  # only when no other replica could take it
+            assert "Ray actor" in body["error"] and "died" in body["error"], body
+        else:
+            assert body["outputs"][0]["data"] == [value * 2], body
+    assert answers[-1][0] == 200
+    wait_until(lambda: _restarts(served) >= before + 1, "the killed actor counted as restarted")
+    wait_until(lambda: not process_alive(pid), "the killed actor's process gone")
+    np.testing.assert_array_equal(_infer(client, "on_ray", [3.0])["OUTPUT0"], [[6.0]])
+    assert "runs again on replica" in served.output() or answers[0][0] != 200
+
+
+def test_a_hung_actor_is_killed_and_replaced(
+    served: ServedProcess, running_dir: Path, client: Any
+) -> None:
+    before = _restarts(served)
+    _forget_running(running_dir)
+    with pytest.raises(Exception, match="batch_timeout_s") as raised:
+        _infer(client, "on_ray", [HANG_MARK])
+    assert "4" in str(raised.value)
+    pid = _running_pid(running_dir)
+    wait_until(lambda: not process_alive(pid), "the hung actor's process killed")
+    wait_until(lambda: _restarts(served) >= before + 1, "the hung actor counted as restarted")
+    results = [_infer(client, "on_ray", [v]) for v in [1.0, 2.0, 3.0, 4.0]]
+    assert [float(r["OUTPUT0"][0, 0]) for r in results] == [2.0, 4.0, 6.0, 8.0]
+    assert pid not in {int(r["PID"][0, 0]) for r in results}
+
+
+def offset(batch: list[float]) -> np.ndarray:
+    """The in-process API's model: each number plus one, and the process that computed it."""
+    x = np.asarray(batch, dtype=np.float64)
+    if np.any(x == HANG_MARK):
+        time.sleep(HANG_S)
+    return np.stack([x + 1, np.full(len(x), os.getpid(), dtype=x.dtype)], axis=1)
+
+
+def test_the_in_process_api_runs_a_function_on_ray_actors(
+    cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The actors import this module by the name pytest gave it, from the repository root.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
+    ray.init(address=cluster.address)
+
+    async def restarts_reach(model: Any, count: int) -> None:
+        limit = time.monotonic() + WAIT_LIMIT_S
+        while sum(r.num_restarts for r in model.batcher.snapshot().replicas) < count:
+            assert time.monotonic() < limit, f"fewer than {count} restart(s) counted"
+            await asyncio.sleep(0.05)
+
+    async def run() -> None:
+        model = batched(
+            offset,
+            executor="ray",
+            num_replicas=2,
+            ray_resources={"num_cpus": 0},  # the served tests' actors hold the CPUs
+            max_restarts=0,  # Ray restarts none: carpool creates each actor again
+            max_batch_size=4,
+            batch_timeout_s=3,
+        )
+        async with model:
+            rows = await asyncio.gather(*(model(float(i)) for i in range(12)))
+            assert [float(r[0]) for r in rows] == [float(i + 1) for i in range(12)]
+            pids = {int(r[1]) for r in rows}
+            assert os.getpid() not in pids
+            with pytest.raises(BatchTimeout):
+                await model(HANG_MARK)
+            await restarts_reach(model, 1)
+            # An actor killed while it has no batch: the next batch it gets runs elsewhere.
+            idle = next(pid for pid in pids if process_alive(pid))
+            os.kill(idle, signal.SIGKILL)
+            rows = await asyncio.gather(*(model(float(i)) for i in range(8)))
+            assert [float(r[0]) for r in rows] == [float(i + 1) for i in range(8)]
+            await restarts_reach(model, 2)
+            assert idle not in {
+                int(r[1]) for r in await asyncio.gather(*(model(float(i)) for i in range(8)))
+            }
+
+    asyncio.run(run())
