@@ -28,7 +28,8 @@ open-loop traffic both rates agree. From them, each time a replica is free:
   (under overload the size that keeps up, else the cap), or the queue would only grow.
 - **Classes keep their promise.** A batch led by a lower class is capped so that a
   higher class's request arriving just after it starts still fits in its ``slo_s``:
-  that batch's time plus one item's. Lower-class work fills a batch only as far as the
+  that batch's time plus one item's. No batch is larger than one whose predicted time
+  alone fits 80% of its class's ``slo_s``. Lower-class work fills a batch only as far as the
   time its oldest request has left allows, so filling a higher class's batch never takes
   it past its budget (the class's own waiting items are never cut for it). Both hold
   only for higher classes with traffic (a rate above :data:`ACTIVE_RATE_RPS`) and once
@@ -227,7 +228,10 @@ class Adaptive:
             allowed_s = SLO_HEADROOM * higher.slo_s - (overhead_s + per_item_s)
             cap = min(cap, _largest_within(allowed_s, overhead_s, per_item_s))
         if limits.slo_s is not None:
-            left_s = SLO_HEADROOM * limits.slo_s - (now - oldest_arrival_s)
+            # No batch whose compute alone would take it past its budget.
+            budget_s = SLO_HEADROOM * limits.slo_s
+            cap = min(cap, _largest_within(budget_s, overhead_s, per_item_s))
+            left_s = budget_s - (now - oldest_arrival_s)
             within = _largest_within(left_s, overhead_s, per_item_s)
             cap = min(cap, max(within, num_own_items))
         return cap

@@ -230,8 +230,11 @@ def test_lower_class_fill_goes_only_as_far_as_the_oldest_request_has_time_left()
     expected = math.floor((left_s - OVERHEAD_S) / PER_ITEM_S)
     assert adaptive.max_items(policy, interactive, now - waited_s, now) == expected
     assert adaptive.max_items(policy, interactive, now - 1.0, now) == 1  # late: no fill
-    # Its own backlog is never cut for it: run one by one, a backlog would only grow.
-    assert adaptive.max_items(policy, interactive, now - 1.0, now, num_own_items=40) == 40
+    # Its own backlog is never cut for it: run one by one, a backlog would only grow;
+    # only by the batch whose compute alone fits its budget.
+    assert adaptive.max_items(policy, interactive, now - 1.0, now, num_own_items=30) == 30
+    alone_fits = math.floor((SLO_HEADROOM * 0.02 - OVERHEAD_S) / PER_ITEM_S)
+    assert adaptive.max_items(policy, interactive, now - 1.0, now, 200) == alone_fits
 
 
 def test_auto_is_accepted_per_model_and_per_class_and_anything_else_named() -> None:
