@@ -30,7 +30,7 @@ import difflib
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -81,6 +81,7 @@ POLICY_FIELDS = (
     "max_batch_tokens",
     "length_buckets",
     "batch_timeout_s",
+    "slo_s",
 )
 # Keys only a generation model takes (carpool.generation.build.GenerationSettings).
 GENERATION_FIELDS = (
@@ -138,7 +139,8 @@ class ClassConfig(_Strict):
 
     name: str = Field(min_length=1)
     max_batch_size: int | None = Field(None, ge=1)
-    max_delay_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    # seconds, or "auto": chosen from the traffic within slo_s (carpool.core.adaptive)
+    max_delay_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["auto"] | None = None
     max_queue_size: int | None = Field(None, ge=1)
     timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     share: float = Field(_CLASS_DEFAULTS["share"], gt=0, le=1)
@@ -159,8 +161,13 @@ class ModelConfig(_Strict):
     inputs: list[TensorConfig] | None = Field(None, min_length=1)
     outputs: list[TensorConfig] | None = Field(None, min_length=1)
     # BatchPolicy, field by field; defaults are BatchPolicy's.
-    max_batch_size: int = _POLICY_DEFAULTS["max_batch_size"]
-    max_delay_s: float = Field(_POLICY_DEFAULTS["max_delay_s"], ge=0, allow_inf_nan=False)
+    # "auto" for either: chosen from the traffic (carpool.core.adaptive), within slo_s.
+    max_batch_size: int | Literal["auto"] = _POLICY_DEFAULTS["max_batch_size"]
+    max_delay_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["auto"] = (
+        _POLICY_DEFAULTS["max_delay_s"]
+    )
+    # The model's latency target, inherited by classes that set none.
+    slo_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     preferred_batch_sizes: list[int] = Field(default_factory=list)
     max_batch_cost: float | None = Field(None, gt=0, allow_inf_nan=False)
     max_queue_size: int | None = Field(None, ge=1)
@@ -214,7 +221,9 @@ class ModelConfig(_Strict):
 
     @field_validator("max_batch_size")
     @classmethod
-    def _max_batch_size(cls, size: int) -> int:
+    def _max_batch_size(cls, size: int | str) -> int | str:
+        if isinstance(size, str):
+            return size
         # Triton's max_batch_size: 0 (a model with no batch dimension) is the likely
         # reason for a 0 here: say what carpool does instead.
         if size < 1:
@@ -312,7 +321,8 @@ def parse_config(data: Any, *, file: str = "<config>", base_dir: Path | None = N
         if key != tuple(first["loc"]) and first["type"] != "extra_forbidden":
             union = [e for e in errors[1:] if _key_loc(tuple(e["loc"])) == key]
             first = {**first, "loc": key}
-        num_more = len(errors) - 1 - len(union)
+        # A key whose every union member failed is one problem, not one per member.
+        num_more = len({_key_loc(tuple(e["loc"])) for e in errors}) - 1
         raise _pydantic_error(first, file, num_more=num_more, union=union) from None
     problems = list(_semantic_problems(config, base_dir or Path.cwd()))
     if problems:

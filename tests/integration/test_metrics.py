@@ -205,7 +205,11 @@ def test_names_types_and_help_follow_prometheus_conventions(http: httpx.Client) 
         if family.type == "counter":
             assert all(s.name.endswith(("_total", "_created")) for s in family.samples)
         if family.name.endswith("_seconds"):
-            assert family.type == "histogram" or family.type == "counter", family.name
+            # Durations are histograms or counters; a gauge only for a setting in force
+            # (the adaptive controller's delay, its fitted batch-time line).
+            settings = ("carpool_adaptive_", "carpool_batch_time_fit_")
+            is_setting = family.type == "gauge" and family.name.startswith(settings)
+            assert family.type in ("histogram", "counter") or is_setting, family.name
             assert "seconds" in family.documentation.lower(), (family.name, family.documentation)
         if family.name.endswith(("_ratio", "_fraction", "_attainment")):
             assert family.type == "gauge", family.name

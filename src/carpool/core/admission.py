@@ -225,7 +225,7 @@ class OomCap:
         recovery_s = policy.oom_recovery_s
         periods = math.inf if recovery_s <= 0 else (now - self._at_s) // recovery_s
         if periods >= 1:
-            max_size = policy.max_batch_size
+            max_size = policy.size_limit
             while periods >= 1 and cap < max_size:
                 cap *= 2
                 periods -= 1

@@ -5,6 +5,8 @@ before the batch ends is not run (it could only be answered late). Each batch's 
 time updates a moving average for its size bucket (powers of two: 1, 2, 3-4, 5-8, ...),
 so the estimate follows a model whose speed drifts (a warmed-up GPU, a noisy
 neighbour) within a few batches, and one slow batch moves it by a fifth.
+:class:`BatchTimeFit` fits the same batches with a line, ``t(b) = overhead + per_item * b``,
+for the adaptive controller (:mod:`carpool.core.adaptive`), which needs the slope.
 
 An estimate must never shut a model out. Requests dropped on its word run no batch, so
 a wrong one would never be corrected: a first batch of a new shape (kernels chosen,
@@ -23,6 +25,58 @@ from carpool.core.clock import Clock
 
 SMOOTHING = 0.2  # weight of the newest batch in its bucket's average
 MAX_AGE_S = 1.0  # an estimate older than this is not trusted to drop a request
+FIT_KEEP = 0.98  # weight a batch keeps in the fit per newer batch: ~50 batches of memory
+# The fit has a slope once the sizes it saw vary this much (variance in items squared).
+MIN_SIZE_VARIANCE = 0.25
+
+
+class BatchTimeFit:
+    """``t(b) = overhead_s + per_item_s * b`` by least squares over recent batches, each
+    older batch weighing :data:`FIT_KEEP` times less (so the line follows drift)."""
+
+    __slots__ = ("_sb", "_sbb", "_sbt", "_st", "_sw", "num_batches")
+
+    def __init__(self) -> None:
+        self._sw = self._sb = self._sbb = self._st = self._sbt = 0.0
+        self.num_batches = 0
+
+    def observe(self, num_items: int, compute_s: float) -> None:
+        k = FIT_KEEP
+        self._sw = k * self._sw + 1.0
+        self._sb = k * self._sb + num_items
+        self._sbb = k * self._sbb + num_items * num_items
+        self._st = k * self._st + compute_s
+        self._sbt = k * self._sbt + num_items * compute_s
+        self.num_batches += 1
+
+    @property
+    def is_identified(self) -> bool:
+        """Whether the batches seen differ enough in size to give a slope."""
+        return self._sw > 0 and self._variance() >= MIN_SIZE_VARIANCE
+
+    def _variance(self) -> float:
+        mean_b = self._sb / self._sw
+        return self._sbb / self._sw - mean_b * mean_b
+
+    def line(self) -> tuple[float, float]:
+        """``(overhead_s, per_item_s)``, both >= 0; ``(0, mean time per item)`` while the
+        sizes seen are all alike (a batch is then taken to cost its size times that:
+        an overestimate); ``(0, 0)`` before any batch."""
+        if self._sw == 0:
+            return 0.0, 0.0
+        mean_b, mean_t = self._sb / self._sw, self._st / self._sw
+        if not self.is_identified:
+            return 0.0, mean_t / mean_b
+        slope = (self._sbt / self._sw - mean_b * mean_t) / self._variance()
+        slope = max(slope, 0.0)
+        overhead = mean_t - slope * mean_b
+        if overhead < 0:  # a line through the origin, fitted by the same sums
+            return 0.0, self._sbt / self._sbb
+        return overhead, slope
+
+    def predict_s(self, num_items: int) -> float:
+        overhead_s, per_item_s = self.line()
+        return overhead_s + per_item_s * num_items
 
 
 def bucket_of(num_items: int) -> int:
@@ -33,10 +87,11 @@ def bucket_of(num_items: int) -> int:
 class BatchTimes:
     """Recent compute seconds per batch-size bucket; ``predict_s`` reads them."""
 
-    __slots__ = ("_clock", "_mean_s", "_seen", "_updated_s")
+    __slots__ = ("_clock", "_mean_s", "_seen", "_updated_s", "fit")
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
+        self.fit = BatchTimeFit()
         self._mean_s: dict[int, float] = {}
         self._updated_s: dict[int, float] = {}
         self._seen: set[int] = set()  # buckets whose first (cold) batch has run
@@ -49,6 +104,7 @@ class BatchTimes:
         if bucket not in self._seen:
             self._seen.add(bucket)
             return
+        self.fit.observe(num_items, compute_s)
         mean = self._mean_s.get(bucket)
         self._mean_s[bucket] = compute_s if mean is None else mean + SMOOTHING * (compute_s - mean)
         self._updated_s[bucket] = self._clock.now()

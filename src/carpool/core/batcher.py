@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from carpool.core.adaptive import Adaptive, AdaptiveState
 from carpool.core.admission import Intake, OomCap, deadline, inspect_payload, request_cost
 from carpool.core.batch_times import BatchTimes
 from carpool.core.buffer_pool import DEFAULT_BUFFER_POOL_MB, BufferPool, check_pool_options
@@ -165,7 +166,7 @@ class Batcher(Lifecycle):
         telemetry_cls = Telemetry if telemetry else NullTelemetry
         recorder = telemetry_cls(
             name,
-            {c.name: c.slo_s for c in self._policy.classes},
+            {n: lim.slo_s for n, lim in self._policy.limits.items()},
             on_trace=None if on_trace is None else guarded_hook(on_trace, name),
             slow_request_s=slow_request_s,
         )
@@ -178,6 +179,8 @@ class Batcher(Lifecycle):
         self._request_ids = itertools.count()
         self._oom = OomCap()
         self._batch_times = BatchTimes(clock)
+        self._adaptive = Adaptive(self._batch_times.fit)
+        self._is_adaptive = self._policy.is_adaptive
         dispatch = Dispatcher(
             name,
             devices=self._devices,
@@ -256,7 +259,7 @@ class Batcher(Lifecycle):
     @property
     def effective_max_batch_size(self) -> int:
         """``max_batch_size``, or less while recovering from out of memory."""
-        max_size = self._policy.max_batch_size
+        max_size = self._policy.size_limit
         cap = self._oom.current(self._clock.now(), self._policy)
         return max_size if cap is None else min(cap, max_size)  # max may be lowered since
 
@@ -438,6 +441,9 @@ class Batcher(Lifecycle):
             self._telemetry.rejected(limits.name, "queue_full")
             raise
         self._telemetry.admitted(request)
+        if self._is_adaptive:
+            had_company = self._queues.by_name[limits.name].num_live > 1
+            self._adaptive.arrived(limits.name, now, had_company)
         if deadline_s is not None:
             request.timer = self._clock.call_at(deadline_s, lambda: self._on_deadline(request))
         if self._idle:
@@ -453,7 +459,7 @@ class Batcher(Lifecycle):
 
     def _decide(self, now: float, *, behind_class: str | None) -> Decision:
         """The dispatcher's replica loops ask this for their next batch."""
-        return self._scheduler.decide(
+        decision = self._scheduler.decide(
             now,
             self._policy,
             self._queues,
@@ -464,7 +470,13 @@ class Batcher(Lifecycle):
             require_full=behind_class is not None,
             behind_class=behind_class,
             predict_s=self._batch_times.predict_s,
+            adaptive=self._adaptive if self._is_adaptive else None,
         )
+        if self._is_adaptive and decision.batch is not None:
+            for name in {r.class_name for r in decision.batch.requests}:
+                if self._queues.by_name[name].num_live == 0:
+                    self._adaptive.emptied(name, now)
+        return decision
 
     def _on_deadline(self, request: Request) -> None:
         if request.state is _QUEUED:
@@ -493,9 +505,10 @@ class Batcher(Lifecycle):
             self._pool.preferred = policy.preferred_batch_sizes
         self._queues.reconfigure(policy)
         self._policy = policy
+        self._is_adaptive = policy.is_adaptive
         self._policy_version += 1
         self._dispatch.watchdog.timeout_s = policy.batch_timeout_s
-        self._telemetry.set_classes({c.name: c.slo_s for c in policy.classes})
+        self._telemetry.set_classes({n: lim.slo_s for n, lim in policy.limits.items()})
         self._dispatch.wake_all()
 
     def update_policy(self, **changes: Any) -> BatchPolicy:
@@ -503,6 +516,13 @@ class Batcher(Lifecycle):
         policy = self._policy.replace(**changes)
         self.set_policy(policy)
         return policy
+
+    def adaptive_state(self) -> AdaptiveState | None:
+        """What ``max_delay_s``/``max_batch_size`` "auto" has in force now, per class, and
+        the fitted batch-time line; None when the policy has neither."""
+        if not self._is_adaptive:
+            return None
+        return self._adaptive.state(self._policy, self._clock.now())
 
     def snapshot(self, *, quantiles: bool = True) -> TelemetrySnapshot:
         """Everything measured so far, as frozen typed values. ``quantiles=False`` skips

@@ -19,6 +19,17 @@ from carpool.errors import ConfigError
 
 CostFn = Callable[[Any], float]
 
+# ``max_delay_s`` and ``max_batch_size`` may be this: chosen from the traffic by
+# :mod:`carpool.core.adaptive` instead of fixed.
+AUTO = "auto"
+# ``max_batch_size: auto`` never runs a batch larger than this (a class's own
+# ``max_batch_size``, ``max_batch_cost`` and ``max_batch_tokens`` still cap it lower).
+AUTO_MAX_BATCH_SIZE = 256
+# Under ``max_delay_s: auto``, the window of a class before its batches were measured.
+COLD_START_DELAY_S = 0.001
+# Under ``max_delay_s: auto``, the longest any request waits for company, whatever its SLO.
+MAX_AUTO_DELAY_S = 0.1
+
 
 def _check_int(field_name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -42,6 +53,15 @@ def _check_float(field_name: str, value: object, *, minimum: float, strict: bool
         raise ConfigError(field_name, value, f"a finite number {op} {minimum}")
 
 
+def _check_delay(field_name: str, value: object) -> None:
+    """A delay: a number of seconds >= 0, or "auto"."""
+    if value != AUTO:
+        try:
+            _check_float(field_name, value, minimum=0.0)
+        except ConfigError:
+            raise ConfigError(field_name, value, 'a finite number >= 0.0, or "auto"') from None
+
+
 def _check_optional_float(
     field_name: str, value: object, *, minimum: float, strict: bool = False
 ) -> None:
@@ -56,12 +76,14 @@ class ClassPolicy:
     ``share`` is the fraction of replicas that batches led by this class may occupy at
     once (at least one). ``max_wait_s`` is the aging bound: a request that has waited
     longer is served before any younger request of any class, so no class starves.
-    ``slo_s`` is the end-to-end latency target that SLO attainment is measured against.
+    ``slo_s`` is the end-to-end latency target that SLO attainment is measured against,
+    and under ``max_delay_s: "auto"`` the budget the controller keeps the class within
+    (the model's ``slo_s`` when ``None``). ``max_delay_s`` may be ``"auto"``.
     """
 
     name: str
     max_batch_size: int | None = None
-    max_delay_s: float | None = None
+    max_delay_s: float | str | None = None
     max_queue_size: int | None = None
     timeout_s: float | None = None
     share: float = 1.0
@@ -73,7 +95,8 @@ class ClassPolicy:
         if not self.name or not isinstance(self.name, str):
             raise ConfigError("classes[].name", self.name, "a non-empty string")
         _check_optional_int(f"{where}.max_batch_size", self.max_batch_size, minimum=1)
-        _check_optional_float(f"{where}.max_delay_s", self.max_delay_s, minimum=0.0)
+        if self.max_delay_s is not None:
+            _check_delay(f"{where}.max_delay_s", self.max_delay_s)
         _check_optional_int(f"{where}.max_queue_size", self.max_queue_size, minimum=1)
         _check_optional_float(f"{where}.timeout_s", self.timeout_s, minimum=0.0, strict=True)
         _check_optional_float(f"{where}.max_wait_s", self.max_wait_s, minimum=0.0)
@@ -104,6 +127,10 @@ class ClassLimits:
     share: float
     max_wait_s: float | None
     slo_s: float | None
+    # Chosen by the adaptive controller: the delay (max_delay_s then holds the cold-start
+    # window) and the batch size (max_batch_size then holds the most it may choose).
+    is_auto_delay: bool = False
+    is_auto_size: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +138,12 @@ class BatchPolicy:
     """How requests of one model are grouped into batches.
 
     Args:
-        max_batch_size: most items in one batch.
+        max_batch_size: most items in one batch; ``"auto"``: the size past which the
+            model's measured batch time grows as fast as the batch (at most
+            :data:`AUTO_MAX_BATCH_SIZE`), see :mod:`carpool.core.adaptive`.
         max_delay_s: longest a request waits for others, counted from the arrival of
-            the oldest waiting request.
+            the oldest waiting request; ``"auto"``: chosen at each free replica from
+            the arrival rate and the measured batch times, within ``slo_s``.
         preferred_batch_sizes: sizes to send as soon as the queue can fill one (the
             largest that fits) when a replica is free.
         max_batch_cost: budget of one batch in the units of ``cost_fn`` (tokens,
@@ -136,13 +166,16 @@ class BatchPolicy:
             ``async`` model): past it the batch's requests fail with
             :class:`~carpool.errors.BatchTimeout` and a threaded replica is replaced by a
             fresh one (its stuck thread is left behind); ``None`` waits for ever.
+        slo_s: the model's latency target, inherited by classes that set none (and by
+            the default classes, whose targets are defaults): with ``"auto"`` the
+            controller never lets a request wait past it less its predicted compute.
 
     Raises:
         ConfigError: naming the first invalid field.
     """
 
-    max_batch_size: int = 32
-    max_delay_s: float = 0.005
+    max_batch_size: int | str = 32
+    max_delay_s: float | str = 0.005
     preferred_batch_sizes: tuple[int, ...] = ()
     max_batch_cost: float | None = None
     cost_fn: CostFn | None = None
@@ -155,11 +188,24 @@ class BatchPolicy:
     max_batch_tokens: int | None = None
     length_buckets: tuple[int, ...] | str | None = None
     batch_timeout_s: float | None = 60.0
+    slo_s: float | None = None
     limits: dict[str, ClassLimits] = field(init=False, repr=False, compare=False)
+    # max_batch_size as a number: AUTO_MAX_BATCH_SIZE under "auto".
+    size_limit: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_int("max_batch_size", self.max_batch_size, minimum=1)
-        _check_float("max_delay_s", self.max_delay_s, minimum=0.0)
+        if self.max_batch_size != AUTO:
+            try:
+                _check_int("max_batch_size", self.max_batch_size, minimum=1)
+            except ConfigError:
+                raise ConfigError(
+                    "max_batch_size", self.max_batch_size, 'an integer >= 1, or "auto"'
+                ) from None
+        limit = AUTO_MAX_BATCH_SIZE if self.max_batch_size == AUTO else self.max_batch_size
+        assert isinstance(limit, int)
+        object.__setattr__(self, "size_limit", limit)
+        _check_delay("max_delay_s", self.max_delay_s)
+        _check_optional_float("slo_s", self.slo_s, minimum=0.0, strict=True)
         _check_optional_float("max_batch_cost", self.max_batch_cost, minimum=0.0, strict=True)
         _check_optional_int("max_queue_size", self.max_queue_size, minimum=1)
         _check_optional_float("timeout_s", self.timeout_s, minimum=0.0, strict=True)
@@ -191,11 +237,11 @@ class BatchPolicy:
         preferred = _sequence("preferred_batch_sizes", self.preferred_batch_sizes, "sizes")
         for size in preferred:
             _check_int("preferred_batch_sizes[]", size, minimum=1)
-            if size > self.max_batch_size:
+            if size > self.size_limit:
                 raise ConfigError(
                     "preferred_batch_sizes",
                     preferred,
-                    f"sizes no larger than max_batch_size={self.max_batch_size}",
+                    f"sizes no larger than max_batch_size={self.size_limit}",
                 )
         object.__setattr__(self, "preferred_batch_sizes", tuple(sorted(set(preferred))))
         classes = _sequence("classes", self.classes, "ClassPolicy values")
@@ -215,17 +261,28 @@ class BatchPolicy:
         )
 
     def _resolve(self, c: ClassPolicy, rank: int) -> ClassLimits:
+        delay = self.max_delay_s if c.max_delay_s is None else c.max_delay_s
+        slo_s = c.slo_s
+        if self.slo_s is not None and (c.slo_s is None or self.classes is DEFAULT_CLASSES):
+            slo_s = self.slo_s
         return ClassLimits(
             name=c.name,
             rank=rank,
-            max_batch_size=min(c.max_batch_size or self.max_batch_size, self.max_batch_size),
-            max_delay_s=self.max_delay_s if c.max_delay_s is None else c.max_delay_s,
+            max_batch_size=min(c.max_batch_size or self.size_limit, self.size_limit),
+            max_delay_s=COLD_START_DELAY_S if isinstance(delay, str) else delay,
             max_queue_size=c.max_queue_size,
             timeout_s=self.timeout_s if c.timeout_s is None else c.timeout_s,
             share=c.share,
             max_wait_s=c.max_wait_s,
-            slo_s=c.slo_s,
+            slo_s=slo_s,
+            is_auto_delay=delay == AUTO,
+            is_auto_size=self.max_batch_size == AUTO and c.max_batch_size is None,
         )
+
+    @property
+    def is_adaptive(self) -> bool:
+        """Whether some class's delay or batch size is chosen from the traffic."""
+        return any(lim.is_auto_delay or lim.is_auto_size for lim in self.limits.values())
 
     def replace(self, **changes: Any) -> BatchPolicy:
         """A copy with ``changes`` applied and validated again."""

@@ -15,7 +15,10 @@ no threads, time passed in. That keeps every rule testable with a fake clock:
    if its class is aged, if the batcher is draining, or if a preferred size can be
    filled exactly (then the largest such). Otherwise the earliest expiry among classes
    is when to look again.
-5. A request whose deadline would pass before its batch ends (now plus the compute time
+5. Under ``max_delay_s``/``max_batch_size`` "auto", the
+   :class:`~carpool.core.adaptive.Adaptive` controller gives the batch's size cap and
+   when it is due instead of the fixed values.
+6. A request whose deadline would pass before its batch ends (now plus the compute time
    measured for batches of that size, :mod:`carpool.core.batch_times`) is not run: it
    expires now, answered at once rather than late, and leaves its place to others.
 """
@@ -27,6 +30,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from carpool.core.adaptive import Adaptive
 from carpool.core.policy import BatchPolicy
 from carpool.core.queues import ClassQueue, Queues
 from carpool.core.request import Batch, Request
@@ -85,6 +89,7 @@ class Scheduler:
         require_full: bool = False,
         behind_class: str | None = None,
         predict_s: Callable[[int], float] | None = None,
+        adaptive: Adaptive | None = None,
     ) -> Decision:
         """The batch a free replica should run now, or when to ask again.
 
@@ -146,6 +151,10 @@ class Scheduler:
                 ages_first_s = _earliest(ages_first_s, ages_at_s)
                 continue
             max_items = queue.limits.max_batch_size
+            if adaptive is not None:
+                oldest_s = heads[queue.name].arrival_s
+                own = queue.num_live_items
+                max_items = adaptive.max_items(policy, queue.limits, oldest_s, now, own)
             if max_items_cap is not None:
                 max_items = min(max_items, max_items_cap)
             plan, expired = self._plan(queue, queues, policy, max_items, now)
@@ -158,6 +167,9 @@ class Scheduler:
             if require_full and not plan.is_full:
                 continue  # a replica already busy takes only a batch that cannot grow
             due_s = plan.requests[0].arrival_s + queue.limits.max_delay_s
+            if adaptive is not None and queue.limits.is_auto_delay:
+                oldest_s = plan.requests[0].arrival_s
+                due_s = adaptive.due_s(queue.limits, plan.num_items, max_items, oldest_s, now)
             is_due = is_aged or is_draining or plan.is_full or now >= due_s
             if not is_due and not _trim_to_preferred(plan, policy.preferred_batch_sizes):
                 wake_at_s = _earliest(wake_at_s, due_s)

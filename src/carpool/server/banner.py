@@ -54,7 +54,9 @@ def _describe(model: ServedModel) -> str:
     if batcher is None:  # a generation model: its engine schedules every step
         return "generation: continuous batching, /v1/completions and /v1/chat/completions"
     policy = batcher.policy
-    batching = f"batch <= {policy.max_batch_size} within {policy.max_delay_s * 1e3:g} ms"
+    delay = policy.max_delay_s
+    within = "an adaptive delay" if isinstance(delay, str) else f"{delay * 1e3:g} ms"
+    batching = f"batch <= {policy.max_batch_size} within {within}"
     replicas = batcher.num_replicas
     if replicas > 1:
         batching += f", {replicas} replicas"

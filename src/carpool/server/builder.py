@@ -352,7 +352,7 @@ def _fn_factory(
             dtype=model.dtype,
             ragged_inputs=[t.name for t in inputs if t.ragged],
             autocast=model.autocast,
-            cuda_graphs=graph_sizes(model.preferred_batch_sizes, model.max_batch_size)
+            cuda_graphs=graph_sizes(model.preferred_batch_sizes, model.policy().size_limit)
             if model.cuda_graphs
             else None,
             output_dtypes=[

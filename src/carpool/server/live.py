@@ -36,7 +36,10 @@ def _percentiles(stats: LatencyStats) -> dict[str, float | None]:
     return {"p50_s": _seconds(stats.p50_s), "p99_s": _seconds(stats.p99_s)}
 
 
-def _batching(snap: TelemetrySnapshot, max_batch_size: int, max_delay_s: float) -> dict[str, Any]:
+def _batching(
+    snap: TelemetrySnapshot, max_batch_size: int | str, max_delay_s: float | str
+) -> dict[str, Any]:
+    # Either may be "auto" (carpool.core.adaptive): shown as set.
     b = snap.batches
     classes = [
         {

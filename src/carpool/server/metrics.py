@@ -30,6 +30,7 @@ from carpool.core.batcher import Batcher
 from carpool.core.policy import BatchPolicy
 from carpool.core.telemetry import REJECTION_REASONS, LatencyStats, TelemetrySnapshot
 from carpool.generation.telemetry import GenerationSnapshot
+from carpool.server.adaptive_metrics import adaptive_metrics
 from carpool.server.limits import InflightBytes
 from carpool.server.openai_fields import IgnoredFields
 from carpool.server.pool_metrics import pool_metrics
@@ -47,7 +48,7 @@ def batch_size_bounds(policy: BatchPolicy) -> tuple[int, ...]:
     its largest max batch size, and each max batch size (the model's and its classes')
     with the size one below it, so ``le=max`` minus ``le=max-1`` counts the full batches;
     its preferred batch sizes too."""
-    maxes = {policy.max_batch_size} | {
+    maxes = {policy.size_limit} | {
         c.max_batch_size for c in policy.classes if c.max_batch_size is not None
     }
     bounds = {*BATCH_SIZE_BOUNDS, *policy.preferred_batch_sizes}
@@ -102,6 +103,13 @@ class TelemetryCollector(Collector):
         yield from _class_metrics(snapshots)
         yield from _batch_metrics(snapshots)
         yield from _replica_metrics(snapshots)
+        yield from adaptive_metrics(
+            [
+                (m.name, state)
+                for m in self._repository
+                if isinstance(b := m.batcher, Batcher) and (state := b.adaptive_state()) is not None
+            ]
+        )
         yield from pool_metrics(
             [
                 (m.name, pool.stats())

@@ -28,7 +28,7 @@ import numpy as np
 from carpool.core.batcher import Batcher
 from carpool.core.collate import shared_rows
 from carpool.core.front import BatchFront
-from carpool.core.policy import BatchPolicy
+from carpool.core.policy import MAX_AUTO_DELAY_S, BatchPolicy
 from carpool.errors import ConfigError, InvalidInput
 from carpool.server.errors import NotFound
 from carpool.server.kserve.tensors import DATATYPES, InferRequest
@@ -279,11 +279,11 @@ class ServedModel:
         return {
             "name": self.name,
             "platform": self.platform,
-            "max_batch_size": policy.max_batch_size,
+            "max_batch_size": policy.size_limit,
             "input": [_config_tensor(t) for t in self.inputs],
             "output": [_config_tensor(t) for t in self.outputs],
             "dynamic_batching": {
-                "max_queue_delay_microseconds": min(round(policy.max_delay_s * 1e6), _UINT64_MAX),
+                "max_queue_delay_microseconds": _delay_us(policy.max_delay_s),
                 "preferred_batch_size": list(policy.preferred_batch_sizes),
                 "priority_levels": len(policy.classes),
                 "default_priority_level": 1
@@ -537,3 +537,11 @@ class ModelRepository:
                     {"name": model.name, "version": model.version, "state": state, "reason": ""}
                 )
         return entries
+
+
+def _delay_us(max_delay_s: float | str) -> int:
+    """Triton's max_queue_delay_microseconds; under "auto" the longest the adaptive
+    controller may wait (MAX_AUTO_DELAY_S)."""
+    if isinstance(max_delay_s, str):
+        max_delay_s = MAX_AUTO_DELAY_S
+    return min(round(max_delay_s * 1e6), _UINT64_MAX)

@@ -28,7 +28,9 @@ from carpool.errors import ConfigError
 from carpool.tools.orthogonal import Design, FactorEffect, design_for, main_effects
 from carpool.tools.tune_trial import Measurement, TrialConfig
 
-Number = int | float
+Number = int | float | str  # a level: a number, or "auto" (AUTO_PARAMS)
+# Parameters that may also be searched at "auto" (carpool.core.adaptive), against numbers.
+AUTO_PARAMS = ("max_batch_size", "max_delay_s")
 # Parameters a trial can set, with their types: BatchPolicy fields, the replica count and
 # the batch buffer pool (0 off, 1 on; rebuilt like the replica count).
 TUNABLE: dict[str, type] = {
@@ -73,19 +75,22 @@ class Param:
         if kind is None:
             raise ConfigError("--param", name, f"one of {sorted(TUNABLE)}")
         try:
-            values = tuple(_level(kind, v) for v in rest.split(","))
+            values = tuple(_level(name, kind, v) for v in rest.split(","))
         except (ValueError, KeyError):
+            also = ' or "auto"' if name in AUTO_PARAMS else ""
             raise ConfigError(
                 f"--param {name}",
                 rest,
                 "comma-separated on/off (or 1/0, true/false)"
                 if kind is bool
-                else f"comma-separated {kind.__name__}s",
+                else f"comma-separated {kind.__name__}s{also}",
             ) from None
         return cls(name, values)
 
 
-def _level(kind: type, text: str) -> Number:
+def _level(name: str, kind: type, text: str) -> Number:
+    if text.strip() == "auto" and name in AUTO_PARAMS:
+        return "auto"
     if kind is bool:
         return int(_BOOLS[text.strip().lower()])  # a level 0 or 1: the report prints numbers
     return kind(float(text)) if kind is int else kind(text)

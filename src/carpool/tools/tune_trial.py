@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from carpool.errors import ConfigError
 
-Number = int | float
+Number = int | float | str  # "auto" for max_delay_s / max_batch_size
 
 
 @dataclass(frozen=True, slots=True)

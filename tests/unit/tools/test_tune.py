@@ -149,6 +149,15 @@ def test_param_parse_types_values_and_refuses_nonsense() -> None:
             Param.parse(bad)
 
 
+def test_param_parse_searches_auto_against_numbers_where_the_policy_takes_it() -> None:
+    assert Param.parse("max_delay_s=0,0.002,auto").values == (0.0, 0.002, "auto")
+    assert Param.parse("max_batch_size=16,auto").values == (16, "auto")
+    with pytest.raises(ConfigError, match='or "auto"'):
+        Param.parse("max_delay_s=0,soon")
+    with pytest.raises(ConfigError):
+        Param.parse("timeout_s=auto")  # no adaptive timeout
+
+
 def test_buffer_pool_param_takes_on_off_levels() -> None:
     assert Param.parse("buffer_pool=off,on").values == (0, 1)
     assert Param.parse("buffer_pool=0,1").values == (0, 1)

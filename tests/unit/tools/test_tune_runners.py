@@ -93,6 +93,17 @@ async def test_in_process_runner_applies_the_config_and_measures(models: str, at
         await runner.close()
 
 
+async def test_the_in_process_runner_measures_auto_as_a_level(models: str) -> None:
+    runner = InProcessRunner(f"{models}:double", ITEM, LoadSpec(concurrency=4))
+    try:
+        config = TrialConfig((("max_batch_size", "auto"), ("max_delay_s", "auto")))
+        m = await measure_trial(runner, config, ANSWERING)
+        assert m.error is None and m.num_requests > 0 and m.num_errors == 0
+        assert runner._batcher is not None and runner._batcher.policy.is_adaptive
+    finally:
+        await runner.close()
+
+
 async def test_a_batched_function_brings_its_policy_as_the_base(models: str) -> None:
     runner = InProcessRunner(f"{models}:batched_double", ITEM, LoadSpec(concurrency=2))
     assert runner.base_policy.max_batch_size == 8

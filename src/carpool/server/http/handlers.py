@@ -18,6 +18,7 @@ import orjson
 
 from carpool import __version__
 from carpool.config import POLICY_FIELDS
+from carpool.core.adaptive import AdaptiveState
 from carpool.core.policy import BatchPolicy
 from carpool.errors import InvalidInput
 from carpool.server import completions, openai
@@ -176,7 +177,11 @@ async def _policy(served: Served, call: Call) -> Answer:
     batcher = _model(call).require_batcher()
     if call.route.kind is RouteKind.POLICY_SET:
         batcher.update_policy(**_policy_changes(_inflated(served, call)))
-    return _json(_policy_document(batcher.policy))
+    document = _policy_document(batcher.policy)
+    adaptive = batcher.adaptive_state()
+    if adaptive is not None:
+        document["adaptive"] = adaptive_document(adaptive)
+    return _json(document)
 
 
 async def _model_metadata(served: Served, call: Call) -> Answer:
@@ -305,6 +310,28 @@ def _check_bounds(changes: dict[str, Any]) -> None:
 
 def _is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def adaptive_document(state: AdaptiveState) -> dict[str, Any]:
+    """What ``max_delay_s``/``max_batch_size`` "auto" has in force (the policy's
+    ``adaptive`` key): per class, and the fitted batch-time line."""
+    return {
+        "classes": {
+            c.name: {
+                "delay_s": c.delay_s,
+                "batch_size": c.batch_size,
+                "max_batch_size": c.max_batch_size,
+                "arrival_rate_rps": c.arrival_rate_rps,
+                "company_rate_rps": c.company_rate_rps,
+            }
+            for c in state.classes
+        },
+        "batch_time_fit": {
+            "overhead_s": state.overhead_s,
+            "per_item_s": state.per_item_s,
+            "num_batches": state.num_batches,
+        },
+    }
 
 
 def _policy_document(policy: BatchPolicy) -> dict[str, Any]:

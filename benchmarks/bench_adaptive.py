@@ -1,0 +1,338 @@
+"""Adaptive batching (`max_delay_s: auto`) against fixed settings and AIMD, W1 over HTTP.
+
+One `carpool serve` (W1 `mlp`, one replica) on the server CPU, `carpool bench` on the load
+CPU (in this process, kserve-binary, 1 x 256 float32 per request). The policy is switched
+between settings over the policy endpoint (`--allow-policy-updates`), not by restarting.
+
+1. **Load sweep.** For each setting (a grid of fixed `max_delay_s` x `max_batch_size`, `auto`,
+   and an AIMD controller of `max_batch_size` in the style of Clipper, implemented here
+   only: +4 every 0.25 s while the share of requests over the SLO stays under 1%, x0.9
+   when it does not) and each load (closed-loop concurrency 1; open-loop Poisson at
+   fractions of the capacity over HTTP (concurrency 64, 64 within 2 ms); bursty gamma
+   arrivals, CV^2 4, at 70%; a day/night schedule between 5% and 90%), the goodput:
+   requests answered within `SLO_S` per second. Per load, the best fixed setting; over
+   the whole sweep, the single fixed setting with the best total (the one a user tuning
+   once would keep).
+2. **Priority classes.** An interactive request (`priority: 1`, `slo_s` 20 ms) every
+   20 ms, alone and then under 64 closed-loop background clients; its p99, and the
+   background throughput against the offline ceiling; fixed (64 within 2 ms) vs auto.
+
+    .venv/bin/python benchmarks/bench_adaptive.py [--quick] [--json PATH]
+
+`--quick` runs a reduced grid and shorter points (a few minutes); the full run is the
+issue's grid. Figures are ratios within one run. Needs `taskset` (util-linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench_http import offline_ceiling
+from benchlib import (
+    LOAD_CPU,
+    RESULTS,
+    SERVER_CPU,
+    carpool_serve,
+    machine_info,
+    wait_kserve_ready,
+    write_results,
+)
+from carpool.tools.bench import build_parser, config_from_args, run_bench
+from wrkrun import free_port
+
+DEFAULT_JSON = RESULTS / "adaptive.json"
+SLO_S = 0.05
+INTERACTIVE_SLO_S = 0.02
+CONFIG = f"""\
+models:
+  - name: mlp
+    kind: python
+    source: carpool.server.defaults:w1_factory
+    inputs:  [{{name: INPUT0, datatype: FP32, shape: [256]}}]
+    outputs: [{{name: OUTPUT0, datatype: FP32, shape: [16]}}]
+    max_batch_size: 64
+    max_delay_s: 0.002
+    slo_s: {SLO_S}
+    default_class: background
+    classes:
+      - {{name: interactive, slo_s: {INTERACTIVE_SLO_S}}}
+      - {{name: background}}
+"""
+FULL_DELAYS_S = (0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02)
+FULL_SIZES = (8, 16, 32, 64, 128)
+QUICK_DELAYS_S = (0.0, 0.002, 0.01)
+QUICK_SIZES = (16, 64)
+FULL_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.1)
+QUICK_FRACTIONS = (0.3, 0.7, 1.1)
+
+
+def _set(url: str, **changes: Any) -> None:
+    response = httpx.post(f"{url}/v2/models/mlp/policy", json=changes, timeout=10.0)
+    response.raise_for_status()
+
+
+def _loads(capacity: float, quick: bool) -> list[tuple[str, list[str], float]]:
+    """(label, `carpool bench` load flags, measured seconds) per load."""
+    point_s = 3.0 if quick else 10.0
+    loads = [("c=1", ["--concurrency", "1"], point_s)]
+    for fraction in QUICK_FRACTIONS if quick else FULL_FRACTIONS:
+        rate = f"{fraction * capacity:.0f}"
+        loads.append((f"poisson {fraction:.0%}", ["--rate", rate, "--arrival", "poisson"], point_s))
+    bursty = ["--rate", f"{0.7 * capacity:.0f}", "--arrival", "gamma", "--burstiness", "4"]
+    loads.append(("bursty 70%", bursty, point_s))
+    step_s = 2.0 if quick else 20.0
+    levels = (0.05, 0.3, 0.9, 0.3, 0.05, 0.6)
+    schedule = ",".join(f"{i * step_s:g}s:{f * capacity:.0f}" for i, f in enumerate(levels))
+    loads.append(("day/night", ["--schedule", schedule, "--arrival", "poisson"], step_s * 6))
+    return loads
+
+
+def _goodput(url: str, flags: list[str], duration_s: float) -> dict[str, Any]:
+    argv = [url, "--model", "mlp", "--protocol", "kserve-binary", "--input-shape", "1,256"]
+    argv += [*flags, "--duration", f"{duration_s:g}s", "--warmup", "1s", "--seed", "0"]
+    config = config_from_args(build_parser().parse_args([*argv, "--no-progress"]))
+    (point,) = asyncio.run(run_bench(config))
+    latencies = np.array(point.latencies_s)
+    within = int((latencies <= SLO_S).sum())
+    return {
+        "goodput_rps": within / duration_s,
+        "rate_rps": point.summary.rate_rps,
+        "p50_ms": float(np.percentile(latencies, 50) * 1e3) if len(latencies) else 0.0,
+        "p99_ms": float(np.percentile(latencies, 99) * 1e3) if len(latencies) else 0.0,
+        "num_errors": point.summary.num_errors,
+    }
+
+
+class Aimd:
+    """Clipper-style AIMD on max_batch_size from the server's latency histogram: +4 each
+    period while under 1% of the period's requests were over SLO_S, else x0.9."""
+
+    def __init__(self, url: str, period_s: float = 0.25) -> None:
+        self.url, self.period_s, self.size = url, period_s, 8
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Aimd:
+        _set(self.url, max_delay_s=0.002, max_batch_size=self.size)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _counts(self) -> tuple[float, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
+        within = total = 0.0
+        for family in text_string_to_metric_families(text):
+            if family.name != "carpool_request_latency_seconds":
+                continue
+            for s in family.samples:
+                if s.labels.get("model") != "mlp" or not s.name.endswith("_bucket"):
+                    continue
+                le = float(s.labels["le"])
+                if le == float("inf"):
+                    total += s.value
+                elif abs(le - SLO_S) < 1e-9:
+                    within += s.value
+        return within, total
+
+    def _run(self) -> None:
+        before = self._counts()
+        while not self._stop.wait(self.period_s):
+            after = self._counts()
+            num = after[1] - before[1]
+            over = num - (after[0] - before[0])
+            before = after
+            if num and over / num > 0.01:
+                self.size = max(1, int(self.size * 0.9))
+            else:
+                self.size = min(128, self.size + 4)
+            _set(self.url, max_batch_size=self.size)
+
+
+def _capacity(url: str, quick: bool) -> float:
+    """Requests per second the server answers at concurrency 64 under the default policy
+    (64 within 2 ms): the capacity that the open-loop loads are fractions of. (The offline
+    ceiling leaves out the HTTP work, which shares the server's core.)"""
+    _set(url, max_delay_s=0.002, max_batch_size=64)
+    return _goodput(url, ["--concurrency", "64"], 3.0 if quick else 10.0)["rate_rps"]
+
+
+def _sweep(url: str, capacity: float, quick: bool) -> dict[str, Any]:
+    delays, sizes = (QUICK_DELAYS_S, QUICK_SIZES) if quick else (FULL_DELAYS_S, FULL_SIZES)
+    settings: list[tuple[str, dict[str, Any] | None]] = [
+        (f"fixed {d * 1e3:g} ms x {b}", {"max_delay_s": d, "max_batch_size": b})
+        for d in delays
+        for b in sizes
+    ]
+    settings += [("auto", {"max_delay_s": "auto", "max_batch_size": "auto"}), ("aimd", None)]
+    loads = _loads(capacity, quick)
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, policy in settings:
+        table[name] = {}
+        for label, flags, duration_s in loads:
+            if policy is None:
+                with Aimd(url):
+                    table[name][label] = _goodput(url, flags, duration_s)
+            else:
+                _set(url, **policy)
+                table[name][label] = _goodput(url, flags, duration_s)
+            row = table[name][label]
+            if name == "auto":  # what the controller had in force at the end of the load
+                document = httpx.get(f"{url}/v2/models/mlp/policy", timeout=10.0).json()
+                row["adaptive"] = document["adaptive"]
+            print(
+                f"{name:>18} {label:>13}: goodput {row['goodput_rps']:7.0f}/s  "
+                f"p50 {row['p50_ms']:6.2f} ms  p99 {row['p99_ms']:7.2f} ms",
+                flush=True,
+            )
+    fixed = [n for n, p in settings if p is not None and n != "auto"]
+    labels = [label for label, _, _ in loads]
+    best_per_load = {lb: max(fixed, key=lambda n: table[n][lb]["goodput_rps"]) for lb in labels}
+    best_single = max(fixed, key=lambda n: sum(table[n][lb]["goodput_rps"] for lb in labels))
+    summary = {}
+    for lb in labels:
+        best = table[best_per_load[lb]][lb]["goodput_rps"]
+        summary[lb] = {
+            "best_fixed": best_per_load[lb],
+            "auto_over_best_fixed": table["auto"][lb]["goodput_rps"] / best if best else 0.0,
+            "auto_over_single_fixed": _ratio(table, "auto", best_single, lb),
+            "aimd_over_single_fixed": _ratio(table, "aimd", best_single, lb),
+        }
+    total = {n: sum(table[n][lb]["goodput_rps"] for lb in labels) for n in table}
+    return {
+        "table": table,
+        "per_load": summary,
+        "best_single_fixed": best_single,
+        "auto_over_single_fixed_total": total["auto"] / total[best_single],
+        "aimd_over_single_fixed_total": total["aimd"] / total[best_single],
+    }
+
+
+def _ratio(table: dict[str, dict[str, dict[str, Any]]], a: str, b: str, load: str) -> float:
+    base = table[b][load]["goodput_rps"]
+    return table[a][load]["goodput_rps"] / base if base else 0.0
+
+
+def _interactive(url: str, duration_s: float) -> list[float]:
+    """An interactive request (priority 1) every 20 ms for ``duration_s``; latencies."""
+    body = {
+        "inputs": [{"name": "INPUT0", "shape": [1, 256], "datatype": "FP32", "data": [0.5] * 256}],
+        "parameters": {"priority": 1},
+    }
+    payload = orjson.dumps(body)
+    latencies = []
+    with httpx.Client(base_url=url, timeout=10.0) as client:
+        end = time.perf_counter() + duration_s
+        next_s = time.perf_counter()
+        while next_s < end:
+            time.sleep(max(0.0, next_s - time.perf_counter()))
+            start = time.perf_counter()
+            client.post("/v2/models/mlp/infer", content=payload).raise_for_status()
+            latencies.append(time.perf_counter() - start)
+            next_s += 0.02
+    return latencies
+
+
+def _priorities(url: str, ceiling: float, duration_s: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    fixed = {"max_delay_s": 0.002, "max_batch_size": 64}
+    for name, policy in (("fixed", fixed), ("auto", {"max_delay_s": "auto", "max_batch_size": 64})):
+        _set(url, **policy)
+        alone = _interactive(url, duration_s)
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "bg.json"
+            command = [
+                "taskset", "-c", LOAD_CPU, sys.executable, "-m", "carpool.cli", "bench", url,
+                "--model", "mlp", "--protocol", "kserve-binary", "--input-shape", "1,256",
+                "--concurrency", "64", "--duration", f"{duration_s + 1:g}s", "--warmup", "1s",
+                "--no-progress", "--json", str(report),
+            ]  # fmt: skip
+            background = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+            time.sleep(1.5)  # its warm-up
+            loaded = _interactive(url, duration_s)
+            background.wait(timeout=120)
+            summary = orjson.loads(report.read_bytes())["points"][0]["summary"]
+        out[name] = {
+            "interactive_alone_p99_ms": float(np.percentile(alone, 99) * 1e3),
+            "interactive_loaded_p99_ms": float(np.percentile(loaded, 99) * 1e3),
+            "background_rps": summary["rate_rps"],
+            "background_over_ceiling": summary["rate_rps"] / ceiling,
+        }
+        print(f"priority {name}: {out[name]}", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="reduced grid, short points")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = parser.parse_args()
+    machine = machine_info()
+    print(f"machine: {machine}")
+    ceiling = offline_ceiling()
+    print(f"offline W1 ceiling at batch 64 on cpu {SERVER_CPU}: {ceiling:.0f} items/s")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "serve.yaml"
+        config.write_text(CONFIG, encoding="utf-8")
+        argv = [*carpool_serve(port, config=config), "--allow-policy-updates"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        server = subprocess.Popen(
+            ["taskset", "-c", SERVER_CPU, *argv], env=env, stdout=subprocess.DEVNULL
+        )
+        try:
+            wait_kserve_ready(url, server)
+            os.sched_setaffinity(0, {int(LOAD_CPU)})
+            capacity = _capacity(url, args.quick)
+            print(f"capacity over HTTP at concurrency 64: {capacity:.0f} req/s", flush=True)
+            sweep = _sweep(url, capacity, args.quick)
+            priorities = _priorities(url, ceiling, 4.0 if args.quick else 20.0)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    for load, row in sweep["per_load"].items():
+        print(
+            f"{load:>13}: auto / best fixed ({row['best_fixed']}) {row['auto_over_best_fixed']:.2f}"
+            f"  auto / single fixed {row['auto_over_single_fixed']:.2f}"
+            f"  aimd / single fixed {row['aimd_over_single_fixed']:.2f}"
+        )
+    print(
+        f"whole sweep: auto / best single fixed ({sweep['best_single_fixed']}) "
+        f"{sweep['auto_over_single_fixed_total']:.2f}; aimd "
+        f"{sweep['aimd_over_single_fixed_total']:.2f}"
+    )
+    write_results(
+        args.json,
+        {
+            "machine": machine,
+            "quick": args.quick,
+            "slo_s": SLO_S,
+            "ceiling_items_per_s": ceiling,
+            "capacity_rps": capacity,
+            "sweep": sweep,
+            "priorities": priorities,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""The delay and the batch size chosen from the traffic (``max_delay_s: auto``,
+``max_batch_size: auto``), within each class's latency budget.
+
+Two measurements drive it: each class's rate of arrivals *while one of its requests
+is already waiting* (:class:`CompanyRate`, forgetting with a time constant of
+:data:`RATE_TAU_S`) and the model's batch-time line ``t(b) = overhead + per_item * b``
+(:class:`~carpool.core.batch_times.BatchTimeFit`, fitted from its own batches). The rate
+that counts is the one a waiting request sees, not the overall one: a client that sends
+its next request only when the last was answered (concurrency 1) arrives often, but
+never while another of its requests waits, so waiting for it would gain nothing; in
+open-loop traffic both rates agree. From them, each time a replica is free:
+
+- **Target size.** The smallest batch ``b`` that keeps the replica at most
+  :data:`TARGET_UTILIZATION` busy at the class's rate ``r``: ``r * t(b) / b <= rho``.
+  At low load that is 1 (send at once: waiting buys nothing); as the rate rises it
+  grows, and past the model's capacity it is the size cap. A new target replaces the
+  one in force only when it differs by more than :data:`HYSTERESIS` (no flapping
+  between neighbours under noise).
+- **When to send.** Now, if the queue already holds the target; else when the rate
+  says the target will be there, but never later than the oldest request's budget:
+  ``slo_s`` less the predicted compute of the target batch (and at most
+  :data:`~carpool.core.policy.MAX_AUTO_DELAY_S`), and never later than
+  :data:`GAP_FACTOR` mean gaps after the class's last arrival (closed-loop clients that
+  are all waiting send nothing more: the batch goes).
+- **Size cap** (``max_batch_size: auto``). The knee of ``t(b)``: past
+  ``overhead / (KNEE_SHARE * per_item)`` the fixed overhead is under a tenth of the
+  batch's time, and a bigger batch only adds latency; but never below the target size
+  (under overload the size that keeps up, else the cap), or the queue would only grow.
+- **Classes keep their promise.** A batch led by a lower class is capped so that a
+  higher class's request arriving just after it starts still fits in its ``slo_s``:
+  that batch's time plus one item's. No batch is larger than one whose predicted time
+  alone fits 80% of its class's ``slo_s``. Lower-class work fills a batch only as far as the
+  time its oldest request has left allows, so filling a higher class's batch never takes
+  it past its budget (the class's own waiting items are never cut for it). Both hold
+  only for higher classes with traffic (a rate above :data:`ACTIVE_RATE_RPS`) and once
+  the line is known.
+
+Before :data:`COLD_BATCHES` batches were measured it behaves as a fixed window of
+:data:`~carpool.core.policy.COLD_START_DELAY_S`. Everything reads the time passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from carpool.core.batch_times import BatchTimeFit
+from carpool.core.policy import MAX_AUTO_DELAY_S, BatchPolicy, ClassLimits
+
+RATE_TAU_S = 0.5  # the arrival-rate counter forgets with this time constant
+TARGET_UTILIZATION = 0.8  # rho: the most of the replica's time a target batch size uses
+HYSTERESIS = 0.25  # a new target size replaces the one in force past this relative change
+GAP_FACTOR = 2.0  # send when no arrival came for this many mean gaps
+KNEE_SHARE = 0.1  # max_batch_size auto: overhead under this share of the per-item time
+SLO_HEADROOM = 0.8  # the share of slo_s the controller plans with (the rest: hand-offs)
+ACTIVE_RATE_RPS = 0.5  # a class slower than this is not protected by capping others
+COLD_BATCHES = 8  # batches measured before the controller trusts its line
+MIN_WAITING_S = 0.002  # waiting seen (decayed) before a company rate is trusted
+
+
+class ArrivalRate:
+    """Requests per second, as a counter that decays with time constant ``tau_s``: after
+    a step from one steady rate to another, the estimate covers 95% of the step within
+    three ``tau_s``."""
+
+    __slots__ = ("_count", "_last_s", "_tau_s", "last_arrival_s")
+
+    def __init__(self, tau_s: float = RATE_TAU_S) -> None:
+        self._tau_s = tau_s
+        self._count = 0.0
+        self._last_s = 0.0
+        self.last_arrival_s: float | None = None
+
+    def note(self, now: float, num: int = 1) -> None:
+        """``num`` requests arrived at ``now``."""
+        if now > self._last_s:
+            self._count *= math.exp((self._last_s - now) / self._tau_s)
+            self._last_s = now
+        self._count += num
+        if self.last_arrival_s is None or now > self.last_arrival_s:
+            self.last_arrival_s = now
+
+    def rate_rps(self, now: float) -> float:
+        decay = math.exp(min(0.0, self._last_s - now) / self._tau_s)
+        return self._count * decay / self._tau_s
+
+
+class CompanyRate:
+    """Arrivals per second over the time the class had a request waiting: the company a
+    waiting request can expect. Both the arrivals counted and the waiting time decay with
+    time constant ``tau_s``; 0 until :data:`MIN_WAITING_S` of waiting was seen."""
+
+    __slots__ = ("_count", "_is_waiting", "_last_s", "_tau_s", "_waiting_s")
+
+    def __init__(self, tau_s: float = RATE_TAU_S) -> None:
+        self._tau_s = tau_s
+        self._count = 0.0
+        self._waiting_s = 0.0
+        self._last_s = 0.0
+        self._is_waiting = False
+
+    def _advance(self, now: float) -> None:
+        elapsed_s = now - self._last_s
+        if elapsed_s > 0:
+            keep = math.exp(-elapsed_s / self._tau_s)
+            self._count *= keep
+            self._waiting_s *= keep
+            if self._is_waiting:
+                self._waiting_s += elapsed_s
+            self._last_s = now
+
+    def note(self, now: float, had_company: bool, num: int = 1) -> None:
+        """``num`` arrivals at ``now``; ``had_company``: one of the class was waiting."""
+        self._advance(now)
+        if had_company:
+            self._count += num
+        self._is_waiting = True
+
+    def emptied(self, now: float) -> None:
+        """The class has no request waiting any more (its last ones left in a batch)."""
+        self._advance(now)
+        self._is_waiting = False
+
+    def rate_rps(self, now: float) -> float:
+        self._advance(now)
+        return 0.0 if self._waiting_s < MIN_WAITING_S else self._count / self._waiting_s
+
+
+@dataclass(frozen=True, slots=True)
+class ClassChoice:
+    """What the controller has in force for one class: for ``/metrics`` and the policy."""
+
+    name: str
+    delay_s: float  # the window a lone request gets now
+    batch_size: int  # the target size (the size cap when the delay is fixed)
+    max_batch_size: int  # the most a batch led by this class may hold now
+    arrival_rate_rps: float
+    company_rate_rps: float  # arrivals per second while one of the class waits
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptiveState:
+    """The controller's view: per class, and the fitted batch-time line."""
+
+    classes: tuple[ClassChoice, ...]
+    overhead_s: float
+    per_item_s: float
+    num_batches: int
+
+
+class Adaptive:
+    """The controller of one batcher (see the module docstring)."""
+
+    __slots__ = ("_company", "_fit", "_rates", "_targets")
+
+    def __init__(self, fit: BatchTimeFit) -> None:
+        self._fit = fit
+        self._rates: dict[str, ArrivalRate] = {}
+        self._company: dict[str, CompanyRate] = {}
+        self._targets: dict[str, int] = {}
+
+    def arrived(self, class_name: str, now: float, had_company: bool, num: int = 1) -> None:
+        """``num`` requests of the class arrived; ``had_company``: one was waiting."""
+        rate = self._rates.get(class_name)
+        if rate is None:
+            rate = self._rates[class_name] = ArrivalRate()
+            self._company[class_name] = CompanyRate()
+        rate.note(now, num)
+        self._company[class_name].note(now, had_company, num)
+
+    def emptied(self, class_name: str, now: float) -> None:
+        """No request of the class waits any more."""
+        company = self._company.get(class_name)
+        if company is not None:
+            company.emptied(now)
+
+    def rate_rps(self, class_name: str, now: float) -> float:
+        """All arrivals of the class, per second."""
+        rate = self._rates.get(class_name)
+        return 0.0 if rate is None else rate.rate_rps(now)
+
+    def company_rps(self, class_name: str, now: float) -> float:
+        """Arrivals per second while one of the class waits (:class:`CompanyRate`), at
+        most the overall rate: over HTTP, arrivals bunch while requests wait (answers
+        leave together, their clients send together), and W1 under Poisson load saw
+        twice the overall rate while waiting, which made the targets twice too large."""
+        company = self._company.get(class_name)
+        if company is None:
+            return 0.0
+        return min(company.rate_rps(now), self.rate_rps(class_name, now))
+
+    @property
+    def is_warm(self) -> bool:
+        return self._fit.num_batches >= COLD_BATCHES
+
+    # -- the size ------------------------------------------------------------------
+
+    def max_items(
+        self,
+        policy: BatchPolicy,
+        limits: ClassLimits,
+        oldest_arrival_s: float,
+        now: float,
+        num_own_items: int = 1,
+    ) -> int:
+        """The most items a batch led by class ``limits`` may hold now: at least 1, at
+        most the class's ``max_batch_size`` (the caller applies cost budgets). The time
+        its oldest request has left limits only the lower-class fill: the class's own
+        ``num_own_items`` waiting are never cut for it (a backlog run one by one would
+        only grow)."""
+        cap = limits.max_batch_size
+        if not self.is_warm or not self._fit.is_identified:
+            return cap
+        overhead_s, per_item_s = self._fit.line()
+        if limits.is_auto_size and per_item_s > 0:
+            knee = overhead_s / (KNEE_SHARE * per_item_s)
+            # Past the knee a larger batch only adds latency while the replica keeps up;
+            # when it does not, the size that keeps up is the floor (else the queue grows).
+            rate = self.company_rps(limits.name, now)
+            knee = max(knee, _keep_up_size(rate, overhead_s, per_item_s, cap))
+            cap = min(cap, max(1, math.ceil(min(knee, cap))))
+        for higher in policy.limits.values():
+            if higher.rank >= limits.rank or higher.slo_s is None:
+                continue
+            if self.rate_rps(higher.name, now) < ACTIVE_RATE_RPS:
+                continue
+            # A higher-class arrival waits for this batch, then runs its own item.
+            allowed_s = SLO_HEADROOM * higher.slo_s - (overhead_s + per_item_s)
+            cap = min(cap, _largest_within(allowed_s, overhead_s, per_item_s))
+        if limits.slo_s is not None:
+            # No batch whose compute alone would take it past its budget.
+            budget_s = SLO_HEADROOM * limits.slo_s
+            cap = min(cap, _largest_within(budget_s, overhead_s, per_item_s))
+            left_s = budget_s - (now - oldest_arrival_s)
+            within = _largest_within(left_s, overhead_s, per_item_s)
+            cap = min(cap, max(within, num_own_items))
+        return cap
+
+    # -- the delay -----------------------------------------------------------------
+
+    def target_size(self, limits: ClassLimits, max_items: int, now: float) -> int:
+        """The batch size worth waiting for at the class's rate now (module docstring)."""
+        rate = self.company_rps(limits.name, now)
+        overhead_s, per_item_s = self._fit.line()
+        wanted = _keep_up_size(rate, overhead_s, per_item_s, max_items)
+        held = self._targets.get(limits.name)
+        if held is not None and abs(wanted - held) <= HYSTERESIS * held:
+            wanted = min(held, max_items)
+        else:
+            self._targets[limits.name] = wanted
+        return wanted
+
+    def due_s(
+        self,
+        limits: ClassLimits,
+        num_items: int,
+        max_items: int,
+        oldest_arrival_s: float,
+        now: float,
+    ) -> float:
+        """When a batch of class ``limits`` now holding ``num_items`` (of at most
+        ``max_items``) should go: ``now`` or earlier means at once. Never later than
+        :meth:`budget_s` after its oldest request's arrival."""
+        if not self.is_warm:
+            return oldest_arrival_s + limits.max_delay_s
+        target = self.target_size(limits, max_items, now)
+        if num_items >= target:
+            return now
+        rate = self._rates.get(limits.name)
+        rate_rps = self.company_rps(limits.name, now)
+        if rate is None or rate_rps <= 0.0 or rate.last_arrival_s is None:
+            return now
+        due = now + (target - num_items) / rate_rps
+        due = min(due, rate.last_arrival_s + GAP_FACTOR / rate_rps)
+        return min(due, oldest_arrival_s + self.budget_s(limits, target))
+
+    def budget_s(self, limits: ClassLimits, num_items: int) -> float:
+        """The longest the oldest request of a batch of ``num_items`` may wait for
+        company: its ``slo_s`` less the batch's predicted compute, at most
+        :data:`~carpool.core.policy.MAX_AUTO_DELAY_S` (0 when nothing is left)."""
+        if limits.slo_s is None:
+            return MAX_AUTO_DELAY_S
+        left_s = limits.slo_s - self._fit.predict_s(num_items)
+        return min(MAX_AUTO_DELAY_S, max(0.0, left_s))
+
+    # -- what is in force ----------------------------------------------------------
+
+    def state(self, policy: BatchPolicy, now: float) -> AdaptiveState:
+        choices = []
+        for limits in policy.limits.values():
+            max_items = self.max_items(policy, limits, now, now)
+            rate_rps = self.company_rps(limits.name, now)
+            if not limits.is_auto_delay or not self.is_warm:
+                delay_s, target = limits.max_delay_s, max_items
+            else:
+                target = min(self._targets.get(limits.name, 1), max_items)
+                wait_s = (target - 1) / rate_rps if rate_rps > 0 else 0.0
+                delay_s = min(wait_s, self.budget_s(limits, target))
+            arrival_rps = self.rate_rps(limits.name, now)
+            choices.append(
+                ClassChoice(limits.name, delay_s, target, max_items, arrival_rps, rate_rps)
+            )
+        overhead_s, per_item_s = self._fit.line()
+        return AdaptiveState(tuple(choices), overhead_s, per_item_s, self._fit.num_batches)
+
+
+def _keep_up_size(rate_rps: float, overhead_s: float, per_item_s: float, max_items: int) -> int:
+    """The smallest batch that keeps the replica at most TARGET_UTILIZATION busy at
+    ``rate_rps`` (``max_items`` when none does), in [1, max_items]."""
+    rho = TARGET_UTILIZATION
+    if rate_rps * (overhead_s + per_item_s) <= rho:
+        return 1
+    if rate_rps * per_item_s >= rho:
+        return max_items
+    wanted = math.ceil(min(max_items, rate_rps * overhead_s / (rho - rate_rps * per_item_s)))
+    return max(1, min(wanted, max_items))
+
+
+def _largest_within(allowed_s: float, overhead_s: float, per_item_s: float) -> int:
+    """The largest batch whose predicted time is within ``allowed_s`` (at least 1)."""
+    if per_item_s <= 0:
+        return _UNBOUNDED if overhead_s <= allowed_s else 1
+    items = (allowed_s - overhead_s) / per_item_s
+    return max(1, math.floor(min(_UNBOUNDED, max(0.0, items))))
+
+
+_UNBOUNDED = 1 << 30  # more items than any batch holds

@@ -1,0 +1,65 @@
+"""``/metrics`` for ``max_delay_s``/``max_batch_size`` "auto": what the adaptive
+controller (:mod:`carpool.core.adaptive`) has in force, per model and class, and the
+batch-time line it fitted, per model. Only models whose policy has "auto" appear."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from carpool.core.adaptive import AdaptiveState
+
+
+def adaptive_metrics(states: list[tuple[str, AdaptiveState]]) -> Iterator[Metric]:
+    """The ``carpool_adaptive_*``, ``carpool_arrival_rate*`` and ``carpool_batch_time_fit_*``
+    gauges of ``(model name, controller state)`` pairs."""
+    labels = ["model", "class"]
+    delay = GaugeMetricFamily(
+        "carpool_adaptive_delay_seconds",
+        "Window a lone request of the class gets now for company, in seconds (max_delay_s auto).",
+        labels=labels,
+    )
+    size = GaugeMetricFamily(
+        "carpool_adaptive_batch_size",
+        "Batch size the controller waits for now (max_delay_s auto; else its size cap).",
+        labels=labels,
+    )
+    max_size = GaugeMetricFamily(
+        "carpool_adaptive_max_batch_size",
+        "Most items a batch led by the class may hold now (max_batch_size auto, and the "
+        "caps that keep higher classes within slo_s).",
+        labels=labels,
+    )
+    rate = GaugeMetricFamily(
+        "carpool_arrival_rate",
+        "Estimated arrival rate of the class, in requests per second (about the last second).",
+        labels=labels,
+    )
+    company = GaugeMetricFamily(
+        "carpool_arrival_rate_while_waiting",
+        "Arrivals per second of the class over the time one of its requests was waiting: "
+        "the company a wait can expect, which the delay is chosen from.",
+        labels=labels,
+    )
+    overhead = GaugeMetricFamily(
+        "carpool_batch_time_fit_overhead_seconds",
+        "Fitted fixed time of a batch, in seconds: t(b) = overhead + per_item * b.",
+        labels=["model"],
+    )
+    per_item = GaugeMetricFamily(
+        "carpool_batch_time_fit_per_item_seconds",
+        "Fitted time per item of a batch, in seconds: t(b) = overhead + per_item * b.",
+        labels=["model"],
+    )
+    for model, state in states:
+        for c in state.classes:
+            key = [model, c.name]
+            delay.add_metric(key, c.delay_s)
+            size.add_metric(key, c.batch_size)
+            max_size.add_metric(key, c.max_batch_size)
+            rate.add_metric(key, c.arrival_rate_rps)
+            company.add_metric(key, c.company_rate_rps)
+        overhead.add_metric([model], state.overhead_s)
+        per_item.add_metric([model], state.per_item_s)
+    yield from (delay, size, max_size, rate, company, overhead, per_item)

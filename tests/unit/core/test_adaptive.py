@@ -1,0 +1,498 @@
+"""The adaptive controller: its decisions from a known batch-time line and arrivals, its
+bounds (never past the budget it computed, never past the size caps), and its behaviour
+in a simulated serving loop (settles under noise, follows a step in the arrival rate)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from carpool.core.adaptive import (
+    COLD_BATCHES,
+    GAP_FACTOR,
+    KNEE_SHARE,
+    SLO_HEADROOM,
+    Adaptive,
+    ArrivalRate,
+    CompanyRate,
+)
+from carpool.core.batch_times import BatchTimeFit
+from carpool.core.policy import (
+    COLD_START_DELAY_S,
+    MAX_AUTO_DELAY_S,
+    BatchPolicy,
+    ClassPolicy,
+)
+from carpool.core.queues import Queues
+from carpool.core.request import Request
+from carpool.core.scheduler import Scheduler
+from carpool.errors import ConfigError
+
+OVERHEAD_S, PER_ITEM_S = 0.002, 0.0003
+
+
+def _fit(overhead_s: float = OVERHEAD_S, per_item_s: float = PER_ITEM_S) -> BatchTimeFit:
+    fit = BatchTimeFit()
+    for size in [1, 2, 4, 8, 16, 32, 64] * 2:
+        fit.observe(size, overhead_s + per_item_s * size)
+    return fit
+
+
+def _steady(adaptive: Adaptive, name: str, rate_rps: float, until_s: float) -> None:
+    """Arrivals of class ``name`` every 1/rate seconds from 0 up to ``until_s``, each
+    finding one of its class waiting (open-loop traffic, as a waiting request sees it)."""
+    gap_s = 1.0 / rate_rps
+    for i in range(int(until_s / gap_s) + 1):
+        adaptive.arrived(name, i * gap_s, True)
+
+
+# -- the pieces: arrival rate and batch-time line --------------------------------------
+
+
+def test_the_arrival_rate_converges_to_a_steady_rate() -> None:
+    rate = ArrivalRate()
+    for i in range(5001):
+        rate.note(i * 0.001)
+    assert rate.rate_rps(5.0) == pytest.approx(1000, rel=0.01)
+
+
+def test_the_arrival_rate_decays_when_arrivals_stop() -> None:
+    rate = ArrivalRate(tau_s=1.0)
+    for i in range(5001):
+        rate.note(i * 0.001)
+    assert rate.rate_rps(8.0) == pytest.approx(1000 * math.exp(-3), rel=0.02)
+
+
+def test_the_company_rate_counts_only_arrivals_that_find_one_waiting() -> None:
+    # Open loop: 1000 rps, a batch taken every 4 ms: arrivals find company 3 times in 4.
+    open_loop = CompanyRate()
+    for i in range(4000):
+        open_loop.note(i * 0.001, had_company=i % 4 != 0)
+        if i % 4 == 3:
+            open_loop.emptied(i * 0.001)
+    assert open_loop.rate_rps(4.0) == pytest.approx(1000, rel=0.05)
+    # Closed loop, one client: 300 rps, each request alone, taken at once.
+    closed = CompanyRate()
+    for i in range(1200):
+        closed.note(i / 300, had_company=False)
+        closed.emptied(i / 300 + 0.00005)
+    assert closed.rate_rps(4.0) == 0.0
+
+
+def test_a_lone_closed_loop_client_is_never_kept_waiting() -> None:
+    adaptive = Adaptive(_fit(overhead_s=0.05, per_item_s=0.001))  # a slow model
+    limits = _policy(slo_s=1.0).class_limits(None)
+    t = 0.0
+    for _ in range(100):  # each request answered 51 ms later, the next sent 1 ms after
+        adaptive.arrived(limits.name, t, False)
+        assert adaptive.due_s(limits, 1, 64, t, t) == t
+        adaptive.emptied(limits.name, t)
+        t += 0.052
+
+
+def test_the_fit_recovers_a_line() -> None:
+    overhead_s, per_item_s = _fit().line()
+    assert overhead_s == pytest.approx(OVERHEAD_S)
+    assert per_item_s == pytest.approx(PER_ITEM_S)
+
+
+def test_the_fit_of_one_size_only_charges_every_item_its_mean() -> None:
+    fit = BatchTimeFit()
+    for _ in range(10):
+        fit.observe(4, 0.004)
+    assert not fit.is_identified
+    assert fit.line() == pytest.approx((0.0, 0.001))
+
+
+def test_the_fit_follows_a_model_that_slows_down() -> None:
+    fit = _fit()
+    for i in range(300):
+        size = 1 << (i % 7)
+        fit.observe(size, 2 * (OVERHEAD_S + PER_ITEM_S * size))
+    assert fit.predict_s(32) == pytest.approx(2 * (OVERHEAD_S + PER_ITEM_S * 32), rel=0.05)
+
+
+# -- decisions on a known line and known arrivals -------------------------------------
+
+
+def _policy(**changes: object) -> BatchPolicy:
+    fields: dict[str, object] = {"max_delay_s": "auto", "max_batch_size": 64, "slo_s": 0.05}
+    fields.update(changes)
+    return BatchPolicy(**fields)  # type: ignore[arg-type]
+
+
+def test_cold_it_behaves_as_a_small_fixed_window() -> None:
+    fit = BatchTimeFit()
+    adaptive = Adaptive(fit)
+    limits = _policy().class_limits(None)
+    adaptive.arrived(limits.name, 1.0, False)
+    assert adaptive.due_s(limits, 1, 64, 1.0, 1.0) == 1.0 + COLD_START_DELAY_S
+    for _ in range(COLD_BATCHES):
+        fit.observe(1, OVERHEAD_S)
+    assert adaptive.due_s(limits, 1, 64, 1.0, 1.0) == 1.0  # warm, low rate: at once
+
+
+def test_at_low_rate_a_lone_request_goes_at_once() -> None:
+    adaptive = Adaptive(_fit())
+    limits = _policy().class_limits(None)
+    _steady(adaptive, limits.name, 100, until_s=5.0)  # 100 rps x 2.3 ms: 23% busy
+    assert adaptive.target_size(limits, 64, 5.0) == 1
+    assert adaptive.due_s(limits, 1, 64, 5.0, 5.0) == 5.0
+
+
+def test_at_high_rate_it_waits_for_the_size_that_keeps_the_replica_under_rho() -> None:
+    adaptive = Adaptive(_fit())
+    limits = _policy().class_limits(None)
+    _steady(adaptive, limits.name, 1000, until_s=5.0)
+    now = 5.0
+    rate_rps = adaptive.company_rps(limits.name, now)
+    # r * (a / b + c) <= 0.8  ->  b >= r a / (0.8 - r c): 1000 * 0.002 / 0.5 = 4 at 1000
+    target = math.ceil(rate_rps * OVERHEAD_S / (0.8 - rate_rps * PER_ITEM_S))
+    assert target in (4, 5)
+    assert adaptive.target_size(limits, 64, now) == target
+    due = adaptive.due_s(limits, target - 1, 64, now - 0.002, now)
+    assert due == pytest.approx(now + 1 / rate_rps)
+    assert adaptive.due_s(limits, target, 64, now - 0.003, now) == now
+
+
+def test_it_sends_when_no_arrival_came_for_a_few_mean_gaps() -> None:
+    adaptive = Adaptive(_fit())
+    limits = _policy().class_limits(None)
+    _steady(adaptive, limits.name, 1000, until_s=5.0)  # the last at 5.0
+    now = 5.0
+    # 1 of 4 queued: the rate says 3 ms more; the gap rule says 2 mean gaps (2 ms).
+    due = adaptive.due_s(limits, 1, 64, now, now)
+    assert due == pytest.approx(5.0 + GAP_FACTOR / adaptive.company_rps(limits.name, now))
+
+
+def test_it_never_waits_past_the_slo_less_the_predicted_compute() -> None:
+    adaptive = Adaptive(_fit())
+    limits = _policy(slo_s=0.005).class_limits(None)
+    _steady(adaptive, limits.name, 3000, until_s=5.0)
+    now = 5.0
+    target = adaptive.target_size(limits, 64, now)
+    assert target > 1
+    budget_s = 0.005 - (OVERHEAD_S + PER_ITEM_S * target)
+    assert adaptive.budget_s(limits, target) == pytest.approx(max(0.0, budget_s))
+    oldest_s = now - 0.001
+    assert adaptive.due_s(limits, 1, 64, oldest_s, now) <= oldest_s + max(0.0, budget_s) + 1e-12
+
+
+def test_auto_batch_size_is_the_knee_of_the_line() -> None:
+    adaptive = Adaptive(_fit())
+    limits = _policy(max_batch_size="auto").class_limits(None)
+    knee = math.ceil(OVERHEAD_S / (KNEE_SHARE * PER_ITEM_S))  # 67
+    assert adaptive.max_items(_policy(max_batch_size="auto"), limits, 0.0, 0.0) == knee
+    flat = Adaptive(_fit(per_item_s=0.0))  # a GPU below its width: no knee, the limit
+    assert flat.max_items(_policy(max_batch_size="auto"), limits, 0.0, 0.0) == 256
+
+
+def test_auto_batch_size_is_never_below_the_size_that_keeps_up() -> None:
+    adaptive = Adaptive(_fit())
+    policy = _policy(max_batch_size="auto", slo_s=1.0)
+    limits = policy.class_limits(None)
+    _steady(adaptive, limits.name, 2600, until_s=5.0)  # r c = 0.78: b >= r a / (0.8 - r c)
+    rate_rps = adaptive.company_rps(limits.name, 5.0)
+    keep_up = math.ceil(rate_rps * OVERHEAD_S / (0.8 - rate_rps * PER_ITEM_S))
+    assert keep_up > 67  # past the knee
+    assert adaptive.max_items(policy, limits, 5.0, 5.0) == min(256, keep_up)
+
+
+def test_lower_class_batches_are_capped_while_a_higher_class_has_traffic() -> None:
+    classes = (ClassPolicy("interactive", slo_s=0.02), ClassPolicy("background", slo_s=30.0))
+    policy = _policy(max_batch_size=128, classes=classes, default_class="background", slo_s=None)
+    adaptive = Adaptive(_fit())
+    background = policy.class_limits("background")
+    assert adaptive.max_items(policy, background, 5.0, 5.0) == 128  # nobody to protect
+    _steady(adaptive, "interactive", 50, until_s=5.0)
+    # Its batch plus one interactive item within 80% of 20 ms.
+    allowed_s = SLO_HEADROOM * 0.02 - (OVERHEAD_S + PER_ITEM_S)
+    expected = math.floor((allowed_s - OVERHEAD_S) / PER_ITEM_S)
+    assert adaptive.max_items(policy, background, 5.0, 5.0) == expected
+    assert OVERHEAD_S + PER_ITEM_S * expected + OVERHEAD_S + PER_ITEM_S <= 0.016 + 1e-12
+
+
+def test_lower_class_fill_goes_only_as_far_as_the_oldest_request_has_time_left() -> None:
+    classes = (ClassPolicy("interactive", slo_s=0.02), ClassPolicy("background", slo_s=30.0))
+    policy = _policy(max_batch_size=128, classes=classes, default_class="background", slo_s=None)
+    adaptive = Adaptive(_fit())
+    interactive = policy.class_limits("interactive")
+    now = 5.0
+    waited_s = 0.010  # behind a running batch
+    left_s = SLO_HEADROOM * 0.02 - waited_s
+    expected = math.floor((left_s - OVERHEAD_S) / PER_ITEM_S)
+    assert adaptive.max_items(policy, interactive, now - waited_s, now) == expected
+    assert adaptive.max_items(policy, interactive, now - 1.0, now) == 1  # late: no fill
+    # Its own backlog is never cut for it: run one by one, a backlog would only grow;
+    # only by the batch whose compute alone fits its budget.
+    assert adaptive.max_items(policy, interactive, now - 1.0, now, num_own_items=30) == 30
+    alone_fits = math.floor((SLO_HEADROOM * 0.02 - OVERHEAD_S) / PER_ITEM_S)
+    assert adaptive.max_items(policy, interactive, now - 1.0, now, 200) == alone_fits
+
+
+def test_auto_is_accepted_per_model_and_per_class_and_anything_else_named() -> None:
+    policy = BatchPolicy(
+        max_delay_s=0.002,
+        classes=(ClassPolicy("a", max_delay_s="auto"), ClassPolicy("b")),
+        default_class="b",
+    )
+    assert policy.class_limits("a").is_auto_delay
+    assert not policy.class_limits("b").is_auto_delay
+    assert policy.is_adaptive
+    with pytest.raises(ConfigError, match=r'max_delay_s.*"auto"'):
+        BatchPolicy(max_delay_s="soon")
+    with pytest.raises(ConfigError, match=r'max_batch_size.*"auto"'):
+        BatchPolicy(max_batch_size="big")
+    with pytest.raises(ConfigError, match=r"classes\['a'\].max_delay_s"):
+        ClassPolicy("a", max_delay_s="later")
+    with pytest.raises(ConfigError, match="slo_s"):
+        BatchPolicy(slo_s=0)
+
+
+def test_the_model_slo_is_inherited_by_classes_without_one_and_by_the_defaults() -> None:
+    assert BatchPolicy(slo_s=0.05).class_limits("interactive").slo_s == 0.05
+    mine = (ClassPolicy("a", slo_s=0.01), ClassPolicy("b"))
+    policy = BatchPolicy(slo_s=0.05, classes=mine, default_class="b")
+    assert policy.class_limits("a").slo_s == 0.01
+    assert policy.class_limits("b").slo_s == 0.05
+
+
+# -- bounds, for any line, rate and queue ---------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    overhead_s=st.floats(0.0, 0.05),
+    per_item_s=st.floats(0.0, 0.01),
+    rate_rps=st.floats(0.5, 50_000),
+    num_items=st.integers(1, 300),
+    waited_s=st.floats(0.0, 0.5),
+    slo_s=st.none() | st.floats(0.001, 2.0),
+    max_batch_size=st.sampled_from([1, 8, 64, "auto"]),
+)
+def test_it_never_exceeds_its_budget_nor_the_size_caps(
+    overhead_s: float,
+    per_item_s: float,
+    rate_rps: float,
+    num_items: int,
+    waited_s: float,
+    slo_s: float | None,
+    max_batch_size: int | str,
+) -> None:
+    adaptive = Adaptive(_fit(overhead_s, per_item_s))
+    policy = _policy(max_batch_size=max_batch_size, slo_s=slo_s)
+    limits = policy.class_limits(None)
+    now = 10.0
+    adaptive.arrived(limits.name, now - 5.0, False)
+    _steady_until(adaptive, limits.name, rate_rps, now)
+    oldest_s = now - waited_s
+    max_items = adaptive.max_items(policy, limits, oldest_s, now)
+    assert 1 <= max_items <= limits.max_batch_size
+    num_items = min(num_items, max_items)
+    due = adaptive.due_s(limits, num_items, max_items, oldest_s, now)
+    target = adaptive.target_size(limits, max_items, now)
+    assert 1 <= target <= max_items
+    budget_s = adaptive.budget_s(limits, target)
+    assert budget_s <= MAX_AUTO_DELAY_S
+    assert due <= max(now, oldest_s + budget_s) + 1e-9
+
+
+def _steady_until(adaptive: Adaptive, name: str, rate_rps: float, now: float) -> None:
+    """Arrivals at ``rate_rps`` over the 5 s before ``now`` (at most 20 000 of them, the
+    rest counted in bulk at the same instants)."""
+    num = int(5.0 * rate_rps)
+    steps = min(num, 20_000)
+    for i in range(steps):
+        adaptive.arrived(name, now - 5.0 + 5.0 * (i + 1) / steps, True, num // steps)
+
+
+# -- in a simulated serving loop ------------------------------------------------------
+
+
+@dataclass
+class _Sim:
+    """One replica, one class, a noisy model ``t(b) = a + c b`` (x U[1-noise, 1+noise]),
+    Poisson arrivals whose rate may step; the controller decides at each event."""
+
+    rate_of: object  # Callable[[float], float]: rate at time t
+    noise: float = 0.3
+    seed: int = 1
+    policy: BatchPolicy = field(default_factory=lambda: _policy(max_batch_size=128))
+    fit: BatchTimeFit = field(default_factory=BatchTimeFit)
+    sizes: list[tuple[float, int]] = field(default_factory=list)
+    samples: list[tuple[float, float, int]] = field(default_factory=list)
+
+    def run(self, until_s: float, sample_every_s: float = 0.25) -> Adaptive:
+        rng = random.Random(self.seed)
+        adaptive = Adaptive(self.fit)
+        limits = self.policy.class_limits(None)
+        queue: deque[float] = deque()
+        now, busy_until, next_sample = 0.0, 0.0, sample_every_s
+        next_arrival = rng.expovariate(self.rate_of(0.0))  # type: ignore[operator]
+        due = math.inf
+        while now < until_s:
+            now = min(next_arrival, busy_until if busy_until > now else math.inf, due)
+            now = max(now, 0.0)
+            if now >= next_sample:
+                state = adaptive.state(self.policy, now)
+                (mine,) = [c for c in state.classes if c.name == limits.name]
+                self.samples.append((now, mine.delay_s, mine.batch_size))
+                next_sample += sample_every_s
+            if now == next_arrival:
+                adaptive.arrived(limits.name, now, bool(queue))
+                queue.append(now)
+                next_arrival = now + rng.expovariate(self.rate_of(now))  # type: ignore[operator]
+            due = math.inf
+            if busy_until > now or not queue:
+                continue
+            max_items = adaptive.max_items(self.policy, limits, queue[0], now)
+            num = min(len(queue), max_items)
+            when = adaptive.due_s(limits, num, max_items, queue[0], now)
+            if num < max_items and when > now:
+                due = when
+                continue
+            for _ in range(num):
+                queue.popleft()
+            if not queue:
+                adaptive.emptied(limits.name, now)
+            compute_s = (OVERHEAD_S + PER_ITEM_S * num) * rng.uniform(
+                1 - self.noise, 1 + self.noise
+            )
+            self.fit.observe(num, compute_s)
+            self.sizes.append((now, num))
+            busy_until = now + compute_s
+        return adaptive
+
+
+def test_the_chosen_delay_settles_under_a_noisy_model() -> None:
+    sim = _Sim(rate_of=lambda t: 1500.0)
+    sim.run(until_s=20.0)
+    late = [(d, b) for t, d, b in sim.samples if t >= 12.0]
+    delays = [d for d, _ in late]
+    targets = [b for _, b in late]
+    assert min(targets) >= 1
+    # No flapping between extremes (at once / the whole budget): over the last 8 s the
+    # target size stays within a factor 1.5 and the window a lone request gets within
+    # half of its median either way.
+    assert max(targets) <= 1.5 * min(targets)
+    median = sorted(delays)[len(delays) // 2]
+    assert all(0.5 * median <= d <= 1.5 * median for d in delays)
+    assert median > 0  # at this rate waiting pays: it does wait
+
+
+def test_it_follows_a_step_in_the_arrival_rate_within_a_few_seconds() -> None:
+    sim = _Sim(rate_of=lambda t: 100.0 if t < 10.0 else 2000.0)
+    sim.run(until_s=20.0)
+    before = [b for t, _, b in sim.samples if 5.0 <= t < 10.0]
+    settled = [b for t, _, b in sim.samples if t >= 16.0]
+    after_3s = [b for t, _, b in sim.samples if 13.0 <= t < 13.5]
+    assert max(before) == 1  # 100 rps: every request goes alone, at once
+    assert min(settled) > 4
+    assert min(after_3s) >= 0.75 * min(settled)  # most of the way there within 3 s
+    mean_after = sum(n for t, n in sim.sizes if t >= 16.0) / sum(
+        1 for t, _ in sim.sizes if t >= 16.0
+    )
+    assert mean_after > 4  # and the batches it sends grew with it
+
+
+# -- through the scheduler ------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    overhead_s=st.floats(0.0, 0.02),
+    per_item_s=st.floats(0.0, 0.002),
+    rates=st.tuples(st.floats(0.0, 5000), st.floats(0.0, 5000)),
+    arrivals=st.lists(
+        st.tuples(st.integers(0, 1), st.integers(1, 4), st.floats(0.0, 0.05), st.floats(0.1, 3)),
+        min_size=1,
+        max_size=60,
+    ),
+    max_batch_size=st.sampled_from([4, 16, "auto"]),
+    max_batch_cost=st.none() | st.floats(4.0, 40.0),
+    fill_from_lower=st.booleans(),
+)
+def test_batches_it_closes_keep_max_batch_size_and_max_batch_cost(
+    overhead_s: float,
+    per_item_s: float,
+    rates: tuple[float, float],
+    arrivals: list[tuple[int, int, float, float]],
+    max_batch_size: int | str,
+    max_batch_cost: float | None,
+    fill_from_lower: bool,
+) -> None:
+    classes = (ClassPolicy("hi", slo_s=0.02), ClassPolicy("lo", max_delay_s="auto"))
+    policy = BatchPolicy(
+        max_batch_size=max_batch_size,
+        max_delay_s="auto",
+        max_batch_cost=max_batch_cost,
+        classes=classes,
+        default_class="lo",
+        fill_from_lower=fill_from_lower,
+        slo_s=0.5,
+    )
+    adaptive = Adaptive(_fit(overhead_s, per_item_s))
+    now = 10.0
+    for name, rate_rps in zip(("hi", "lo"), rates, strict=True):
+        if rate_rps > 0:
+            _steady_until(adaptive, name, rate_rps, now)
+    loop = asyncio.new_event_loop()
+    try:
+        queues = Queues(policy)
+        for i, (rank, num_items, age_s, cost) in enumerate(sorted(arrivals, key=lambda a: -a[2])):
+            limits = policy.limits[("hi", "lo")[rank]]
+            if max_batch_cost is not None:
+                cost = min(cost * num_items, max_batch_cost)
+            num_items = min(num_items, limits.max_batch_size)
+            queues.admit(
+                Request(
+                    i,
+                    None,
+                    num_items,
+                    num_items > 1,
+                    cost,
+                    limits.name,
+                    limits.rank,
+                    now - age_s,
+                    None,
+                    loop.create_future(),
+                )
+            )
+        heads = {q.name: q.head() for q in queues.ordered}
+        caps = {
+            n: adaptive.max_items(
+                policy, policy.limits[n], h.arrival_s, now, queues.by_name[n].num_live_items
+            )
+            for n, h in heads.items()
+            if h is not None
+        }
+        decision = Scheduler().decide(
+            now,
+            policy,
+            queues,
+            num_replicas=1,
+            max_items_cap=None,
+            is_draining=False,
+            expire=lambda r: None,
+            adaptive=adaptive,
+        )
+    finally:
+        loop.close()
+    batch = decision.batch
+    if batch is None:
+        assert decision.wake_at_s is not None and decision.wake_at_s > now
+        oldest = min(h.arrival_s for h in heads.values() if h is not None)
+        assert decision.wake_at_s <= oldest + MAX_AUTO_DELAY_S + 1e-9
+        return
+    lead = policy.limits[batch.lead_class]
+    if len(batch.requests) > 1:  # a lone oversized request runs alone rather than never
+        assert batch.num_items <= min(lead.max_batch_size, caps[batch.lead_class])
+        if max_batch_cost is not None:
+            assert batch.cost <= max_batch_cost + 1e-9
