@@ -71,9 +71,10 @@ def tree_cpu_ticks(pid: int) -> tuple[int, int]:
     return user, system
 
 
-def _answered(url: str, model: str) -> int:
+def _answered(url: str, model: str) -> tuple[int, int]:
+    """Requests the engine answered, and the batches it ran for them."""
     stats = httpx.get(f"{url}/v2/models/{model}/stats").json()["model_stats"][0]
-    return int(stats["inference_count"])
+    return int(stats["inference_count"]), int(stats["execution_count"])
 
 
 def measure(
@@ -92,14 +93,16 @@ def measure(
         time.sleep(1.0)  # every worker listening (the ready lines come after the last)
         infer = f"{url}/v2/models/{model}/infer"
         run_wrk(infer, script, args.concurrency, 1.0, benchlib.LOAD_CPU)  # warm-up
-        (user, system), answered = tree_cpu_ticks(server.pid), _answered(url, model)
+        (user, system), (answered, batches) = tree_cpu_ticks(server.pid), _answered(url, model)
         start = time.perf_counter()
         result = run_wrk(infer, script, args.concurrency, args.duration_s, benchlib.LOAD_CPU)
         elapsed_s = time.perf_counter() - start
         user_end, system_end = tree_cpu_ticks(server.pid)
         user_s, system_s = (user_end - user) / TICKS_PER_S, (system_end - system) / TICKS_PER_S
         used_s = user_s + system_s
-        requests = _answered(url, model) - answered - 1  # less the /stats scrape's own
+        answered_end, batches_end = _answered(url, model)
+        requests = answered_end - answered - 1  # less the /stats scrape's own
+        batch_size = requests / max(batches_end - batches, 1)
     finally:
         status = benchlib.stop_server(server)
     cpu_us = used_s / max(requests, 1) * 1e6
@@ -112,6 +115,7 @@ def measure(
         "server_cpu_s": round(used_s, 3),
         "cpu_us_per_request": round(cpu_us, 1),
         "system_share": round(system_s / max(used_s, 1e-9), 2),
+        "mean_batch_size": round(batch_size, 1),
         "server_cores_used": round(used_s / elapsed_s, 2),
         "non_2xx": result["non_2xx"],
         "exit_status": status,
@@ -119,7 +123,7 @@ def measure(
     print(
         f"{model:5s} --workers {workers}: {result['rate_rps']:8.0f} req/s  "
         f"{cpu_us:6.1f} us CPU/request ({system_s / max(used_s, 1e-9):.0%} system)  "
-        f"({used_s / elapsed_s:.2f} cores)  "
+        f"({used_s / elapsed_s:.2f} cores)  batch {batch_size:.1f}  "
         f"p99 {result['p99_ms']:.1f} ms  exit {status}"
     )
     return row
