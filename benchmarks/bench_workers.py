@@ -73,7 +73,8 @@ def tree_cpu_ticks(pid: int) -> tuple[int, int]:
 
 def _answered(url: str, model: str) -> tuple[int, int]:
     """Requests the engine answered, and the batches it ran for them."""
-    stats = httpx.get(f"{url}/v2/models/{model}/stats").json()["model_stats"][0]
+    # A loaded machine can take a while to answer past a run: 30 s, not httpx's 5.
+    stats = httpx.get(f"{url}/v2/models/{model}/stats", timeout=30).json()["model_stats"][0]
     return int(stats["inference_count"]), int(stats["execution_count"])
 
 
