@@ -10,7 +10,11 @@ end's overhead: the issue's target is within 1.10, so that throughput scales wit
 cores given to the workers.
 
     .venv/bin/python benchmarks/bench_workers.py [--workers 1,2,4] [--duration-s 4]
-        [--concurrency 64] [--server-cpus 0]
+        [--concurrency 64] [--server-cpus 0] [--repeat 3]
+
+The worker counts run interleaved, ``--repeat`` rounds of them, and each keeps its
+median CPU per request: on a loaded machine one run can be far off. The system share
+(kernel time: syscalls, wake-ups) is printed and kept with each run.
 
 Writes benchmarks/results/workers.json.
 """
@@ -49,9 +53,9 @@ models:
 MODELS = {"noop": "bench_noop_model:noop", "mlp": "carpool.server.defaults:w1_factory"}
 
 
-def tree_cpu_ticks(pid: int) -> int:
-    """User + system ticks of ``pid`` and all its descendants now alive."""
-    total = 0
+def tree_cpu_ticks(pid: int) -> tuple[int, int]:
+    """User and system ticks of ``pid`` and all its descendants now alive."""
+    user = system = 0
     pending = [pid]
     while pending:
         current = pending.pop()
@@ -61,14 +65,17 @@ def tree_cpu_ticks(pid: int) -> int:
         except FileNotFoundError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        total += int(fields[11]) + int(fields[12])
+        user += int(fields[11])
+        system += int(fields[12])
         pending += [int(child) for child in children]
-    return total
+    return user, system
 
 
-def _answered(url: str, model: str) -> int:
-    stats = httpx.get(f"{url}/v2/models/{model}/stats").json()["model_stats"][0]
-    return int(stats["inference_count"])
+def _answered(url: str, model: str) -> tuple[int, int]:
+    """Requests the engine answered, and the batches it ran for them."""
+    # A loaded machine can take a while to answer past a run: 30 s, not httpx's 5.
+    stats = httpx.get(f"{url}/v2/models/{model}/stats", timeout=30).json()["model_stats"][0]
+    return int(stats["inference_count"]), int(stats["execution_count"])
 
 
 def measure(
@@ -87,12 +94,16 @@ def measure(
         time.sleep(1.0)  # every worker listening (the ready lines come after the last)
         infer = f"{url}/v2/models/{model}/infer"
         run_wrk(infer, script, args.concurrency, 1.0, benchlib.LOAD_CPU)  # warm-up
-        ticks, answered = tree_cpu_ticks(server.pid), _answered(url, model)
+        (user, system), (answered, batches) = tree_cpu_ticks(server.pid), _answered(url, model)
         start = time.perf_counter()
         result = run_wrk(infer, script, args.concurrency, args.duration_s, benchlib.LOAD_CPU)
         elapsed_s = time.perf_counter() - start
-        used_s = (tree_cpu_ticks(server.pid) - ticks) / TICKS_PER_S
-        requests = _answered(url, model) - answered - 1  # less the /stats scrape's own
+        user_end, system_end = tree_cpu_ticks(server.pid)
+        user_s, system_s = (user_end - user) / TICKS_PER_S, (system_end - system) / TICKS_PER_S
+        used_s = user_s + system_s
+        answered_end, batches_end = _answered(url, model)
+        requests = answered_end - answered - 1  # less the /stats scrape's own
+        batch_size = requests / max(batches_end - batches, 1)
     finally:
         status = benchlib.stop_server(server)
     cpu_us = used_s / max(requests, 1) * 1e6
@@ -104,16 +115,44 @@ def measure(
         "requests": requests,
         "server_cpu_s": round(used_s, 3),
         "cpu_us_per_request": round(cpu_us, 1),
+        "system_share": round(system_s / max(used_s, 1e-9), 2),
+        "mean_batch_size": round(batch_size, 1),
         "server_cores_used": round(used_s / elapsed_s, 2),
         "non_2xx": result["non_2xx"],
         "exit_status": status,
     }
     print(
         f"{model:5s} --workers {workers}: {result['rate_rps']:8.0f} req/s  "
-        f"{cpu_us:6.1f} us CPU/request  ({used_s / elapsed_s:.2f} cores)  "
+        f"{cpu_us:6.1f} us CPU/request ({system_s / max(used_s, 1e-9):.0%} system)  "
+        f"({used_s / elapsed_s:.2f} cores)  batch {batch_size:.1f}  "
         f"p99 {result['p99_ms']:.1f} ms  exit {status}"
     )
     return row
+
+
+def _medians(
+    model: str, counts: list[int], runs: dict[int, list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """Per worker count, the run with the median CPU per request (its other figures
+    with it, and every run's CPU per request), and its ratios to the first count's."""
+    rows = []
+    base: dict[str, Any] | None = None
+    for workers in counts:
+        ranked = sorted(runs[workers], key=lambda r: float(r["cpu_us_per_request"]))
+        row = {**ranked[len(ranked) // 2], "cpu_us_per_request_runs": [
+            r["cpu_us_per_request"] for r in runs[workers]
+        ]}  # fmt: skip
+        base = base or row
+        row["cpu_ratio_to_first"] = round(row["cpu_us_per_request"] / base["cpu_us_per_request"], 3)
+        row["rate_ratio_to_first"] = round(row["rate_rps"] / base["rate_rps"], 3)
+        print(
+            f"{model:5s} --workers {workers}: median {row['cpu_us_per_request']:.1f} us "
+            f"CPU/request of {row['cpu_us_per_request_runs']}, ratio to --workers "
+            f"{counts[0]}: CPU/request {row['cpu_ratio_to_first']:.2f}, "
+            f"req/s {row['rate_ratio_to_first']:.2f}"
+        )
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -124,6 +163,7 @@ def main() -> None:
     parser.add_argument("--models", default="noop,mlp")
     parser.add_argument("--duration-s", type=float, default=4.0)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; medians are kept")
     parser.add_argument("--server-cpus", default=benchlib.SERVER_CPU)
     parser.add_argument("--out", type=Path, default=benchlib.RESULTS / "workers.json")
     args = parser.parse_args()
@@ -143,21 +183,12 @@ def main() -> None:
         }
         write_post_script(script, body, headers)
         for model in args.models.split(","):
-            base = None
-            for workers in counts:
-                row = measure(folder, model, workers, args, script)
-                if workers == counts[0]:
-                    base = row
-                assert base is not None
-                row["cpu_ratio_to_first"] = round(
-                    row["cpu_us_per_request"] / base["cpu_us_per_request"], 3
-                )
-                row["rate_ratio_to_first"] = round(row["rate_rps"] / base["rate_rps"], 3)
-                print(
-                    f"      ratio to --workers {counts[0]}: CPU/request "
-                    f"{row['cpu_ratio_to_first']:.2f}, req/s {row['rate_ratio_to_first']:.2f}"
-                )
-                rows.append(row)
+            runs: dict[int, list[dict[str, Any]]] = {workers: [] for workers in counts}
+            for round_index in range(args.repeat):  # the counts interleaved, round by round
+                print(f"{model}: round {round_index + 1} of {args.repeat}")
+                for workers in counts:
+                    runs[workers].append(measure(folder, model, workers, args, script))
+            rows += _medians(model, counts, runs)
     benchlib.write_results(
         args.out,
         {
@@ -165,6 +196,7 @@ def main() -> None:
             "utc": benchlib.utc_now(),
             "duration_s": args.duration_s,
             "concurrency": args.concurrency,
+            "repeat": args.repeat,
             "rows": rows,
         },
     )
