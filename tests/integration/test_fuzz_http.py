@@ -370,8 +370,8 @@ def test_openai_completions_and_chat_are_a_result_or_a_4xx(
 # -- the batch policy -------------------------------------------------------------------
 
 POLICY_VALUES = {
-    "max_batch_size": st.integers(-1, 128),
-    "max_delay_s": st.floats(-1, 0.01),
+    "max_batch_size": st.integers(-1, 128) | st.just("auto"),
+    "max_delay_s": st.floats(-1, 0.01) | st.just("auto") | st.just("soon"),
     "preferred_batch_sizes": st.lists(st.integers(-1, 64), max_size=3),
     "max_batch_cost": st.floats(-1, 100),
     "max_queue_size": st.none() | st.integers(-1, 1000),
@@ -382,6 +382,7 @@ POLICY_VALUES = {
     "max_batch_tokens": st.none() | st.integers(-1, 5000),
     "length_buckets": st.none() | st.just("auto") | st.lists(st.integers(-1, 64), max_size=3),
     "batch_timeout_s": st.none() | st.floats(-1, 120),
+    "slo_s": st.none() | st.floats(-1, 1),
 }
 assert set(POLICY_VALUES) == set(POLICY_FIELDS)
 POLICY_BODIES = _maybe({**POLICY_VALUES, "classes": st.just([]), "warp": st.just(9)})
