@@ -12,7 +12,10 @@ are the replicas', and what it takes of them is what the served rate loses.
 
 Over a window inside each measured run the script reads every process's CPU time (user
 + system, /proc/PID/stat): the server, each of its children (the replicas, Python's
-resource tracker) and the load generator, as shares of one core. The offline ceiling
+resource tracker) and the load generator, as shares of one core, and how long its
+threads waited, ready, for a CPU something else held (/proc/PID/task/*/schedstat): on a
+shared machine that tells "the replica had nothing to do" from "it could not get its core".
+The offline ceiling
 (W1 at batch 64, torch 1 thread, pinned to one core, in a child process) is measured on
 each core before the served runs and after them; the median is "the one-core ceiling".
 
@@ -25,6 +28,7 @@ Writes benchmarks/results/w1_process_replicas.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -135,11 +139,30 @@ def _inference_count(url: str) -> int:
     return int(stats["inference_count"])
 
 
-def core_shares(
-    pids: dict[str, int], before: dict[str, float], elapsed_s: float
-) -> dict[str, float]:
-    """Each process's CPU over the window as a share of one core."""
-    return {name: (process_cpu_s(pid) - before[name]) / elapsed_s for name, pid in pids.items()}
+def run_queue_wait_s(pid: int) -> float:
+    """Seconds the threads of ``pid`` have been ready to run but waiting for a CPU, summed
+    (/proc/PID/task/TID/schedstat): time other threads held the core they wanted."""
+    total_ns = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that has just ended
+            total_ns += int((task / "schedstat").read_text().split()[1])
+    return total_ns / 1e9
+
+
+def _read(pids: dict[str, int]) -> dict[str, tuple[float, float]]:
+    return {name: (process_cpu_s(pid), run_queue_wait_s(pid)) for name, pid in pids.items()}
+
+
+def window_shares(
+    before: dict[str, tuple[float, float]],
+    after: dict[str, tuple[float, float]],
+    elapsed_s: float,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Each process's CPU over the window, and its threads' wait for a CPU, as shares of
+    the window (of one core; waits of several threads add up, so may pass 1)."""
+    used = {name: (after[name][0] - before[name][0]) / elapsed_s for name in before}
+    waited = {name: (after[name][1] - before[name][1]) / elapsed_s for name in before}
+    return used, waited
 
 
 def run_point(
@@ -162,11 +185,11 @@ def run_point(
         time.sleep(0.1)
     time.sleep(warmup_s + 0.5)
     pids = {**process_tree(served.process.pid), "load generator": load.pid}
-    before = {name: process_cpu_s(pid) for name, pid in pids.items()}
+    before = _read(pids)
     count, started = _inference_count(served.url), time.perf_counter()
     time.sleep(window_s)
     elapsed = time.perf_counter() - started
-    shares = core_shares(pids, before, elapsed)
+    shares, waits = window_shares(before, _read(pids), elapsed)
     window_rate = (_inference_count(served.url) - count) / elapsed
     if load.wait(timeout=120) != 0:
         raise RuntimeError(f"carpool bench exited with {load.returncode}")
@@ -180,17 +203,20 @@ def run_point(
         "mean_batch_size": server.get("mean_batch_size") or 0.0,
         "num_errors": summary["num_errors"],
         "core_shares": shares,
+        "run_queue_wait_shares": waits,
     }
+
+
+def _median_by_name(dicts: list[dict[str, float]]) -> dict[str, float]:
+    """Per name, the median over ``dicts``; a name missing from one counts as 0 there."""
+    names = sorted({name for d in dicts for name in d})
+    return {name: statistics.median(d.get(name, 0.0) for d in dicts) for name in names}
 
 
 def summarize(runs: list[dict[str, Any]], ceiling: float) -> dict[str, Any]:
     """Medians over the repeats of one server and concurrency, each rate also against the
     one-core ``ceiling`` and twice it; each repeat kept under "runs"."""
     rate = statistics.median(r["rate_rps"] for r in runs)
-    names = sorted({name for r in runs for name in r["core_shares"]})
-    shares = {
-        name: statistics.median(r["core_shares"].get(name, 0.0) for r in runs) for name in names
-    }
     return {
         "rate_rps": rate,
         "ratio_to_ceiling": rate / ceiling,
@@ -198,9 +224,17 @@ def summarize(runs: list[dict[str, Any]], ceiling: float) -> dict[str, Any]:
         "p50_ms": statistics.median(r["p50_ms"] for r in runs),
         "p99_ms": statistics.median(r["p99_ms"] for r in runs),
         "mean_batch_size": statistics.median(r["mean_batch_size"] for r in runs),
-        "core_shares": shares,
+        "core_shares": _median_by_name([r["core_shares"] for r in runs]),
+        "run_queue_wait_shares": _median_by_name([r["run_queue_wait_shares"] for r in runs]),
         "runs": runs,
     }
+
+
+def _shares_text(row: dict[str, Any]) -> str:
+    waits = row["run_queue_wait_shares"]
+    return "cores used (waiting for one): " + ", ".join(
+        f"{name} {used:.2f} ({waits[name]:.2f})" for name, used in row["core_shares"].items()
+    )
 
 
 def _start(name: str, folder: Path) -> Served:
@@ -248,11 +282,10 @@ def main() -> None:
                         out = folder / f"{served.name}_{concurrency}.json"
                         row = run_point(served, concurrency, args.warmup_s, args.window_s, out)
                         runs[served.name][concurrency].append(row)
-                        shares = ", ".join(f"{k} {v:.2f}" for k, v in row["core_shares"].items())
                         print(
                             f"repeat {repeat + 1} {served.name:7s} c={concurrency:>3}: "
                             f"{row['rate_rps']:7.0f} req/s, mean batch "
-                            f"{row['mean_batch_size']:4.1f}, cores: {shares}",
+                            f"{row['mean_batch_size']:4.1f}, {_shares_text(row)}",
                             flush=True,
                         )
         finally:
@@ -266,11 +299,10 @@ def main() -> None:
     print(f"one-core ceiling (median): {ceiling:.0f} items/s; twice: {2 * ceiling:.0f}")
     for name, by_concurrency in rows.items():
         for c, row in by_concurrency.items():
-            shares = ", ".join(f"{k} {v:.2f}" for k, v in row["core_shares"].items())
             print(
                 f"{name:7s} c={c:>3}: {row['rate_rps']:7.0f} req/s = "
                 f"{row['ratio_to_twice_ceiling']:.2f} of 2x ceiling "
-                f"({row['ratio_to_ceiling']:.2f} of 1x); cores: {shares}"
+                f"({row['ratio_to_ceiling']:.2f} of 1x); {_shares_text(row)}"
             )
     print(f"load average before {load_before}, after {load_after}")
     write_results(
