@@ -19,7 +19,7 @@ The offline ceiling
 (W1 at batch 64, torch 1 thread, pinned to one core, in a child process) is measured on
 each core before the served runs and after them; the median is "the one-core ceiling".
 
-    .venv/bin/python benchmarks/bench_w1_process_replicas.py            # ~3 minutes
+    .venv/bin/python benchmarks/bench_w1_process_replicas.py            # ~2 minutes
     .venv/bin/python benchmarks/bench_w1_process_replicas.py --quick    # smoke run
 
 Writes benchmarks/results/w1_process_replicas.json.
