@@ -69,6 +69,12 @@ def wrk_info() -> dict[str, str]:
     return {"server_cpu": SERVER_CPU, "load_cpu": LOAD_CPU, "wrk": version.split("\n")[0]}
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def utc_now() -> str:
     """The current UTC time, ISO 8601 to the second."""
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
