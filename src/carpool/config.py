@@ -204,7 +204,7 @@ class ModelConfig(_Strict):
     # executor: process: the CPUs each replica's process is pinned to, as [[0], [1]].
     replica_cpus: list[list[int]] | None = None
     # Collate into buffers reused batch after batch, at most buffer_pool_mb MiB of them idle.
-    buffer_pool: bool = False
+    buffer_pool: bool = True
     buffer_pool_mb: float = Field(DEFAULT_BUFFER_POOL_MB, gt=0, allow_inf_nan=False)
     # torch: CUDA graphs captured at the preferred batch sizes; float32 weights under autocast.
     cuda_graphs: bool = False
@@ -511,7 +511,13 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
                 yield (f"{at}.ray_resources.{name}", amount, "a resource name and a number >= 0")
         if model.replica_cpus is not None and model.executor != "process":
             yield (f"{at}.replica_cpus", model.replica_cpus, "nothing unless executor: process")
-        if model.kind == "generation" and model.buffer_pool:
+        # On by default for every batched kind; a generation model refuses only one that
+        # asks for it, since it keeps its own KV cache.
+        if (
+            model.kind == "generation"
+            and model.buffer_pool
+            and "buffer_pool" in model.model_fields_set
+        ):
             yield (f"{at}.buffer_pool", True, "false: a generation model keeps its own KV cache")
         for key in ("cuda_graphs", "autocast"):
             if getattr(model, key) and model.kind != "torch":

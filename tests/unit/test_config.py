@@ -308,11 +308,11 @@ def test_embeddings_entry_reads_a_folder_and_token_policy(config_dir: Path) -> N
         load_config(_write(config_dir, declared))
 
 
-def test_buffer_pool_is_read_and_off_when_absent(config_dir: Path) -> None:
-    config = load_config(_write(config_dir, _with_model_line("buffer_pool: true")))
-    assert config.models[0].buffer_pool is True
+def test_buffer_pool_is_read_and_on_when_absent(config_dir: Path) -> None:
+    config = load_config(_write(config_dir, _with_model_line("buffer_pool: false")))
+    assert config.models[0].buffer_pool is False
     assert config.models[0].buffer_pool_mb == 256
-    assert config.models[1].buffer_pool is False
+    assert config.models[1].buffer_pool is True
     config = load_config(_write(config_dir, _with_model_line("buffer_pool_mb: 64")))
     assert config.models[0].buffer_pool_mb == 64
 

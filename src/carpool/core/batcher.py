@@ -79,7 +79,7 @@ class Batcher(Lifecycle):
         replica_cpus: with ``executor="process"``, the CPUs each replica's process is
             pinned to (``[[0], [1]]``); its torch threads are set to match.
         buffer_pool: collate into buffers reused batch after batch (see
-            :mod:`carpool.core.buffer_pool`); ``buffer_pool_mb`` bounds the idle ones.
+            :mod:`carpool.core.buffer_pool`); ``buffer_pool_mb`` bounds the idle ones (on by default).
         ray_resources: with ``executor="ray"`` (each replica a Ray actor, ``fn`` or
             ``fn_factory`` as for ``"process"``: see :mod:`carpool.core.ray_replica`),
             the Ray resources each actor takes, as ``{"num_cpus": 1, "num_gpus": 1}``
@@ -112,7 +112,7 @@ class Batcher(Lifecycle):
         executor: str = "auto",
         policy_check: Callable[[BatchPolicy], None] | None = None,
         replica_cpus: list[list[int]] | None = None,
-        buffer_pool: bool = False,
+        buffer_pool: bool = True,
         buffer_pool_mb: float = DEFAULT_BUFFER_POOL_MB,
         ray_resources: dict[str, float] | None = None,
         max_restarts: int | None = None,

@@ -185,7 +185,7 @@ def batched(
     switch_interval_s: float | None = 0.0005,
     executor: str = "auto",
     replica_cpus: list[list[int]] | None = None,
-    buffer_pool: bool = False,
+    buffer_pool: bool = True,
     buffer_pool_mb: float = DEFAULT_BUFFER_POOL_MB,
     ray_resources: dict[str, float] | None = None,
     max_restarts: int | None = None,

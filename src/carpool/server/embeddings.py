@@ -71,7 +71,7 @@ class EmbeddingService:
         quantization: str | None = None,
         max_inputs: int = DEFAULT_MAX_INPUTS,
         executor: str = DEFAULT_EXECUTOR,
-        buffer_pool: bool = False,
+        buffer_pool: bool = True,
         buffer_pool_mb: float = DEFAULT_BUFFER_POOL_MB,
     ) -> None:
         from carpool.models.embeddings import TextEncoder

@@ -46,7 +46,8 @@ def test_buffer_pool_keys_reach_the_batcher() -> None:
     repository = build_repository(_config(buffer_pool=True, buffer_pool_mb=2))
     pool = repository.get("m").batcher.buffer_pool
     assert pool is not None and pool.budget_bytes == 2 * 2**20
-    assert build_repository(_config()).get("m").batcher.buffer_pool is None
+    assert build_repository(_config()).get("m").batcher.buffer_pool is not None  # the default
+    assert build_repository(_config(buffer_pool=False)).get("m").batcher.buffer_pool is None
 
 
 def test_torch_gpu_keys_reach_the_runner(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -141,6 +141,12 @@ def test_generation_keys_on_other_kinds_are_refused(tmp_path):
     }
     with pytest.raises(ConfigError, match="one device"):
         parse_config({"models": [generation]})
+    # The buffer pool is on by default for batched kinds; a generation model refuses it
+    # only when asked for.
+    single = {**generation, "devices": ["cpu"]}
+    assert parse_config({"models": [single]}).models[0].kind == "generation"
+    with pytest.raises(ConfigError, match=r"models\[0\]\.buffer_pool=True"):
+        parse_config({"models": [{**single, "buffer_pool": True}]})
 
 
 def test_a_generation_model_has_no_batch_policy_to_show_or_set():
