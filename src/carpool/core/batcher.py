@@ -78,8 +78,8 @@ class Batcher(Lifecycle):
             cannot serve (a token budget smaller than one item the model may take).
         replica_cpus: with ``executor="process"``, the CPUs each replica's process is
             pinned to (``[[0], [1]]``); its torch threads are set to match.
-        buffer_pool: collate into buffers reused batch after batch (see
-            :mod:`carpool.core.buffer_pool`); ``buffer_pool_mb`` bounds the idle ones (on by default).
+        buffer_pool: collate into buffers reused batch after batch (on by default; see
+            :mod:`carpool.core.buffer_pool`); ``buffer_pool_mb`` bounds the idle ones.
         ray_resources: with ``executor="ray"`` (each replica a Ray actor, ``fn`` or
             ``fn_factory`` as for ``"process"``: see :mod:`carpool.core.ray_replica`),
             the Ray resources each actor takes, as ``{"num_cpus": 1, "num_gpus": 1}``
