@@ -47,7 +47,7 @@ models:
     inputs:  [{{name: INPUT0, datatype: FP32, shape: [256]}}]
     outputs: [{{name: OUTPUT0, datatype: FP32, shape: [16]}}]
     max_batch_size: 64
-    max_delay_s: 0.002
+    max_delay_s: {max_delay_s}{slo}
     executor: thread
 """
 MODELS = {"noop": "bench_noop_model:noop", "mlp": "carpool.server.defaults:w1_factory"}
@@ -82,7 +82,11 @@ def measure(
     folder: Path, model: str, workers: int, args: argparse.Namespace, script: Path
 ) -> dict[str, Any]:
     config = folder / f"{model}.yaml"
-    config.write_text(MODEL_CONFIG.format(name=model, source=MODELS[model]))
+    slo = "\n    slo_s: 0.05" if args.max_delay_s == "auto" else ""  # what auto waits within
+    delay = args.max_delay_s
+    config.write_text(
+        MODEL_CONFIG.format(name=model, source=MODELS[model], max_delay_s=delay, slo=slo)
+    )
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [*benchlib.carpool_serve(port, 0, config), "--workers", str(workers)]
@@ -163,6 +167,11 @@ def main() -> None:
     parser.add_argument("--models", default="noop,mlp")
     parser.add_argument("--duration-s", type=float, default=4.0)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument(
+        "--max-delay-s",
+        default="0.002",
+        help="the models' max_delay_s: seconds, or auto (the adaptive controller, slo_s 50 ms)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="rounds; medians are kept")
     parser.add_argument("--server-cpus", default=benchlib.SERVER_CPU)
     parser.add_argument("--out", type=Path, default=benchlib.RESULTS / "workers.json")
@@ -196,6 +205,7 @@ def main() -> None:
             "utc": benchlib.utc_now(),
             "duration_s": args.duration_s,
             "concurrency": args.concurrency,
+            "max_delay_s": args.max_delay_s,
             "repeat": args.repeat,
             "rows": rows,
         },
