@@ -246,7 +246,7 @@ def _close(sockets: list[socket.socket]) -> None:
         sock.close()
 
 
-def _exit_on_signal_while_loading(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+def exit_on_signal_while_loading(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
     """Until the returned function is called, SIGINT and SIGTERM end the process at once
     with status 0: the models are loading, nothing listens and no request was accepted,
     and a model's loading thread cannot be interrupted (waiting for it could take
@@ -285,7 +285,7 @@ async def _serve(
     except PortInUse:
         _close(held)
         raise
-    restore_signals = _exit_on_signal_while_loading(loop)
+    restore_signals = exit_on_signal_while_loading(loop)
     try:
         await repository.start()
         # A full collection over the models' heap takes a while: still nothing accepted,
@@ -299,7 +299,7 @@ async def _serve(
         restore_signals()
     grpc_server = None
     servicer = InferenceServicer(repository)
-    deadline = _DrainDeadline(repository, drain_timeout_s)
+    deadline = DrainDeadline(repository, drain_timeout_s)
     http = HttpServer(app)
     try:
         if wants_grpc:
@@ -408,7 +408,7 @@ async def _trim_after_bursts(http: HttpServer, repository: ModelRepository) -> N
             await loop.run_in_executor(None, trim)
 
 
-class _DrainDeadline:
+class DrainDeadline:
     """``drain_timeout_s`` after the stop signal: cut off what is still unanswered."""
 
     def __init__(self, repository: ModelRepository, drain_timeout_s: float) -> None:

@@ -51,9 +51,9 @@ from carpool.server.repository import ModelRepository, ServedModel
 from carpool.server.run import (
     DEFAULT_DRAIN_TIMEOUT_S,
     LOG_LEVELS,
-    _DrainDeadline,
-    _exit_on_signal_while_loading,
+    DrainDeadline,
     check_ports,
+    exit_on_signal_while_loading,
 )
 from carpool.server.workers.channel import Channel
 from carpool.server.workers.counters import WorkerCollector
@@ -195,12 +195,12 @@ class Engine:
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
-        restore = _exit_on_signal_while_loading(loop)
+        restore = exit_on_signal_while_loading(loop)
         try:
             await self.repository.start()
         finally:
             restore()
-        deadline = _DrainDeadline(self.repository, self._drain_timeout_s)
+        deadline = DrainDeadline(self.repository, self._drain_timeout_s)
         stopped = asyncio.Event()
         try:
             self._refresh()
