@@ -41,7 +41,7 @@ from carpool import Batcher, BatchPolicy
 from carpool.core.buffer_pool import BufferPool
 from carpool.core.collate import Collator, NumpyCollator, PackedCollator
 from carpool.core.collate_pool import pooled
-from carpool.core.replicas import Cancels, ModelCall
+from carpool.core.model_call import Cancels, ModelCall
 from carpool.core.request import Request
 from carpool.models.mlp import W1_INPUT_DIM, W1Runner
 

@@ -49,16 +49,14 @@ from carpool.core.admission import Intake, OomCap
 from carpool.core.batch_times import BatchTimes
 from carpool.core.clock import Clock, TimerHandle
 from carpool.core.idle import BusyTime, IdleReplicas
+from carpool.core.model_call import Cancels, ModelCall, RunOutput
 from carpool.core.process_replica import process_replicas, process_source
 from carpool.core.queues import Queues
 from carpool.core.replicas import (
     BatchFn,
-    Cancels,
     FnFactory,
-    ModelCall,
     Replica,
     ReplicaLike,
-    RunOutput,
     io_turn,
     switch_interval,
 )

@@ -42,13 +42,14 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from carpool.core.model_call import ModelCall, RunOutput
 from carpool.core.remote_replica import (
     RESTART_WAIT_MAX_S,
     RESTART_WAIT_S,
     ChildState,
     RemoteReplica,
 )
-from carpool.core.replicas import BatchFn, FnFactory, ModelCall, RunOutput, is_async_callable
+from carpool.core.replicas import BatchFn, FnFactory, is_async_callable
 from carpool.core.shm_ring import Header, Reader, Region
 from carpool.core.watchdog import Watchdog
 from carpool.errors import ConfigError, ReplicaDied

@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from carpool.core.model_call import ModelCall, RunOutput
 from carpool.core.process_replica import ModelSource, build_from_source, process_source
 from carpool.core.ray_cluster import (
     DEFAULT_MAX_RESTARTS,
@@ -45,7 +46,7 @@ from carpool.core.remote_replica import (
     ChildState,
     RemoteReplica,
 )
-from carpool.core.replicas import BatchFn, FnFactory, ModelCall, RunOutput
+from carpool.core.replicas import BatchFn, FnFactory
 from carpool.core.watchdog import Watchdog
 from carpool.errors import ActorDied, ConfigError
 

@@ -31,7 +31,8 @@ from collections.abc import Awaitable, Callable, Hashable
 from carpool.core.admission import OomCap
 from carpool.core.clock import Clock
 from carpool.core.collate import MalformedOutput
-from carpool.core.replicas import ModelCall, RunOutput, is_out_of_memory
+from carpool.core.model_call import ModelCall, RunOutput
+from carpool.core.replicas import is_out_of_memory
 from carpool.core.request import Outcome, Request, RequestState
 from carpool.core.telemetry import Telemetry
 from carpool.errors import (

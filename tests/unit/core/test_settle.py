@@ -21,8 +21,8 @@ from carpool import Batcher, CapacityError, ModelError
 from carpool.core.admission import OomCap
 from carpool.core.clock import FakeClock, settle
 from carpool.core.collate import ListCollator
+from carpool.core.model_call import Cancels, ModelCall, RunOutput
 from carpool.core.policy import BatchPolicy
-from carpool.core.replicas import Cancels, ModelCall, RunOutput
 from carpool.core.request import Request, RequestState
 from carpool.core.settle import Settler, Start, by_signature
 from carpool.core.telemetry import Telemetry
