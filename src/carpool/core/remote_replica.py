@@ -12,6 +12,7 @@ replica ends its process (:meth:`RemoteReplica._hung`) and the call raises ``Hun
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import enum
 import logging
@@ -19,7 +20,7 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from carpool.core.replicas import ModelCall, RunOutput
+from carpool.core.model_call import ModelCall, RunOutput
 from carpool.core.telemetry import ReplicaCounters
 from carpool.core.watchdog import Watchdog, awaited_within
 from carpool.errors import Hung, ReplicaDied
@@ -37,7 +38,7 @@ class ChildState(enum.Enum):
     CLOSED = "closed"
 
 
-class RemoteReplica:
+class RemoteReplica(abc.ABC):
     """The part of a process or Ray replica that does not depend on which it is. A
     subclass runs a call in its process (:meth:`_run_here`) and ends a hung one
     (:meth:`_hung`)."""
@@ -82,7 +83,7 @@ class RemoteReplica:
             await asyncio.shield(restarter)
             restarter = self._restarter
 
-    def renew(self) -> None:
+    def renew(self) -> None:  # noqa: B027 (a no-op by design, not a hook to override)
         """Nothing to do: a dead process is started again by the replica itself."""
 
     def start(self, call: ModelCall) -> Awaitable[RunOutput]:
@@ -107,8 +108,9 @@ class RemoteReplica:
             )
             return await other._run(call, may_retry=False)
 
+    @abc.abstractmethod
     async def _run_here(self, call: ModelCall) -> RunOutput:
-        raise NotImplementedError
+        """Run ``call`` in this replica's process (raises ReplicaDied if it dies)."""
 
     async def _within_timeout(self, pending: Awaitable[Any], started_s: float) -> Any:
         """``await pending``, the call started at ``started_s``; past ``batch_timeout_s``
@@ -124,5 +126,6 @@ class RemoteReplica:
             self._hung(started_s, timeout_s)
             raise
 
+    @abc.abstractmethod
     def _hung(self, started_s: float, timeout_s: float) -> None:
-        raise NotImplementedError
+        """End the process of a call started at ``started_s`` that ran past ``timeout_s``."""
