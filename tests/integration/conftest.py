@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -125,8 +126,35 @@ def read_until_closed(sock: socket.socket) -> bytes:
     return bytes(data)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free now, below the kernel's ephemeral range: a port the kernel picked for
+    `bind(0)` can be picked again for another socket (a client's, another test worker's)
+    before the server under test binds it, which made a server fail to start."""
+    low, _ = _ephemeral_range()
+    choices = random.Random(os.urandom(8))
+    for _attempt in range(200):
+        port = choices.randrange(10_000, max(low, 10_001))
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as sock:  # nothing free below the range: let the kernel choose
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
@@ -210,6 +238,28 @@ def start_served_process(
         config = folder / "serve.yaml"
         config.write_text(config_text, encoding="utf-8")
         config_args = [str(config)]
+    for attempt in range(3):
+        try:
+            return _start_served_process(config_args, folder, grpc, env, args, ports)
+        except _PortTaken as taken:
+            if ports is not None or attempt == 2:
+                pytest.fail(f"carpool serve did not become ready:\n{taken}")
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    """The server under test could not bind a port it was given: another process took it
+    between the check and the bind."""
+
+
+def _start_served_process(
+    config_args: list[str],
+    folder: Path,
+    grpc: bool,
+    env: dict[str, str] | None,
+    args: list[str] | None,
+    ports: tuple[int, int] | None,
+) -> ServedProcess:
     port, grpc_port = ports or (free_port(), free_port())
     grpc_port = grpc_port if grpc else 0
     paths = [str(HERE), os.environ.get("PYTHONPATH", "")]
@@ -238,6 +288,8 @@ def start_served_process(
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             process.wait()
+            if "could not bind" in served.output():
+                raise _PortTaken(served.output())
             pytest.fail(f"carpool serve did not become ready:\n{served.output()}")
         time.sleep(0.1)  # polling a subprocess's readiness, not a timing assertion
     return served

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,16 +16,12 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from .conftest import free_port
+
 START_TIMEOUT_S = 60.0
 HERE = Path(__file__).resolve().parent
 W = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
 B = np.array([0.5, -1.0, 2.0], dtype=np.float32)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _env() -> dict[str, str]:
@@ -94,7 +89,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("serve_config")
     _write_affine_onnx(folder / "affine.onnx")
     (folder / "serve.yaml").write_text(CONFIG, encoding="utf-8")
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         _serve(folder / "serve.yaml", port),
         stdout=subprocess.PIPE,
@@ -170,7 +165,7 @@ def test_broken_config_exits_2_naming_the_key(tmp_path: Path) -> None:
         encoding="utf-8",
     )
     done = subprocess.run(
-        _serve(path, _free_port()),
+        _serve(path, free_port()),
         capture_output=True,
         text=True,
         env=_env(),
