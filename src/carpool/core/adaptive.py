@@ -31,9 +31,12 @@ open-loop traffic both rates agree. From them, each time a replica is free:
   that batch's time plus one item's. No batch is larger than one whose predicted time
   alone fits 80% of its class's ``slo_s``. Lower-class work fills a batch only as far as the
   time its oldest request has left allows, so filling a higher class's batch never takes
-  it past its budget (the class's own waiting items are never cut for it). Both hold
-  only for higher classes with traffic (a rate above :data:`ACTIVE_RATE_RPS`) and once
-  the line is known.
+  it past its budget (the class's own waiting items are never cut for it); the time left
+  counts the longest lower-class batch it may have waited for, which it does not see
+  when the model computes on the event loop (the request is read only after that batch):
+  the cap above left room for one item, so that is about what the fill may add. Both
+  hold only for higher classes with traffic (a rate above :data:`ACTIVE_RATE_RPS`) and
+  once the line is known.
 
 Before :data:`COLD_BATCHES` batches were measured it behaves as a fixed window of
 :data:`~carpool.core.policy.COLD_START_DELAY_S`. Everything reads the time passed in.
@@ -231,10 +234,31 @@ class Adaptive:
             # No batch whose compute alone would take it past its budget.
             budget_s = SLO_HEADROOM * limits.slo_s
             cap = min(cap, _largest_within(budget_s, overhead_s, per_item_s))
-            left_s = budget_s - (now - oldest_arrival_s)
-            within = _largest_within(left_s, overhead_s, per_item_s)
+            waited_s = max(now - oldest_arrival_s, self._lower_wait_s(policy, limits, now))
+            within = _largest_within(budget_s - waited_s, overhead_s, per_item_s)
             cap = min(cap, max(within, num_own_items))
         return cap
+
+    def _lower_wait_s(self, policy: BatchPolicy, limits: ClassLimits, now: float) -> float:
+        """The longest a request of class ``limits`` may have waited for a lower-class
+        batch: the largest one capped for its sake (0 when no lower class has traffic,
+        or it has none itself). A request of a model that computes on the event loop's
+        thread is read only after that batch, so its own arrival time does not show this
+        wait: its batch's fill must leave room for it."""
+        assert limits.slo_s is not None, "only a class with a budget caps the others"
+        if self.rate_rps(limits.name, now) < ACTIVE_RATE_RPS:
+            return 0.0
+        lower = [
+            c.max_batch_size
+            for c in policy.limits.values()
+            if c.rank > limits.rank and self.rate_rps(c.name, now) >= ACTIVE_RATE_RPS
+        ]
+        if not lower:
+            return 0.0
+        overhead_s, per_item_s = self._fit.line()
+        allowed_s = SLO_HEADROOM * limits.slo_s - (overhead_s + per_item_s)
+        largest = min(max(lower), _largest_within(allowed_s, overhead_s, per_item_s))
+        return overhead_s + per_item_s * largest
 
     # -- the delay -----------------------------------------------------------------
 

@@ -237,6 +237,28 @@ def test_lower_class_fill_goes_only_as_far_as_the_oldest_request_has_time_left()
     assert adaptive.max_items(policy, interactive, now - 1.0, now, 200) == alone_fits
 
 
+def test_fill_leaves_room_for_the_lower_class_batch_a_request_may_have_waited_for() -> None:
+    classes = (ClassPolicy("interactive", slo_s=0.02), ClassPolicy("background", slo_s=30.0))
+    policy = _policy(max_batch_size=128, classes=classes, default_class="background", slo_s=None)
+    adaptive = Adaptive(_fit())
+    interactive = policy.class_limits("interactive")
+    background = policy.class_limits("background")
+    now = 5.0
+    # Neither class has traffic, then only the interactive one: no background batch
+    # was capped for it, or none ran; it waited for nothing unseen.
+    assert adaptive.max_items(policy, interactive, now, now) == 46
+    _steady(adaptive, "interactive", 50, until_s=now)
+    assert adaptive.max_items(policy, interactive, now, now) == 46
+    _steady(adaptive, "background", 2000, until_s=now)
+    lower = adaptive.max_items(policy, background, now, now)
+    # Read just now: computing on the event loop, the model kept it unread for up to a
+    # whole background batch; that batch and its own must fit its budget together.
+    fill = adaptive.max_items(policy, interactive, now, now)
+    assert (OVERHEAD_S + PER_ITEM_S * lower) + (OVERHEAD_S + PER_ITEM_S * fill) <= 0.016 + 1e-12
+    assert fill == 1
+    assert adaptive.max_items(policy, interactive, now, now, num_own_items=3) == 3  # never cut
+
+
 def test_auto_is_accepted_per_model_and_per_class_and_anything_else_named() -> None:
     policy = BatchPolicy(
         max_delay_s=0.002,
