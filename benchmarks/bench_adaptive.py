@@ -17,10 +17,16 @@ between settings over the policy endpoint (`--allow-policy-updates`), not by res
    20 ms, alone and then under 64 closed-loop background clients; its p99, and the
    background throughput against the offline ceiling; fixed (64 within 2 ms) vs auto.
 
-    .venv/bin/python benchmarks/bench_adaptive.py [--quick] [--json PATH]
+    .venv/bin/python benchmarks/bench_adaptive.py [--quick] [--only priority] [--repeats N]
+        [--breakdown] [--json PATH]
 
 `--quick` runs a reduced grid and shorter points (a few minutes); the full run is the
-issue's grid. Figures are ratios within one run. Needs `taskset` (util-linux).
+issue's grid. `--only priority` runs only part 2 (results in `adaptive_priority.json`),
+`--repeats N` runs it N times (fixed and auto alternating) and reports medians;
+`--breakdown` also records the server's timelines while the interactive client runs
+under load and summarizes where the interactive requests' time went (it costs the server
+some CPU: leave it off for the figures). Figures are ratios within one run. Needs
+`taskset` (util-linux).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from carpool.tools.bench import build_parser, config_from_args, run_bench
 from wrkrun import free_port
 
 DEFAULT_JSON = RESULTS / "adaptive.json"
+PRIORITY_JSON = RESULTS / "adaptive_priority.json"
 SLO_S = 0.05
 INTERACTIVE_SLO_S = 0.02
 CONFIG = f"""\
@@ -249,32 +256,98 @@ def _interactive(url: str, duration_s: float) -> list[float]:
     return latencies
 
 
-def _priorities(url: str, ceiling: float, duration_s: float) -> dict[str, Any]:
+def _timelines(url: str, seconds: float, into: dict[str, Any]) -> threading.Thread:
+    """Record the server's request timelines for ``seconds`` on a thread, into ``into``."""
+
+    def record() -> None:
+        query = {"seconds": f"{seconds:g}"}
+        response = httpx.get(f"{url}/v2/timelines", params=query, timeout=seconds + 30)
+        into.update(response.raise_for_status().json())
+
+    thread = threading.Thread(target=record, daemon=True)
+    thread.start()
+    return thread
+
+
+def _breakdown(served: dict[str, Any], loaded: list[float]) -> dict[str, Any]:
+    """Where the interactive requests' time went on the server (medians and p99s, ms), the
+    background batch sizes meanwhile, and the client's latency the server never saw."""
+    interactive = [t for t in served["timelines"] if t["class_name"] == "interactive"]
+    background = [t for t in served["timelines"] if t["class_name"] != "interactive"]
+
+    def ms(values: list[float], q: float) -> float:
+        return float(np.percentile(values, q) * 1e3) if values else 0.0
+
+    def span(t: dict[str, Any], a: str, b: str) -> float:
+        return (t[b] or t["answered_s"]) - (t[a] or t["arrived_s"])
+
+    stages = {
+        "server_total": [t["answered_s"] - t["arrived_s"] for t in interactive],
+        "queue": [span(t, "arrived_s", "batch_closed_s") for t in interactive],
+        "replica_wait": [span(t, "batch_closed_s", "compute_started_s") for t in interactive],
+        "compute": [span(t, "compute_started_s", "compute_ended_s") for t in interactive],
+        "answer": [span(t, "compute_ended_s", "answered_s") for t in interactive],
+    }
+    out: dict[str, Any] = {f"{k}_p50_ms": ms(v, 50) for k, v in stages.items()}
+    out |= {f"{k}_p99_ms": ms(v, 99) for k, v in stages.items()}
+    out["client_p99_ms"] = ms(loaded, 99)
+    out["interactive_batch_size_p50"] = float(np.median([t["batch_size"] for t in interactive]))
+    out["background_batch_size_p50"] = float(np.median([t["batch_size"] for t in background]))
+    out["num_interactive"] = len(interactive)
+    return out
+
+
+def _priority_round(
+    url: str, name: str, policy: dict[str, Any], ceiling: float, duration_s: float, breakdown: bool
+) -> dict[str, Any]:
+    _set(url, **policy)
+    alone = _interactive(url, duration_s)
+    served: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "bg.json"
+        command = [
+            "taskset", "-c", LOAD_CPU, sys.executable, "-m", "carpool.cli", "bench", url,
+            "--model", "mlp", "--protocol", "kserve-binary", "--input-shape", "1,256",
+            "--concurrency", "64", "--duration", f"{duration_s + 1:g}s", "--warmup", "1s",
+            "--no-progress", "--json", str(report),
+        ]  # fmt: skip
+        background = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        time.sleep(1.5)  # its warm-up
+        recorder = _timelines(url, duration_s, served) if breakdown else None
+        loaded = _interactive(url, duration_s)
+        if recorder is not None:
+            recorder.join(timeout=60)
+        background.wait(timeout=120)
+        summary = orjson.loads(report.read_bytes())["points"][0]["summary"]
+    row: dict[str, Any] = {
+        "interactive_alone_p99_ms": float(np.percentile(alone, 99) * 1e3),
+        "interactive_loaded_p99_ms": float(np.percentile(loaded, 99) * 1e3),
+        "background_rps": summary["rate_rps"],
+        "background_over_ceiling": summary["rate_rps"] / ceiling,
+    }
+    if served:
+        row["breakdown"] = _breakdown(served, loaded)
+    print(f"priority {name}: {row}", flush=True)
+    return row
+
+
+def _priorities(
+    url: str, ceiling: float, duration_s: float, repeats: int = 1, breakdown: bool = False
+) -> dict[str, Any]:
+    """Fixed (64 within 2 ms) and auto, alternating, ``repeats`` times; medians."""
+    policies = {
+        "fixed": {"max_delay_s": 0.002, "max_batch_size": 64},
+        "auto": {"max_delay_s": "auto", "max_batch_size": 64},
+    }
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
+    for _ in range(repeats):
+        for name, policy in policies.items():
+            runs[name].append(_priority_round(url, name, policy, ceiling, duration_s, breakdown))
     out: dict[str, Any] = {}
-    fixed = {"max_delay_s": 0.002, "max_batch_size": 64}
-    for name, policy in (("fixed", fixed), ("auto", {"max_delay_s": "auto", "max_batch_size": 64})):
-        _set(url, **policy)
-        alone = _interactive(url, duration_s)
-        with tempfile.TemporaryDirectory() as tmp:
-            report = Path(tmp) / "bg.json"
-            command = [
-                "taskset", "-c", LOAD_CPU, sys.executable, "-m", "carpool.cli", "bench", url,
-                "--model", "mlp", "--protocol", "kserve-binary", "--input-shape", "1,256",
-                "--concurrency", "64", "--duration", f"{duration_s + 1:g}s", "--warmup", "1s",
-                "--no-progress", "--json", str(report),
-            ]  # fmt: skip
-            background = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-            time.sleep(1.5)  # its warm-up
-            loaded = _interactive(url, duration_s)
-            background.wait(timeout=120)
-            summary = orjson.loads(report.read_bytes())["points"][0]["summary"]
-        out[name] = {
-            "interactive_alone_p99_ms": float(np.percentile(alone, 99) * 1e3),
-            "interactive_loaded_p99_ms": float(np.percentile(loaded, 99) * 1e3),
-            "background_rps": summary["rate_rps"],
-            "background_over_ceiling": summary["rate_rps"] / ceiling,
-        }
-        print(f"priority {name}: {out[name]}", flush=True)
+    for name, rows in runs.items():
+        keys = [k for k, v in rows[0].items() if isinstance(v, float)]
+        out[name] = {k: float(np.median([r[k] for r in rows])) for k in keys}
+        out[name]["runs"] = rows
     return out
 
 
@@ -283,8 +356,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="reduced grid, short points")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--only", choices=("priority",), help="run only the priority classes")
+    parser.add_argument("--repeats", type=int, default=1, help="priority rounds (medians)")
+    parser.add_argument("--breakdown", action="store_true", help="record server timelines")
+    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    priority_only = args.only == "priority"
     machine = machine_info()
     print(f"machine: {machine}")
     ceiling = offline_ceiling()
@@ -302,10 +379,15 @@ def main() -> None:
         try:
             wait_kserve_ready(url, server)
             os.sched_setaffinity(0, {int(LOAD_CPU)})
+            duration_s = 4.0 if args.quick else 20.0
+            if priority_only:
+                priorities = _priorities(url, ceiling, duration_s, args.repeats, args.breakdown)
+                _report_priorities(args.json or PRIORITY_JSON, machine, ceiling, priorities)
+                return
             capacity = _capacity(url, args.quick)
             print(f"capacity over HTTP at concurrency 64: {capacity:.0f} req/s", flush=True)
             sweep = _sweep(url, capacity, args.quick)
-            priorities = _priorities(url, ceiling, 4.0 if args.quick else 20.0)
+            priorities = _priorities(url, ceiling, duration_s, args.repeats, args.breakdown)
         finally:
             server.terminate()
             server.wait(timeout=60)
@@ -321,7 +403,7 @@ def main() -> None:
         f"{sweep['aimd_over_single_fixed_total']:.2f}"
     )
     write_results(
-        args.json,
+        args.json or DEFAULT_JSON,
         {
             "machine": machine,
             "quick": args.quick,
@@ -332,6 +414,20 @@ def main() -> None:
             "priorities": priorities,
         },
     )
+
+
+def _report_priorities(
+    path: Path, machine: dict[str, Any], ceiling: float, priorities: dict[str, Any]
+) -> None:
+    for name, row in priorities.items():
+        print(
+            f"{name:>6} (median of {len(row['runs'])}): interactive p99 alone "
+            f"{row['interactive_alone_p99_ms']:.1f} ms, under load "
+            f"{row['interactive_loaded_p99_ms']:.1f} ms; background "
+            f"{row['background_rps']:.0f} req/s = {row['background_over_ceiling']:.2f} of ceiling"
+        )
+    record = {"machine": machine, "ceiling_items_per_s": ceiling, "priorities": priorities}
+    write_results(path, record)
 
 
 if __name__ == "__main__":
