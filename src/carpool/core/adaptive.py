@@ -212,10 +212,13 @@ class Adaptive:
         ``num_own_items`` waiting are never cut for it (a backlog run one by one would
         only grow)."""
         cap = limits.max_batch_size
-        if not self.is_warm or not self._fit.is_identified:
+        if not self.is_warm:
             return cap
+        # Before the sizes seen varied, the line is the mean time per item, no overhead:
+        # it has no knee, but it does tell the class caps below what a batch costs (a
+        # saturated replica that only ever ran full batches would never cap one else).
         overhead_s, per_item_s = self._fit.line()
-        if limits.is_auto_size and per_item_s > 0:
+        if limits.is_auto_size and per_item_s > 0 and self._fit.is_identified:
             knee = overhead_s / (KNEE_SHARE * per_item_s)
             # Past the knee a larger batch only adds latency while the replica keeps up;
             # when it does not, the size that keeps up is the floor (else the queue grows).

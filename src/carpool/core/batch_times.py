@@ -32,12 +32,17 @@ MIN_SIZE_VARIANCE = 0.25
 
 class BatchTimeFit:
     """``t(b) = overhead_s + per_item_s * b`` by least squares over recent batches, each
-    older batch weighing :data:`FIT_KEEP` times less (so the line follows drift)."""
+    older batch weighing :data:`FIT_KEEP` times less (so the line follows drift).
 
-    __slots__ = ("_sb", "_sbb", "_sbt", "_st", "_sw", "num_batches")
+    Once the sizes seen stop varying (a saturated replica runs full batches only) the
+    slope last fitted is kept, and the overhead follows the recent batches' mean time:
+    forgetting the slope would switch off what depends on it just under load."""
+
+    __slots__ = ("_sb", "_sbb", "_sbt", "_slope", "_st", "_sw", "num_batches")
 
     def __init__(self) -> None:
         self._sw = self._sb = self._sbb = self._st = self._sbt = 0.0
+        self._slope: float | None = None  # the last slope the sizes seen identified
         self.num_batches = 0
 
     def observe(self, num_items: int, compute_s: float) -> None:
@@ -48,11 +53,15 @@ class BatchTimeFit:
         self._st = k * self._st + compute_s
         self._sbt = k * self._sbt + num_items * compute_s
         self.num_batches += 1
+        if self._variance() >= MIN_SIZE_VARIANCE:
+            mean_b, mean_t = self._sb / self._sw, self._st / self._sw
+            slope = (self._sbt / self._sw - mean_b * mean_t) / self._variance()
+            self._slope = max(slope, 0.0)
 
     @property
     def is_identified(self) -> bool:
-        """Whether the batches seen differ enough in size to give a slope."""
-        return self._sw > 0 and self._variance() >= MIN_SIZE_VARIANCE
+        """Whether the batches seen differ enough in size to give a slope, or did once."""
+        return self._slope is not None
 
     def _variance(self) -> float:
         mean_b = self._sb / self._sw
@@ -60,15 +69,14 @@ class BatchTimeFit:
 
     def line(self) -> tuple[float, float]:
         """``(overhead_s, per_item_s)``, both >= 0; ``(0, mean time per item)`` while the
-        sizes seen are all alike (a batch is then taken to cost its size times that:
-        an overestimate); ``(0, 0)`` before any batch."""
+        sizes seen are all alike and never varied (a batch is then taken to cost its
+        size times that); ``(0, 0)`` before any batch."""
         if self._sw == 0:
             return 0.0, 0.0
         mean_b, mean_t = self._sb / self._sw, self._st / self._sw
-        if not self.is_identified:
+        slope = self._slope
+        if slope is None:
             return 0.0, mean_t / mean_b
-        slope = (self._sbt / self._sw - mean_b * mean_t) / self._variance()
-        slope = max(slope, 0.0)
         overhead = mean_t - slope * mean_b
         if overhead < 0:  # a line through the origin, fitted by the same sums
             return 0.0, self._sbt / self._sbb

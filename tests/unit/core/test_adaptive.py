@@ -119,6 +119,21 @@ def test_the_fit_follows_a_model_that_slows_down() -> None:
     assert fit.predict_s(32) == pytest.approx(2 * (OVERHEAD_S + PER_ITEM_S * 32), rel=0.05)
 
 
+def test_the_fit_keeps_its_slope_once_the_sizes_stop_varying() -> None:
+    fit = _fit()
+    # A saturated replica: full batches only, for far longer than the fit remembers,
+    # then on a model 1 ms slower per batch: the overhead follows.
+    for _ in range(1000):
+        fit.observe(64, OVERHEAD_S + PER_ITEM_S * 64)
+    assert fit.is_identified
+    assert fit.line() == pytest.approx((OVERHEAD_S, PER_ITEM_S))
+    for _ in range(1000):
+        fit.observe(64, OVERHEAD_S + 0.001 + PER_ITEM_S * 64)
+    overhead_s, per_item_s = fit.line()
+    assert per_item_s == pytest.approx(PER_ITEM_S)
+    assert overhead_s == pytest.approx(OVERHEAD_S + 0.001)
+
+
 # -- decisions on a known line and known arrivals -------------------------------------
 
 
@@ -217,6 +232,21 @@ def test_lower_class_batches_are_capped_while_a_higher_class_has_traffic() -> No
     expected = math.floor((allowed_s - OVERHEAD_S) / PER_ITEM_S)
     assert adaptive.max_items(policy, background, 5.0, 5.0) == expected
     assert OVERHEAD_S + PER_ITEM_S * expected + OVERHEAD_S + PER_ITEM_S <= 0.016 + 1e-12
+
+
+def test_lower_class_batches_are_capped_before_the_sizes_seen_ever_varied() -> None:
+    classes = (ClassPolicy("interactive", slo_s=0.02), ClassPolicy("background", slo_s=30.0))
+    policy = _policy(max_batch_size=128, classes=classes, default_class="background", slo_s=None)
+    fit = BatchTimeFit()
+    for _ in range(50):  # straight into saturation: full batches only, 20 ms each
+        fit.observe(64, 0.020)
+    assert not fit.is_identified
+    adaptive = Adaptive(fit)
+    _steady(adaptive, "interactive", 50, until_s=5.0)
+    # No overhead known: each item costs 20/64 ms; its batch plus one item within 16 ms.
+    per_item_s = 0.020 / 64
+    expected = math.floor((SLO_HEADROOM * 0.02 - per_item_s) / per_item_s)
+    assert adaptive.max_items(policy, policy.class_limits("background"), 5.0, 5.0) == expected
 
 
 def test_lower_class_fill_goes_only_as_far_as_the_oldest_request_has_time_left() -> None:
