@@ -315,6 +315,7 @@ def _priority_round(
         time.sleep(1.5)  # its warm-up
         recorder = _timelines(url, duration_s, served) if breakdown else None
         loaded = _interactive(url, duration_s)
+        document = httpx.get(f"{url}/v2/models/mlp/policy", timeout=10.0).json()
         if recorder is not None:
             recorder.join(timeout=60)
         background.wait(timeout=120)
@@ -327,6 +328,8 @@ def _priority_round(
     }
     if served:
         row["breakdown"] = _breakdown(served, loaded)
+    if document.get("adaptive") is not None:  # what the controller had in force under load
+        row["adaptive"] = document["adaptive"]
     print(f"priority {name}: {row}", flush=True)
     return row
 
