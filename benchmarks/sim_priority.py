@@ -80,7 +80,9 @@ class _Clock:
 class _Run:
     interactive_s: list[float] = field(default_factory=list)
     num_background: int = 0
-    sizes: dict[str, list[int]] = field(default_factory=lambda: {"interactive": [], "background": []})
+    sizes: dict[str, list[int]] = field(
+        default_factory=lambda: {"interactive": [], "background": []}
+    )
 
 
 def _policy(**changes: Any) -> BatchPolicy:

@@ -6,12 +6,20 @@ the other: the batches stay at one item. Then 64 clients on threads, each one re
 after the other: the batches grow, and ``/metrics`` (``carpool_batch_size``, ``carpool_adaptive_*``,
 ``carpool_arrival_rate``, ``carpool_batch_time_fit_*``) and ``/v2/models/{m}/policy``
 show what the controller has in force. Request counts are bounded; nothing is timed.
+
+With priority classes, the same model on the event loop (``executor: loop``, as ``auto``
+puts it on one core): 64 background clients and an interactive one (priority 1, its
+``slo_s`` 12 ms). What ``/v2/models/{m}/policy`` has in force while both have traffic
+keeps the interactive promise by the controller's own fitted line: the largest
+background batch it may wait for, read only afterwards, plus its own batch fit in its
+budget (80% of ``slo_s``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import numpy as np
@@ -45,6 +53,22 @@ models:
     slo_s: 0.2
     executor: thread
 """
+PRIORITY_CONFIG = """\
+models:
+  - name: linear
+    kind: python
+    source: adaptivemodels:linear
+    inputs: [{name: X, datatype: FP32, shape: [1]}]
+    outputs: [{name: Y, datatype: FP32, shape: [1]}]
+    max_batch_size: 64
+    max_delay_s: auto
+    slo_s: 0.2
+    executor: loop
+    default_class: background
+    classes:
+      - {name: interactive, slo_s: 0.012}
+      - {name: background}
+"""
 NUM_ALONE = 150
 NUM_CONCURRENT = 64
 NUM_PER_CLIENT = 30
@@ -71,7 +95,7 @@ def client(served: ServedProcess) -> Iterator[httpclient.InferenceServerClient]:
     client.close()
 
 
-def _client_loop(served: ServedProcess, k: int) -> int:
+def _client_loop(served: ServedProcess, k: int, priority: int = 0) -> int:
     """One of the concurrent clients: NUM_PER_CLIENT requests one after the other; how
     many answers were wrong."""
     client = httpclient.InferenceServerClient(served.http_url)
@@ -79,7 +103,8 @@ def _client_loop(served: ServedProcess, k: int) -> int:
         wrong = 0
         for i in range(NUM_PER_CLIENT):
             value = float(k * 1000 + i)
-            wrong += client.infer("linear", _inputs(value)).as_numpy("Y")[0, 0] != 2 * value
+            result = client.infer("linear", _inputs(value), priority=priority)
+            wrong += result.as_numpy("Y")[0, 0] != 2 * value
         return wrong
     finally:
         client.close()
@@ -147,3 +172,46 @@ def test_the_batch_size_follows_the_load_from_one_client_to_64(
     assert adaptive["classes"]["normal"]["arrival_rate_rps"] > 0
     assert adaptive["classes"]["normal"]["company_rate_rps"] > 0
     assert adaptive["batch_time_fit"]["num_batches"] > 0
+
+
+def test_lower_class_batches_and_the_fill_fit_the_interactive_budget_together(
+    start_server: StartServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    served = start_server(PRIORITY_CONFIG, env={"PYTHONPATH": str(_model_dir(tmp_path_factory))})
+    url = f"http://{served.http_url}/v2/models/linear/policy"
+    in_force: list[dict[str, Any]] = []
+
+    def interactive() -> int:
+        client = httpclient.InferenceServerClient(served.http_url)
+        try:
+            wrong = 0
+            for i in range(NUM_PER_CLIENT * 4):
+                result = client.infer("linear", _inputs(float(i)), priority=1)
+                wrong += result.as_numpy("Y")[0, 0] != 2 * i
+                in_force.append(httpx.get(url, timeout=10.0).json()["adaptive"])
+            return wrong
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(NUM_CONCURRENT + 1) as pool:
+        watcher = pool.submit(interactive)
+        wrong = sum(pool.map(lambda k: _client_loop(served, k), range(NUM_CONCURRENT)))
+        wrong += watcher.result()
+    assert wrong == 0
+    budget_s = 0.8 * 0.012
+    checked = 0
+    for adaptive in in_force:
+        classes, fit = adaptive["classes"], adaptive["batch_time_fit"]
+        rates = [classes[name]["arrival_rate_rps"] for name in ("interactive", "background")]
+        if fit["num_batches"] < 8 or min(rates) < 0.5:
+            continue  # cold, or one class without traffic: nothing is promised
+        checked += 1
+        lower = classes["background"]["max_batch_size"]
+        own = classes["interactive"]["max_batch_size"]
+
+        def t(b: int, line: dict[str, float] = fit) -> float:
+            return line["overhead_s"] + line["per_item_s"] * b
+
+        if t(1) + t(1) <= budget_s:  # a promise the model's speed allows
+            assert t(lower) + t(own) <= budget_s + 1e-9, (lower, own, fit)
+    assert checked > 0
