@@ -17,7 +17,6 @@ budget (80% of ``slo_s``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -206,8 +205,7 @@ def test_lower_class_batches_and_the_fill_fit_the_interactive_budget_together(
         def t(b: int, line: dict[str, float] = fit) -> float:
             return line["overhead_s"] + line["per_item_s"] * b
 
-        per_item_s = fit["per_item_s"]
-        floor = math.ceil(fit["overhead_s"] / per_item_s) if per_item_s > 0 else 1
-        if t(floor) + t(1) <= budget_s:  # a promise the model's speed allows
+        # The background cap stops at a quarter of its 64 (LOWER_MIN_SHARE).
+        if t(16) + t(1) <= budget_s:  # a promise the model's speed allows
             assert t(lower) + t(own) <= budget_s + 1e-9, (lower, own, fit)
     assert checked > 0

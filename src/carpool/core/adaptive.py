@@ -28,9 +28,10 @@ open-loop traffic both rates agree. From them, each time a replica is free:
   (under overload the size that keeps up, else the cap), or the queue would only grow.
 - **Classes keep their promise.** A batch led by a lower class is capped so that a
   higher class's request arriving just after it starts still fits in its ``slo_s``:
-  that batch's time plus one item's (but the cap keeps at least the batch whose items take
-  :data:`LOWER_MIN_EFFICIENCY` of its time: below that, a model too slow for the promise
-  would starve the lower class for nothing). No batch is larger than one whose predicted time
+  that batch's time plus one item's (but never below :data:`LOWER_MIN_SHARE` of the size
+  cap: a model too slow for the promise, or a line fitted on tiny noisy batches, would
+  otherwise run the lower class an item at a time for nothing, and tiny batches would
+  never show the line that lets them grow). No batch is larger than one whose predicted time
   alone fits 80% of its class's ``slo_s``. Lower-class work fills a batch only as far as the
   time its oldest request has left allows, so filling a higher class's batch never takes
   it past its budget (the class's own waiting items are never cut for it); the time left
@@ -59,7 +60,7 @@ GAP_FACTOR = 2.0  # send when no arrival came for this many mean gaps
 KNEE_SHARE = 0.1  # max_batch_size auto: overhead under this share of the per-item time
 SLO_HEADROOM = 0.8  # the share of slo_s the controller plans with (the rest: hand-offs)
 ACTIVE_RATE_RPS = 0.5  # a class slower than this is not protected by capping others
-LOWER_MIN_EFFICIENCY = 0.5  # a capped lower-class batch spends at least this on its items
+LOWER_MIN_SHARE = 0.25  # a capped lower-class batch holds at least this share of its cap
 COLD_BATCHES = 8  # batches measured before the controller trusts its line
 MIN_WAITING_S = 0.002  # waiting seen (decayed) before a company rate is trusted
 
@@ -233,7 +234,7 @@ class Adaptive:
                 continue
             if self.rate_rps(higher.name, now) < ACTIVE_RATE_RPS:
                 continue
-            cap = min(cap, _lower_cap(higher.slo_s, overhead_s, per_item_s))
+            cap = min(cap, _lower_cap(higher.slo_s, overhead_s, per_item_s, cap))
         if limits.slo_s is not None:
             # No batch whose compute alone would take it past its budget.
             budget_s = SLO_HEADROOM * limits.slo_s
@@ -260,7 +261,8 @@ class Adaptive:
         if not lower:
             return 0.0
         overhead_s, per_item_s = self._fit.line()
-        largest = min(max(lower), _lower_cap(limits.slo_s, overhead_s, per_item_s))
+        most = max(lower)
+        largest = min(most, _lower_cap(limits.slo_s, overhead_s, per_item_s, most))
         return overhead_s + per_item_s * largest
 
     # -- the delay -----------------------------------------------------------------
@@ -343,17 +345,13 @@ def _keep_up_size(rate_rps: float, overhead_s: float, per_item_s: float, max_ite
     return max(1, min(wanted, max_items))
 
 
-def _lower_cap(slo_s: float, overhead_s: float, per_item_s: float) -> int:
-    """The largest lower-class batch after which a higher-class arrival (budget from
-    ``slo_s``) still runs its own item in time; but never below the size whose items take
-    :data:`LOWER_MIN_EFFICIENCY` of its time: a model too slow for the promise (a noisy
-    neighbour) would otherwise run the lower class one item at a time, for nothing."""
+def _lower_cap(slo_s: float, overhead_s: float, per_item_s: float, max_items: int) -> int:
+    """The largest lower-class batch (of at most ``max_items``) after which a
+    higher-class arrival (budget from ``slo_s``) still runs its own item in time, but at
+    least :data:`LOWER_MIN_SHARE` of ``max_items`` (module docstring)."""
     allowed_s = SLO_HEADROOM * slo_s - (overhead_s + per_item_s)
-    cap = _largest_within(allowed_s, overhead_s, per_item_s)
-    if per_item_s <= 0:
-        return cap
-    share = LOWER_MIN_EFFICIENCY
-    return max(cap, math.ceil(overhead_s * share / (per_item_s * (1 - share))))
+    floor = math.ceil(LOWER_MIN_SHARE * max_items)
+    return min(max_items, max(floor, _largest_within(allowed_s, overhead_s, per_item_s)))
 
 
 def _largest_within(allowed_s: float, overhead_s: float, per_item_s: float) -> int:

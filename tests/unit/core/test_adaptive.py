@@ -18,7 +18,7 @@ from carpool.core.adaptive import (
     COLD_BATCHES,
     GAP_FACTOR,
     KNEE_SHARE,
-    LOWER_MIN_EFFICIENCY,
+    LOWER_MIN_SHARE,
     SLO_HEADROOM,
     Adaptive,
     ArrivalRate,
@@ -239,13 +239,15 @@ def test_a_model_too_slow_for_the_promise_keeps_lower_class_batches_worth_runnin
     classes = (ClassPolicy("interactive", slo_s=0.02), ClassPolicy("background", slo_s=30.0))
     policy = _policy(max_batch_size=128, classes=classes, default_class="background", slo_s=None)
     # A noisy neighbour: 7 ms per batch + 0.3 ms per item. A background batch and one
-    # interactive item fit 16 ms only up to 5 items, which would spend 82% of the
-    # replica's time on overhead; it keeps the 24 whose items take half its time.
+    # interactive item fit 16 ms only up to 5 items, 82% of their time overhead; the
+    # cap stops at a quarter of the 128 allowed.
     adaptive = Adaptive(_fit(overhead_s=0.007))
     _steady(adaptive, "interactive", 50, until_s=5.0)
     background = policy.class_limits("background")
-    assert adaptive.max_items(policy, background, 5.0, 5.0) == 24
-    assert LOWER_MIN_EFFICIENCY * (0.007 + 0.0003 * 24) <= 0.0003 * 24
+    assert adaptive.max_items(policy, background, 5.0, 5.0) == LOWER_MIN_SHARE * 128
+    # And the interactive fill leaves room for that batch: none is left.
+    _steady(adaptive, "background", 2000, until_s=5.0)
+    assert adaptive.max_items(policy, policy.class_limits("interactive"), 5.0, 5.0) == 1
 
 
 def test_lower_class_batches_are_capped_before_the_sizes_seen_ever_varied() -> None:
