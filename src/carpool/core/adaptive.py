@@ -222,8 +222,9 @@ class Adaptive:
         # it has no knee, but it does tell the class caps below what a batch costs (a
         # saturated replica that only ever ran full batches would never cap one else).
         overhead_s, per_item_s = self._fit.line()
-        if limits.is_auto_size and per_item_s > 0 and self._fit.is_identified:
-            knee = overhead_s / (KNEE_SHARE * per_item_s)
+        knee_per_item_s = KNEE_SHARE * per_item_s  # 0 for a subnormal per_item_s too
+        if limits.is_auto_size and knee_per_item_s > 0 and self._fit.is_identified:
+            knee = overhead_s / knee_per_item_s
             # Past the knee a larger batch only adds latency while the replica keeps up;
             # when it does not, the size that keeps up is the floor (else the queue grows).
             rate = self.company_rps(limits.name, now)
