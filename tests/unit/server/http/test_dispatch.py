@@ -311,14 +311,21 @@ async def test_a_refused_connection_is_not_read_until_its_model_has_room() -> No
         assert 4.0 in model.seen
 
 
+async def _fill(connect: Any) -> list[Any]:
+    """Three requests on connections of their own to a model of ``_bounded(2)``: one runs
+    (held), two wait in the queue, which is full."""
+    queued = []
+    for value in (1.0, 2.0, 3.0):
+        protocol, _ = connect()
+        protocol.data_received(binary_request(value))
+        queued.append(protocol)
+        await settle()
+    return queued
+
+
 async def test_a_waiting_connection_keeps_its_place_from_newcomers() -> None:
     async with _bounded(max_queue_size=2) as (connect, model, gate):
-        queued = []
-        for value in (1.0, 2.0, 3.0):  # one runs (held), two wait in the queue
-            protocol, _ = connect()
-            protocol.data_received(binary_request(value))
-            queued.append(protocol)
-            await settle()
+        queued = await _fill(connect)
         waiting, _ = connect()
         waiting.data_received(binary_request(4.0))
         assert waiting.is_read_paused  # refused: it waits for room
@@ -334,21 +341,26 @@ async def test_a_waiting_connection_keeps_its_place_from_newcomers() -> None:
         assert 5.0 not in model.seen
 
 
+async def _let_in(connect: Any, *values: float) -> list[tuple[Any, Any]]:
+    """Connections refused by a full ``_bounded(2)`` model, one per value, waiting for
+    room; then a place frees and the first of them is let in."""
+    queued = await _fill(connect)
+    refused = []
+    for value in values:
+        protocol, transport = connect()
+        protocol.data_received(binary_request(value))
+        refused.append((protocol, transport))
+    queued[2].connection_lost(None)
+    await until(lambda: not refused[0][0].is_read_paused)
+    return refused
+
+
 async def test_a_connection_let_in_holds_its_place_until_its_request_is_read() -> None:
     # Let in, the waiting connection's retry is read a loop turn or more later: a request
     # read first on another connection must not take its place, which would refuse the
     # retry after all its wait.
     async with _bounded(max_queue_size=2) as (connect, model, gate):
-        queued = []
-        for value in (1.0, 2.0, 3.0):  # one runs (held), two wait in the queue
-            protocol, _ = connect()
-            protocol.data_received(binary_request(value))
-            queued.append(protocol)
-            await settle()
-        waiting, waiting_transport = connect()
-        waiting.data_received(binary_request(4.0))
-        queued[2].connection_lost(None)  # a place frees: the waiting connection's
-        await until(lambda: not waiting.is_read_paused)  # let in, its retry not yet read
+        [(waiting, waiting_transport)] = await _let_in(connect, 4.0)  # its retry not yet read
         newcomer, newcomer_transport = connect()
         newcomer.data_received(binary_request(5.0))
         assert Responses(bytes(newcomer_transport.data)).items[0][0] == 429
@@ -361,23 +373,12 @@ async def test_a_connection_let_in_holds_its_place_until_its_request_is_read() -
 
 async def test_no_more_connections_are_let_in_than_there_is_room_for() -> None:
     async with _bounded(max_queue_size=2) as (connect, _, _):
-        queued = []
-        for value in (1.0, 2.0, 3.0):
-            protocol, _ = connect()
-            protocol.data_received(binary_request(value))
-            queued.append(protocol)
-            await settle()
-        first, _ = connect()
-        first.data_received(binary_request(4.0))
-        second, _ = connect()
-        second.data_received(binary_request(5.0))
-        queued[2].connection_lost(None)  # room for one
-        await until(lambda: not first.is_read_paused)
+        (first, _), (second, _) = await _let_in(connect, 4.0, 5.0)  # room for one
         room = first._app.waiting_room
         for _ in range(3):  # checks before the first one's retry is read: the room is its
             room._check()
         assert second.is_read_paused
-        assert room.num_waiting_for(queued[0]._app.repository.get("m").batcher) == 2
+        assert room.num_waiting_for(first._app.repository.get("m").batcher) == 2
 
 
 async def test_a_place_lapses_when_the_connection_let_in_sends_nothing(
@@ -387,17 +388,8 @@ async def test_a_place_lapses_when_the_connection_let_in_sends_nothing(
 
     monkeypatch.setattr(waiting, "PROMISE_S", 0.02)
     async with _bounded(max_queue_size=2) as (connect, _, gate):
-        queued = []
-        for value in (1.0, 2.0, 3.0):
-            protocol, _ = connect()
-            protocol.data_received(binary_request(value))
-            queued.append(protocol)
-            await settle()
-        silent, _ = connect()
-        silent.data_received(binary_request(4.0))
-        queued[2].connection_lost(None)
-        await until(lambda: not silent.is_read_paused)
-        batcher = queued[0]._app.repository.get("m").batcher
+        [(silent, _)] = await _let_in(connect, 4.0)
+        batcher = silent._app.repository.get("m").batcher
         room = silent._app.waiting_room
         await until(lambda: room.num_waiting_for(batcher) == 0)  # it lapsed
         newcomer, newcomer_transport = connect()
