@@ -8,15 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import socket
+from contextlib import suppress
 
 import numpy as np
 import pytest
+import uvloop
 
+from carpool import Batcher, BatchPolicy
 from carpool.core.clock import settle
+from carpool.server.app import KServeApp
+from carpool.server.http.server import HttpServer
+from carpool.server.repository import ModelRepository, ServedModel
 
 from .fakes import (
     BAD,
     LIVE,
+    SPEC_IN,
+    SPEC_OUT,
+    Gate,
     Responses,
     Server,
     Setup,
@@ -420,17 +430,6 @@ def test_a_connection_refused_on_its_first_read_is_not_read_while_it_waits() -> 
     """Was: uvloop starts reading once connection_made returns, also when the protocol
     paused inside it; a connection whose first request went to the waiting room then had
     each retry read and refused while it waited. Real sockets, on uvloop as served."""
-    import socket
-    from contextlib import suppress
-
-    import uvloop
-
-    from carpool import Batcher, BatchPolicy
-    from carpool.server.app import KServeApp
-    from carpool.server.http.server import HttpServer
-    from carpool.server.repository import ModelRepository, ServedModel
-
-    from .fakes import SPEC_IN, SPEC_OUT, Gate
 
     async def scenario() -> list[int]:
         loop = asyncio.get_running_loop()
