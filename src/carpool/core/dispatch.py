@@ -178,7 +178,11 @@ class Dispatcher:
                 self._executor,
                 self.watchdog.timeout_s,
             )
-        if self._switch_interval_s is not None and any(r.is_threaded for r in replicas):
+        if any(r.is_threaded for r in replicas):
+            self._hold_switch_interval()
+
+    def _hold_switch_interval(self) -> None:
+        if self._switch_interval_s is not None and not self._holds_switch_interval:
             switch_interval.hold(self._switch_interval_s)
             self._holds_switch_interval = True
 
@@ -194,6 +198,7 @@ class Dispatcher:
             self._clock.now,
             self._executor,
             self.watchdog,
+            lambda: self._queues.sheds_load,
         )
 
     def run(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -379,6 +384,8 @@ class Dispatcher:
                 await self._land(replica, landing, holds_replica, busy)
                 if replica.blocks_loop:
                     await io_turn()
+                elif not self._holds_switch_interval and replica.is_threaded:
+                    self._hold_switch_interval()  # "auto" moved it off the loop
                 continue
             if self.is_draining and self._queues.num_live == 0:
                 # A replica that idled while draining (its class at its share cap) is

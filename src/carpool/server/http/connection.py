@@ -50,6 +50,7 @@ class Connection(Framing):
         self._held: tuple[Exchange, bytes, int] | None = None  # waiting for resume_writing
         self._drain: asyncio.Future[None] | None = None  # a stream waiting likewise
         self.is_read_paused = False
+        self._unread = b""  # read while paused, until reading resumes (see data_received)
         self.is_write_paused = False
         self._linger_timer: asyncio.TimerHandle | None = None
 
@@ -68,6 +69,16 @@ class Connection(Framing):
         first, self._first_read = self._first_read, b""
         if first:
             self.data_received(first)
+
+    def data_received(self, data: bytes) -> None:
+        if self.is_read_paused:
+            # uvloop starts reading once connection_made returns, even when the protocol
+            # paused inside it (its first request refused to the waiting room): its retries
+            # were then read, and refused, while it waited. The bytes wait here instead.
+            self._unread += data
+            self._transport.pause_reading()
+            return
+        super().data_received(data)
 
     def eof_received(self) -> None:
         """The client's FIN: taken as gone (as uvicorn, nginx and Go's net/http take it;
@@ -157,6 +168,17 @@ class Connection(Framing):
     def resume_reading(self) -> None:
         if self.is_read_paused:
             self.is_read_paused = False
+            if self._unread:  # the transport resumes after them, in their order
+                self.loop.call_soon(self._read_unread)
+            else:
+                self._transport.resume_reading()
+
+    def _read_unread(self) -> None:
+        if self.is_read_paused or self.state is _CLOSED:
+            return  # paused again first: they wait for the next resume
+        data, self._unread = self._unread, b""
+        self.data_received(data)
+        if not self.is_read_paused:
             self._transport.resume_reading()
 
     # -- answers ------------------------------------------------------------------------

@@ -183,6 +183,7 @@ class Dispatch:
         if conn.room is _HAS_PLACE:  # it waited for this room: the waiting ones after
             conn.room = _OUT  # it do not count
             num_reserved = 0
+            self.app.waiting_room.take_place(batcher)
         else:
             num_reserved = self.app.waiting_room.num_waiting_for(batcher)
         error = batcher.refuse_early(num_reserved)

@@ -8,15 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import socket
+from contextlib import suppress
 
 import numpy as np
 import pytest
+import uvloop
 
+from carpool import Batcher, BatchPolicy
 from carpool.core.clock import settle
+from carpool.server.app import KServeApp
+from carpool.server.http.server import HttpServer
+from carpool.server.repository import ModelRepository, ServedModel
 
 from .fakes import (
     BAD,
     LIVE,
+    SPEC_IN,
+    SPEC_OUT,
+    Gate,
     Responses,
     Server,
     Setup,
@@ -414,3 +424,58 @@ async def test_access_log_names_the_request_s_http_version(
         assert lines == [f'- - "POST /v2/models/m/infer HTTP/{version.decode()}" 200']
     finally:
         await repository.stop()
+
+
+def test_a_connection_refused_on_its_first_read_is_not_read_while_it_waits() -> None:
+    """Was: uvloop starts reading once connection_made returns, also when the protocol
+    paused inside it; a connection whose first request went to the waiting room then had
+    each retry read and refused while it waited. Real sockets, on uvloop as served."""
+
+    async def scenario() -> list[int]:
+        loop = asyncio.get_running_loop()
+        gate = Gate()
+        gate.open.clear()
+        policy = BatchPolicy(max_batch_size=1, max_delay_s=0.0, max_queue_size=1)
+        batcher = Batcher(gate, policy, collate="dict")
+        model = ServedModel("m", "1", "python", (SPEC_IN,), (SPEC_OUT,), batcher)
+        repository = ModelRepository([model])
+        await repository.start()
+        server = HttpServer(KServeApp(repository, max_body_bytes=100_000))
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        server.start([listener])
+        clients = []
+        try:
+            for value in (1.0, 2.0):  # one runs (held), one waits: the queue is full
+                client = socket.create_connection(server.addresses[0])
+                client.setblocking(False)
+                await loop.sock_sendall(client, binary_request(value))
+                clients.append(client)
+                await until(lambda: gate.running == 1)
+                await settle()
+            refused = socket.create_connection(server.addresses[0])
+            refused.setblocking(False)
+            clients.append(refused)
+            await loop.sock_sendall(refused, binary_request(3.0))  # read as it is accepted
+            statuses = [Responses(await loop.sock_recv(refused, 65536)).items[0][0]]
+            await loop.sock_sendall(refused, binary_request(4.0))  # its retry at once
+            with suppress(TimeoutError):  # not read until the model has room
+                async with asyncio.timeout(0.3):
+                    statuses.append(Responses(await loop.sock_recv(refused, 65536)).items[0][0])
+            gate.open.set()  # room: the retry is read and served
+            async with asyncio.timeout(5):
+                while len(statuses) < 2:
+                    statuses += [
+                        s for s, _, _ in Responses(await loop.sock_recv(refused, 65536)).items
+                    ]
+            return statuses
+        finally:
+            gate.open.set()
+            for client in clients:
+                client.close()
+            server.cut()
+            server.close()
+            await repository.stop()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(scenario()) == [429, 200]

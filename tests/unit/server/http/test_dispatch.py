@@ -229,21 +229,22 @@ async def test_a_full_queue_refuses_from_the_head_without_decoding_the_body(
         head_end = request.index(b"\r\n\r\n") + 4
         protocol.data_received(request[:head_end])
         protocol.data_received(request[head_end:])
-        protocol.data_received(binary_request(4.0))  # and again on the same connection
+        # Its retry, read by a transport that reads while paused, waits for room.
+        protocol.data_received(binary_request(4.0))
         responses = Responses(bytes(transport.data)).items
-        assert [r[0] for r in responses] == [429, 429]
+        assert [r[0] for r in responses] == [429]
         _, headers, body = responses[0]
         assert headers[b"retry-after"] == b"1"
         assert b"is full" in body
         assert not transport.closed  # the body was read: the connection stays usable
         assert decoded == []
         gate.set()
-        await until(lambda: len(model.seen) == 2)
-        # Room again: the same connection is served.
+        # Room again: the same connection is served, its retry first.
+        await until(lambda: len(Responses(bytes(transport.data)).items) == 2)
         protocol.data_received(binary_request(5.0))
         await until(lambda: len(Responses(bytes(transport.data)).items) == 3)
-        assert Responses(bytes(transport.data)).items[2][0] == 200
-        assert model.seen == [1.0, 2.0, 5.0]
+        assert [r[0] for r in Responses(bytes(transport.data)).items] == [429, 200, 200]
+        assert model.seen == [1.0, 2.0, 4.0, 5.0]
 
 
 KEY = b"s3cr3t-k3y"
@@ -310,14 +311,21 @@ async def test_a_refused_connection_is_not_read_until_its_model_has_room() -> No
         assert 4.0 in model.seen
 
 
+async def _fill(connect: Any) -> list[Any]:
+    """Three requests on connections of their own to a model of ``_bounded(2)``: one runs
+    (held), two wait in the queue, which is full."""
+    queued = []
+    for value in (1.0, 2.0, 3.0):
+        protocol, _ = connect()
+        protocol.data_received(binary_request(value))
+        queued.append(protocol)
+        await settle()
+    return queued
+
+
 async def test_a_waiting_connection_keeps_its_place_from_newcomers() -> None:
     async with _bounded(max_queue_size=2) as (connect, model, gate):
-        queued = []
-        for value in (1.0, 2.0, 3.0):  # one runs (held), two wait in the queue
-            protocol, _ = connect()
-            protocol.data_received(binary_request(value))
-            queued.append(protocol)
-            await settle()
+        queued = await _fill(connect)
         waiting, _ = connect()
         waiting.data_received(binary_request(4.0))
         assert waiting.is_read_paused  # refused: it waits for room
@@ -331,6 +339,64 @@ async def test_a_waiting_connection_keeps_its_place_from_newcomers() -> None:
         gate.set()
         await until(lambda: 6.0 in model.seen)
         assert 5.0 not in model.seen
+
+
+async def _let_in(connect: Any, *values: float) -> list[tuple[Any, Any]]:
+    """Connections refused by a full ``_bounded(2)`` model, one per value, waiting for
+    room; then a place frees and the first of them is let in."""
+    queued = await _fill(connect)
+    refused = []
+    for value in values:
+        protocol, transport = connect()
+        protocol.data_received(binary_request(value))
+        refused.append((protocol, transport))
+    queued[2].connection_lost(None)
+    await until(lambda: not refused[0][0].is_read_paused)
+    return refused
+
+
+async def test_a_connection_let_in_holds_its_place_until_its_request_is_read() -> None:
+    # Let in, the waiting connection's retry is read a loop turn or more later: a request
+    # read first on another connection must not take its place, which would refuse the
+    # retry after all its wait.
+    async with _bounded(max_queue_size=2) as (connect, model, gate):
+        [(waiting, waiting_transport)] = await _let_in(connect, 4.0)  # its retry not yet read
+        newcomer, newcomer_transport = connect()
+        newcomer.data_received(binary_request(5.0))
+        assert Responses(bytes(newcomer_transport.data)).items[0][0] == 429
+        waiting.data_received(binary_request(6.0))
+        gate.set()
+        await until(lambda: len(Responses(bytes(waiting_transport.data)).items) == 2)
+        assert [r[0] for r in Responses(bytes(waiting_transport.data)).items] == [429, 200]
+        assert 5.0 not in model.seen
+
+
+async def test_no_more_connections_are_let_in_than_there_is_room_for() -> None:
+    async with _bounded(max_queue_size=2) as (connect, _, _):
+        (first, _), (second, _) = await _let_in(connect, 4.0, 5.0)  # room for one
+        room = first._app.waiting_room
+        for _ in range(3):  # checks before the first one's retry is read: the room is its
+            room._check()
+        assert second.is_read_paused
+        assert room.num_waiting_for(first._app.repository.get("m").batcher) == 2
+
+
+async def test_a_place_lapses_when_the_connection_let_in_sends_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from carpool.server import waiting
+
+    monkeypatch.setattr(waiting, "PROMISE_S", 0.02)
+    async with _bounded(max_queue_size=2) as (connect, _, gate):
+        [(silent, _)] = await _let_in(connect, 4.0)
+        batcher = silent._app.repository.get("m").batcher
+        room = silent._app.waiting_room
+        await until(lambda: room.num_waiting_for(batcher) == 0)  # it lapsed
+        newcomer, newcomer_transport = connect()
+        newcomer.data_received(binary_request(5.0))
+        gate.set()
+        await until(lambda: bool(newcomer_transport.data))
+        assert Responses(bytes(newcomer_transport.data)).items[0][0] == 200
 
 
 async def test_a_connection_waits_for_room_at_most_its_retry_after(
