@@ -16,8 +16,9 @@ sequence, updated with each step's new blocks); positions and the slot mapping a
 ops over the step's rows. Each layer first writes the step's new K/V into their slots (one
 ``index_copy_`` for all T tokens), then attends over each sequence's own cached K/V
 ``[0, start_pos + len)``, read through its block table (``attention.py``: decode chunks
-grouped by context length, one SDPA call per group; longer chunks one call each). Logits
-are computed only at the last token of each chunk that ``needs_logits``.
+grouped by context length, one SDPA call per group; a longer chunk over its cached prefix
+and, causally, itself, merged by log-sum-exp). Logits are computed only at the last token
+of each chunk that ``needs_logits``.
 """
 
 from __future__ import annotations
