@@ -90,8 +90,12 @@ def main() -> None:
             "benchmark": "prefill_step",
             "date": utc_now(),
             "machine": machine,
-            "model": {**MODELS[args.model], "seed": 0, "dtype": "float32",
-                      "block_size": BLOCK_SIZE},  # fmt: skip
+            "model": {
+                **MODELS[args.model],
+                "seed": 0,
+                "dtype": "float32",
+                "block_size": BLOCK_SIZE,
+            },
             "repeats": args.repeats,
             "rows": rows,
         },
