@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from bench_decode_step import KINDS
-from bench_prefill_step import BLOCK_SIZE, MODELS
+from bench_generation import MODELS
+from bench_prefill_step import BLOCK_SIZE
 from benchlib import RESULTS, machine_info, utc_now, write_results
 from carpool.generation.block_pool import BlockPool
 from carpool.generation.kv_cache import KVCacheManager
@@ -51,8 +52,8 @@ def run(runner: ModelRunner, num_prompts: int, seed: int = 0) -> dict[str, float
         prompt = tuple(int(t) for t in rng.integers(2, 1000, num_input))
         sampling = SamplingParams(temperature=0, max_tokens=num_output, ignore_eos=True)
         scheduler.add_request(i, prompt, sampling)
-    figures = dict.fromkeys(("prefill_s", "decode_s", "prefill_steps", "decode_steps"), 0.0)
-    figures["output_tokens"] = 0
+    figures: dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0}
+    figures |= {"prefill_steps": 0, "decode_steps": 0, "output_tokens": 0}
     while scheduler.has_unfinished():
         result = scheduler.schedule()
         started = time.perf_counter()

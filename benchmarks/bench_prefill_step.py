@@ -7,9 +7,10 @@ then the rest at 1024), on one CPU thread, blocks of 16 scattered over the pool.
 ``--repeats`` steps and, with ``--profile``, a torch.profiler breakdown by operator kind
 (``bench_decode_step.py``'s kinds: attention is SDPA, matmul the Linear layers).
 
-Models: ``small`` (hidden 256, 4 layers, 8 heads, 2 KV heads, intermediate 688, vocab 2000)
-and ``88m`` (``bench_decode_step.py``'s), the two folders of ``bench_vs_vllm.py``, random
-weights, seed 0, float32.
+Models: ``bench_generation.py``'s ``small`` (hidden 256, 4 layers, 8 heads, 2 KV heads,
+intermediate 688, vocab 2000) and ``88m`` (hidden 768, 12 layers, 12 heads, 4 KV heads,
+intermediate 2048, vocab 8000), the two folders of ``bench_vs_vllm.py``, random weights,
+seed 0, float32.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_prefill_step.py --model small --profile
 
@@ -26,22 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench_decode_step import MODEL_88M, breakdown, median_ms
+from bench_decode_step import breakdown, median_ms
+from bench_generation import MODELS
 from benchlib import RESULTS, machine_info, utc_now, write_results
 from carpool.generation.runner import ModelRunner
 from carpool.generation.types import SamplingParams, SeqChunk, StepInput
 from carpool.generation.weights import random_llama
 
-MODEL_SMALL: dict[str, Any] = {
-    **MODEL_88M,
-    "vocab_size": 2000,
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-}
-MODELS = {"small": MODEL_SMALL, "88m": MODEL_88M}
 BLOCK_SIZE = 16
 
 

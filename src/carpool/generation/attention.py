@@ -241,7 +241,8 @@ def _attend_prefix_and_own(
     past_lse = past_lse.reshape(1, num_heads, n)
     lse = torch.logaddexp(own_lse, past_lse)
     context = (own_lse - lse).exp()[..., None] * own + (past_lse - lse).exp()[..., None] * past
-    return context[0].transpose(0, 1).to(query.dtype)
+    merged: torch.Tensor = context[0].transpose(0, 1).to(query.dtype)
+    return merged
 
 
 def _attend_masked(
