@@ -13,7 +13,9 @@ The script (``bench_http.py``, ``bench_peers.py`` or ``bench_decode_step.py``, r
 this checkout) runs with ``PYTHONPATH`` set to each tree, so it and the servers it starts
 import that tree's carpool; what it writes with ``--json`` is read back. Reported per
 figure (closed-loop req/s and p50/p99 at each concurrency, per server for
-``bench_peers.py``; step and set-up ms per batch size for ``bench_decode_step.py``): each
+``bench_peers.py``; step and set-up ms per batch size for ``bench_decode_step.py``; step and
+attention ms per chunk for ``bench_prefill_step.py``; prefill and decode seconds for
+``bench_long_context.py``): each
 tree's runs, their medians, and after/before. Results go to
 ``benchmarks/results/ab_<label>.json``.
 """
@@ -72,9 +74,33 @@ def decode_step_figures(result: dict[str, Any]) -> Figures:
     return figures
 
 
+def prefill_step_figures(result: dict[str, Any]) -> Figures:
+    """``bench_prefill_step.py``'s rows: the step and, profiled, its attention, per chunk."""
+    figures: Figures = {}
+    for row in result["rows"]:
+        case = f"{row['num_tokens']}@{row['num_cached']}"
+        figures[f"{case} step ms"] = row["step_ms"]
+        if "profile_ms" in row:
+            figures[f"{case} attention ms"] = row["profile_ms"].get("attention", 0.0)
+    return figures
+
+
+def long_context_figures(result: dict[str, Any]) -> Figures:
+    """``bench_long_context.py``'s run: seconds in prefill and decode-only steps."""
+    figures = result["figures"]
+    total_s = figures["prefill_s"] + figures["decode_s"]
+    return {
+        "prefill s": figures["prefill_s"],
+        "decode s": figures["decode_s"],
+        "output tok/s": figures["output_tokens"] / total_s,
+    }
+
+
 READERS: dict[str, Callable[[dict[str, Any]], Figures]] = {
     "bench_decode_step.py": decode_step_figures,
+    "bench_prefill_step.py": prefill_step_figures,
     "bench_http.py": http_figures,
+    "bench_long_context.py": long_context_figures,
     "bench_peers.py": peers_figures,
 }
 

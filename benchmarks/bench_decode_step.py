@@ -8,7 +8,8 @@ busy server's are), blocks of 16 scattered over the pool. Per n: the step's medi
 block tables, positions, slot mapping, attention plan), and with ``--profile`` a
 torch.profiler breakdown of the model's time by operator kind:
 
-    kv gather     aten::index       (K/V blocks gathered for attention, and small indexing)
+    kv gather     aten::index, aten::index_select (K/V blocks gathered for attention, and
+                  small indexing)
     attention     SDPA (flash attention for CPU)
     kv write      aten::index_copy_ (the step's new K/V into their slots)
     matmul        Linear layers (oneDNN or aten mm/addmm)
@@ -51,6 +52,7 @@ BLOCK_SIZE = 16
 MIN_CONTEXT, MAX_CONTEXT = 32, 1024
 KINDS = {
     "aten::index": "kv gather",
+    "aten::index_select": "kv gather",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "aten::index_copy_": "kv write",
     "mkldnn::_linear_pointwise": "matmul",

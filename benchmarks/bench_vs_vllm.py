@@ -21,6 +21,12 @@ output 256) at ``--long-concurrency``. Writes the rows (output tokens/s, TTFT an
 p50/p99) and carpool/vLLM ratios to ``benchmarks/results/vs_vllm.json`` and prints a
 markdown table for docs/benchmarks.md.
 
+Each row also has the CPU time the server used during its run (``server_cpu_s``: user and
+system time of the server's session, vLLM's engine core included) and output tokens per
+server CPU second. On a machine shared with other work the server gets a varying share of
+its core, which moves tokens/s by whatever else runs then; tokens per CPU second do not
+depend on that share, so their ratio compares the two systems' work per token.
+
 This script installs nothing. vLLM lives in its own virtual environment (its torch differs
 from carpool's); make it once, outside the repository::
 
@@ -243,9 +249,26 @@ def drive(
     return result
 
 
+def session_cpu_s(session_id: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of a session: a server
+    started with ``start_new_session`` and every process it started."""
+    total_ticks = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        if int(fields[3]) == session_id:  # state ppid pgrp session ... utime(11) stime(12)
+            total_ticks += int(fields[11]) + int(fields[12])
+    return total_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def row_of(result: dict[str, Any]) -> dict[str, float]:
     keys = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
-            "p99_itl_ms", "completed")  # fmt: skip
+            "p99_itl_ms", "completed", "total_output_tokens", "duration")  # fmt: skip
     return {k: float(result.get(k, float("nan"))) for k in keys}
 
 
@@ -301,8 +324,13 @@ def main() -> None:
                     for run in runs:
                         label = f"c{run['concurrency']}.{run['input_len']}"
                         out = root / f"{name}.{system}.{label}.json"
+                        cpu_s = session_cpu_s(server.pid)
                         result = drive(args.vllm_python, port, folder, run, drop, args, out)
                         row = {"folder": name, "system": system, **run, **row_of(result)}
+                        row["server_cpu_s"] = session_cpu_s(server.pid) - cpu_s
+                        row["output_tokens_per_cpu_s"] = (
+                            row["total_output_tokens"] / row["server_cpu_s"]
+                        )
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                 except Exception:
@@ -333,6 +361,9 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({
             "folder": folder, "concurrency": c, "input_len": input_len,
             "output_tokens_per_s": row["output_throughput"] / other["output_throughput"],
+            "output_tokens_per_cpu_s": (
+                row["output_tokens_per_cpu_s"] / other["output_tokens_per_cpu_s"]
+            ),
             "ttft_p50_vllm_over_carpool": other["median_ttft_ms"] / row["median_ttft_ms"],
         })  # fmt: skip
     return out
@@ -340,19 +371,22 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> str:
     lines = [
-        "| folder | system | C | in/out | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| folder | system | C | in/out | out tok/s | out tok/CPU s | TTFT p50 | TTFT p99 "
+        "| ITL p50 | ITL p99 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['folder']} | {r['system']} | {r['concurrency']} | {r['input_len']}/"
-            f"{r['output_len']} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} ms | "
+            f"{r['output_len']} | {r['output_throughput']:.1f} | "
+            f"{r['output_tokens_per_cpu_s']:.1f} | {r['median_ttft_ms']:.0f} ms | "
             f"{r['p99_ttft_ms']:.0f} ms | {r['median_itl_ms']:.1f} ms | {r['p99_itl_ms']:.1f} ms |"
         )
     for q in ratios:
         lines.append(
             f"\n{q['folder']} C={q['concurrency']} in {q['input_len']}: carpool "
-            f"{q['output_tokens_per_s']:.2f}x vLLM's output tokens/s, TTFT p50 "
+            f"{q['output_tokens_per_s']:.2f}x vLLM's output tokens/s "
+            f"({q['output_tokens_per_cpu_s']:.2f}x per server CPU second), TTFT p50 "
             f"{q['ttft_p50_vllm_over_carpool']:.2f}x lower"
         )
     return "\n".join(lines)

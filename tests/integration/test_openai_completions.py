@@ -206,11 +206,58 @@ def test_metrics_show_generation_in_vllm_vocabulary(served, client):
     assert metrics[("carpool_generation_prompt_tokens_total", (("model", MODEL),))] >= 9
 
 
+def _prompt_logprobs_by_transformers(
+    prompt_ids: list[int], tmp_path: Path
+) -> tuple[list[float], list[int]]:
+    """The built-in model's weights in transformers: each prompt token's log-probability
+    after the ones before it, and the most likely token there."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from carpool.generation.tokenizer import ByteTokenizer
+    from carpool.generation.weights import random_llama, save_hf_folder
+    from carpool.server.generation import TINY_LLAMA
+
+    config = {**TINY_LLAMA, "vocab_size": ByteTokenizer().vocab_size}
+    save_hf_folder(random_llama(config, seed=0), tmp_path)
+    model = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        logprobs = model(torch.tensor([prompt_ids])).logits[0, :-1].float().log_softmax(-1)
+    own = logprobs.gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist()
+    return own, logprobs.argmax(-1).tolist()
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_log_probabilities_first_null(client, tmp_path):
+    response = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=2, temperature=0, echo=True, logprobs=1,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    logprobs = response.choices[0].logprobs
+    assert response.choices[0].text.startswith("Hello there")
+    prompt_ids = [256, *b"Hello there"]  # BOS, then a token a byte
+    tokens = [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+    assert tokens[: len(prompt_ids)] == prompt_ids and len(tokens) == len(prompt_ids) + 2
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    own, best = _prompt_logprobs_by_transformers(prompt_ids, tmp_path)
+    found = logprobs.token_logprobs[1 : len(prompt_ids)]
+    assert found == pytest.approx(own, abs=1e-4)
+    tops = logprobs.top_logprobs[1 : len(prompt_ids)]  # the token and the most likely
+    assert all(f"token_id:{b}" in top for top, b in zip(tops, best, strict=True))
+    assert logprobs.text_offset[0] == 0
+    # Streamed: the first chunk holds the echo and the prompt's part.
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=2, temperature=0, echo=True, logprobs=1,
+        stream=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    ))  # fmt: skip
+    first = chunks[0].choices[0]
+    assert first.text == "Hello there"
+    assert first.logprobs.token_logprobs == [None, *logprobs.token_logprobs[1 : len(prompt_ids)]]
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "match"),
     [
         ({"best_of": 2}, "best_of", "best_of=2 is not supported"),
-        ({"echo": True, "logprobs": 1}, "echo", "prompt's log-probabilities"),
         ({"max_tokens": 5000}, "max_tokens", "lower max_tokens to 1022"),
         ({"temperature": -1}, "temperature", r"expected a number in \[0.0, 2.0\]"),
         ({"prompt": [1, 999]}, "prompt", r"prompt\[1\]=999"),

@@ -128,7 +128,10 @@ def test_chat_logprobs_whole_and_streamed_agree(openai_client):
         if choice.logprobs is not None and choice.logprobs.content
         for entry in choice.logprobs.content
     ]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # The second request finds the first's prompt blocks cached and attends over them apart
+    # from its own tokens (merged by log-sum-exp): the same values, rounded in other bits.
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], rel=1e-5)
 
 
 def test_vllm_sampling_extensions_change_the_answer(openai_client):

@@ -14,8 +14,24 @@ One step's chunks attend in two kinds of calls, planned once per step by
   (``GROUP_COST_KEYS``), or where the group would outgrow ``MAX_GROUP_KEYS`` keys (a
   gathered group that stays near the caches attends many times faster); sequences of
   equal length share a call with no mask.
-* multi-token chunks (prefill, or a chunk of one) gather their own blocks and run one SDPA
-  call each, causal on their own tokens.
+* a multi-token chunk (prefill) attends in two parts, merged by their log-sum-exp (as
+  FlashAttention's split-KV and vLLM's prefix-prefill kernels do)::
+
+      keys         [ cached prefix: 0 .. start ) [ the chunk's own: start .. end )
+      queries      every query sees all of them   causal: the query at p sees up to p
+      call         no mask; the heads sharing a   causal SDPA on the step's own K/V,
+                   KV head folded into the query  no gather
+                   length: each K/V read once
+
+      out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse),  lse = logaddexp(lse_a, lse_b)
+
+  One call over prefix and chunk would need an explicit [chunk, context] mask (PyTorch's
+  ``is_causal`` aligns the diagonal top-left), which the CPU kernel converts and adds to
+  every score and which stops it from skipping the blocks above the diagonal. A chunk
+  with no cached prefix is one causal call on its own K/V. The log-sum-exp comes from
+  the CPU flash-attention kernel's ATen op (``F.scaled_dot_product_attention`` does not
+  return it); on another device, or where the op is missing, a chunk with a prefix runs
+  the one masked call.
 
 K/V are gathered a whole block at a time (a block is contiguous), not slot by slot, with
 ``index_select`` (a row copy per block). The
@@ -31,6 +47,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# PyTorch's CPU flash-attention kernel, which also returns each query's log-sum-exp.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
 # One more SDPA call per layer costs about as much as reading this many padded keys (CPU,
 # one thread, head_dim 64; see docs/generation.md, "Decode attention").
 GROUP_COST_KEYS = 64
@@ -41,13 +60,16 @@ MAX_GROUP_KEYS = 2048
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """One multi-token chunk: rows [start, end) of the packed batch and its context."""
+    """One multi-token chunk: rows [start, end) of the packed batch, after ``num_cached``
+    positions already in the cache."""
 
     start: int
     end: int
-    block_ids: torch.Tensor  # [ceil(context_len / block_size)]
-    context_len: int
-    mask: torch.Tensor | None  # [q_len, context_len] True where a query may look; None: causal
+    num_cached: int
+    block_ids: torch.Tensor  # [ceil((num_cached + end - start) / block_size)]
+    # Only where the prefix cannot be split off (see the module docstring): [q_len,
+    # context_len], True where a query may look. None: the chunk attends in two parts.
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +119,7 @@ def plan_attention(
     """The step's attention calls. ``table`` [n, columns]: each chunk's block table row;
     ``num_tokens`` and ``starts``: each chunk's token count and first position."""
     device = table.device
+    can_split = _FLASH_CPU is not None and device.type == "cpu"
     spans: list[Span] = []
     decode: list[int] = []  # chunk indices
     rows: list[int] = []  # and their rows in the packed batch
@@ -108,11 +131,11 @@ def plan_attention(
         else:
             context_len = start + n
             mask = None
-            if start:
+            if start and not can_split:
                 query = torch.arange(start, context_len, device=device)
                 mask = torch.arange(context_len, device=device)[None, :] <= query[:, None]
             block_ids = table[i, : -(-context_len // block_size)]
-            spans.append(Span(row, row + n, block_ids, context_len, mask))
+            spans.append(Span(row, row + n, start, block_ids, mask))
         row += n
     if not decode:
         return AttentionPlan(tuple(spans), ())
@@ -162,20 +185,82 @@ class PagedAttention:
             context = _attend_decode(group, q[group.rows], k_blocks, v_blocks)
             out.index_copy_(0, group.rows, context)
         for span in spans:
-            length = span.context_len
-            keys = _gather(k_blocks, span.block_ids).view(-1, num_kv_heads, head_dim)[:length]
-            values = _gather(v_blocks, span.block_ids).view(-1, num_kv_heads, head_dim)[:length]
-            query = q[span.start : span.end].transpose(0, 1)[None]  # [1, heads, q_len, D]
-            context = F.scaled_dot_product_attention(
-                query,
-                keys.transpose(0, 1)[None],
-                values.transpose(0, 1)[None],
-                attn_mask=span.mask,
-                is_causal=span.mask is None,
-                enable_gqa=True,
-            )
-            out[span.start : span.end] = context[0].transpose(0, 1)
+            rows = slice(span.start, span.end)
+            if span.mask is not None:
+                out[rows] = _attend_masked(span, q[rows], k_blocks, v_blocks)
+                continue
+            own = _heads_first(q[rows]), _heads_first(k[rows]), _heads_first(v[rows])
+            if not span.num_cached:
+                context = F.scaled_dot_product_attention(*own, is_causal=True, enable_gqa=True)
+                out[rows] = context[0].transpose(0, 1)
+                continue
+            num_blocks = -(-span.num_cached // k_blocks.shape[1])
+            prefix_ids = span.block_ids[:num_blocks]
+            past = [
+                _gather(blocks, prefix_ids).view(-1, num_kv_heads, head_dim)[: span.num_cached]
+                for blocks in (k_blocks, v_blocks)
+            ]
+            out[rows] = _attend_prefix_and_own(q[rows], own[1], own[2], past[0], past[1])
         return out
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads, D] -> [1, heads, tokens, D] (a view)."""
+    return x.transpose(0, 1)[None]
+
+
+def _attend_prefix_and_own(
+    query: torch.Tensor,
+    own_k: torch.Tensor,
+    own_v: torch.Tensor,
+    past_k: torch.Tensor,
+    past_v: torch.Tensor,
+) -> torch.Tensor:
+    """A chunk's ``query`` [n, heads, D] over its cached prefix ``past_k``/``past_v`` [P,
+    kv_heads, D] and, causally, over its own ``own_k``/``own_v`` [1, kv_heads, n, D]; the two
+    parts merged by their log-sum-exp (the module docstring) -> [n, heads, D]."""
+    assert _FLASH_CPU is not None, "plan_attention splits a prefix off only where it exists"
+    n, num_heads, head_dim = query.shape
+    num_kv_heads = own_k.shape[1]
+    group = num_heads // num_kv_heads
+    # Its own tokens: causal, each KV head repeated for its query heads (n rows only).
+    own, own_lse = _FLASH_CPU(
+        _heads_first(query),
+        own_k.repeat_interleave(group, dim=1),
+        own_v.repeat_interleave(group, dim=1),
+        is_causal=True,
+    )
+    # The prefix: no mask, so the query heads sharing a KV head fold into the query length.
+    folded = query.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    past, past_lse = _FLASH_CPU(
+        folded.reshape(1, num_kv_heads, group * n, head_dim),
+        _heads_first(past_k),
+        _heads_first(past_v),
+    )
+    past = past.reshape(1, num_heads, n, head_dim)
+    past_lse = past_lse.reshape(1, num_heads, n)
+    lse = torch.logaddexp(own_lse, past_lse)
+    context = (own_lse - lse).exp()[..., None] * own + (past_lse - lse).exp()[..., None] * past
+    merged: torch.Tensor = context[0].transpose(0, 1).to(query.dtype)
+    return merged
+
+
+def _attend_masked(
+    span: Span, query: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor
+) -> torch.Tensor:
+    """A chunk over its whole context in one SDPA call with ``span.mask``: [n, heads, D]."""
+    num_kv_heads, head_dim = k_blocks.shape[2], k_blocks.shape[3]
+    length = span.num_cached + query.shape[0]
+    keys = _gather(k_blocks, span.block_ids).view(-1, num_kv_heads, head_dim)[:length]
+    values = _gather(v_blocks, span.block_ids).view(-1, num_kv_heads, head_dim)[:length]
+    context = F.scaled_dot_product_attention(
+        _heads_first(query),
+        _heads_first(keys),
+        _heads_first(values),
+        attn_mask=span.mask,
+        enable_gqa=True,
+    )
+    return context[0].transpose(0, 1)
 
 
 def _attend_decode(

@@ -75,20 +75,24 @@ class Usage:
 class GenerationEvent:
     """What one step produced for one request; the last event has ``finish_reason`` and
     ``usage``. ``text`` may be empty while a character or a possible stop string is held.
-    ``logprobs``: one per token of ``token_ids`` when the request asked for them."""
+    ``logprobs``: one per token of ``token_ids`` when the request asked for them;
+    ``prompt_logprobs``: on the first event, the prompt's tokens after its first, when the
+    request asked (``SamplingParams.prompt_logprobs``)."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class _Stream:
     """One request in flight: its queue of events, its output state and its times."""
 
     __slots__ = (
-        "events", "is_done", "output", "priority", "prompt_ids", "sampling", "steps", "times",
+        "events", "is_done", "output", "priority", "prompt_ids", "prompt_logprobs", "sampling",
+        "steps", "times",
     )  # fmt: skip
 
     def __init__(
@@ -107,6 +111,8 @@ class _Stream:
         self.times = RequestTimes(now, len(prompt_ids))
         self.is_done = False
         self.steps: list[tuple[float, float]] = []  # kept only while a trace hook is on
+        # Scored so far; None once sent with the first event (a recompute scores again).
+        self.prompt_logprobs: list[TokenLogprobs] | None = []
 
 
 class _State(enum.Enum):
@@ -298,6 +304,8 @@ class GenerationEngine:
             if self._on_trace is not None:
                 self._record_step(chunks, started_s, started_s + compute_s)
             now = self._clock.now()
+            if output.prompt_logprobs:
+                self._gather_prompt_logprobs(chunks, output.prompt_logprobs)
             logprobs = {
                 c.seq_id: found
                 for c, found in zip(chunks, output.logprobs, strict=False)  # () when none asked
@@ -311,6 +319,23 @@ class GenerationEngine:
                         "model %r: delivering sequence %d failed", self.name, event.request_id
                     )
                     self._fail_seqs([event.request_id], error)
+
+    def _gather_prompt_logprobs(
+        self, chunks: Sequence[SeqChunk], found: Sequence[tuple[TokenLogprobs, ...]]
+    ) -> None:
+        for chunk, scored in zip(chunks, found, strict=True):
+            stream = self._streams.get(chunk.seq_id)
+            if stream is None or stream.prompt_logprobs is None or not scored:
+                continue
+            if chunk.start_pos == 0:  # the prompt's first chunk: a recompute starts afresh
+                stream.prompt_logprobs.clear()
+            stream.prompt_logprobs.extend(scored)
+
+    @staticmethod
+    def _take_prompt_logprobs(stream: _Stream) -> tuple[TokenLogprobs, ...]:
+        found = stream.prompt_logprobs
+        stream.prompt_logprobs = None
+        return tuple(found) if found is not None else ()
 
     def _record_step(self, chunks: Sequence[SeqChunk], started_s: float, ended_s: float) -> None:
         for chunk in chunks:
@@ -386,8 +411,9 @@ class GenerationEngine:
             self._telemetry.tokens(stream.times, len(delta.token_ids), now)
         if delta.finish_reason is None:
             if delta.token_ids:
+                prompt = self._take_prompt_logprobs(stream)
                 stream.events.put_nowait(
-                    GenerationEvent(delta.text, delta.token_ids, None, None, logprobs)
+                    GenerationEvent(delta.text, delta.token_ids, None, None, logprobs, prompt)
                 )
             return
         self._finish(event.request_id, delta.finish_reason, now, delta.token_ids, logprobs)
@@ -409,7 +435,8 @@ class GenerationEngine:
         self._wake.set()
         usage = Usage(len(stream.prompt_ids), stream.times.num_generated)
         text = stream.output.pending_text
-        stream.events.put_nowait(GenerationEvent(text, token_ids, reason, usage, logprobs))
+        prompt = self._take_prompt_logprobs(stream)
+        stream.events.put_nowait(GenerationEvent(text, token_ids, reason, usage, logprobs, prompt))
         self._telemetry.finished(stream.times, reason.value, now)
         self._report(seq_id, stream, reason.value, now)
 

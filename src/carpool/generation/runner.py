@@ -16,8 +16,9 @@ sequence, updated with each step's new blocks); positions and the slot mapping a
 ops over the step's rows. Each layer first writes the step's new K/V into their slots (one
 ``index_copy_`` for all T tokens), then attends over each sequence's own cached K/V
 ``[0, start_pos + len)``, read through its block table (``attention.py``: decode chunks
-grouped by context length, one SDPA call per group; longer chunks one call each). Logits
-are computed only at the last token of each chunk that ``needs_logits``.
+grouped by context length, one SDPA call per group; a longer chunk over its cached prefix
+and, causally, itself, merged by log-sum-exp). Logits are computed only at the last token
+of each chunk that ``needs_logits``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from torch import nn
 
 from carpool.generation.attention import PagedAttention, plan_attention
 from carpool.generation.block_table import BlockTables
+from carpool.generation.prompt_logprobs import PromptScorer, num_scored_rows
 from carpool.generation.sampling import Sampler
-from carpool.generation.types import SeqChunk, StepInput, StepOutput
+from carpool.generation.types import SeqChunk, StepInput, StepOutput, TokenLogprobs
 from carpool.models import onednn
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ class _Batch:
     positions: torch.Tensor
     logit_rows: torch.Tensor
     attention: PagedAttention
+    prompt_rows: torch.Tensor | None = None  # rows scoring prompt tokens (prompt_logprobs)
 
 
 class ModelRunner:
@@ -134,6 +137,7 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed)
         self.block_tables = BlockTables(self.device)
+        self.prompt_scorer = PromptScorer()
 
     @property
     def bytes_per_token(self) -> int:
@@ -149,7 +153,7 @@ class ModelRunner:
     def compute_logits(self, step: StepInput) -> torch.Tensor:
         """Runs the model on ``step``; float32 logits [n, V] at the last token of each chunk
         that ``needs_logits``, in chunk order. Writes the step's K/V into the cache."""
-        return self._forward(self._prepare(step.chunks))
+        return self._forward(self._prepare(step.chunks))[0]
 
     def execute(self, step: StepInput) -> StepOutput:
         """Runs one step and samples one token per chunk that ``needs_logits`` (else None).
@@ -157,25 +161,33 @@ class ModelRunner:
         or sampling."""
         self.sampler.forget(step.finished_seq_ids)
         self.block_tables.forget(step.finished_seq_ids)
+        self.prompt_scorer.forget(step.finished_seq_ids)
         if not step.chunks:
             return StepOutput(sampled=())
         batch = self._prepare(step.chunks)
         started = time.perf_counter()
-        logits = self._forward(batch)
+        logits, prompt_logits = self._forward(batch)
         model_time_s = time.perf_counter() - started
+        prompt_found: tuple[tuple[TokenLogprobs, ...], ...] = ()
+        if batch.prompt_rows is not None:
+            prompt_found = self.prompt_scorer.score(step.chunks, prompt_logits)
         chosen = [c for c in step.chunks if c.needs_logits]
         picked, picked_logprobs = self.sampler.sample_chunks(logits, chosen)
         tokens, logprobs = iter(picked), iter(picked_logprobs)
         sampled = tuple(next(tokens) if c.needs_logits else None for c in step.chunks)
-        if not any(picked_logprobs):
-            return StepOutput(sampled=sampled, model_time_s=model_time_s)
-        found = tuple(next(logprobs) if c.needs_logits else None for c in step.chunks)
-        return StepOutput(sampled=sampled, model_time_s=model_time_s, logprobs=found)
+        found: tuple[TokenLogprobs | None, ...] = ()
+        if any(picked_logprobs):
+            found = tuple(next(logprobs) if c.needs_logits else None for c in step.chunks)
+        return StepOutput(sampled, model_time_s, found, prompt_found)
 
     @torch.inference_mode()
-    def _forward(self, batch: _Batch) -> torch.Tensor:
+    def _forward(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Float32 logits at ``logit_rows``, and at ``prompt_rows`` (None without)."""
         hidden = self.model(batch.input_ids, batch.positions, batch.attention)
-        return self.model.compute_logits(hidden[batch.logit_rows]).float()
+        logits = self.model.compute_logits(hidden[batch.logit_rows]).float()
+        if batch.prompt_rows is None:
+            return logits, None
+        return logits, self.model.compute_logits(hidden[batch.prompt_rows]).float()
 
     def _prepare(self, chunks: tuple[SeqChunk, ...]) -> _Batch:
         bs = self.block_size
@@ -183,6 +195,7 @@ class ModelRunner:
         num_tokens: list[int] = []
         starts: list[int] = []
         logit_rows: list[int] = []
+        prompt_rows: list[int] = []
         for chunk in chunks:
             n = len(chunk.token_ids)
             if n == 0 or (chunk.start_pos + n + bs - 1) // bs > len(chunk.block_table):
@@ -191,6 +204,7 @@ class ModelRunner:
                     f"{(chunk.start_pos + n + bs - 1) // bs} blocks of {bs}, "
                     f"block_table has {len(chunk.block_table)}"
                 )
+            prompt_rows.extend(range(len(ids), len(ids) + num_scored_rows(chunk)))
             ids.extend(chunk.token_ids)
             num_tokens.append(n)
             starts.append(chunk.start_pos)
@@ -219,4 +233,9 @@ class ModelRunner:
             positions=positions,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
             attention=PagedAttention(self.kv_cache, slot_mapping, plan),
+            prompt_rows=(
+                torch.tensor(prompt_rows, dtype=torch.long, device=device)
+                if any(c.sampling.prompt_logprobs is not None for c in chunks)
+                else None
+            ),
         )

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from carpool.core.policy import DEFAULT_CLASS, DEFAULT_CLASSES
 from carpool.errors import ConfigError, InvalidInput, ModelError
-from carpool.generation.kv_cache import KVCacheManager
+from carpool.generation.kv_cache import CachedPrefix, KVCacheManager
 from carpool.generation.request import FinishReason, GenRequest, RequestEvent, RequestStatus
 from carpool.generation.types import SamplingParams, SeqChunk, StepInput, StepOutput
 
@@ -285,7 +285,9 @@ class Scheduler:
             if queue is None:
                 return
             request = queue[0]
-            prefix = self.kv_cache.find_cached_prefix(request.all_token_ids)
+            prefix = CachedPrefix()  # prompt log-probabilities need every position computed
+            if request.sampling.prompt_logprobs is None:
+                prefix = self.kv_cache.find_cached_prefix(request.all_token_ids)
             num_new = self._cap_chunk(request.num_tokens - prefix.num_tokens, plan.num_tokens_left)
             if not self.kv_cache.allocate(request.request_id, prefix.num_tokens + num_new, prefix):
                 return  # head of line waits for blocks; nothing behind it jumps ahead

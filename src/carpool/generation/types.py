@@ -29,6 +29,9 @@ class SamplingParams:
     its ids; ``min_tokens`` holds back the stop token ids and ``eos_token_ids`` (filled by
     the engine) until that many tokens are out. ``logprobs``: None for none, k for the
     sampled token's log-probability and the k most likely alternatives'.
+    ``prompt_logprobs``: None for none, k for each prompt token's log-probability after
+    the tokens before it (the first token has none) and the k most likely there; such a
+    request shares no cached prefix, so every prompt position is computed.
     """
 
     temperature: float = 1.0
@@ -46,6 +49,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -105,3 +109,7 @@ class StepOutput:
     sampled: tuple[int | None, ...]
     model_time_s: float = 0.0
     logprobs: tuple[TokenLogprobs | None, ...] = ()
+    # Per chunk, the prompt tokens it scored (``prompt_logprobs``), in order; () when no
+    # chunk asked. A chunk scores its own tokens after its first, and its first with the
+    # previous chunk's last logits.
+    prompt_logprobs: tuple[tuple[TokenLogprobs, ...], ...] = ()

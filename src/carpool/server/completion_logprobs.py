@@ -64,6 +64,23 @@ class LogprobsWriter:
             "text_offset": offsets,
         }
 
+    def prompt_document(
+        self, first_token_id: int, logprobs: Sequence[TokenLogprobs]
+    ) -> dict[str, Any]:
+        """The echoed prompt's part (completions, ``echo`` with ``logprobs``), offsets from
+        0: its first token has no log-probability (null, as OpenAI and vLLM give it), the
+        others theirs (``logprobs``)."""
+        writer = LogprobsWriter(self._tokenizer, is_chat=False, tokens_as_ids=self._as_ids)
+        first = writer._text(first_token_id)
+        writer._offset = len(first)
+        rest = writer.document(logprobs)
+        return {
+            "tokens": [first, *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [0, *rest["text_offset"]],
+        }
+
     def _chat_entry(self, found: TokenLogprobs) -> dict[str, Any]:
         entry = self._chat_token(found.token_id, found.logprob)
         entry["top_logprobs"] = [self._chat_token(token, value) for token, value in found.top]

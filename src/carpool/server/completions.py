@@ -17,9 +17,10 @@ Taken: ``model``, ``prompt`` (a string or a list of token ids; one prompt) or
 completions, the rest of the context for chat), ``stream``,
 ``stream_options.include_usage``, ``n`` (choices sampled side by side; with a ``seed``,
 choice i samples with ``seed + i``, as vLLM), ``echo`` (completions: the prompt's text
-first), ``logprobs`` / ``top_logprobs``, the sampling fields of ``completion_params.py``
-and carpool's ``priority`` (a class name: interactive, normal, background). Other fields
-follow ``openai_fields.py``. A prompt or ``max_tokens`` past the context is a 400 with
+first; with ``logprobs``, its tokens' log-probabilities first), ``logprobs`` /
+``top_logprobs``, the sampling fields of ``completion_params.py`` and carpool's
+``priority`` (a class name: interactive, normal, background). Other fields follow
+``openai_fields.py``. A prompt or ``max_tokens`` past the context is a 400 with
 OpenAI's ``context_length_exceeded`` code.
 """
 
@@ -125,7 +126,9 @@ async def prepare(
     sampling = sampling_params(doc, service, len(prompt_ids), is_chat)
     if is_chat and flag(doc, "echo"):  # vLLM's: the last message again; not done here
         raise BadParam("echo", "echo=True is not supported by carpool on chat; leave echo out")
-    echo = "" if is_chat else _echo(doc, service, prompt_ids, sampling)
+    echo = "" if is_chat else _echo(doc, service, prompt_ids)
+    if echo and sampling.logprobs is not None:  # the prompt's log-probabilities too
+        sampling = dataclasses.replace(sampling, prompt_logprobs=sampling.logprobs)
     return CompletionCall(
         service=service,
         prompt_ids=prompt_ids,
@@ -142,17 +145,9 @@ async def prepare(
     )
 
 
-def _echo(
-    doc: dict[str, Any], service: GenerationService, prompt_ids: list[int], sampling: SamplingParams
-) -> str:
+def _echo(doc: dict[str, Any], service: GenerationService, prompt_ids: list[int]) -> str:
     if not flag(doc, "echo"):
         return ""
-    if sampling.logprobs is not None:
-        raise BadParam(
-            "echo",
-            "echo with logprobs asks for the prompt's log-probabilities, which carpool does "
-            "not compute; leave one of them out",
-        )
     prompt = doc.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -204,11 +199,13 @@ async def respond(call: CompletionCall) -> bytes:
     """The whole (non-streamed) response body."""
     texts: list[list[str]] = [[call.echo] for _ in range(call.n)]
     logprobs: list[list[TokenLogprobs]] = [[] for _ in range(call.n)]
+    prompt_logprobs: list[tuple[TokenLogprobs, ...]] = [() for _ in range(call.n)]
     finish: list[str | None] = [None] * call.n
     completion_tokens = prompt_tokens = 0
     async for index, event in _choices(call):
         texts[index].append(event.text)
         logprobs[index].extend(event.logprobs)
+        prompt_logprobs[index] = prompt_logprobs[index] or event.prompt_logprobs
         if event.finish_reason is not None:
             finish[index] = event.finish_reason.value
         if event.usage is not None:
@@ -218,9 +215,13 @@ async def respond(call: CompletionCall) -> bytes:
     for index in range(call.n):
         text = "".join(texts[index])
         writer = call.logprobs_writer()
+        found = None if writer is None else writer.document(logprobs[index])
+        if writer is not None and found is not None and call.sampling.prompt_logprobs is not None:
+            echoed = writer.prompt_document(call.prompt_ids[0], prompt_logprobs[index])
+            found = {key: echoed[key] + found[key] for key in found}
         choice: dict[str, Any] = {
             "index": index,
-            "logprobs": None if writer is None else writer.document(logprobs[index]),
+            "logprobs": found,
             "finish_reason": finish[index],
         }
         if call.is_chat:
@@ -240,15 +241,22 @@ async def stream(call: CompletionCall) -> AsyncGenerator[bytes, None]:
     events = _choices(call)
     writers = [call.logprobs_writer() for _ in range(call.n)]
     completion_tokens = prompt_tokens = 0
+    # With the prompt's log-probabilities the echo waits for them: they come with the
+    # choice's first event.
+    waiting_echo = set(range(call.n)) if call.sampling.prompt_logprobs is not None else set()
     try:
         for index in range(call.n):
             if call.is_chat:
                 yield _sse(_chunk(call, index, {"role": "assistant", "content": ""}, None))
-            elif call.echo:
+            elif call.echo and index not in waiting_echo:
                 yield _sse(_chunk(call, index, call.echo, None))
         async for index, event in events:
             finish = event.finish_reason.value if event.finish_reason is not None else None
             writer = writers[index]
+            if index in waiting_echo and writer is not None:
+                waiting_echo.discard(index)
+                echoed = writer.prompt_document(call.prompt_ids[0], event.prompt_logprobs)
+                yield _sse(_chunk(call, index, call.echo, None, echoed))
             if event.text or finish is not None or (writer is not None and event.logprobs):
                 found = None if writer is None else writer.document(event.logprobs)
                 yield _sse(_chunk(call, index, event.text, finish, found))

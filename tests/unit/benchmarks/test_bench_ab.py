@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from bench_ab import compare, decode_step_figures, http_figures, peers_figures
+from bench_ab import (
+    compare,
+    decode_step_figures,
+    http_figures,
+    long_context_figures,
+    peers_figures,
+    prefill_step_figures,
+)
 
 
 def _http(rate: float, p99: float) -> dict[str, object]:
@@ -38,6 +45,27 @@ def test_bench_peers_rows_are_named_by_server_and_a_failed_server_has_none() -> 
 def test_bench_decode_step_rows_become_step_and_set_up_figures_per_batch_size() -> None:
     result = {"rows": [{"num_seqs": 64, "step_ms": 300.0, "prepare_ms": 0.5, "max_context": 9}]}
     assert decode_step_figures(result) == {"n64 step ms": 300.0, "n64 prepare ms": 0.5}
+
+
+def test_bench_prefill_step_rows_become_step_and_attention_figures_per_chunk() -> None:
+    profiled = {"num_tokens": 512, "num_cached": 1024, "step_ms": 90.0,
+                "profile_ms": {"attention": 40.0, "matmul": 45.0}}  # fmt: skip
+    plain = {"num_tokens": 1024, "num_cached": 0, "step_ms": 150.0}
+    assert prefill_step_figures({"rows": [profiled, plain]}) == {
+        "512@1024 step ms": 90.0,
+        "512@1024 attention ms": 40.0,
+        "1024@0 step ms": 150.0,
+    }
+
+
+def test_bench_long_context_run_becomes_prefill_and_decode_seconds() -> None:
+    figures = {"prefill_s": 1.0, "decode_s": 3.0, "prefill_steps": 5, "decode_steps": 300,
+               "output_tokens": 2000}  # fmt: skip
+    assert long_context_figures({"figures": figures}) == {
+        "prefill s": 1.0,
+        "decode s": 3.0,
+        "output tok/s": 500.0,
+    }
 
 
 def test_medians_of_each_tree_and_their_ratio() -> None:

@@ -1,12 +1,15 @@
-"""Decode attention grouped by context length: the groups, and each sequence's output
-equal to attending over its own context alone."""
+"""Attention over the paged KV cache: decode grouped by context length (the groups, and
+each sequence's output equal to attending over its own context alone), and a prefill chunk
+over its cached prefix and itself."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from carpool.generation import attention
 from carpool.generation.attention import PagedAttention, group_by_length, plan_attention
 
 lengths_lists = st.lists(st.integers(1, 2000), min_size=1, max_size=64)
@@ -89,3 +92,65 @@ def test_each_decode_attends_over_its_own_context_only() -> None:
         keys = kv_cache[0, 0, blocks].reshape(-1, kv_heads, dim)[: s + 1]
         values = kv_cache[0, 1, blocks].reshape(-1, kv_heads, dim)[: s + 1]
         torch.testing.assert_close(out[i], _reference(q[i], keys, values))
+
+
+def _chunk_after_prefix(
+    num_cached: int, n: int
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """A cache holding ``num_cached`` positions of one sequence in shuffled blocks, and the
+    query/K/V of its next ``n`` tokens; returns (kv_cache, table, [q, k, v], slots)."""
+    block_size, kv_heads, heads, dim = 4, 2, 6, 8
+    num_blocks = -(-(num_cached + n) // block_size)
+    generator = torch.Generator().manual_seed(num_cached + n)
+    kv_cache = torch.randn(1, 2, num_blocks, block_size, kv_heads, dim, generator=generator)
+    table = torch.randperm(num_blocks, generator=generator)
+    positions = torch.arange(num_cached, num_cached + n)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    q = torch.randn(n, heads, dim, generator=generator)
+    k = torch.randn(n, kv_heads, dim, generator=generator)
+    v = torch.randn(n, kv_heads, dim, generator=generator)
+    return kv_cache, table, [q, k, v], slots
+
+
+def _causal_reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_cached: int
+) -> torch.Tensor:
+    """Queries at positions num_cached.. over keys [L, kv_heads, D], by hand."""
+    return torch.stack(
+        [_reference(q[i], keys[: num_cached + i + 1], values[: num_cached + i + 1])
+         for i in range(q.shape[0])]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("num_cached", "n"), [(0, 9), (1, 5), (13, 7), (40, 12)])
+def test_a_chunk_attends_causally_over_its_cached_prefix_and_itself(
+    num_cached: int, n: int
+) -> None:
+    kv_cache, table, (q, k, v), slots = _chunk_after_prefix(num_cached, n)
+    plan = plan_attention(table[None], [n], [num_cached], block_size=4)
+    out = PagedAttention(kv_cache, slots, plan)(0, q, k, v)
+    # The step wrote its own K/V into the cache: the whole context is there now.
+    keys = kv_cache[0, 0, table].reshape(-1, 2, 8)
+    values = kv_cache[0, 1, table].reshape(-1, 2, 8)
+    torch.testing.assert_close(out, _causal_reference(q, keys, values, num_cached))
+
+
+def test_a_chunk_after_a_prefix_is_planned_without_a_mask() -> None:
+    # The prefix is attended apart from the chunk (no [chunk, context] mask to build and
+    # add to every score), then merged by log-sum-exp.
+    table = torch.arange(8)[None]
+    (span,) = plan_attention(table, [5], [20], block_size=4).spans
+    assert span.mask is None and span.num_cached == 20
+
+
+def test_without_the_log_sum_exp_kernel_a_chunk_runs_one_masked_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(attention, "_FLASH_CPU", None)
+    kv_cache, table, (q, k, v), slots = _chunk_after_prefix(13, 7)
+    plan = plan_attention(table[None], [7], [13], block_size=4)
+    assert plan.spans[0].mask is not None
+    out = PagedAttention(kv_cache, slots, plan)(0, q, k, v)
+    keys = kv_cache[0, 0, table].reshape(-1, 2, 8)
+    values = kv_cache[0, 1, table].reshape(-1, 2, 8)
+    torch.testing.assert_close(out, _causal_reference(q, keys, values, 13))

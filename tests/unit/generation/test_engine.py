@@ -20,7 +20,7 @@ from carpool.generation.runner import ModelRunner
 from carpool.generation.scheduler import Scheduler, SchedulerConfig
 from carpool.generation.telemetry import GenerationTrace
 from carpool.generation.tokenizer import ByteTokenizer, Tokenizer
-from carpool.generation.types import SamplingParams, StepInput, StepOutput
+from carpool.generation.types import SamplingParams, SeqChunk, StepInput, StepOutput
 from carpool.generation.weights import random_llama
 
 from .test_scheduler import assert_all_blocks_free
@@ -499,3 +499,26 @@ async def test_no_trace_once_the_hook_is_taken_off(engine, runner):
     engine.set_trace_hook(None)
     await _collect(engine, _prompt("hi"), max_tokens=2)
     assert traces == []
+
+
+async def test_prompt_logprobs_prefilled_over_several_steps_come_with_the_first_event() -> None:
+    engine, _, runner = _engine(16, max_tokens_per_step=8)
+    prompt = list(range(40, 70))  # 30 tokens: chunks over four steps
+    await engine.start()
+    try:
+        params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+        events = [e async for e in engine.generate(prompt, params)]
+        plain = [e async for e in engine.generate(prompt, SamplingParams(max_tokens=3))]
+    finally:
+        await engine.stop()
+    assert runner.num_steps > 4
+    found = events[0].prompt_logprobs
+    assert [f.token_id for f in found] == prompt[1:]
+    assert all(len(f.top) == 1 and f.logprob <= 0.0 for f in found)
+    assert all(e.prompt_logprobs == () for e in events[1:])
+    assert all(e.prompt_logprobs == () for e in plain)
+    # The prompt's logits from one whole step agree with the chunked ones.
+    whole = ModelRunner(random_llama(TINY, seed=0), 16, 4, prepack=False)
+    chunk = SeqChunk(0, tuple(prompt), 0, tuple(range(8)), True, params, len(prompt))
+    (expected,) = whole.execute(StepInput((chunk,))).prompt_logprobs
+    assert [f.logprob for f in found] == pytest.approx([f.logprob for f in expected], abs=1e-5)

@@ -93,6 +93,18 @@ def test_greedy_matches_transformers_with_widely_spread_lengths_in_one_step(
     assert generate(runner, prompts) == [hf_generate(reference, p) for p in prompts]
 
 
+def test_greedy_matches_transformers_on_a_long_prompt_prefilled_over_many_chunks(
+    folder: Path, reference: LlamaForCausalLM
+) -> None:
+    # 117 tokens in chunks of 25 over blocks of 4: each chunk after the first attends over a
+    # cached prefix of several blocks, ending mid-block; a short prompt decodes alongside.
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (117, 30)]
+    runner = ModelRunner(load_model(folder), 96, 4)
+    outputs = generate(runner, prompts, chunk_size=25, start_steps=[0, 1])
+    assert outputs == [hf_generate(reference, p) for p in prompts]
+
+
 def test_last_logits_close_to_transformers(folder: Path, reference: LlamaForCausalLM) -> None:
     prompt = prompts_for(3)[1]
     runner = ModelRunner(load_model(folder), 16, 3)

@@ -263,6 +263,19 @@ def test_prefix_cache_hit_skips_cached_tokens() -> None:
     assert outputs[2] == reference_output([*prompt, 50], 2)[1:]
 
 
+def test_a_request_asking_for_prompt_logprobs_computes_its_whole_prompt() -> None:
+    # Prompt log-probabilities come from the logits of every prompt position: none may be
+    # skipped as a cached prefix.
+    scheduler, runner = make_scheduler(block_size=4)
+    prompt = list(range(1, 11))
+    scheduler.add_request(1, prompt, SamplingParams(max_tokens=2))
+    run_to_end(scheduler, runner)
+    scheduler.add_request(2, [*prompt, 50], SamplingParams(max_tokens=2, prompt_logprobs=0))
+    result, _ = step(scheduler, runner)
+    [chunk] = result.step_input.chunks
+    assert (chunk.start_pos, len(chunk.token_ids)) == (0, 11)
+
+
 # -- finishing from outside: abort, stop ------------------------------------------------------
 
 

@@ -187,7 +187,6 @@ async def test_extensions_and_stop_forms_are_read(app):
 @pytest.mark.parametrize(
     ("body", "param", "match"),
     [
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "prompt's log-probabilities"),
         ({"prompt": "x", "logprobs": 21}, "logprobs", r"in \[0, 20\]"),
         ({"prompt": "x", "best_of": 2}, "best_of", "not supported"),
         ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty", r"\[-2.0, 2.0\]"),
