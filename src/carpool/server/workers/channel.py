@@ -16,6 +16,10 @@ after the position of the records written before it, so records arrive in the or
 they were sent whichever way each went. Nothing waits for space and nothing is lost.
 
 The socket closing (the other process exited or died) calls ``on_lost``.
+
+Requests' arrays one side writes in one loop turn (the results of a batch for one worker,
+the requests a worker read in one turn) go as one group record per shape at the turn's
+end (:class:`Grouper`), with one notification for them all.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
+import numpy as np
+
+from carpool.server.workers.records import GroupKey, Kind, encode_group
 from carpool.server.workers.ring import Ring
 
 _POSITION = b"P"
@@ -128,3 +135,44 @@ class Channel(asyncio.Protocol):
         if self._transport is not None:
             self.flush()
             self._transport.close()
+
+
+class Grouper:
+    """Collects the requests added in one loop turn, and at its end sends them as one
+    ``kind`` group record per :func:`~carpool.server.workers.records.group_key` on
+    ``channel()`` (the channel of the moment, None once it is gone), notified at once."""
+
+    def __init__(self, kind: Kind, channel: Callable[[], Channel | None]) -> None:
+        self._kind = kind
+        self._channel = channel
+        self._groups: dict[GroupKey, tuple[list[Any], list[dict[str, np.ndarray]]]] = {}
+        self.num_sent = 0  # group records sent
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._groups)
+
+    def add(self, key: GroupKey, item: Any, arrays: dict[str, np.ndarray]) -> None:
+        """Send ``item`` (a request's fields) and its ``arrays`` (of ``key``) at the end
+        of this loop turn."""
+        groups = self._groups
+        if not groups:
+            asyncio.get_running_loop().call_soon(self.flush)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = ([item], [arrays])
+        else:
+            group[0].append(item)
+            group[1].append(arrays)
+
+    def flush(self) -> None:
+        """Send what was added (before a record that must come after it, or at the
+        turn's end); dropped when the channel is gone."""
+        groups, self._groups = self._groups, {}
+        channel = self._channel()
+        if not groups or channel is None:
+            return
+        for items, arrays in groups.values():
+            channel.send(encode_group(self._kind, items, arrays))
+            self.num_sent += 1
+        channel.flush()

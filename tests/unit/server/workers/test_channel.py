@@ -8,9 +8,11 @@ import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
-from carpool.server.workers.channel import Channel
+from carpool.server.workers.channel import Channel, Grouper
+from carpool.server.workers.records import Kind, decode, group_key, split_group
 from carpool.server.workers.ring import Ring
 
 RING_BYTES = 256
@@ -102,3 +104,47 @@ async def test_the_other_end_closing_is_reported(pair: tuple[End, End]) -> None:
     a.channel.close()
     await asyncio.wait_for(b.lost.wait(), 10)
     assert not b.channel.is_open
+
+
+async def test_a_loop_turns_requests_go_as_one_group_record_per_shape(
+    pair: tuple[End, End],
+) -> None:
+    a, b = pair
+    grouper = Grouper(Kind.RESULTS, lambda: a.channel)
+    rows = [np.full((1, 3), i, np.float32) for i in range(4)]
+    for i, row in enumerate(rows):
+        grouper.add(group_key({"O": row}) or (), i, {"O": row})
+    other = {"O": np.arange(2, dtype=np.int64).reshape(2, 1)}  # another dtype and shape
+    grouper.add(group_key(other) or (), 9, other)
+    assert b.received == [] and grouper.has_pending  # sent at the end of the turn
+    await _until(lambda: len(b.received) == 2, "two group records")
+    assert (grouper.num_sent, a.channel.num_notified) == (2, 1)
+    first, second = (split_group(decode(bytearray(r))) for r in b.received)
+    assert [item for item, _ in first] == [0, 1, 2, 3]
+    for (_, arrays), row in zip(first, rows, strict=True):
+        np.testing.assert_array_equal(arrays["O"], row)
+    assert second[0][0] == 9 and second[0][1]["O"].tolist() == [[0], [1]]
+
+
+async def test_a_group_flushed_early_keeps_its_place_and_is_not_sent_twice(
+    pair: tuple[End, End],
+) -> None:
+    a, b = pair
+    grouper = Grouper(Kind.INFERS, lambda: a.channel)
+    arrays = {"X": np.ones((1, 2), np.float32)}
+    grouper.add(group_key(arrays) or (), {"id": 1}, arrays)
+    grouper.flush()  # a record that must follow it is about to be sent
+    a.channel.send([b"after"])
+    await _until(lambda: len(b.received) == 2, "the group, then the record")
+    assert b.received[1] == b"after"
+    assert decode(bytearray(b.received[0])).header["items"] == [{"id": 1}]
+    await asyncio.sleep(0)
+    assert grouper.num_sent == 1 and len(b.received) == 2
+
+
+async def test_a_group_for_a_channel_gone_is_dropped() -> None:
+    grouper = Grouper(Kind.RESULTS, lambda: None)
+    arrays = {"O": np.zeros((1, 1), np.float32)}
+    grouper.add(group_key(arrays) or (), 1, arrays)
+    await asyncio.sleep(0)
+    assert grouper.num_sent == 0 and not grouper.has_pending
