@@ -137,16 +137,23 @@ class Channel(asyncio.Protocol):
             self._transport.close()
 
 
+# A request alone in its group goes as a record of its own (``one`` makes it): a group of
+# one costs more to encode and split than the plain record (benchmarks/bench_handoff.py).
+OneRecord = Callable[[Any, dict[str, np.ndarray]], list[bytes | memoryview]]
+
+
 class Grouper:
     """Collects the requests added in one loop turn, and at its end sends them as one
     ``kind`` group record per :func:`~carpool.server.workers.records.group_key` on
-    ``channel()`` (the channel of the moment, None once it is gone), notified at once."""
+    ``channel()`` (the channel of the moment, None once it is gone), notified at once;
+    a request alone in its group as ``one(item, arrays)``."""
 
-    def __init__(self, kind: Kind, channel: Callable[[], Channel | None]) -> None:
+    def __init__(self, kind: Kind, channel: Callable[[], Channel | None], one: OneRecord) -> None:
         self._kind = kind
         self._channel = channel
+        self._one = one
         self._groups: dict[GroupKey, tuple[list[Any], list[dict[str, np.ndarray]]]] = {}
-        self.num_sent = 0  # group records sent
+        self.num_sent = 0  # group records sent (not counting records of one)
 
     @property
     def has_pending(self) -> bool:
@@ -173,6 +180,9 @@ class Grouper:
         if not groups or channel is None:
             return
         for items, arrays in groups.values():
-            channel.send(encode_group(self._kind, items, arrays))
-            self.num_sent += 1
+            if len(items) == 1:
+                channel.send(self._one(items[0], arrays[0]))
+            else:
+                channel.send(encode_group(self._kind, items, arrays))
+                self.num_sent += 1
         channel.flush()

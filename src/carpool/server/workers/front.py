@@ -66,7 +66,9 @@ class Link:
         self.fronts: dict[str, RemoteFront] = {}
         self.is_stopping = False
         # The INFER records of a loop turn, sent as INFERS at its end.
-        self._infers = Grouper(Kind.INFERS, lambda: self.channel)
+        self._infers = Grouper(
+            Kind.INFERS, lambda: self.channel, lambda item, arrays: encode(Kind.INFER, item, arrays)
+        )
 
     @property
     def is_open(self) -> bool:

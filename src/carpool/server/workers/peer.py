@@ -60,7 +60,11 @@ class Peer:
         self.num_handoffs = 0  # INFER, RUN and FORWARD records, over the worker's lives
         self.is_listening = asyncio.Event()
         # The results of a loop turn (a batch's, for this worker), sent as RESULTS.
-        self._results = Grouper(Kind.RESULTS, lambda: self.channel)
+        self._results = Grouper(
+            Kind.RESULTS,
+            lambda: self.channel,
+            lambda request_id, arrays: encode(Kind.RESULT, {"id": request_id}, arrays),
+        )
 
     @property
     def num_requests(self) -> int:
