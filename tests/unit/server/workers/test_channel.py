@@ -110,6 +110,12 @@ def _result(request_id: object, arrays: dict[str, np.ndarray]) -> list[bytes | m
     return encode(Kind.RESULT, {"id": request_id}, arrays)
 
 
+def _add(grouper: Grouper, item: object, arrays: dict[str, np.ndarray]) -> None:
+    key = group_key(arrays)
+    assert key is not None, "the tests add arrays that can be joined"
+    grouper.add(key, item, arrays)
+
+
 async def test_a_loop_turns_requests_go_as_one_group_record_per_shape(
     pair: tuple[End, End],
 ) -> None:
@@ -117,10 +123,10 @@ async def test_a_loop_turns_requests_go_as_one_group_record_per_shape(
     grouper = Grouper(Kind.RESULTS, lambda: a.channel, _result)
     rows = [np.full((1, 3), i, np.float32) for i in range(4)]
     for i, row in enumerate(rows):
-        grouper.add(group_key({"O": row}) or (), i, {"O": row})
+        _add(grouper, i, {"O": row})
     others = [{"O": np.arange(2, dtype=np.int64).reshape(2, 1) + i} for i in range(2)]
     for i, other in enumerate(others):  # another dtype and shape: a group of its own
-        grouper.add(group_key(other) or (), 8 + i, other)
+        _add(grouper, 8 + i, other)
     assert b.received == [] and grouper.has_pending  # sent at the end of the turn
     await _until(lambda: len(b.received) == 2, "two group records")
     assert (grouper.num_sent, a.channel.num_notified) == (2, 1)
@@ -140,7 +146,7 @@ async def test_a_request_alone_in_its_turn_goes_as_a_record_of_its_own(
     a, b = pair
     grouper = Grouper(Kind.RESULTS, lambda: a.channel, _result)
     arrays = {"O": np.ones((1, 2), np.float32)}
-    grouper.add(group_key(arrays) or (), 5, arrays)
+    _add(grouper, 5, arrays)
     await _until(lambda: len(b.received) == 1, "the record")
     record = decode(bytearray(b.received[0]))
     assert (record.kind, record.header["id"], grouper.num_sent) == (Kind.RESULT, 5, 0)
@@ -154,7 +160,7 @@ async def test_a_group_flushed_early_keeps_its_place_and_is_not_sent_twice(
     grouper = Grouper(Kind.INFERS, lambda: a.channel, _result)
     arrays = {"X": np.ones((1, 2), np.float32)}
     for request_id in (1, 2):
-        grouper.add(group_key(arrays) or (), {"id": request_id}, arrays)
+        _add(grouper, {"id": request_id}, arrays)
     grouper.flush()  # a record that must follow it is about to be sent
     a.channel.send([b"after"])
     await _until(lambda: len(b.received) == 2, "the group, then the record")
@@ -167,6 +173,6 @@ async def test_a_group_flushed_early_keeps_its_place_and_is_not_sent_twice(
 async def test_a_group_for_a_channel_gone_is_dropped() -> None:
     grouper = Grouper(Kind.RESULTS, lambda: None, _result)
     arrays = {"O": np.zeros((1, 1), np.float32)}
-    grouper.add(group_key(arrays) or (), 1, arrays)
+    _add(grouper, 1, arrays)
     await asyncio.sleep(0)
     assert grouper.num_sent == 0 and not grouper.has_pending
