@@ -151,6 +151,12 @@ class ClassConfig(_Strict):
         return ClassPolicy(**self.model_dump())
 
 
+class RayPlacementConfig(_Strict):
+    """``ray_placement``: the model's replicas reserved together in a Ray placement group."""
+
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
 class ModelConfig(_Strict):
     """One served model: where it comes from, its tensors, how it is batched and placed."""
 
@@ -213,6 +219,8 @@ class ModelConfig(_Strict):
     # how often Ray restarts a dead actor before carpool creates another (-1: no limit).
     ray_resources: dict[str, float] | None = None
     max_restarts: int | None = Field(None, ge=-1)
+    # executor: ray: one bundle of ray_resources per replica, reserved together.
+    ray_placement: RayPlacementConfig | None = None
 
     @field_validator("version", mode="before")
     @classmethod
@@ -281,6 +289,7 @@ _NESTED: dict[tuple[type[BaseModel], str], type[BaseModel]] = {
     (ModelConfig, "inputs"): TensorConfig,
     (ModelConfig, "outputs"): TensorConfig,
     (ModelConfig, "classes"): ClassConfig,
+    (ModelConfig, "ray_placement"): RayPlacementConfig,
     (ServeConfig, "ray"): RayConfig,
 }
 
@@ -503,7 +512,7 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
             )
         if model.executor in ("process", "ray") and model.kind not in ("python", "torch", "onnx"):
             yield (f"{at}.executor", model.executor, "thread, loop or auto for this kind of model")
-        for key in ("ray_resources", "max_restarts"):
+        for key in ("ray_resources", "max_restarts", "ray_placement"):
             if getattr(model, key) is not None and model.executor != "ray":
                 yield (f"{at}.{key}", getattr(model, key), "nothing unless executor: ray")
         for name, amount in (model.ray_resources or {}).items():

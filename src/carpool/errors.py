@@ -290,14 +290,17 @@ class ReplicaDied(Exception):
 
 class ActorDied(ReplicaDied):
     """A replica's Ray actor died while it ran a model call (killed, crashed, its node
-    lost), or was being started again: ``reason`` is what Ray said."""
+    lost), or was being started again: ``reason`` is what Ray said; ``where`` the process
+    and node it ran on, when known (a lost node is named by it)."""
 
-    def __init__(self, model: str, replica_id: int, reason: str) -> None:
+    def __init__(self, model: str, replica_id: int, reason: str, where: str | None = None) -> None:
+        at = f" ({where})" if where else ""
         Exception.__init__(
             self,
-            f"the Ray actor of replica {replica_id} of model {model!r} died while running "
-            f"this batch ({reason})",
+            f"the Ray actor of replica {replica_id} of model {model!r}{at} died while "
+            f"running this batch: its process or its node was lost ({reason})",
         )
         self.exitcode = None
         self.replica_id = replica_id
         self.reason = reason
+        self.where = where

@@ -45,12 +45,22 @@ MODEL = """\
     max_delay_s: 0.002
     batch_timeout_s: 4
 """
+# A third: its two actors need the custom resource only the node the test removes has.
+DOOMED = "doomed_slot"
+# A fourth: its two actors reserved in a STRICT_SPREAD placement group. SLOT, of which
+# each CPU node has two, is what each reserves: PACK would put both on one node.
+SLOT = "spread_slot"
 CONFIG = (
     "models:\n"
     + MODEL.format(name="on_ray")
     + "    executor: ray\n    num_replicas: 2\n    ray_resources: {num_cpus: 1}\n"
     + MODEL.format(name="on_thread")
     + "    executor: thread\n"
+    + MODEL.format(name="on_doomed")
+    + f"    executor: ray\n    num_replicas: 2\n    ray_resources: {{num_cpus: 0, {DOOMED}: 1}}\n"
+    + MODEL.format(name="on_spread")
+    + f"    executor: ray\n    num_replicas: 2\n    ray_resources: {{num_cpus: 0, {SLOT}: 1}}\n"
+    + "    ray_placement: {strategy: STRICT_SPREAD}\n"
 )
 
 
@@ -62,18 +72,25 @@ def running_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(running_dir: Path) -> Iterator[Any]:
-    """Two Ray nodes of one CPU each on this machine. The actors' processes inherit this
-    process's environment: the model's folder on PYTHONPATH, CARPOOL_TEST_RAY_DIR."""
+    """Two Ray nodes of one CPU and two SLOT each on this machine, and a third without
+    CPUs that has the only two units of DOOMED (``cluster.doomed``, removed by the
+    node-loss test). The actors' processes inherit this process's environment: the
+    model's folder on PYTHONPATH, CARPOOL_TEST_RAY_DIR."""
     here = str(Path(__file__).resolve().parent)
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "CARPOOL_TEST_RAY_DIR")}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved["PYTHONPATH"]) if p)
     os.environ["CARPOOL_TEST_RAY_DIR"] = str(running_dir)
-    node_args = {"num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES}
+    node_args = {
+        "num_cpus": 1,
+        "object_store_memory": OBJECT_STORE_BYTES,
+        "resources": {SLOT: 2},
+    }
     started = cluster_utils.Cluster(
         initialize_head=True, head_node_args={**node_args, "include_dashboard": False}
     )
     try:
         started.add_node(**node_args)
+        started.doomed = _add_doomed_node(started)
         yield started
     finally:
         ray.shutdown()
@@ -91,6 +108,12 @@ def served(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     server = start_served_process(CONFIG, folder, args=["--ray-address", cluster.address])
     yield server
     assert server.stop() == 0, server.output()
+
+
+def _add_doomed_node(cluster: Any) -> Any:
+    return cluster.add_node(
+        num_cpus=0, resources={DOOMED: 2}, object_store_memory=OBJECT_STORE_BYTES
+    )
 
 
 def _raylets(cluster: Any) -> dict[int, str]:
@@ -140,9 +163,9 @@ def _infer(client: Any, model: str, values: list[float]) -> dict[str, np.ndarray
     return _answer_ok(_send(client, model, values))
 
 
-def _restarts(served: ServedProcess) -> float:
+def _restarts(served: ServedProcess, model: str = "on_ray") -> float:
     metrics = httpx.get(f"http://{served.http_url}/metrics", timeout=5).text
-    line = 'carpool_replica_restarts_total{model="on_ray"} '
+    line = f'carpool_replica_restarts_total{{model="{model}"}} '
     return float(next(row for row in metrics.splitlines() if row.startswith(line)).split()[-1])
 
 
@@ -184,12 +207,21 @@ def test_ray_replicas_answer_as_thread_replicas_do_from_both_nodes(
     assert _restarts(served) == 0
 
 
-def _post(served: ServedProcess, value: float) -> tuple[int, Any]:
+def test_strict_spread_reserves_the_two_replicas_on_two_nodes(
+    served: ServedProcess, cluster: Any, client: Any
+) -> None:
+    pending = [_send(client, "on_spread", [i + 0.5]) for i in range(40)]
+    pids = {int(_answer_ok(p)["PID"][0, 0]) for p in pending}
+    raylets = _raylets(cluster)
+    assert len({raylets[_parent(pid)] for pid in pids}) == 2, (pids, raylets)
+
+
+def _post(served: ServedProcess, value: float, model: str = "on_ray") -> tuple[int, Any]:
     """One request to on_ray over HTTP/JSON: its status and body. From threads: a
     tritonclient.http client sends from gevent greenlets, which run only while the test
     waits in tritonclient, not while it waits for the slow batch to start."""
     body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 1], "data": [value]}]}
-    url = f"http://{served.http_url}/v2/models/on_ray/infer"
+    url = f"http://{served.http_url}/v2/models/{model}/infer"
     response = httpx.post(url, json=body, timeout=60)
     return response.status_code, response.json()
 
@@ -284,3 +316,43 @@ def test_the_in_process_api_runs_a_function_on_ray_actors(
             }
 
     asyncio.run(run())
+
+
+def test_a_node_lost_under_a_batch_loses_no_request_and_its_replicas_come_back(
+    served: ServedProcess, cluster: Any, running_dir: Path
+) -> None:
+    """Last in the module: it removes the node of on_doomed's two actors while one of them
+    runs a batch; only a node added later has DOOMED again."""
+    raylets = _raylets(cluster)
+    lost_node_id = cluster.doomed.node_id
+    before = _restarts(served, "on_doomed")
+    _forget_running(running_dir)
+    values = [SLOW_MARK] + [float(i) for i in range(1, 9)]
+    with ThreadPoolExecutor(12) as pool:
+        slow = pool.submit(_post, served, SLOW_MARK, "on_doomed")
+        pid = _running_pid(running_dir)
+        assert raylets[_parent(pid)] == lost_node_id
+        others = [pool.submit(_post, served, v, "on_doomed") for v in values[1:]]
+        cluster.remove_node(cluster.doomed, allow_graceful=False)
+        # The batch on the lost node is answered at once: no replica is left to retry it.
+        status, body = slow.result(timeout=WAIT_LIMIT_S)
+        assert status == 500 and lost_node_id in body["error"], body
+        # Sent while no node can hold a replica: they wait in the queue for one.
+        later = [pool.submit(_post, served, float(v), "on_doomed") for v in (10, 11, 12)]
+        cluster.doomed = _add_doomed_node(cluster)
+        answers = [f.result(timeout=WAIT_LIMIT_S) for f in [slow, *others, *later]]
+    for value, (status, body) in zip([*values, 10.0, 11.0, 12.0], answers, strict=True):
+        if status != 200:
+            assert status == 500 and "Ray actor" in body["error"], body
+            assert lost_node_id in body["error"], body  # the lost node is named
+        else:
+            assert body["outputs"][0]["data"] == [value * 2], body
+    assert all(status == 200 for status, _ in answers[len(values) :]), answers
+    wait_until(
+        lambda: _restarts(served, "on_doomed") >= before + 2,
+        "both lost actors counted as restarted",
+    )
+    status, body = _post(served, 5.0, "on_doomed")
+    assert status == 200 and body["outputs"][0]["data"] == [10.0], body
+    pid_now = int(body["outputs"][1]["data"][0])
+    assert _raylets(cluster)[_parent(pid_now)] == cluster.doomed.node_id  # the new node

@@ -223,6 +223,21 @@ def test_config_datatypes_are_the_server_datatypes() -> None:
             "models[0].max_restarts",
             "greater than or equal to -1",
         ),
+        (
+            _with_model_line("ray_placement: {strategy: SPREAD}"),
+            "models[0].ray_placement",
+            "nothing unless executor: ray",
+        ),
+        (
+            _with_model_line("executor: ray\n    ray_placement: {strategy: spread}"),
+            "models[0].ray_placement",
+            "'STRICT_SPREAD'",
+        ),
+        (
+            _with_model_line("executor: ray\n    ray_placement: {strategy: PACK, name: g}"),
+            "models[0].ray_placement.name",
+            "known keys: strategy",
+        ),
         (VALID + "ray: {adress: auto}\n", "ray.adress", "did you mean 'address'?"),
         (_with_model_line("batch_timeout_s: 0"), "models[0].batch_timeout_s", "greater than 0"),
         (_with_model_line('buffer_pool: "on"'), "models[0].buffer_pool", "valid boolean"),
@@ -339,12 +354,13 @@ def test_executor_ray_is_only_for_batched_kinds(tmp_path: Path) -> None:
 def test_ray_options_and_the_ray_section_are_read(config_dir: Path) -> None:
     text = _with_model_line(
         "executor: ray\n    ray_resources: {num_cpus: 1, num_gpus: 0.5, accel: 2}\n"
-        "    max_restarts: 5"
+        "    max_restarts: 5\n    ray_placement: {strategy: STRICT_SPREAD}"
     )
     text += "ray: {address: auto, namespace: serving}\n"
     config = load_config(_write(config_dir, text))
     model = config.models[0]
     assert (model.executor, model.max_restarts) == ("ray", 5)
+    assert model.ray_placement is not None and model.ray_placement.strategy == "STRICT_SPREAD"
     assert model.ray_resources == {"num_cpus": 1.0, "num_gpus": 0.5, "accel": 2.0}
     assert config.ray is not None
     assert (config.ray.address, config.ray.namespace, config.ray.runtime_env) == (

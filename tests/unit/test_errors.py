@@ -79,10 +79,13 @@ def test_signals_between_stages_are_neither_carpool_errors_nor_public() -> None:
 def test_a_dead_actor_says_which_replica_and_what_ray_said() -> None:
     died = ActorDied("mlp", 1, "killed by ray.kill")
     assert str(died) == (
-        "the Ray actor of replica 1 of model 'mlp' died while running this batch "
-        "(killed by ray.kill)"
+        "the Ray actor of replica 1 of model 'mlp' died while running this batch: its "
+        "process or its node was lost (killed by ray.kill)"
     )
     assert (died.replica_id, died.reason, died.exitcode) == (1, "killed by ray.kill", None)
+    lost = ActorDied("mlp", 0, "socket closed", where="pid 7 on node 9f3a")
+    assert "replica 0 of model 'mlp' (pid 7 on node 9f3a) died" in str(lost)
+    assert lost.where == "pid 7 on node 9f3a"
 
 
 def test_every_exception_is_exported_from_the_package() -> None:

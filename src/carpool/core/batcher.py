@@ -86,6 +86,10 @@ class Batcher(Lifecycle):
             (default ``{"num_cpus": 1}``).
         max_restarts: with ``executor="ray"``, how often Ray restarts a dead actor
             before carpool creates another (default 3; -1: no limit).
+        ray_placement: with ``executor="ray"``, ``{"strategy": "STRICT_SPREAD"}`` (or
+            ``PACK``, ``SPREAD``, ``STRICT_PACK``): the replicas reserved together in a Ray
+            placement group, one bundle of ``ray_resources`` each (see
+            :mod:`carpool.core.ray_placement`); None: placed one by one.
 
     Raises:
         ConfigError: naming an argument of the wrong kind (a policy that is not a
@@ -116,6 +120,7 @@ class Batcher(Lifecycle):
         buffer_pool_mb: float = DEFAULT_BUFFER_POOL_MB,
         ray_resources: dict[str, float] | None = None,
         max_restarts: int | None = None,
+        ray_placement: dict[str, str] | None = None,
     ) -> None:
         if (fn is None) == (fn_factory is None):
             raise ConfigError("fn", fn, "exactly one of fn or fn_factory")
@@ -143,7 +148,14 @@ class Batcher(Lifecycle):
         if replica_cpus is not None and executor != "process":
             raise ConfigError("replica_cpus", replica_cpus, "None unless executor='process'")
         make_replicas = ray_replica_maker(
-            executor, name, self._devices, fn, fn_factory, ray_resources, max_restarts
+            executor,
+            name,
+            self._devices,
+            fn,
+            fn_factory,
+            ray_resources,
+            max_restarts,
+            ray_placement,
         )
         cpus = check_replica_cpus(replica_cpus, len(self._devices))
         self._policy = policy if policy is not None else BatchPolicy()

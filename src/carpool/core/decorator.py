@@ -152,6 +152,7 @@ def batched(
     buffer_pool_mb: float = ...,
     ray_resources: dict[str, float] | None = ...,
     max_restarts: int | None = ...,
+    ray_placement: dict[str, str] | None = ...,
 ) -> Callable[[BatchTarget], BatchedFunction]: ...
 
 
@@ -189,6 +190,7 @@ def batched(
     buffer_pool_mb: float = DEFAULT_BUFFER_POOL_MB,
     ray_resources: dict[str, float] | None = None,
     max_restarts: int | None = None,
+    ray_placement: dict[str, str] | None = None,
 ) -> BatchedFunction | Callable[[BatchTarget], BatchedFunction]:
     """Decorate a batched function: ``await f(x)`` then runs ``x`` inside some batch.
 
@@ -233,6 +235,7 @@ def batched(
             buffer_pool_mb=buffer_pool_mb,
             ray_resources=ray_resources,
             max_restarts=max_restarts,
+            ray_placement=ray_placement,
         )
 
     def wrap(target: BatchTarget) -> BatchedFunction:

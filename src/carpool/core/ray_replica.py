@@ -40,6 +40,12 @@ from carpool.core.ray_cluster import (
     ensure_connected,
     import_ray,
 )
+from carpool.core.ray_placement import (
+    PlacementGroup,
+    RayPlacement,
+    bundle_of,
+    check_ray_placement,
+)
 from carpool.core.remote_replica import (
     RESTART_WAIT_MAX_S,
     RESTART_WAIT_S,
@@ -81,7 +87,9 @@ class ReplicaActor:
 
 class RayReplica(RemoteReplica):
     """One copy of the model in a Ray actor (see the module docstring). ``group`` lists
-    the model's Ray replicas: a call whose actor died runs again on another."""
+    the model's Ray replicas: a call whose actor died runs again on another;
+    ``placement`` their placement group, if the model reserves one (its bundle
+    ``replica_id`` holds this replica's actor)."""
 
     def __init__(
         self,
@@ -93,12 +101,14 @@ class RayReplica(RemoteReplica):
         watchdog: Watchdog | None,
         options: RayOptions,
         group: list[RayReplica],
+        placement: PlacementGroup | None = None,
     ) -> None:
         super().__init__(replica_id, device, name, now, watchdog, group)
         self.node_id: str | None = None  # where its actor runs, once it does
         self.pid: int | None = None
         self._source = source
         self._options = options
+        self._placement = placement
         self._actor: Any = None
         self._reason = "it was not started"  # why it is not READY, for ActorDied
 
@@ -119,7 +129,12 @@ class RayReplica(RemoteReplica):
 
     async def _create(self) -> None:
         ray = import_ray()
-        actor_cls = ray.remote(ReplicaActor).options(name=None, **self._options.actor_options())
+        options = self._options.actor_options()
+        if self._placement is not None:
+            # Its bundle holds what it takes: Ray's default of a CPU must not be asked for.
+            options.setdefault("num_cpus", 0)
+            options["scheduling_strategy"] = await self._placement.reserved(self.replica_id)
+        actor_cls = ray.remote(ReplicaActor).options(name=None, **options)
         self._actor = actor_cls.remote(self._source, self.device, list(sys.path))
         self._state = ChildState.STARTING
         try:
@@ -224,9 +239,10 @@ class RayReplica(RemoteReplica):
     async def _run_here(self, call: ModelCall) -> RunOutput:
         ray = import_ray()
         async with self._lock:
-            await self.renewed()
+            # No wait for a restart here: the replica loop waits for one before it takes a
+            # batch, and a batch retried here must not wait for a node that may not come.
             if self._state is not ChildState.READY or self._actor is None:
-                raise ActorDied(self._name, self.replica_id, self._reason)
+                raise ActorDied(self._name, self.replica_id, self._reason, self._where())
             now = self._now
             started = now()
             call.check_turn(started)
@@ -235,8 +251,9 @@ class RayReplica(RemoteReplica):
                 where, outputs = await self._within_timeout(ref, started)
             except ray.exceptions.RayActorError as exc:
                 reason = _first_line(exc)
+                where = self._where()
                 self._died(reason)
-                raise ActorDied(self._name, self.replica_id, reason) from None
+                raise ActorDied(self._name, self.replica_id, reason, where) from None
             except ray.exceptions.RayTaskError as exc:
                 cause = exc.cause
                 raise cause if isinstance(cause, Exception) else RuntimeError(str(exc)) from None
@@ -244,6 +261,9 @@ class RayReplica(RemoteReplica):
                 self._restarted_unseen(*where)
             self._restart_wait_s = RESTART_WAIT_S
             return call.output(outputs, started, now())
+
+    def _where(self) -> str:
+        return f"pid {self.pid} on node {self.node_id}"
 
     def _restarted_unseen(self, node_id: str, pid: int) -> None:
         log.warning(
@@ -292,6 +312,8 @@ class RayReplica(RemoteReplica):
         if restarter is not None and not restarter.get_loop().is_closed():
             restarter.cancel()
         self._discard()
+        if self._placement is not None:
+            self._placement.release(self.replica_id)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -308,11 +330,18 @@ def ray_replicas(
     now: Callable[[], float],
     options: RayOptions,
     watchdog: Watchdog | None,
+    placement: RayPlacement | None = None,
 ) -> list[RayReplica]:
-    """One Ray replica per device, each knowing its siblings."""
+    """One Ray replica per device, each knowing its siblings (and, with ``placement``,
+    their placement group of one bundle of ``options.resources`` each)."""
+    reserved = (
+        PlacementGroup(name, placement, [bundle_of(options.resources)] * len(devices))
+        if placement is not None
+        else None
+    )
     group: list[RayReplica] = []
     for i, device in enumerate(devices):
-        group.append(RayReplica(i, device, name, source, now, watchdog, options, group))
+        group.append(RayReplica(i, device, name, source, now, watchdog, options, group, reserved))
     return group
 
 
@@ -324,6 +353,7 @@ def ray_replica_maker(
     fn_factory: FnFactory | str | None,
     ray_resources: object,
     max_restarts: object,
+    ray_placement: object = None,
 ) -> Callable[[Watchdog], list[RayReplica]] | None:
     """What makes a batcher's Ray replicas, given its watchdog; None unless ``executor``
     is ``"ray"``.
@@ -333,7 +363,11 @@ def ray_replica_maker(
             model that cannot reach an actor, or Ray not installed.
     """
     if executor != "ray":
-        for key, value in (("ray_resources", ray_resources), ("max_restarts", max_restarts)):
+        for key, value in (
+            ("ray_resources", ray_resources),
+            ("max_restarts", max_restarts),
+            ("ray_placement", ray_placement),
+        ):
             if value is not None:
                 raise ConfigError(key, value, "None unless executor='ray'")
         return None
@@ -341,10 +375,14 @@ def ray_replica_maker(
         check_ray_resources(ray_resources),
         DEFAULT_MAX_RESTARTS if max_restarts is None else check_max_restarts(max_restarts),
     )
+    placement = check_ray_placement(ray_placement)
+    if placement is not None:
+        bundle_of(options.resources)  # not empty: say so now
     source = process_source(fn, fn_factory, executor)
     import_ray()  # installed: say so now, not when the batcher starts
 
     def make(watchdog: Watchdog) -> list[RayReplica]:
-        return ray_replicas(name, devices, source, watchdog.clock.now, options, watchdog)
+        now = watchdog.clock.now
+        return ray_replicas(name, devices, source, now, options, watchdog, placement)
 
     return make

@@ -109,6 +109,7 @@ def build_model(
         buffer_pool_mb=model.buffer_pool_mb,
         ray_resources=model.ray_resources,
         max_restarts=model.max_restarts,
+        ray_placement=model.ray_placement.model_dump() if model.ray_placement else None,
     )
     return ServedModel(
         name=model.name,

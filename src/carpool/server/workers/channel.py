@@ -16,6 +16,10 @@ after the position of the records written before it, so records arrive in the or
 they were sent whichever way each went. Nothing waits for space and nothing is lost.
 
 The socket closing (the other process exited or died) calls ``on_lost``.
+
+Requests' arrays one side writes in one loop turn (the results of a batch for one worker,
+the requests a worker read in one turn) go as one group record per shape at the turn's
+end (:class:`Grouper`), with one notification for them all.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
+import numpy as np
+
+from carpool.server.workers.records import GroupKey, Kind, encode_group
 from carpool.server.workers.ring import Ring
 
 _POSITION = b"P"
@@ -128,3 +135,54 @@ class Channel(asyncio.Protocol):
         if self._transport is not None:
             self.flush()
             self._transport.close()
+
+
+# A request alone in its group goes as a record of its own (``one`` makes it): a group of
+# one costs more to encode and split than the plain record (benchmarks/bench_handoff.py).
+OneRecord = Callable[[Any, dict[str, np.ndarray]], list[bytes | memoryview]]
+
+
+class Grouper:
+    """Collects the requests added in one loop turn, and at its end sends them as one
+    ``kind`` group record per :func:`~carpool.server.workers.records.group_key` on
+    ``channel()`` (the channel of the moment, None once it is gone), notified at once;
+    a request alone in its group as ``one(item, arrays)``."""
+
+    def __init__(self, kind: Kind, channel: Callable[[], Channel | None], one: OneRecord) -> None:
+        self._kind = kind
+        self._channel = channel
+        self._one = one
+        self._groups: dict[GroupKey, tuple[list[Any], list[dict[str, np.ndarray]]]] = {}
+        self.num_sent = 0  # group records sent (not counting records of one)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._groups)
+
+    def add(self, key: GroupKey, item: Any, arrays: dict[str, np.ndarray]) -> None:
+        """Send ``item`` (a request's fields) and its ``arrays`` (of ``key``) at the end
+        of this loop turn."""
+        groups = self._groups
+        if not groups:
+            asyncio.get_running_loop().call_soon(self.flush)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = ([item], [arrays])
+        else:
+            group[0].append(item)
+            group[1].append(arrays)
+
+    def flush(self) -> None:
+        """Send what was added (before a record that must come after it, or at the
+        turn's end); dropped when the channel is gone."""
+        groups, self._groups = self._groups, {}
+        channel = self._channel()
+        if not groups or channel is None:
+            return
+        for items, arrays in groups.values():
+            if len(items) == 1:
+                channel.send(self._one(items[0], arrays[0]))
+            else:
+                channel.send(encode_group(self._kind, items, arrays))
+                self.num_sent += 1
+        channel.flush()

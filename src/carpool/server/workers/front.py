@@ -24,8 +24,16 @@ import numpy as np
 from carpool.core.policy import BatchPolicy
 from carpool.core.request import Request
 from carpool.errors import Closed, QueueFull
-from carpool.server.workers.channel import Channel
-from carpool.server.workers.records import Kind, Record, decode, decode_error, encode
+from carpool.server.workers.channel import Channel, Grouper
+from carpool.server.workers.records import (
+    Kind,
+    Record,
+    decode,
+    decode_error,
+    encode,
+    group_key,
+    split_group,
+)
 
 ENGINE = "the engine (carpool serve --workers)"  # what a Closed error names
 NUM_FREE_UNKNOWN = 1 << 30  # the worker does not see the engine's queues: room as far as it knows
@@ -57,6 +65,10 @@ class Link:
         self._waiting: dict[int, _Waiting] = {}
         self.fronts: dict[str, RemoteFront] = {}
         self.is_stopping = False
+        # The INFER records of a loop turn, sent as INFERS at its end.
+        self._infers = Grouper(
+            Kind.INFERS, lambda: self.channel, lambda item, arrays: encode(Kind.INFER, item, arrays)
+        )
 
     @property
     def is_open(self) -> bool:
@@ -72,6 +84,8 @@ class Link:
         channel = self.channel
         if channel is None:
             raise Closed(ENGINE)
+        if self._infers.has_pending:
+            self._infers.flush()  # records keep the order they were sent in
         channel.send(encode(kind, header, arrays, blob))
 
     def request(
@@ -83,7 +97,11 @@ class Link:
         request_id = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = _Waiting(future, header.get("model"))
-        self.send(kind, {**header, "id": request_id}, arrays, blob)
+        key = group_key(arrays) if kind is Kind.INFER and type(arrays) is dict else None
+        if key is not None:
+            self._infers.add(key, {**header, "id": request_id}, arrays)
+        else:
+            self.send(kind, {**header, "id": request_id}, arrays, blob)
         return request_id, future
 
     def cancel(self, request_id: int) -> None:
@@ -101,6 +119,12 @@ class Link:
             front = self.fronts.get(record.header["model"])
             if front is not None:
                 front.set_policy(pickle.loads(bytes(record.blob)), record.header["version"])
+            return
+        if kind is Kind.RESULTS:
+            for request_id, arrays in split_group(record):
+                waiting = self._waiting.pop(request_id, None)
+                if waiting is not None and not waiting.future.done():
+                    waiting.future.set_result(arrays)
             return
         request_id = record.header["id"]
         if kind is Kind.CHUNK or kind is Kind.END:

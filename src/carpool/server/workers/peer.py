@@ -5,6 +5,7 @@ and sends the answers back.
 ::
 
     INFER  model, options, arrival, arrays  -> batcher.enqueue_many -> RESULT arrays | ERROR
+    INFERS a group of INFER (one loop turn)  -> each as INFER        -> RESULTS (a batch's)
     RUN    the same, through model.run      -> (embeddings, generation: their own infer)
     CANCEL id                               -> batcher.cancel / the task cancelled
     FORWARD method, path, query, headers,   -> route + respond -> ANSWER (+ CHUNK..., END)
@@ -28,8 +29,16 @@ from carpool.server.http.headers import RequestHeaders
 from carpool.server.http.router import HttpRequest, route
 from carpool.server.infer import Answer, error_response
 from carpool.server.repository import ServedModel
-from carpool.server.workers.channel import Channel
-from carpool.server.workers.records import Kind, Record, decode, encode, encode_error
+from carpool.server.workers.channel import Channel, Grouper
+from carpool.server.workers.records import (
+    Kind,
+    Record,
+    decode,
+    encode,
+    encode_error,
+    group_key,
+    split_group,
+)
 
 log = logging.getLogger("carpool.server.workers")
 
@@ -50,6 +59,12 @@ class Peer:
         self._earlier_requests = 0  # answered in its earlier lives
         self.num_handoffs = 0  # INFER, RUN and FORWARD records, over the worker's lives
         self.is_listening = asyncio.Event()
+        # The results of a loop turn (a batch's, for this worker), sent as RESULTS.
+        self._results = Grouper(
+            Kind.RESULTS,
+            lambda: self.channel,
+            lambda request_id, arrays: encode(Kind.RESULT, {"id": request_id}, arrays),
+        )
 
     @property
     def num_requests(self) -> int:
@@ -69,9 +84,13 @@ class Peer:
     def on_record(self, data: bytearray) -> None:
         record = decode(data)
         kind = record.kind
-        if kind is Kind.INFER:
+        if kind is Kind.INFERS:
+            for item, arrays in split_group(record):
+                self.num_handoffs += 1
+                self._infer(item, arrays)
+        elif kind is Kind.INFER:
             self.num_handoffs += 1
-            self._infer(record)
+            self._infer(record.header, record.arrays)
         elif kind is Kind.RUN or kind is Kind.FORWARD:
             self.num_handoffs += 1
             work = self._run(record) if kind is Kind.RUN else self._forward(record)
@@ -100,13 +119,12 @@ class Peer:
 
     # -- the fast path ----------------------------------------------------------------------
 
-    def _infer(self, record: Record) -> None:
-        header = record.header
+    def _infer(self, header: dict[str, Any], arrays: dict[str, Any]) -> None:
         request_id = header["id"]
         try:
             model, batcher = self._batched(header["model"])
             queued = batcher.enqueue_many(
-                record.arrays, **header["options"], arrival_s=header["arrival_s"]
+                arrays, **header["options"], arrival_s=header["arrival_s"]
             )
         except Exception as exc:
             self._fail(request_id, exc)
@@ -131,7 +149,11 @@ class Peer:
             return
         try:
             outputs = model.outputs_of(future.result())
-            self.send(Kind.RESULT, {"id": request_id}, outputs)
+            key = group_key(outputs) if type(outputs) is dict else None
+            if key is not None:
+                self._results.add(key, request_id, outputs)
+            else:
+                self.send(Kind.RESULT, {"id": request_id}, outputs)
         except Exception as exc:
             self._fail(request_id, exc)
 

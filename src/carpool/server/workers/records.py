@@ -10,6 +10,15 @@ streamed answer, or a pickled error. Fixed-size arrays travel as their bytes; an
 array (KServe BYTES) as its elements, each ``[length: u32][kind: b"b" bytes | b"s" str]``
 followed by its bytes. Decoded arrays are views on the record's bytes.
 
+A *group* record (INFERS, RESULTS) carries many requests' arrays in one: what one side
+wrote for the other in one loop turn (a batch's results for one worker, the requests a
+worker read in one turn), so that the header, its parsing and the per-array work are
+paid once per group, not per request. Its requests' arrays of one name are joined along
+the first axis; the header lists each request's own fields (``items``) and its rows of
+each array (``rows``), from which :func:`split_group` gives each request views on its
+rows. Only arrays that can be joined (:func:`group_key`: NumPy, not of objects, at
+least one axis) go in a group; the others travel in a record of their own.
+
 An error crosses as its pickle when it is carpool's (its fields rebuild it exactly, so
 the worker answers it with the status, message and headers :mod:`carpool.server.errors`
 gives it); any other exception as its type's name and its message, rebuilt as an
@@ -37,7 +46,8 @@ _ELEMENT = struct.Struct("<Ic")
 class Kind(enum.IntEnum):
     """What a record is. Worker to engine: INFER (arrays), RUN (arrays, through the
     model's own ``run``: embeddings and generation models), CANCEL, FORWARD (an HTTP
-    request whole), COUNTS (the worker's counters). Engine to worker: RESULT (arrays),
+    request whole), COUNTS (the worker's counters), INFERS (a group of INFER). Engine to
+    worker: RESULT (arrays), RESULTS (a group of RESULT),
     ERROR, ANSWER (an HTTP answer, or the head of a streamed one), CHUNK, END (a stream's
     end), POLICY (a model's new batch policy)."""
 
@@ -46,12 +56,14 @@ class Kind(enum.IntEnum):
     CANCEL = 3
     FORWARD = 4
     COUNTS = 5
+    INFERS = 6  # a group of INFER
     RESULT = 10
     ERROR = 11
     ANSWER = 12
     CHUNK = 13
     END = 14
     POLICY = 15
+    RESULTS = 16  # a group of RESULT
 
 
 _KINDS = {int(kind): kind for kind in Kind}
@@ -109,6 +121,48 @@ def decode(record: bytes | bytearray) -> Record:
         at += nbytes
     blob_bytes = header.pop("blob")
     return Record(_KINDS[header["kind"]], header, arrays, view[at : at + blob_bytes])
+
+
+GroupKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+def group_key(arrays: dict[str, Any]) -> GroupKey | None:
+    """What requests whose arrays can go in one group share (names, dtypes, shapes past
+    the first axis); None when they cannot (not NumPy, of objects, or no axis)."""
+    key = []
+    for name, array in arrays.items():
+        if type(array) is not np.ndarray or array.dtype.hasobject or not array.ndim:
+            return None
+        key.append((name, array.dtype.str, array.shape[1:]))
+    return tuple(key)
+
+
+def encode_group(
+    kind: Kind, items: list[Any], arrays: list[dict[str, np.ndarray]]
+) -> list[bytes | memoryview]:
+    """One group record of ``items`` (each request's fields), ``arrays[i]`` item ``i``'s
+    arrays, all of one :func:`group_key`."""
+    names = list(arrays[0])
+    rows = [[len(a[name]) for name in names] for a in arrays]
+    if len(arrays) == 1:
+        return encode(kind, {"items": items, "rows": rows}, arrays[0])
+    joined = {name: np.concatenate([a[name] for a in arrays]) for name in names}
+    return encode(kind, {"items": items, "rows": rows}, joined)
+
+
+def split_group(record: Record) -> list[tuple[Any, dict[str, np.ndarray]]]:
+    """Each item of a group record, with views on its rows of the record's arrays."""
+    joined = list(record.arrays.items())
+    starts = [0] * len(joined)
+    out = []
+    for item, rows in zip(record.header["items"], record.header["rows"], strict=True):
+        arrays = {}
+        for i, (name, array) in enumerate(joined):
+            start = starts[i]
+            end = starts[i] = start + rows[i]
+            arrays[name] = array[start:end]
+        out.append((item, arrays))
+    return out
 
 
 def _elements(array: np.ndarray) -> bytes:

@@ -8,7 +8,16 @@ import pytest
 from carpool.errors import DeadlineExceeded, InvalidInput, QueueFull
 from carpool.server.errors import http_error
 from carpool.server.kserve.tensors import DATATYPES
-from carpool.server.workers.records import Kind, decode, decode_error, encode, encode_error
+from carpool.server.workers.records import (
+    Kind,
+    decode,
+    decode_error,
+    encode,
+    encode_error,
+    encode_group,
+    group_key,
+    split_group,
+)
 
 
 def _through(parts: list[bytes | memoryview]) -> bytearray:
@@ -68,3 +77,37 @@ def test_another_exception_comes_back_named_as_its_type() -> None:
     back = decode_error(encode_error(ZeroDivisionError("division by zero")))
     assert http_error(back).status == 500
     assert http_error(back).message == "internal error: ZeroDivisionError: division by zero"
+
+
+def test_a_group_gives_each_item_its_own_rows_of_each_array() -> None:
+    arrays = [
+        {"A": np.arange(i * 6, i * 6 + 3 * (i + 1), dtype=np.float32).reshape(-1, 3),
+         "B": np.full((i % 2 + 1,), i, dtype=np.int64)}
+        for i in range(3)
+    ]  # fmt: skip
+    items = [{"id": 10 + i} for i in range(3)]
+    record = decode(_through(encode_group(Kind.INFERS, items, arrays)))
+    assert record.kind is Kind.INFERS
+    split = split_group(record)
+    assert [item for item, _ in split] == items
+    for (_, got), sent in zip(split, arrays, strict=True):
+        assert list(got) == ["A", "B"]
+        for name in sent:
+            assert got[name].dtype == sent[name].dtype
+            assert got[name].tolist() == sent[name].tolist()
+
+
+def test_a_group_of_one_round_trips() -> None:
+    arrays = {"O": np.eye(2, dtype=np.float64)}
+    [(item, got)] = split_group(decode(_through(encode_group(Kind.RESULTS, [5], [arrays]))))
+    assert item == 5 and got["O"].tolist() == arrays["O"].tolist()
+
+
+def test_only_arrays_that_can_be_joined_have_a_group_key() -> None:
+    a = np.zeros((2, 3), np.float32)
+    assert group_key({"A": a}) == (("A", "<f4", (3,)),)
+    assert group_key({"A": a}) != group_key({"A": a.astype(np.float64)})
+    assert group_key({"A": a}) != group_key({"A": np.zeros((2, 4), np.float32)})
+    assert group_key({"A": np.array([b"x"], dtype=object)}) is None
+    assert group_key({"A": np.float32(1.0)}) is None
+    assert group_key({"A": [1.0, 2.0]}) is None
