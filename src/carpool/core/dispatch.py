@@ -198,7 +198,6 @@ class Dispatcher:
             self._clock.now,
             self._executor,
             self.watchdog,
-            lambda: self._queues.sheds_load,
         )
 
     def run(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -131,17 +131,6 @@ class Queues:
         """Requests waiting across all classes."""
         return sum(q.num_live for q in self.ordered)
 
-    @property
-    def sheds_load(self) -> bool:
-        """Whether a request may be refused for the load alone: a queue bound (the model's
-        or a class's) or a timeout is set."""
-        if self.max_queue_size is not None:
-            return True
-        return any(
-            q.limits.max_queue_size is not None or q.limits.timeout_s is not None
-            for q in self.ordered
-        )
-
     def admit(self, request: Request) -> None:
         """Queue ``request`` or raise :class:`QueueFull` naming the bound it hit."""
         queue = self.by_name[request.class_name]

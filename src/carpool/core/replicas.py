@@ -62,12 +62,6 @@ def usable_cpus() -> int:
 
 
 LONGEST_BATCH_ON_LOOP_S = 0.05
-# The same for a model that sheds load (a queue bound or a timeout set): a request that
-# comes while a batch computes on the loop waits for that batch before it is even read, its
-# refusal too. With W1's 15 ms batches that put the soak's refusal p99 at 22-25 ms against
-# its 10 ms target (docs/reliability.md); a replica whose batches compute longer than this
-# moves to its thread, where the loop goes on reading and refusing while the model computes.
-LONGEST_BATCH_ON_LOOP_SHEDDING_S = 0.005
 # Batches in a row that took longer than LONGEST_BATCH_ON_LOOP_S without computing that
 # long (the model waited, or the host preempted the process) before a replica leaves.
 SLOW_BATCHES_TO_LEAVE_LOOP = 3
@@ -84,9 +78,7 @@ def runs_on_loop(executor: str, device: str) -> bool:
     ``docs/benchmarks.md``). The loop then waits for each batch, as it would for its turn.
     Under ``"auto"`` a replica whose batch computes longer than
     ``LONGEST_BATCH_ON_LOOP_S`` (in CPU time of the loop's thread) moves to its thread for
-    good: the loop must not go deaf to health checks and new connections for that long;
-    for a model that sheds load, ``LONGEST_BATCH_ON_LOOP_SHEDDING_S``: its refusals must
-    go out within a few milliseconds, and a request waits unread while the loop computes.
+    good: the loop must not go deaf to health checks and new connections for that long.
     A batch that took that long in wall time only (the model blocked, or the host ran
     something else) counts towards ``SLOW_BATCHES_TO_LEAVE_LOOP`` in a row: one hiccup of
     a shared machine must not cost the loop's advantage for the rest of the process.
@@ -230,7 +222,6 @@ class Replica:
         now: Callable[[], float],
         executor: str = "auto",
         watchdog: Watchdog | None = None,
-        sheds_load: Callable[[], bool] = lambda: False,
     ) -> None:
         self.replica_id = replica_id
         self.device = device
@@ -254,7 +245,6 @@ class Replica:
         self._on_loop = runs_on_loop(executor, device)
         self._may_leave_loop = executor == "auto"
         self._num_slow_batches = 0  # too long in wall time, in a row, on the loop
-        self._sheds_load = sheds_load  # asked per batch: a policy update may set a bound
 
     def _new_thread(self) -> ReplicaThread:
         suffix = self.counters.num_abandoned  # carpool-m-r0_0, then _1 once replaced...
@@ -263,14 +253,11 @@ class Replica:
     def _judge_loop_batch(self, wall_s: float, cpu_s: float) -> None:
         """Under ``auto``: move later batches to the replica's thread after one batch that
         computed too long, or several in a row that took too long (see runs_on_loop)."""
-        longest_s = (
-            LONGEST_BATCH_ON_LOOP_SHEDDING_S if self._sheds_load() else LONGEST_BATCH_ON_LOOP_S
-        )
-        if wall_s <= longest_s:
+        if wall_s <= LONGEST_BATCH_ON_LOOP_S:
             self._num_slow_batches = 0
             return
         self._num_slow_batches += 1
-        if cpu_s > longest_s or self._num_slow_batches >= SLOW_BATCHES_TO_LEAVE_LOOP:
+        if cpu_s > LONGEST_BATCH_ON_LOOP_S or self._num_slow_batches >= SLOW_BATCHES_TO_LEAVE_LOOP:
             self._on_loop = False  # later batches run on the replica's thread
 
     def _init_thread(self) -> None:

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import sys
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
@@ -205,52 +202,6 @@ async def test_a_model_on_the_loop_warns_once_that_batch_timeout_cannot_stop_it(
             await batcher.submit(np.ones(1, dtype=np.float32))
     warnings = [r for r in caplog.records if "cannot stop a batch that hangs" in r.getMessage()]
     assert len(warnings) == (1 if warns else 0)
-
-
-def _cpu_clock(step_s: float) -> Callable[[], float]:
-    """A thread CPU clock that advances ``step_s`` each time it is read: every batch
-    computes for ``step_s``."""
-    ticks = itertools.count()
-    return lambda: next(ticks) * step_s
-
-
-@pytest.mark.parametrize(
-    ("limits", "leaves"),
-    [({}, False), ({"max_queue_size": 64}, True), ({"timeout_s": 1.0}, True)],
-)
-async def test_auto_keeps_a_model_that_sheds_load_on_the_loop_only_for_short_batches(
-    monkeypatch: pytest.MonkeyPatch, limits: dict[str, Any], leaves: bool
-) -> None:
-    # A request waits unread while a batch computes on the loop, its refusal too: with a
-    # queue bound or a timeout, a batch longer than the shedding budget moves the model.
-    monkeypatch.setattr(replicas, "usable_cpus", lambda: 1)
-    monkeypatch.setattr(replicas, "LONGEST_BATCH_ON_LOOP_SHEDDING_S", 0.0)  # wall: too long
-    monkeypatch.setattr(replicas, "thread_cpu_s", _cpu_clock(0.01))  # 10 ms each: < 50 ms
-    model = ThreadRecorder()
-    policy = BatchPolicy(max_batch_size=1, **limits)
-    batcher = Batcher(model, policy, executor="auto", switch_interval_s=None)
-    async with batcher:
-        for _ in range(3):
-            await batcher.submit(np.ones(1))
-    assert (len(model.threads) == 2) is leaves
-
-
-async def test_auto_moves_the_model_once_a_policy_update_sets_a_queue_bound(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(replicas, "usable_cpus", lambda: 1)
-    monkeypatch.setattr(replicas, "LONGEST_BATCH_ON_LOOP_SHEDDING_S", 0.0)
-    monkeypatch.setattr(replicas, "thread_cpu_s", _cpu_clock(0.01))
-    model = ThreadRecorder()
-    batcher = Batcher(model, BatchPolicy(max_batch_size=1), executor="auto", switch_interval_s=None)
-    async with batcher:
-        await batcher.submit(np.ones(1))
-        await batcher.submit(np.ones(1))
-        assert model.threads == {threading.get_ident()}
-        batcher.update_policy(max_queue_size=64)
-        await batcher.submit(np.ones(1))  # judged with the bound: too long for the loop
-        await batcher.submit(np.ones(1))
-    assert len(model.threads) == 2
 
 
 async def test_a_replica_that_auto_moves_off_the_loop_lowers_the_switch_interval(

@@ -77,25 +77,6 @@ async def test_full_only_when_no_class_has_room() -> None:
     assert isinstance(bounded.full(), QueueFull)
 
 
-@pytest.mark.parametrize(
-    ("changes", "sheds"),
-    [
-        ({}, False),
-        ({"max_queue_size": 8}, True),
-        ({"timeout_s": 0.5}, True),
-        ({"classes": (ClassPolicy("hi", max_queue_size=1), ClassPolicy("lo"))}, True),
-        ({"classes": (ClassPolicy("hi"), ClassPolicy("lo", timeout_s=0.5))}, True),
-    ],
-)
-def test_sheds_load_with_a_queue_bound_or_a_timeout_anywhere(
-    changes: dict[str, object], sheds: bool
-) -> None:
-    queues = Queues(_policy(**changes))
-    assert queues.sheds_load is sheds
-    queues.reconfigure(_policy())
-    assert queues.sheds_load is False
-
-
 async def test_full_at_the_bound_across_classes() -> None:
     queues = Queues(_policy(max_queue_size=2))
     queues.admit(_request("hi"))
