@@ -327,7 +327,7 @@ BAD: list[tuple[str, bytes, int, str | None, str | None]] = [
     ("/v1/completions", orjson.dumps({"model": "nope", "prompt": "x"}), 404, None,
      "model_not_found"),
     ("/v1/completions", _json({"prompt": LONG}), 400, "prompt", "context_length_exceeded"),
-    ("/v1/completions", _json({"prompt": "hi", "max_tokens": MAX_MODEL_LEN}), 400,
+    ("/v1/completions", _json({"prompt": "hi", "max_tokens": MAX_MODEL_LEN + 1}), 400,
      "max_tokens", "context_length_exceeded"),
     ("/v1/chat/completions", _json({"messages": [{"role": "user", "content": LONG}]}), 400,
      "messages", "context_length_exceeded"),
@@ -361,7 +361,7 @@ BAD: list[tuple[str, bytes, int, str | None, str | None]] = [
     ("/v1/completions", _json({"prompt": LONG, "stream": True}), 400, "prompt",
      "context_length_exceeded"),
     ("/v1/chat/completions", _json({"messages": [{"role": "user", "content": "hi"}],
-     "stream": True, "max_completion_tokens": MAX_MODEL_LEN}), 400, "max_completion_tokens",
+     "stream": True, "max_completion_tokens": MAX_MODEL_LEN + 1}), 400, "max_completion_tokens",
      "context_length_exceeded"),
 ]  # fmt: skip
 

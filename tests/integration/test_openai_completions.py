@@ -16,7 +16,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import ServedProcess
+from .conftest import ServedProcess, start_served_process
 
 MODEL = "tiny-random-llama"  # max_model_len 1024, byte tokenizer: one token a byte, BOS first
 
@@ -377,6 +377,34 @@ def test_max_tokens_past_the_context_names_both_lengths_as_vllm_does(client):
     assert _message(error).startswith(CONTEXT)
     assert "you requested 5002 tokens (2 in the prompt, 5000 in the completion)" in _message(error)
     assert "lower max_tokens to 1022 or less" in _message(error)
+
+
+def test_max_tokens_that_this_prompt_takes_past_the_context_is_lowered_to_fit(client):
+    # vLLM's answer (`vllm bench serve` sends such requests): the output stops where the
+    # context ends; OpenAI's 400 is what --strict-openai gives (the next test).
+    prompt = "a" * 1013  # BOS + 1013 bytes: 1014 tokens, room for 10 of the 1024
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=500, extra_body={"ignore_eos": True}
+    )
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.prompt_tokens == 1014
+    assert response.usage.completion_tokens == 10
+
+
+def test_strict_openai_refuses_max_tokens_past_the_context(tmp_path):
+    server = start_served_process(None, tmp_path, args=["--strict-openai"])
+    try:
+        url = f"http://{server.http_url}/v1"
+        with (
+            openai.OpenAI(base_url=url, api_key="-", max_retries=0) as strict,
+            pytest.raises(openai.BadRequestError) as caught,
+        ):
+            strict.completions.create(model=MODEL, prompt="a" * 1013, max_tokens=500)
+    finally:
+        assert server.stop() == 0, server.output()
+    error = caught.value
+    assert (error.param, error.code) == ("max_tokens", "context_length_exceeded")
+    assert "lower max_tokens to 10 or less" in _message(error)
 
 
 def test_chat_max_completion_tokens_past_the_context_names_the_messages(client):

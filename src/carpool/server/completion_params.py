@@ -26,14 +26,20 @@ MAX_LOGIT_BIAS = 100.0
 
 
 def sampling_params(
-    doc: dict[str, Any], service: GenerationService, num_prompt: int, is_chat: bool
+    doc: dict[str, Any],
+    service: GenerationService,
+    num_prompt: int,
+    is_chat: bool,
+    fit_max_tokens: bool = True,
 ) -> SamplingParams:
     """The sampling fields of ``doc``, for a prompt of ``num_prompt`` tokens.
+    ``fit_max_tokens``: a ``max_tokens`` that runs past the context with this prompt is
+    lowered to what fits, as vLLM does (else refused, as OpenAI does).
 
     Raises:
         BadParam: naming the field out of range or past the context.
     """
-    max_tokens = _max_tokens(doc, service, num_prompt, is_chat)
+    max_tokens = _max_tokens(doc, service, num_prompt, is_chat, fit_max_tokens)
     vocab_size = service.tokenizer.vocab_size
     # -1 or 0: off (vLLM writes -1); more than the vocabulary is all of it.
     top_k = min(max(integer(doc, "top_k", 0, -1), 0), vocab_size)
@@ -66,7 +72,7 @@ def sampling_params(
 
 
 def _max_tokens(
-    doc: dict[str, Any], service: GenerationService, num_prompt: int, is_chat: bool
+    doc: dict[str, Any], service: GenerationService, num_prompt: int, is_chat: bool, fit: bool
 ) -> int:
     room = service.max_model_len - num_prompt
     # Context errors open as OpenAI's and vLLM's do ("This model's maximum context length
@@ -87,8 +93,12 @@ def _max_tokens(
     max_tokens = doc.get(key)
     if max_tokens is None:
         max_tokens = room if is_chat else min(DEFAULT_MAX_TOKENS, room)
-    elif isinstance(max_tokens, int) and max_tokens > room:  # refused before a stream starts
-        raise BadParam(
+    elif isinstance(max_tokens, int) and max_tokens > room:
+        if fit and max_tokens <= service.max_model_len:
+            # vLLM's answer: the output stops where the context ends (finish_reason
+            # "length"); a max_tokens past the whole context is refused, as vLLM does.
+            return room
+        raise BadParam(  # refused before a stream starts
             key,
             f"{context}. However, you requested {num_prompt + max_tokens} tokens "
             f"({num_prompt} in the {what}, {max_tokens} in the completion); lower {key} "

@@ -20,8 +20,10 @@ choice i samples with ``seed + i``, as vLLM), ``echo`` (completions: the prompt'
 first; with ``logprobs``, its tokens' log-probabilities first), ``logprobs`` /
 ``top_logprobs``, the sampling fields of ``completion_params.py`` and carpool's
 ``priority`` (a class name: interactive, normal, background). Other fields follow
-``openai_fields.py``. A prompt or ``max_tokens`` past the context is a 400 with
-OpenAI's ``context_length_exceeded`` code.
+``openai_fields.py``. A prompt past the context, or a ``max_tokens`` past the whole
+context, is a 400 with OpenAI's ``context_length_exceeded`` code; a ``max_tokens`` that
+only this prompt takes past it is lowered to fit, as vLLM does (a 400 too under
+``--strict-openai``, as OpenAI answers).
 """
 
 from __future__ import annotations
@@ -96,14 +98,16 @@ async def prepare(
     fields: IgnoredFields | None = None,
 ) -> CompletionCall:
     """The request in ``body``, checked and tokenized; ``fields``: the server's policy
-    for fields no one defines (default: ignore them, uncounted).
+    for fields no one defines (default: ignore them, uncounted), whose ``strict`` also
+    refuses a ``max_tokens`` past the context instead of lowering it.
 
     Raises:
         BadParam: naming the field that is missing, malformed or not supported.
         NotFound: when ``model`` is not a generation model.
     """
     doc = parse_object(body)
-    (fields or IgnoredFields()).check(doc, CHAT_FIELDS if is_chat else COMPLETION_FIELDS)
+    fields = fields or IgnoredFields()
+    fields.check(doc, CHAT_FIELDS if is_chat else COMPLETION_FIELDS)
     service = _service(repository, doc)
     loop = asyncio.get_running_loop()
     if is_chat:
@@ -123,7 +127,7 @@ async def prepare(
     if options is not None and (not stream or not isinstance(options, dict)):
         raise BadParam("stream_options", "stream_options: expected an object, with stream: true")
     priority = priority_class(doc, service.classes)
-    sampling = sampling_params(doc, service, len(prompt_ids), is_chat)
+    sampling = sampling_params(doc, service, len(prompt_ids), is_chat, not fields.strict)
     if is_chat and flag(doc, "echo"):  # vLLM's: the last message again; not done here
         raise BadParam("echo", "echo=True is not supported by carpool on chat; leave echo out")
     echo = "" if is_chat else _echo(doc, service, prompt_ids)
