@@ -16,6 +16,8 @@ between settings over the policy endpoint (`--allow-policy-updates`), not by res
 2. **Priority classes.** An interactive request (`priority: 1`, `slo_s` 20 ms) every
    20 ms, alone and then under 64 closed-loop background clients; its p99, and the
    background throughput against the offline ceiling; fixed (64 within 2 ms) vs auto.
+   Under load, from `/metrics`: the mean batch size (all classes) and the share of the
+   time the model computed.
 
     .venv/bin/python benchmarks/bench_adaptive.py [--quick] [--only priority] [--repeats N]
         [--breakdown] [--json PATH]
@@ -297,6 +299,22 @@ def _breakdown(served: dict[str, Any], loaded: list[float]) -> dict[str, Any]:
     return out
 
 
+def _batch_sums(url: str) -> dict[str, float]:
+    """The server's batch counters for `mlp`: items, batches and compute seconds so far."""
+    wanted = {
+        "carpool_batch_size_sum": "items",
+        "carpool_batch_size_count": "batches",
+        "carpool_batch_compute_seconds_sum": "compute_s",
+    }
+    sums = dict.fromkeys(wanted.values(), 0.0)
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in wanted and s.labels.get("model") == "mlp":
+                sums[wanted[s.name]] += s.value
+    return sums
+
+
 def _priority_round(
     url: str, name: str, policy: dict[str, Any], ceiling: float, duration_s: float, breakdown: bool
 ) -> dict[str, Any]:
@@ -314,7 +332,9 @@ def _priority_round(
         background = subprocess.Popen(command, stdout=subprocess.DEVNULL)
         time.sleep(1.5)  # its warm-up
         recorder = _timelines(url, duration_s, served) if breakdown else None
+        first, started_s = _batch_sums(url), time.perf_counter()
         loaded = _interactive(url, duration_s)
+        last, wall_s = _batch_sums(url), time.perf_counter() - started_s
         document = httpx.get(f"{url}/v2/models/mlp/policy", timeout=10.0).json()
         if recorder is not None:
             recorder.join(timeout=60)
@@ -325,6 +345,11 @@ def _priority_round(
         "interactive_loaded_p99_ms": float(np.percentile(loaded, 99) * 1e3),
         "background_rps": summary["rate_rps"],
         "background_over_ceiling": summary["rate_rps"] / ceiling,
+        # Under load, every class's batches: their mean size and the share of the time
+        # the model computed (the rest: HTTP work on the loop, or idle).
+        "loaded_batch_mean": (last["items"] - first["items"])
+        / max(1.0, last["batches"] - first["batches"]),
+        "loaded_compute_share": (last["compute_s"] - first["compute_s"]) / wall_s,
     }
     if served:
         row["breakdown"] = _breakdown(served, loaded)

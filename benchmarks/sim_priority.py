@@ -2,6 +2,7 @@
 controller on a virtual clock, one replica computing on the event loop of one core.
 
     .venv/bin/python benchmarks/sim_priority.py [--seconds 10] [--seeds 3]
+        [--client-cpu-s S] [--label NAME]
 
 It replays what `bench_adaptive.py --only priority` measures over HTTP, without the noise
 of a shared machine: the :class:`~carpool.core.scheduler.Scheduler`,
@@ -18,16 +19,20 @@ decide; this driver plays the event loop of `carpool serve` with W1 on one core
 - 64 closed-loop background clients (class `background`) send their next request
   ``CLIENT_S`` after their answer; an interactive client (`priority: 1`, `slo_s` 20 ms)
   sends one every 20 ms (or when its previous one is answered, if later), as the
-  benchmark's does.
+  benchmark's does. With ``--client-cpu-s``, the background clients share one
+  load-generator core: each next request costs it that long, one after another, so
+  a batch's clients come back spread out rather than at once.
 
 The default costs are W1's on the quiet 2-core machine: batch 64 in 16.4 ms (the offline
 ceiling 3900 items/s), batch 1 in 2.5 ms (`bench_adaptive`'s c=1 p50 2.85 ms over HTTP),
 about 45 us of HTTP work per request on the loop (its capacity over HTTP at concurrency 64
 was 0.85 of the ceiling). Per policy (fixed: 64 within 2 ms; auto), medians over the
 seeds: the interactive p99 alone and under load, background throughput over the ceiling,
-and the mean sizes of the batches each class led. Results:
-`benchmarks/results/sim_priority.json`. A model, not a measurement: it shows what the
-policy decides; the HTTP benchmark shows what a real server does.
+the mean sizes of the batches each class led, and the share of the time the replica sat
+idle while background requests waited. Results: `benchmarks/results/sim_priority.json`
+(with ``--label``, under that key, next to the rows already there). A model, not a
+measurement: it shows what the policy decides; the HTTP benchmark shows what a real
+server does.
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ import heapq
 import itertools
 import random
 import statistics
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from benchlib import RESULTS, write_results
 from carpool.core.adaptive import Adaptive
@@ -80,6 +87,7 @@ class _Clock:
 class _Run:
     interactive_s: list[float] = field(default_factory=list)
     num_background: int = 0
+    idle_waiting_s: float = 0.0  # nothing computing while background requests waited
     sizes: dict[str, list[int]] = field(
         default_factory=lambda: {"interactive": [], "background": []}
     )
@@ -91,7 +99,11 @@ def _policy(**changes: Any) -> BatchPolicy:
 
 
 def simulate(
-    changes: dict[str, Any], seconds: float, seed: int, num_background: int = NUM_BACKGROUND
+    changes: dict[str, Any],
+    seconds: float,
+    seed: int,
+    num_background: int = NUM_BACKGROUND,
+    client_cpu_s: float = 0.0,
 ) -> _Run:
     """One run of ``seconds`` after the warm-up; what happened in it."""
     import asyncio
@@ -112,6 +124,7 @@ def simulate(
     heapq.heappush(sent, (next_interactive, next(ids), "interactive", next_interactive))
     sent_at: dict[int, float] = {}
     run, end_s = _Run(), WARMUP_S + seconds
+    client_free_s = 0.0  # when the load generator's core is next free
     now = 0.0
 
     def read(until_s: float) -> float:
@@ -143,7 +156,10 @@ def simulate(
             wakes = [t for t in (decision.wake_at_s, decision.ages_at_s) if t is not None]
             if sent:
                 wakes.append(sent[0][0])
-            now = max(now, min(wakes))
+            idle_until_s = max(now, min(wakes))
+            if now >= WARMUP_S and queues.by_name["background"].num_live > 0:
+                run.idle_waiting_s += idle_until_s - now
+            now = idle_until_s
             continue
         for name in {r.class_name for r in batch.requests}:
             if queues.by_name[name].num_live == 0:
@@ -168,7 +184,9 @@ def simulate(
                 heapq.heappush(sent, (next_interactive, next(ids), "interactive", next_interactive))
             else:
                 run.num_background += is_measured
-                heapq.heappush(sent, (now + CLIENT_S, next(ids), "background", now + CLIENT_S))
+                client_free_s = max(client_free_s, now) + client_cpu_s
+                sent_s = client_free_s + CLIENT_S
+                heapq.heappush(sent, (sent_s, next(ids), "background", sent_s))
     loop.close()
     return run
 
@@ -179,6 +197,8 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--client-cpu-s", type=float, default=0.0)
+    parser.add_argument("--label", help="store the rows under this key, keeping the others")
     args = parser.parse_args()
     ceiling = 64 / (OVERHEAD_S + PER_ITEM_S * 64)
     out: dict[str, Any] = {}
@@ -186,7 +206,7 @@ def main() -> None:
         rows = []
         for seed in range(args.seeds):
             alone = simulate(changes, args.seconds, seed, num_background=0)
-            loaded = simulate(changes, args.seconds, seed)
+            loaded = simulate(changes, args.seconds, seed, client_cpu_s=args.client_cpu_s)
             rows.append(
                 {
                     "interactive_alone_p99_ms": float(np.percentile(alone.interactive_s, 99) * 1e3),
@@ -196,6 +216,7 @@ def main() -> None:
                     "background_over_ceiling": loaded.num_background / args.seconds / ceiling,
                     "interactive_batch_mean": statistics.fmean(loaded.sizes["interactive"]),
                     "background_batch_mean": statistics.fmean(loaded.sizes["background"]),
+                    "idle_while_background_waits": loaded.idle_waiting_s / args.seconds,
                 }
             )
         out[name] = {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
@@ -206,8 +227,16 @@ def main() -> None:
             f"under load {row['interactive_loaded_p99_ms']:.1f} ms; background "
             f"{row['background_over_ceiling']:.2f} of ceiling; mean batch led by interactive "
             f"{row['interactive_batch_mean']:.1f}, by background {row['background_batch_mean']:.1f}"
+            f"; idle while background waits {row['idle_while_background_waits']:.3f}"
         )
-    write_results(RESULTS / "sim_priority.json", {"ceiling_items_per_s": ceiling, **out})
+    path = RESULTS / "sim_priority.json"
+    if not args.label:
+        write_results(path, {"ceiling_items_per_s": ceiling, **out})
+        return
+    kept = orjson.loads(path.read_bytes()) if path.exists() else {}
+    rows = {"command": " ".join(sys.argv), "client_cpu_s": args.client_cpu_s, **out}
+    path.write_bytes(orjson.dumps({**kept, args.label: rows}, option=orjson.OPT_INDENT_2))
+    print(f"wrote {path} ({args.label})")
 
 
 if __name__ == "__main__":
