@@ -26,7 +26,8 @@ issue's grid. `--only priority` runs only part 2 (results in `adaptive_priority.
 `--breakdown` also records the server's timelines while the interactive client runs
 under load and summarizes where the interactive requests' time went (it costs the server
 some CPU: leave it off for the figures). Figures are ratios within one run. Needs
-`taskset` (util-linux).
+`taskset` (util-linux). The same sweep for the embeddings model, on a token budget:
+bench_adaptive_embeddings.py (it reuses this module's sweep with its own `Workload`).
 """
 
 from __future__ import annotations
