@@ -28,7 +28,8 @@ issue's grid. `--only priority` runs only part 2 (results in `adaptive_priority.
 `--breakdown` also records the server's timelines while the interactive client runs
 under load and summarizes where the interactive requests' time went (it costs the server
 some CPU: leave it off for the figures). Figures are ratios within one run. Needs
-`taskset` (util-linux).
+`taskset` (util-linux). The same sweep for the embeddings model, on a token budget:
+bench_adaptive_embeddings.py (it reuses this module's sweep with its own `Workload`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,12 +93,44 @@ FULL_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.1)
 QUICK_FRACTIONS = (0.3, 0.7, 1.1)
 
 
-def _set(url: str, **changes: Any) -> None:
-    response = httpx.post(f"{url}/v2/models/mlp/policy", json=changes, timeout=10.0)
+@dataclass(frozen=True)
+class Workload:
+    """What one sweep serves and varies: the model, its `carpool bench` payload flags, the
+    SLO, and the policy key that bounds a batch (``size_key``: items or tokens) with its
+    grids and the AIMD controller's start, step and range on it."""
+
+    model: str
+    payload: tuple[str, ...]
+    slo_s: float
+    size_key: str
+    quick_sizes: tuple[int, ...]
+    full_sizes: tuple[int, ...]
+    auto: dict[str, Any]  # the `auto` setting
+    capacity_policy: dict[str, Any]  # the policy the capacity is measured under
+    aimd_range: tuple[int, int, int, int] = (8, 4, 1, 128)  # start, step, least, most
+    base: dict[str, Any] = field(default_factory=dict)  # joins every fixed and AIMD setting
+    day_night: bool = True
+    unit: str = ""  # after a size in a setting's name
+
+
+W1 = Workload(
+    model="mlp",
+    payload=("--protocol", "kserve-binary", "--input-shape", "1,256"),
+    slo_s=SLO_S,
+    size_key="max_batch_size",
+    quick_sizes=QUICK_SIZES,
+    full_sizes=FULL_SIZES,
+    auto={"max_delay_s": "auto", "max_batch_size": "auto"},
+    capacity_policy={"max_delay_s": 0.002, "max_batch_size": 64},
+)
+
+
+def set_policy(url: str, model: str, **changes: Any) -> None:
+    response = httpx.post(f"{url}/v2/models/{model}/policy", json=changes, timeout=10.0)
     response.raise_for_status()
 
 
-def _loads(capacity: float, quick: bool) -> list[tuple[str, list[str], float]]:
+def _loads(capacity: float, quick: bool, day_night: bool) -> list[tuple[str, list[str], float]]:
     """(label, `carpool bench` load flags, measured seconds) per load."""
     point_s = 3.0 if quick else 10.0
     loads = [("c=1", ["--concurrency", "1"], point_s)]
@@ -103,6 +139,8 @@ def _loads(capacity: float, quick: bool) -> list[tuple[str, list[str], float]]:
         loads.append((f"poisson {fraction:.0%}", ["--rate", rate, "--arrival", "poisson"], point_s))
     bursty = ["--rate", f"{0.7 * capacity:.0f}", "--arrival", "gamma", "--burstiness", "4"]
     loads.append(("bursty 70%", bursty, point_s))
+    if not day_night:
+        return loads
     step_s = 2.0 if quick else 20.0
     levels = (0.05, 0.3, 0.9, 0.3, 0.05, 0.6)
     schedule = ",".join(f"{i * step_s:g}s:{f * capacity:.0f}" for i, f in enumerate(levels))
@@ -110,13 +148,13 @@ def _loads(capacity: float, quick: bool) -> list[tuple[str, list[str], float]]:
     return loads
 
 
-def _goodput(url: str, flags: list[str], duration_s: float) -> dict[str, Any]:
-    argv = [url, "--model", "mlp", "--protocol", "kserve-binary", "--input-shape", "1,256"]
+def goodput(url: str, work: Workload, flags: list[str], duration_s: float) -> dict[str, Any]:
+    argv = [url, "--model", work.model, *work.payload]
     argv += [*flags, "--duration", f"{duration_s:g}s", "--warmup", "1s", "--seed", "0"]
     config = config_from_args(build_parser().parse_args([*argv, "--no-progress"]))
     (point,) = asyncio.run(run_bench(config))
     latencies = np.array(point.latencies_s)
-    within = int((latencies <= SLO_S).sum())
+    within = int((latencies <= work.slo_s).sum())
     return {
         "goodput_rps": within / duration_s,
         "rate_rps": point.summary.rate_rps,
@@ -127,16 +165,19 @@ def _goodput(url: str, flags: list[str], duration_s: float) -> dict[str, Any]:
 
 
 class Aimd:
-    """Clipper-style AIMD on max_batch_size from the server's latency histogram: +4 each
-    period while under 1% of the period's requests were over SLO_S, else x0.9."""
+    """Clipper-style AIMD on the workload's size key (W1: max_batch_size, from 8, +4 up to
+    128) from the server's latency histogram: +step each period while under 1% of the
+    period's requests were over the SLO (a bound of the histogram), else x0.9."""
 
-    def __init__(self, url: str, period_s: float = 0.25) -> None:
-        self.url, self.period_s, self.size = url, period_s, 8
+    def __init__(self, url: str, work: Workload, period_s: float = 0.25) -> None:
+        self.url, self.work, self.period_s = url, work, period_s
+        self.size, self.step, self.least, self.most = work.aimd_range
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> Aimd:
-        _set(self.url, max_delay_s=0.002, max_batch_size=self.size)
+        start = {**self.work.base, "max_delay_s": 0.002, self.work.size_key: self.size}
+        set_policy(self.url, self.work.model, **start)
         self._thread.start()
         return self
 
@@ -151,12 +192,12 @@ class Aimd:
             if family.name != "carpool_request_latency_seconds":
                 continue
             for s in family.samples:
-                if s.labels.get("model") != "mlp" or not s.name.endswith("_bucket"):
+                if s.labels.get("model") != self.work.model or not s.name.endswith("_bucket"):
                     continue
                 le = float(s.labels["le"])
                 if le == float("inf"):
                     total += s.value
-                elif abs(le - SLO_S) < 1e-9:
+                elif abs(le - self.work.slo_s) < 1e-9:
                     within += s.value
         return within, total
 
@@ -168,45 +209,49 @@ class Aimd:
             over = num - (after[0] - before[0])
             before = after
             if num and over / num > 0.01:
-                self.size = max(1, int(self.size * 0.9))
+                self.size = max(self.least, int(self.size * 0.9))
             else:
-                self.size = min(128, self.size + 4)
-            _set(self.url, max_batch_size=self.size)
+                self.size = min(self.most, self.size + self.step)
+            set_policy(self.url, self.work.model, **{self.work.size_key: self.size})
 
 
-def _capacity(url: str, quick: bool) -> float:
-    """Requests per second the server answers at concurrency 64 under the default policy
-    (64 within 2 ms): the capacity that the open-loop loads are fractions of. (The offline
-    ceiling leaves out the HTTP work, which shares the server's core.)"""
-    _set(url, max_delay_s=0.002, max_batch_size=64)
-    return _goodput(url, ["--concurrency", "64"], 3.0 if quick else 10.0)["rate_rps"]
+def measure_capacity(url: str, work: Workload, quick: bool) -> float:
+    """Requests per second the server answers at concurrency 64 under the workload's
+    default policy (W1: 64 within 2 ms): the capacity that the open-loop loads are
+    fractions of. (The offline ceiling leaves out the HTTP work, which shares the core.)"""
+    set_policy(url, work.model, **work.base, **work.capacity_policy)
+    return goodput(url, work, ["--concurrency", "64"], 3.0 if quick else 10.0)["rate_rps"]
 
 
-def _sweep(url: str, capacity: float, quick: bool) -> dict[str, Any]:
-    delays, sizes = (QUICK_DELAYS_S, QUICK_SIZES) if quick else (FULL_DELAYS_S, FULL_SIZES)
+def run_sweep(url: str, work: Workload, capacity: float, quick: bool) -> dict[str, Any]:
+    delays = QUICK_DELAYS_S if quick else FULL_DELAYS_S
+    sizes = work.quick_sizes if quick else work.full_sizes
     settings: list[tuple[str, dict[str, Any] | None]] = [
-        (f"fixed {d * 1e3:g} ms x {b}", {"max_delay_s": d, "max_batch_size": b})
+        (
+            f"fixed {d * 1e3:g} ms x {b}{work.unit}",
+            {**work.base, "max_delay_s": d, work.size_key: b},
+        )
         for d in delays
         for b in sizes
     ]
-    settings += [("auto", {"max_delay_s": "auto", "max_batch_size": "auto"}), ("aimd", None)]
-    loads = _loads(capacity, quick)
+    settings += [("auto", work.auto), ("aimd", None)]
+    loads = _loads(capacity, quick, work.day_night)
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for name, policy in settings:
         table[name] = {}
         for label, flags, duration_s in loads:
             if policy is None:
-                with Aimd(url):
-                    table[name][label] = _goodput(url, flags, duration_s)
+                with Aimd(url, work):
+                    table[name][label] = goodput(url, work, flags, duration_s)
             else:
-                _set(url, **policy)
-                table[name][label] = _goodput(url, flags, duration_s)
+                set_policy(url, work.model, **policy)
+                table[name][label] = goodput(url, work, flags, duration_s)
             row = table[name][label]
             if name == "auto":  # what the controller had in force at the end of the load
-                document = httpx.get(f"{url}/v2/models/mlp/policy", timeout=10.0).json()
-                row["adaptive"] = document["adaptive"]
+                policy_url = f"{url}/v2/models/{work.model}/policy"
+                row["adaptive"] = httpx.get(policy_url, timeout=10.0).json()["adaptive"]
             print(
-                f"{name:>18} {label:>13}: goodput {row['goodput_rps']:7.0f}/s  "
+                f"{name:>24} {label:>13}: goodput {row['goodput_rps']:7.0f}/s  "
                 f"p50 {row['p50_ms']:6.2f} ms  p99 {row['p99_ms']:7.2f} ms",
                 flush=True,
             )
@@ -318,7 +363,7 @@ def _batch_sums(url: str) -> dict[str, float]:
 def _priority_round(
     url: str, name: str, policy: dict[str, Any], ceiling: float, duration_s: float, breakdown: bool
 ) -> dict[str, Any]:
-    _set(url, **policy)
+    set_policy(url, W1.model, **policy)
     alone = _interactive(url, duration_s)
     served: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -379,6 +424,29 @@ def _priorities(
     return out
 
 
+@contextmanager
+def serving(config_text: str) -> Iterator[str]:
+    """`carpool serve` of ``config_text`` (policy updates allowed) on the server CPU, one
+    thread; this process moves to the load CPU. Yields its URL; stops it after."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "serve.yaml"
+        config.write_text(config_text, encoding="utf-8")
+        argv = [*carpool_serve(port, config=config), "--allow-policy-updates"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        server = subprocess.Popen(
+            ["taskset", "-c", SERVER_CPU, *argv], env=env, stdout=subprocess.DEVNULL
+        )
+        try:
+            wait_kserve_ready(url, server)
+            os.sched_setaffinity(0, {int(LOAD_CPU)})
+            yield url
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -394,42 +462,17 @@ def main() -> None:
     print(f"machine: {machine}")
     ceiling = offline_ceiling()
     print(f"offline W1 ceiling at batch 64 on cpu {SERVER_CPU}: {ceiling:.0f} items/s")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "serve.yaml"
-        config.write_text(CONFIG, encoding="utf-8")
-        argv = [*carpool_serve(port, config=config), "--allow-policy-updates"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        server = subprocess.Popen(
-            ["taskset", "-c", SERVER_CPU, *argv], env=env, stdout=subprocess.DEVNULL
-        )
-        try:
-            wait_kserve_ready(url, server)
-            os.sched_setaffinity(0, {int(LOAD_CPU)})
-            duration_s = 4.0 if args.quick else 20.0
-            if priority_only:
-                priorities = _priorities(url, ceiling, duration_s, args.repeats, args.breakdown)
-                _report_priorities(args.json or PRIORITY_JSON, machine, ceiling, priorities)
-                return
-            capacity = _capacity(url, args.quick)
-            print(f"capacity over HTTP at concurrency 64: {capacity:.0f} req/s", flush=True)
-            sweep = _sweep(url, capacity, args.quick)
+    with serving(CONFIG) as url:
+        duration_s = 4.0 if args.quick else 20.0
+        if priority_only:
             priorities = _priorities(url, ceiling, duration_s, args.repeats, args.breakdown)
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
-    for load, row in sweep["per_load"].items():
-        print(
-            f"{load:>13}: auto / best fixed ({row['best_fixed']}) {row['auto_over_best_fixed']:.2f}"
-            f"  auto / single fixed {row['auto_over_single_fixed']:.2f}"
-            f"  aimd / single fixed {row['aimd_over_single_fixed']:.2f}"
-        )
-    print(
-        f"whole sweep: auto / best single fixed ({sweep['best_single_fixed']}) "
-        f"{sweep['auto_over_single_fixed_total']:.2f}; aimd "
-        f"{sweep['aimd_over_single_fixed_total']:.2f}"
-    )
+            _report_priorities(args.json or PRIORITY_JSON, machine, ceiling, priorities)
+            return
+        capacity = measure_capacity(url, W1, args.quick)
+        print(f"capacity over HTTP at concurrency 64: {capacity:.0f} req/s", flush=True)
+        sweep = run_sweep(url, W1, capacity, args.quick)
+        priorities = _priorities(url, ceiling, duration_s, args.repeats, args.breakdown)
+    print_sweep(sweep)
     write_results(
         args.json or DEFAULT_JSON,
         {
@@ -441,6 +484,21 @@ def main() -> None:
             "sweep": sweep,
             "priorities": priorities,
         },
+    )
+
+
+def print_sweep(sweep: dict[str, Any]) -> None:
+    """Per load, auto against the best fixed setting, and the whole sweep's totals."""
+    for load, row in sweep["per_load"].items():
+        print(
+            f"{load:>13}: auto / best fixed ({row['best_fixed']}) {row['auto_over_best_fixed']:.2f}"
+            f"  auto / single fixed {row['auto_over_single_fixed']:.2f}"
+            f"  aimd / single fixed {row['aimd_over_single_fixed']:.2f}"
+        )
+    print(
+        f"whole sweep: auto / best single fixed ({sweep['best_single_fixed']}) "
+        f"{sweep['auto_over_single_fixed_total']:.2f}; aimd "
+        f"{sweep['aimd_over_single_fixed_total']:.2f}"
     )
 
 
