@@ -140,11 +140,12 @@ _handed_out: set[int] = set()
 def free_port() -> int:
     """A port free now, below the kernel's ephemeral range: a port the kernel picked for
     `bind(0)` can be picked again for another socket (a client's, another test worker's)
-    before the server under test binds it, which made a server fail to start."""
+    before the server under test binds it, which made a server fail to start. From 20000:
+    Ray's workers take ports from 10000 to 19999 (tests/integration/test_ray.py)."""
     low, _ = _ephemeral_range()
     choices = random.Random(os.urandom(8))
     for _attempt in range(200):
-        port = choices.randrange(10_000, max(low, 10_001))
+        port = choices.randrange(20_000, max(low, 20_001))
         if port in _handed_out:
             continue
         with socket.socket() as sock:
