@@ -395,7 +395,6 @@ class ProcessReplica(RemoteReplica):
 
     async def _run_here(self, call: ModelCall) -> RunOutput:
         async with self._lock:
-            await self.renewed()
             if self._state is not ChildState.READY or self._conn is None:
                 raise ReplicaDied(self._name, self.replica_id, self._exitcode())
             now = self._now

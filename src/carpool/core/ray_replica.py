@@ -239,8 +239,6 @@ class RayReplica(RemoteReplica):
     async def _run_here(self, call: ModelCall) -> RunOutput:
         ray = import_ray()
         async with self._lock:
-            # No wait for a restart here: the replica loop waits for one before it takes a
-            # batch, and a batch retried here must not wait for a node that may not come.
             if self._state is not ChildState.READY or self._actor is None:
                 raise ActorDied(self._name, self.replica_id, self._reason, self._where())
             now = self._now

@@ -110,7 +110,10 @@ class RemoteReplica(abc.ABC):
 
     @abc.abstractmethod
     async def _run_here(self, call: ModelCall) -> RunOutput:
-        """Run ``call`` in this replica's process (raises ReplicaDied if it dies)."""
+        """Run ``call`` in this replica's process (raises ReplicaDied if it dies, or is not
+        up). It never waits for a restart: the dispatcher waits for one (:meth:`renewed`)
+        before it hands the replica a batch, and a batch retried on a sibling must not wait
+        for a process or a Ray node that may not come back."""
 
     async def _within_timeout(self, pending: Awaitable[Any], started_s: float) -> Any:
         """``await pending``, the call started at ``started_s``; past ``batch_timeout_s``
