@@ -206,7 +206,7 @@ def process_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie that nobody reaped yet has ended)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before, or while, it was read
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
