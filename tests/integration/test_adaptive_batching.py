@@ -156,6 +156,8 @@ def test_the_batch_size_follows_the_load_from_one_client_to_64(
     # The fitted line saw batches from 1 to dozens of items of the 2 ms + 0.1 ms model.
     assert metrics[("carpool_batch_time_fit_per_item_seconds", fit)] > 0
     assert metrics[("carpool_batch_time_fit_overhead_seconds", fit)] > 0
+    # No token or cost budget: the controller counts items.
+    assert metrics[("carpool_adaptive_unit", (("model", "linear"), ("unit", "items")))] == 1
 
     policy = httpx.get(f"http://{served.http_url}/v2/models/linear/policy", timeout=10.0).json()
     assert policy["max_delay_s"] == "auto" and policy["max_batch_size"] == "auto"
@@ -165,6 +167,7 @@ def test_the_batch_size_follows_the_load_from_one_client_to_64(
     assert adaptive["classes"]["normal"]["arrival_rate_rps"] > 0
     assert adaptive["classes"]["normal"]["company_rate_rps"] > 0
     assert adaptive["batch_time_fit"]["num_batches"] > 0
+    assert adaptive["unit"] == "items"
 
 
 def test_lower_class_batches_and_the_fill_fit_the_interactive_budget_together(

@@ -41,6 +41,14 @@ open-loop traffic both rates agree. From them, each time a replica is free:
   hold only for higher classes with traffic (a rate above :data:`ACTIVE_RATE_RPS`) and
   once the line is known.
 
+**Units.** A batch is counted in its policy's budget unit
+(:attr:`~carpool.core.policy.BatchPolicy.budget_unit`): items, or tokens under
+``max_batch_tokens``, or cost under ``max_batch_cost``. Its time follows what limits it:
+an embeddings batch of 64 short sentences computes faster than one of 8 long ones, so a
+line fitted in items would be wrong both ways, and a cap in items would not bound the
+time. Rates, the line, target sizes and caps are all in that unit; the scheduler applies
+the cap as a budget in it.
+
 Before :data:`COLD_BATCHES` batches were measured it behaves as a fixed window of
 :data:`~carpool.core.policy.COLD_START_DELAY_S`. Everything reads the time passed in.
 """
@@ -51,7 +59,7 @@ import math
 from dataclasses import dataclass
 
 from carpool.core.batch_times import BatchTimeFit
-from carpool.core.policy import MAX_AUTO_DELAY_S, BatchPolicy, ClassLimits
+from carpool.core.policy import MAX_AUTO_DELAY_S, UNIT_ITEMS, BatchPolicy, ClassLimits
 
 RATE_TAU_S = 0.5  # the arrival-rate counter forgets with this time constant
 TARGET_UTILIZATION = 0.8  # rho: the most of the replica's time a target batch size uses
@@ -78,8 +86,8 @@ class ArrivalRate:
         self._last_s = 0.0
         self.last_arrival_s: float | None = None
 
-    def note(self, now: float, num: int = 1) -> None:
-        """``num`` requests arrived at ``now``."""
+    def note(self, now: float, num: float = 1.0) -> None:
+        """``num`` arrived at ``now`` (requests, or their units)."""
         if now > self._last_s:
             self._count *= math.exp((self._last_s - now) / self._tau_s)
             self._last_s = now
@@ -116,7 +124,7 @@ class CompanyRate:
                 self._waiting_s += elapsed_s
             self._last_s = now
 
-    def note(self, now: float, had_company: bool, num: int = 1) -> None:
+    def note(self, now: float, had_company: bool, num: float = 1.0) -> None:
         """``num`` arrivals at ``now``; ``had_company``: one of the class was waiting."""
         self._advance(now)
         if had_company:
@@ -139,41 +147,56 @@ class ClassChoice:
 
     name: str
     delay_s: float  # the window a lone request gets now
-    batch_size: int  # the target size (the size cap when the delay is fixed)
-    max_batch_size: int  # the most a batch led by this class may hold now
-    arrival_rate_rps: float
-    company_rate_rps: float  # arrivals per second while one of the class waits
+    batch_size: float  # the target size (the size cap when the delay is fixed), in the unit
+    max_batch_size: float  # the most a batch led by this class may hold now, in the unit
+    arrival_rate_rps: float  # requests per second
+    company_rate_rps: float  # units per second arriving while one of the class waits
 
 
 @dataclass(frozen=True, slots=True)
 class AdaptiveState:
-    """The controller's view: per class, and the fitted batch-time line."""
+    """The controller's view: per class, and the fitted batch-time line; sizes, rates
+    and the line's slope count :attr:`unit` (items, tokens or cost)."""
 
     classes: tuple[ClassChoice, ...]
     overhead_s: float
-    per_item_s: float
+    per_item_s: float  # seconds per unit
     num_batches: int
+    unit: str = UNIT_ITEMS
 
 
 class Adaptive:
     """The controller of one batcher (see the module docstring)."""
 
-    __slots__ = ("_company", "_fit", "_rates", "_targets")
+    __slots__ = ("_company", "_fit", "_rates", "_targets", "_units")
 
     def __init__(self, fit: BatchTimeFit) -> None:
         self._fit = fit
-        self._rates: dict[str, ArrivalRate] = {}
-        self._company: dict[str, CompanyRate] = {}
-        self._targets: dict[str, int] = {}
+        self._rates: dict[str, ArrivalRate] = {}  # requests
+        self._units: dict[str, ArrivalRate] = {}  # units
+        self._company: dict[str, CompanyRate] = {}  # units
+        self._targets: dict[str, float] = {}
 
-    def arrived(self, class_name: str, now: float, had_company: bool, num: int = 1) -> None:
-        """``num`` requests of the class arrived; ``had_company``: one was waiting."""
+    def arrived(
+        self,
+        class_name: str,
+        now: float,
+        had_company: bool,
+        num: int = 1,
+        units: float | None = None,
+    ) -> None:
+        """``num`` requests of the class arrived, together ``units`` in the policy's
+        budget unit (``num`` when None: a request is an item); ``had_company``: one was
+        waiting."""
+        units = float(num) if units is None else units
         rate = self._rates.get(class_name)
         if rate is None:
             rate = self._rates[class_name] = ArrivalRate()
+            self._units[class_name] = ArrivalRate()
             self._company[class_name] = CompanyRate()
         rate.note(now, num)
-        self._company[class_name].note(now, had_company, num)
+        self._units[class_name].note(now, units)
+        self._company[class_name].note(now, had_company, units)
 
     def emptied(self, class_name: str, now: float) -> None:
         """No request of the class waits any more."""
@@ -182,19 +205,27 @@ class Adaptive:
             company.emptied(now)
 
     def rate_rps(self, class_name: str, now: float) -> float:
-        """All arrivals of the class, per second."""
+        """All arrivals of the class, requests per second."""
         rate = self._rates.get(class_name)
         return 0.0 if rate is None else rate.rate_rps(now)
 
     def company_rps(self, class_name: str, now: float) -> float:
-        """Arrivals per second while one of the class waits (:class:`CompanyRate`), at
-        most the overall rate: over HTTP, arrivals bunch while requests wait (answers
+        """Units arriving per second while one of the class waits (:class:`CompanyRate`),
+        at most the overall rate: over HTTP, arrivals bunch while requests wait (answers
         leave together, their clients send together), and W1 under Poisson load saw
         twice the overall rate while waiting, which made the targets twice too large."""
         company = self._company.get(class_name)
         if company is None:
             return 0.0
-        return min(company.rate_rps(now), self.rate_rps(class_name, now))
+        return min(company.rate_rps(now), self._units[class_name].rate_rps(now))
+
+    def request_units(self, class_name: str, now: float) -> float:
+        """The class's mean request in the budget unit, over its recent arrivals (1.0
+        before any)."""
+        requests = self.rate_rps(class_name, now)
+        if requests <= 0.0:
+            return 1.0
+        return max(1.0, self._units[class_name].rate_rps(now) / requests)
 
     @property
     def is_warm(self) -> bool:
@@ -202,20 +233,21 @@ class Adaptive:
 
     # -- the size ------------------------------------------------------------------
 
-    def max_items(
+    def max_units(
         self,
         policy: BatchPolicy,
         limits: ClassLimits,
         oldest_arrival_s: float,
         now: float,
-        num_own_items: int = 1,
-    ) -> int:
-        """The most items a batch led by class ``limits`` may hold now: at least 1, at
-        most the class's ``max_batch_size`` (the caller applies cost budgets). The time
-        its oldest request has left limits only the lower-class fill: the class's own
-        ``num_own_items`` waiting are never cut for it (a backlog run one by one would
+        num_own_units: float = 1.0,
+    ) -> float:
+        """The most a batch led by class ``limits`` may hold now, in the policy's budget
+        unit: at least 1, at most the class's limit in it
+        (:meth:`~carpool.core.policy.BatchPolicy.unit_limit`). The time its oldest
+        request has left limits only the lower-class fill: the class's own
+        ``num_own_units`` waiting are never cut for it (a backlog run one by one would
         only grow)."""
-        cap = limits.max_batch_size
+        cap = policy.unit_limit(limits)
         if not self.is_warm:
             return cap
         # Before the sizes seen varied, the line is the mean time per item, no overhead:
@@ -229,20 +261,21 @@ class Adaptive:
             # when it does not, the size that keeps up is the floor (else the queue grows).
             rate = self.company_rps(limits.name, now)
             knee = max(knee, _keep_up_size(rate, overhead_s, per_item_s, cap))
-            cap = min(cap, max(1, math.ceil(min(knee, cap))))
+            cap = min(cap, max(1.0, math.ceil(min(knee, cap))))
         for higher in policy.limits.values():
             if higher.rank >= limits.rank or higher.slo_s is None:
                 continue
             if self.rate_rps(higher.name, now) < ACTIVE_RATE_RPS:
                 continue
-            cap = min(cap, _lower_cap(higher.slo_s, overhead_s, per_item_s, cap))
+            own = self.request_units(higher.name, now)
+            cap = min(cap, _lower_cap(higher.slo_s, overhead_s, per_item_s, cap, own))
         if limits.slo_s is not None:
             # No batch whose compute alone would take it past its budget.
             budget_s = SLO_HEADROOM * limits.slo_s
             cap = min(cap, _largest_within(budget_s, overhead_s, per_item_s))
             waited_s = max(now - oldest_arrival_s, self._lower_wait_s(policy, limits, now))
             within = _largest_within(budget_s - waited_s, overhead_s, per_item_s)
-            cap = min(cap, max(within, num_own_items))
+            cap = min(cap, max(within, num_own_units))
         return cap
 
     def _lower_wait_s(self, policy: BatchPolicy, limits: ClassLimits, now: float) -> float:
@@ -255,7 +288,7 @@ class Adaptive:
         if self.rate_rps(limits.name, now) < ACTIVE_RATE_RPS:
             return 0.0
         lower = [
-            c.max_batch_size
+            policy.unit_limit(c)
             for c in policy.limits.values()
             if c.rank > limits.rank and self.rate_rps(c.name, now) >= ACTIVE_RATE_RPS
         ]
@@ -263,12 +296,13 @@ class Adaptive:
             return 0.0
         overhead_s, per_item_s = self._fit.line()
         most = max(lower)
-        largest = min(most, _lower_cap(limits.slo_s, overhead_s, per_item_s, most))
+        own = self.request_units(limits.name, now)
+        largest = min(most, _lower_cap(limits.slo_s, overhead_s, per_item_s, most, own))
         return overhead_s + per_item_s * largest
 
     # -- the delay -----------------------------------------------------------------
 
-    def target_size(self, limits: ClassLimits, max_items: int, now: float) -> int:
+    def target_size(self, limits: ClassLimits, max_items: float, now: float) -> float:
         """The batch size worth waiting for at the class's rate now (module docstring)."""
         rate = self.company_rps(limits.name, now)
         overhead_s, per_item_s = self._fit.line()
@@ -283,14 +317,14 @@ class Adaptive:
     def due_s(
         self,
         limits: ClassLimits,
-        num_items: int,
-        max_items: int,
+        num_items: float,
+        max_items: float,
         oldest_arrival_s: float,
         now: float,
     ) -> float:
         """When a batch of class ``limits`` now holding ``num_items`` (of at most
-        ``max_items``) should go: ``now`` or earlier means at once. Never later than
-        :meth:`budget_s` after its oldest request's arrival."""
+        ``max_items``, both in the budget unit) should go: ``now`` or earlier means at
+        once. Never later than :meth:`budget_s` after its oldest request's arrival."""
         if not self.is_warm:
             return oldest_arrival_s + limits.max_delay_s
         target = self.target_size(limits, max_items, now)
@@ -304,7 +338,7 @@ class Adaptive:
         due = min(due, rate.last_arrival_s + GAP_FACTOR / rate_rps)
         return min(due, oldest_arrival_s + self.budget_s(limits, target))
 
-    def budget_s(self, limits: ClassLimits, num_items: int) -> float:
+    def budget_s(self, limits: ClassLimits, num_items: float) -> float:
         """The longest the oldest request of a batch of ``num_items`` may wait for
         company: its ``slo_s`` less the batch's predicted compute, at most
         :data:`~carpool.core.policy.MAX_AUTO_DELAY_S` (0 when nothing is left)."""
@@ -318,12 +352,12 @@ class Adaptive:
     def state(self, policy: BatchPolicy, now: float) -> AdaptiveState:
         choices = []
         for limits in policy.limits.values():
-            max_items = self.max_items(policy, limits, now, now)
+            max_items = self.max_units(policy, limits, now, now)
             rate_rps = self.company_rps(limits.name, now)
             if not limits.is_auto_delay or not self.is_warm:
                 delay_s, target = limits.max_delay_s, max_items
             else:
-                target = min(self._targets.get(limits.name, 1), max_items)
+                target = min(self._targets.get(limits.name, 1.0), max_items)
                 wait_s = (target - 1) / rate_rps if rate_rps > 0 else 0.0
                 delay_s = min(wait_s, self.budget_s(limits, target))
             arrival_rps = self.rate_rps(limits.name, now)
@@ -331,26 +365,30 @@ class Adaptive:
                 ClassChoice(limits.name, delay_s, target, max_items, arrival_rps, rate_rps)
             )
         overhead_s, per_item_s = self._fit.line()
-        return AdaptiveState(tuple(choices), overhead_s, per_item_s, self._fit.num_batches)
+        return AdaptiveState(
+            tuple(choices), overhead_s, per_item_s, self._fit.num_batches, policy.budget_unit
+        )
 
 
-def _keep_up_size(rate_rps: float, overhead_s: float, per_item_s: float, max_items: int) -> int:
+def _keep_up_size(rate_rps: float, overhead_s: float, per_item_s: float, max_items: float) -> float:
     """The smallest batch that keeps the replica at most TARGET_UTILIZATION busy at
     ``rate_rps`` (``max_items`` when none does), in [1, max_items]."""
     rho = TARGET_UTILIZATION
     if rate_rps * (overhead_s + per_item_s) <= rho:
-        return 1
+        return 1.0
     if rate_rps * per_item_s >= rho:
         return max_items
     wanted = math.ceil(min(max_items, rate_rps * overhead_s / (rho - rate_rps * per_item_s)))
-    return max(1, min(wanted, max_items))
+    return max(1.0, min(wanted, max_items))
 
 
-def _lower_cap(slo_s: float, overhead_s: float, per_item_s: float, max_items: int) -> int:
+def _lower_cap(
+    slo_s: float, overhead_s: float, per_item_s: float, max_items: float, own_units: float
+) -> float:
     """The largest lower-class batch (of at most ``max_items``) after which a
-    higher-class arrival (budget from ``slo_s``) still runs its own item in time, but at
-    least :data:`LOWER_MIN_SHARE` of ``max_items`` (module docstring)."""
-    allowed_s = SLO_HEADROOM * slo_s - (overhead_s + per_item_s)
+    higher-class arrival of ``own_units`` (budget from ``slo_s``) still runs in time, but
+    at least :data:`LOWER_MIN_SHARE` of ``max_items`` (module docstring)."""
+    allowed_s = SLO_HEADROOM * slo_s - (overhead_s + per_item_s * own_units)
     floor = math.ceil(LOWER_MIN_SHARE * max_items)
     return min(max_items, max(floor, _largest_within(allowed_s, overhead_s, per_item_s)))
 

@@ -1,5 +1,9 @@
 """How long a batch of n items takes on this model, learned from its own batches.
 
+Sizes are in the policy's budget unit (:attr:`~carpool.core.policy.BatchPolicy.budget_unit`):
+items, or tokens under ``max_batch_tokens``, or cost under ``max_batch_cost``, whatever
+limits the batch and so sets its time; "items" below stands for that unit.
+
 The scheduler asks it before it closes a batch: a request whose deadline would pass
 before the batch ends is not run (it could only be answered late). Each batch's compute
 time updates a moving average for its size bucket (powers of two: 1, 2, 3-4, 5-8, ...),
@@ -45,7 +49,7 @@ class BatchTimeFit:
         self._slope: float | None = None  # the last slope the sizes seen identified
         self.num_batches = 0
 
-    def observe(self, num_items: int, compute_s: float) -> None:
+    def observe(self, num_items: float, compute_s: float) -> None:
         k = FIT_KEEP
         self._sw = k * self._sw + 1.0
         self._sb = k * self._sb + num_items
@@ -82,12 +86,12 @@ class BatchTimeFit:
             return 0.0, self._sbt / self._sbb
         return overhead, slope
 
-    def predict_s(self, num_items: int) -> float:
+    def predict_s(self, num_items: float) -> float:
         overhead_s, per_item_s = self.line()
         return overhead_s + per_item_s * num_items
 
 
-def bucket_of(num_items: int) -> int:
+def bucket_of(num_items: float) -> int:
     """The bucket of a batch size: 0 for 1 item, k for 2**(k-1) < n <= 2**k."""
     return max(0, math.ceil(math.log2(num_items))) if num_items > 1 else 0
 
@@ -104,8 +108,9 @@ class BatchTimes:
         self._updated_s: dict[int, float] = {}
         self._seen: set[int] = set()  # buckets whose first (cold) batch has run
 
-    def observe(self, num_items: int, compute_s: float) -> None:
-        """A batch of ``num_items`` computed in ``compute_s`` seconds."""
+    def observe(self, num_items: float, compute_s: float) -> None:
+        """A batch of ``num_items`` (in the policy's budget unit: items, tokens or
+        cost) computed in ``compute_s`` seconds."""
         if num_items < 1 or not (compute_s >= 0 and math.isfinite(compute_s)):
             return
         bucket = bucket_of(num_items)
@@ -117,7 +122,7 @@ class BatchTimes:
         self._mean_s[bucket] = compute_s if mean is None else mean + SMOOTHING * (compute_s - mean)
         self._updated_s[bucket] = self._clock.now()
 
-    def predict_s(self, num_items: int) -> float:
+    def predict_s(self, num_items: float) -> float:
         """The expected compute time of a batch of ``num_items``: its bucket's average;
         else the nearest larger bucket's (a batch is rarely slower than a larger one);
         else the largest smaller bucket's, scaled by size (an overestimate: time grows

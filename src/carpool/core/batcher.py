@@ -29,7 +29,7 @@ from carpool.core.queues import Queues
 from carpool.core.ray_replica import ray_replica_maker
 from carpool.core.replicas import BatchFn, FnFactory, check_threading, replica_devices
 from carpool.core.request import Outcome, Request, RequestState
-from carpool.core.scheduler import Decision, Scheduler
+from carpool.core.scheduler import Decision, Scheduler, request_units
 from carpool.core.telemetry import (
     MemoryProbe,
     NullTelemetry,
@@ -455,7 +455,8 @@ class Batcher(Lifecycle):
         self._telemetry.admitted(request)
         if self._is_adaptive:
             had_company = self._queues.by_name[limits.name].num_live > 1
-            self._adaptive.arrived(limits.name, now, had_company)
+            units = request_units(request, self._policy.budget_unit)
+            self._adaptive.arrived(limits.name, now, had_company, units=units)
         if deadline_s is not None:
             request.timer = self._clock.call_at(deadline_s, lambda: self._on_deadline(request))
         if self._idle:

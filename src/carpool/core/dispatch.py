@@ -488,7 +488,7 @@ class Dispatcher:
                 busy.add(end, compute_s)
             self._telemetry.batch_done(batch, replica.counters, compute_s)
             if self._batch_times is not None:
-                self._batch_times.observe(batch.num_items, compute_s)
+                self._batch_times.observe(batch.units, compute_s)
             if self._intake.has_lengths:
                 groups = [call.requests for call in inflight.calls]
                 self._telemetry.tokens(*self._intake.token_slots(groups))

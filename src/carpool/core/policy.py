@@ -29,6 +29,10 @@ AUTO_MAX_BATCH_SIZE = 256
 COLD_START_DELAY_S = 0.001
 # Under ``max_delay_s: auto``, the longest any request waits for company, whatever its SLO.
 MAX_AUTO_DELAY_S = 0.1
+# What the adaptive controller measures a batch in (:attr:`BatchPolicy.budget_unit`).
+UNIT_ITEMS = "items"
+UNIT_TOKENS = "tokens"
+UNIT_COST = "cost"
 
 
 def _check_int(field_name: str, value: object, *, minimum: int) -> None:
@@ -278,6 +282,23 @@ class BatchPolicy:
             is_auto_delay=delay == AUTO,
             is_auto_size=self.max_batch_size == AUTO and c.max_batch_size is None,
         )
+
+    @property
+    def budget_unit(self) -> str:
+        """What the adaptive controller counts a batch in: its batch times follow the
+        budget that limits it, so ``"tokens"`` under ``max_batch_tokens``, else
+        ``"cost"`` under ``max_batch_cost``, else ``"items"``."""
+        if self.max_batch_tokens is not None:
+            return UNIT_TOKENS
+        return UNIT_COST if self.max_batch_cost is not None else UNIT_ITEMS
+
+    def unit_limit(self, limits: ClassLimits) -> float:
+        """The most a batch led by class ``limits`` may hold, in :attr:`budget_unit`."""
+        if self.max_batch_tokens is not None:
+            return float(self.max_batch_tokens)
+        if self.max_batch_cost is not None:
+            return self.max_batch_cost
+        return float(limits.max_batch_size)
 
     @property
     def is_adaptive(self) -> bool:

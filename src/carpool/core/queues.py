@@ -22,13 +22,22 @@ UNBOUNDED = 1 << 30  # Queues.num_free with no bound in force
 class ClassQueue:
     """The waiting requests of one priority class, oldest first."""
 
-    __slots__ = ("_deque", "limits", "live_cost", "num_live", "num_live_items", "num_running")
+    __slots__ = (
+        "_deque",
+        "limits",
+        "live_cost",
+        "num_live",
+        "num_live_items",
+        "num_live_tokens",
+        "num_running",
+    )
 
     def __init__(self, limits: ClassLimits) -> None:
         self.limits = limits
         self._deque: deque[Request] = deque()
         self.num_live = 0
         self.num_live_items = 0
+        self.num_live_tokens = 0
         self.live_cost = 0.0
         self.num_running = 0  # replicas running (or holding) a batch led by this class
 
@@ -40,6 +49,7 @@ class ClassQueue:
         self._deque.append(request)
         self.num_live += 1
         self.num_live_items += request.num_items
+        self.num_live_tokens += request.num_tokens
         self.live_cost += request.cost
 
     def head(self) -> Request | None:
@@ -59,6 +69,7 @@ class ClassQueue:
         """Subtract a request that left the QUEUED state without being popped."""
         self.num_live -= 1
         self.num_live_items -= request.num_items
+        self.num_live_tokens -= request.num_tokens
         self.live_cost -= request.cost
         if self.num_live == 0:
             self._deque.clear()
@@ -85,6 +96,7 @@ class ClassQueue:
             request.state = RequestState.RUNNING
             self.num_live -= 1
             self.num_live_items -= request.num_items
+            self.num_live_tokens -= request.num_tokens
             self.live_cost -= request.cost
         if self.num_live == 0:
             self._deque.clear()
@@ -102,6 +114,7 @@ class ClassQueue:
                 out.append(request)
                 self.num_live -= 1
                 self.num_live_items -= request.num_items
+                self.num_live_tokens -= request.num_tokens
                 self.live_cost -= request.cost
         if self.num_live == 0:
             self.live_cost = 0.0

@@ -17,10 +17,13 @@ no threads, time passed in. That keeps every rule testable with a fake clock:
    is when to look again.
 5. Under ``max_delay_s``/``max_batch_size`` "auto", the
    :class:`~carpool.core.adaptive.Adaptive` controller gives the batch's size cap and
-   when it is due instead of the fixed values.
+   when it is due instead of the fixed values. Both count the policy's budget unit
+   (items, or tokens/cost under a budget): a cap in tokens or cost is applied as a
+   budget lower than the policy's own.
 6. A request whose deadline would pass before its batch ends (now plus the compute time
-   measured for batches of that size, :mod:`carpool.core.batch_times`) is not run: it
-   expires now, answered at once rather than late, and leaves its place to others.
+   measured for batches of that size in the same unit, :mod:`carpool.core.batch_times`)
+   is not run: it expires now, answered at once rather than late, and leaves its place
+   to others.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from carpool.core.adaptive import Adaptive
-from carpool.core.policy import BatchPolicy
+from carpool.core.policy import UNIT_COST, UNIT_ITEMS, UNIT_TOKENS, BatchPolicy
 from carpool.core.queues import ClassQueue, Queues
 from carpool.core.request import Batch, Request
 
@@ -88,7 +91,7 @@ class Scheduler:
         expire: Callable[[Request], None],
         require_full: bool = False,
         behind_class: str | None = None,
-        predict_s: Callable[[int], float] | None = None,
+        predict_s: Callable[[float], float] | None = None,
         adaptive: Adaptive | None = None,
     ) -> Decision:
         """The batch a free replica should run now, or when to ask again.
@@ -137,6 +140,7 @@ class Scheduler:
             order = front + [q for q in candidates if q not in front]
         wake_at_s: float | None = None
         ages_first_s: float | None = None
+        unit = policy.budget_unit
         for queue in order:
             is_aged = queue in aged
             # Not yet aged: aging makes the class due (and lifts its cap) at this time.
@@ -151,15 +155,18 @@ class Scheduler:
                 ages_first_s = _earliest(ages_first_s, ages_at_s)
                 continue
             max_items = queue.limits.max_batch_size
+            max_units: float | None = None  # the controller's cap in a budget's unit
             if adaptive is not None:
                 oldest_s = heads[queue.name].arrival_s
-                own = queue.num_live_items
-                max_items = adaptive.max_items(policy, queue.limits, oldest_s, now, own)
+                own = _queue_units(queue, unit)
+                max_units = adaptive.max_units(policy, queue.limits, oldest_s, now, own)
+                if unit == UNIT_ITEMS:
+                    max_items, max_units = int(max_units), None
             if max_items_cap is not None:
                 max_items = min(max_items, max_items_cap)
-            plan, expired = self._plan(queue, queues, policy, max_items, now)
+            plan, expired = self._plan(queue, queues, policy, max_items, now, max_units)
             if predict_s is not None and plan.requests:
-                expired += _drop_late(plan, now + predict_s(plan.num_items))
+                expired += _drop_late(plan, now + predict_s(self._units(plan, unit)))
             for request in expired:
                 expire(request)
             if not plan.requests:
@@ -169,14 +176,18 @@ class Scheduler:
             due_s = plan.requests[0].arrival_s + queue.limits.max_delay_s
             if adaptive is not None and queue.limits.is_auto_delay:
                 oldest_s = plan.requests[0].arrival_s
-                due_s = adaptive.due_s(queue.limits, plan.num_items, max_items, oldest_s, now)
+                num_units = self._units(plan, unit)
+                cap = max_items if max_units is None else max_units
+                due_s = adaptive.due_s(queue.limits, num_units, cap, oldest_s, now)
             is_due = is_aged or is_draining or plan.is_full or now >= due_s
             if not is_due and not _trim_to_preferred(plan, policy.preferred_batch_sizes):
                 wake_at_s = _earliest(wake_at_s, due_s)
                 ages_first_s = _earliest(ages_first_s, ages_at_s)
                 continue
             counts = not (require_full and behind_class == queue.name)
-            return Decision(batch=self._commit(plan, queue, max_items, now, counts))
+            batch = self._commit(plan, queue, max_items, now, counts)
+            batch.units = self._units(plan, unit)
+            return Decision(batch=batch)
         return Decision(wake_at_s=wake_at_s, ages_at_s=ages_first_s)
 
     def _plan(
@@ -186,6 +197,7 @@ class Scheduler:
         policy: BatchPolicy,
         max_items: int,
         now: float,
+        max_units: float | None = None,
     ) -> tuple[_Plan, list[Request]]:
         plan = _Plan()
         expired: list[Request] = []
@@ -193,7 +205,12 @@ class Scheduler:
         if policy.fill_from_lower:
             sources += [q for q in queues.ordered if q.limits.rank > lead.limits.rank]
         max_cost = policy.max_batch_cost
-        max_tokens = policy.max_batch_tokens
+        max_tokens: float | None = policy.max_batch_tokens
+        if max_units is not None:  # the adaptive cap, in the budget's own unit
+            if policy.budget_unit == UNIT_TOKENS:
+                max_tokens = min(max_tokens or max_units, max_units)
+            else:
+                max_cost = min(max_cost or max_units, max_units)
         bucket = lead.head_bucket() if policy.length_buckets is not None else None
         for queue in sources:
             taken = 0
@@ -231,6 +248,15 @@ class Scheduler:
                 break
         return plan, expired
 
+    def _units(self, plan: _Plan, unit: str) -> float:
+        """The plan's size in ``unit``: items, tokens (as padded when the model pads) or
+        cost."""
+        if unit == UNIT_TOKENS:
+            if self.padded_cost:
+                return float(plan.num_items * plan.max_length)
+            return float(plan.num_tokens)
+        return plan.cost if unit == UNIT_COST else float(plan.num_items)
+
     def _tokens_with(self, plan: _Plan, request: Request) -> int:
         """The batch's tokens if ``request`` joined it."""
         if self.padded_cost:
@@ -261,6 +287,20 @@ class Scheduler:
             max_batch_size=max(max_items, plan.num_items),  # a lone oversized request
             closed_s=now,
         )
+
+
+def request_units(request: Request, unit: str) -> float:
+    """What ``request`` holds in ``unit`` (:attr:`BatchPolicy.budget_unit`)."""
+    if unit == UNIT_TOKENS:
+        return float(request.num_tokens)
+    return request.cost if unit == UNIT_COST else float(request.num_items)
+
+
+def _queue_units(queue: ClassQueue, unit: str) -> float:
+    """What ``queue``'s live requests hold, in ``unit``."""
+    if unit == UNIT_TOKENS:
+        return float(queue.num_live_tokens)
+    return queue.live_cost if unit == UNIT_COST else float(queue.num_live_items)
 
 
 def _drop_late(plan: _Plan, end_s: float) -> list[Request]:

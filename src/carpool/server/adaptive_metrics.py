@@ -22,13 +22,14 @@ def adaptive_metrics(states: list[tuple[str, AdaptiveState]]) -> Iterator[Metric
     )
     size = GaugeMetricFamily(
         "carpool_adaptive_batch_size",
-        "Batch size the controller waits for now (max_delay_s auto; else its size cap).",
+        "Batch size the controller waits for now (max_delay_s auto; else its size cap), "
+        "in the model's budget unit (carpool_adaptive_unit).",
         labels=labels,
     )
     max_size = GaugeMetricFamily(
         "carpool_adaptive_max_batch_size",
-        "Most items a batch led by the class may hold now (max_batch_size auto, and the "
-        "caps that keep higher classes within slo_s).",
+        "Most a batch led by the class may hold now, in the model's budget unit "
+        "(max_batch_size auto, and the caps that keep higher classes within slo_s).",
         labels=labels,
     )
     rate = GaugeMetricFamily(
@@ -38,8 +39,9 @@ def adaptive_metrics(states: list[tuple[str, AdaptiveState]]) -> Iterator[Metric
     )
     company = GaugeMetricFamily(
         "carpool_arrival_rate_while_waiting",
-        "Arrivals per second of the class over the time one of its requests was waiting: "
-        "the company a wait can expect, which the delay is chosen from.",
+        "Arrivals per second of the class over the time one of its requests was waiting, "
+        "in the model's budget unit: the company a wait can expect, which the delay is "
+        "chosen from.",
         labels=labels,
     )
     overhead = GaugeMetricFamily(
@@ -49,8 +51,15 @@ def adaptive_metrics(states: list[tuple[str, AdaptiveState]]) -> Iterator[Metric
     )
     per_item = GaugeMetricFamily(
         "carpool_batch_time_fit_per_item_seconds",
-        "Fitted time per item of a batch, in seconds: t(b) = overhead + per_item * b.",
+        "Fitted time per item of a batch (per token or cost unit under a budget), in "
+        "seconds: t(b) = overhead + per_item * b.",
         labels=["model"],
+    )
+    unit = GaugeMetricFamily(
+        "carpool_adaptive_unit",
+        "1 for the unit the controller counts batches in: items, or tokens under "
+        "max_batch_tokens, or cost under max_batch_cost.",
+        labels=["model", "unit"],
     )
     for model, state in states:
         for c in state.classes:
@@ -62,4 +71,5 @@ def adaptive_metrics(states: list[tuple[str, AdaptiveState]]) -> Iterator[Metric
             company.add_metric(key, c.company_rate_rps)
         overhead.add_metric([model], state.overhead_s)
         per_item.add_metric([model], state.per_item_s)
-    yield from (delay, size, max_size, rate, company, overhead, per_item)
+        unit.add_metric([model, state.unit], 1.0)
+    yield from (delay, size, max_size, rate, company, overhead, per_item, unit)

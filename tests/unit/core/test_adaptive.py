@@ -28,12 +28,13 @@ from carpool.core.batch_times import BatchTimeFit
 from carpool.core.policy import (
     COLD_START_DELAY_S,
     MAX_AUTO_DELAY_S,
+    UNIT_COST,
     BatchPolicy,
     ClassPolicy,
 )
 from carpool.core.queues import Queues
 from carpool.core.request import Request
-from carpool.core.scheduler import Scheduler
+from carpool.core.scheduler import Decision, Scheduler
 from carpool.errors import ConfigError
 
 OVERHEAD_S, PER_ITEM_S = 0.002, 0.0003
@@ -44,6 +45,20 @@ def _fit(overhead_s: float = OVERHEAD_S, per_item_s: float = PER_ITEM_S) -> Batc
     for size in [1, 2, 4, 8, 16, 32, 64] * 2:
         fit.observe(size, overhead_s + per_item_s * size)
     return fit
+
+
+def _decide(now: float, policy: BatchPolicy, queues: Queues, adaptive: Adaptive) -> Decision:
+    """One free replica's decision under the controller."""
+    return Scheduler().decide(
+        now,
+        policy,
+        queues,
+        num_replicas=1,
+        max_items_cap=None,
+        is_draining=False,
+        expire=lambda r: None,
+        adaptive=adaptive,
+    )
 
 
 def _steady(adaptive: Adaptive, name: str, rate_rps: float, until_s: float) -> None:
@@ -205,9 +220,9 @@ def test_auto_batch_size_is_the_knee_of_the_line() -> None:
     adaptive = Adaptive(_fit())
     limits = _policy(max_batch_size="auto").class_limits(None)
     knee = math.ceil(OVERHEAD_S / (KNEE_SHARE * PER_ITEM_S))  # 67
-    assert adaptive.max_items(_policy(max_batch_size="auto"), limits, 0.0, 0.0) == knee
+    assert adaptive.max_units(_policy(max_batch_size="auto"), limits, 0.0, 0.0) == knee
     flat = Adaptive(_fit(per_item_s=0.0))  # a GPU below its width: no knee, the limit
-    assert flat.max_items(_policy(max_batch_size="auto"), limits, 0.0, 0.0) == 256
+    assert flat.max_units(_policy(max_batch_size="auto"), limits, 0.0, 0.0) == 256
 
 
 def test_auto_batch_size_is_never_below_the_size_that_keeps_up() -> None:
@@ -218,7 +233,7 @@ def test_auto_batch_size_is_never_below_the_size_that_keeps_up() -> None:
     rate_rps = adaptive.company_rps(limits.name, 5.0)
     keep_up = math.ceil(rate_rps * OVERHEAD_S / (0.8 - rate_rps * PER_ITEM_S))
     assert keep_up > 67  # past the knee
-    assert adaptive.max_items(policy, limits, 5.0, 5.0) == min(256, keep_up)
+    assert adaptive.max_units(policy, limits, 5.0, 5.0) == min(256, keep_up)
 
 
 def test_lower_class_batches_are_capped_while_a_higher_class_has_traffic() -> None:
@@ -226,12 +241,12 @@ def test_lower_class_batches_are_capped_while_a_higher_class_has_traffic() -> No
     policy = _policy(max_batch_size=128, classes=classes, default_class="background", slo_s=None)
     adaptive = Adaptive(_fit())
     background = policy.class_limits("background")
-    assert adaptive.max_items(policy, background, 5.0, 5.0) == 128  # nobody to protect
+    assert adaptive.max_units(policy, background, 5.0, 5.0) == 128  # nobody to protect
     _steady(adaptive, "interactive", 50, until_s=5.0)
     # Its batch plus one interactive item within 80% of 20 ms.
     allowed_s = SLO_HEADROOM * 0.02 - (OVERHEAD_S + PER_ITEM_S)
     expected = math.floor((allowed_s - OVERHEAD_S) / PER_ITEM_S)
-    assert adaptive.max_items(policy, background, 5.0, 5.0) == expected
+    assert adaptive.max_units(policy, background, 5.0, 5.0) == expected
     assert OVERHEAD_S + PER_ITEM_S * expected + OVERHEAD_S + PER_ITEM_S <= 0.016 + 1e-12
 
 
@@ -244,10 +259,10 @@ def test_a_model_too_slow_for_the_promise_keeps_lower_class_batches_worth_runnin
     adaptive = Adaptive(_fit(overhead_s=0.007))
     _steady(adaptive, "interactive", 50, until_s=5.0)
     background = policy.class_limits("background")
-    assert adaptive.max_items(policy, background, 5.0, 5.0) == LOWER_MIN_SHARE * 128
+    assert adaptive.max_units(policy, background, 5.0, 5.0) == LOWER_MIN_SHARE * 128
     # And the interactive fill leaves room for that batch: none is left.
     _steady(adaptive, "background", 2000, until_s=5.0)
-    assert adaptive.max_items(policy, policy.class_limits("interactive"), 5.0, 5.0) == 1
+    assert adaptive.max_units(policy, policy.class_limits("interactive"), 5.0, 5.0) == 1
 
 
 def test_lower_class_batches_are_capped_before_the_sizes_seen_ever_varied() -> None:
@@ -262,7 +277,7 @@ def test_lower_class_batches_are_capped_before_the_sizes_seen_ever_varied() -> N
     # No overhead known: each item costs 20/64 ms; its batch plus one item within 16 ms.
     per_item_s = 0.020 / 64
     expected = math.floor((SLO_HEADROOM * 0.02 - per_item_s) / per_item_s)
-    assert adaptive.max_items(policy, policy.class_limits("background"), 5.0, 5.0) == expected
+    assert adaptive.max_units(policy, policy.class_limits("background"), 5.0, 5.0) == expected
 
 
 def test_lower_class_fill_goes_only_as_far_as_the_oldest_request_has_time_left() -> None:
@@ -274,13 +289,13 @@ def test_lower_class_fill_goes_only_as_far_as_the_oldest_request_has_time_left()
     waited_s = 0.010  # behind a running batch
     left_s = SLO_HEADROOM * 0.02 - waited_s
     expected = math.floor((left_s - OVERHEAD_S) / PER_ITEM_S)
-    assert adaptive.max_items(policy, interactive, now - waited_s, now) == expected
-    assert adaptive.max_items(policy, interactive, now - 1.0, now) == 1  # late: no fill
+    assert adaptive.max_units(policy, interactive, now - waited_s, now) == expected
+    assert adaptive.max_units(policy, interactive, now - 1.0, now) == 1  # late: no fill
     # Its own backlog is never cut for it: run one by one, a backlog would only grow;
     # only by the batch whose compute alone fits its budget.
-    assert adaptive.max_items(policy, interactive, now - 1.0, now, num_own_items=30) == 30
+    assert adaptive.max_units(policy, interactive, now - 1.0, now, num_own_units=30) == 30
     alone_fits = math.floor((SLO_HEADROOM * 0.02 - OVERHEAD_S) / PER_ITEM_S)
-    assert adaptive.max_items(policy, interactive, now - 1.0, now, 200) == alone_fits
+    assert adaptive.max_units(policy, interactive, now - 1.0, now, 200) == alone_fits
 
 
 def test_fill_leaves_room_for_the_lower_class_batch_a_request_may_have_waited_for() -> None:
@@ -292,17 +307,17 @@ def test_fill_leaves_room_for_the_lower_class_batch_a_request_may_have_waited_fo
     now = 5.0
     # Neither class has traffic, then only the interactive one: no background batch
     # was capped for it, or none ran; it waited for nothing unseen.
-    assert adaptive.max_items(policy, interactive, now, now) == 46
+    assert adaptive.max_units(policy, interactive, now, now) == 46
     _steady(adaptive, "interactive", 50, until_s=now)
-    assert adaptive.max_items(policy, interactive, now, now) == 46
+    assert adaptive.max_units(policy, interactive, now, now) == 46
     _steady(adaptive, "background", 2000, until_s=now)
-    lower = adaptive.max_items(policy, background, now, now)
+    lower = adaptive.max_units(policy, background, now, now)
     # Read just now: computing on the event loop, the model kept it unread for up to a
     # whole background batch; that batch and its own must fit its budget together.
-    fill = adaptive.max_items(policy, interactive, now, now)
+    fill = adaptive.max_units(policy, interactive, now, now)
     assert (OVERHEAD_S + PER_ITEM_S * lower) + (OVERHEAD_S + PER_ITEM_S * fill) <= 0.016 + 1e-12
     assert fill == 1
-    assert adaptive.max_items(policy, interactive, now, now, num_own_items=3) == 3  # never cut
+    assert adaptive.max_units(policy, interactive, now, now, num_own_units=3) == 3  # never cut
 
 
 def test_auto_is_accepted_per_model_and_per_class_and_anything_else_named() -> None:
@@ -361,7 +376,7 @@ def test_it_never_exceeds_its_budget_nor_the_size_caps(
     adaptive.arrived(limits.name, now - 5.0, False)
     _steady_until(adaptive, limits.name, rate_rps, now)
     oldest_s = now - waited_s
-    max_items = adaptive.max_items(policy, limits, oldest_s, now)
+    max_items = adaptive.max_units(policy, limits, oldest_s, now)
     assert 1 <= max_items <= limits.max_batch_size
     num_items = min(num_items, max_items)
     due = adaptive.due_s(limits, num_items, max_items, oldest_s, now)
@@ -420,7 +435,7 @@ class _Sim:
             due = math.inf
             if busy_until > now or not queue:
                 continue
-            max_items = adaptive.max_items(self.policy, limits, queue[0], now)
+            max_items = adaptive.max_units(self.policy, limits, queue[0], now)
             num = min(len(queue), max_items)
             when = adaptive.due_s(limits, num, max_items, queue[0], now)
             if num < max_items and when > now:
@@ -534,23 +549,16 @@ def test_batches_it_closes_keep_max_batch_size_and_max_batch_cost(
                 )
             )
         heads = {q.name: q.head() for q in queues.ordered}
+        unit = policy.budget_unit  # the caps count cost under max_batch_cost
+        own = {
+            q.name: q.live_cost if unit == UNIT_COST else q.num_live_items for q in queues.ordered
+        }
         caps = {
-            n: adaptive.max_items(
-                policy, policy.limits[n], h.arrival_s, now, queues.by_name[n].num_live_items
-            )
+            n: adaptive.max_units(policy, policy.limits[n], h.arrival_s, now, own[n])
             for n, h in heads.items()
             if h is not None
         }
-        decision = Scheduler().decide(
-            now,
-            policy,
-            queues,
-            num_replicas=1,
-            max_items_cap=None,
-            is_draining=False,
-            expire=lambda r: None,
-            adaptive=adaptive,
-        )
+        decision = _decide(now, policy, queues, adaptive)
     finally:
         loop.close()
     batch = decision.batch
@@ -561,6 +569,69 @@ def test_batches_it_closes_keep_max_batch_size_and_max_batch_cost(
         return
     lead = policy.limits[batch.lead_class]
     if len(batch.requests) > 1:  # a lone oversized request runs alone rather than never
-        assert batch.num_items <= min(lead.max_batch_size, caps[batch.lead_class])
+        assert batch.num_items <= lead.max_batch_size
         if max_batch_cost is not None:
-            assert batch.cost <= max_batch_cost + 1e-9
+            assert batch.cost <= min(max_batch_cost, caps[batch.lead_class]) + 1e-9
+        else:
+            assert batch.num_items <= caps[batch.lead_class]
+
+
+# -- in the budget's unit -------------------------------------------------------------
+
+
+def _token_queues(policy: BatchPolicy, lengths: list[int], now: float) -> Queues:
+    queues = Queues(policy)
+    limits = policy.limits[policy.default_class]
+    loop = asyncio.new_event_loop()
+    try:
+        for i, length in enumerate(lengths):
+            request = Request(
+                i, None, 1, False, 1.0, limits.name, limits.rank, now, None, loop.create_future()
+            )
+            request.num_tokens = request.length = length
+            queues.admit(request)
+    finally:
+        loop.close()
+    return queues
+
+
+@pytest.mark.parametrize(
+    ("max_batch_size", "slo_s", "expected_tokens"),
+    [
+        # The knee in tokens: overhead / (KNEE_SHARE * per_token) = 2,000 tokens.
+        ("auto", None, 2000),
+        # Within the budget: (0.8 * 50 ms - 2 ms) / 10 us = 3,800 tokens, so 7 of 500.
+        (64, 0.05, 3500),
+    ],
+)
+def test_under_a_token_budget_it_caps_batches_in_tokens(
+    max_batch_size: int | str, slo_s: float | None, expected_tokens: int
+) -> None:
+    """An embeddings batch's time follows its tokens, not its items: the line is fitted
+    and the caps are applied in tokens. Counted in items, 3,800 (or the 2,000-item knee)
+    would let the 4,096-token budget take 8 requests of 500 tokens: 80 ms, past a 50 ms
+    SLO."""
+    policy = BatchPolicy(
+        max_batch_size=max_batch_size, max_delay_s="auto", max_batch_tokens=4096, slo_s=slo_s
+    )
+    assert policy.budget_unit == "tokens"
+    adaptive = Adaptive(_fit(overhead_s=0.002, per_item_s=1e-5))  # a line in tokens
+    now = 10.0
+    _steady(adaptive, policy.default_class, 50.0, now)
+    queues = _token_queues(policy, [500] * 20, now)
+    decision = _decide(now, policy, queues, adaptive)
+    assert decision.batch is not None
+    assert decision.batch.units == expected_tokens
+    assert len(decision.batch.requests) == expected_tokens // 500
+    state = adaptive.state(policy, now)
+    assert state.unit == "tokens"
+    assert state.per_item_s == pytest.approx(1e-5)
+
+
+def test_its_rates_count_the_unit_and_a_request_its_mean_size() -> None:
+    adaptive = Adaptive(_fit())
+    for i in range(200):
+        adaptive.arrived("normal", i * 0.01, True, units=300.0)
+    assert adaptive.rate_rps("normal", 2.0) == pytest.approx(100.0, rel=0.05)
+    assert adaptive.company_rps("normal", 2.0) == pytest.approx(30_000.0, rel=0.05)
+    assert adaptive.request_units("normal", 2.0) == pytest.approx(300.0)

@@ -157,3 +157,32 @@ async def test_auto_buckets_still_answer_every_request(make_batcher, fake_clock:
         await fake_clock.advance(0.01)
     await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
     assert [t.result() for t in tasks] == [int(seq(n).sum()) for n in lengths]
+
+
+async def test_auto_learns_batch_times_per_token_under_a_token_budget(
+    make_batcher, fake_clock: FakeClock, spawn
+):
+    """The batch-time line of ``auto`` is fitted in the budget's unit: each batch of one
+    100-token request computing for 11 ms gives 0.11 ms per token (per item it would
+    be 11 ms, and a cap of so many items would not bound the time)."""
+    gate = asyncio.Event()
+
+    async def model(batch: Packed) -> Any:
+        await gate.wait()
+        return np.add.reduceat(batch.data, batch.offsets)
+
+    batcher = make_batcher(
+        model, collate="packed", max_batch_tokens=1000, max_delay_s="auto", slo_s=1.0
+    )
+    for _ in range(12):
+        gate.clear()
+        task = spawn(batcher.submit(seq(100)))
+        await settle()
+        await fake_clock.advance(0.001)  # the cold window: the batch starts
+        await fake_clock.advance(0.011)  # and computes
+        gate.set()
+        await settle()
+        assert task.done()
+    state = batcher.adaptive_state()
+    assert state is not None and state.unit == "tokens"
+    assert state.per_item_s == pytest.approx(0.011 / 100, rel=0.1)

@@ -314,7 +314,8 @@ def _is_number(value: object) -> TypeGuard[float]:
 
 def adaptive_document(state: AdaptiveState) -> dict[str, Any]:
     """What ``max_delay_s``/``max_batch_size`` "auto" has in force (the policy's
-    ``adaptive`` key): per class, and the fitted batch-time line."""
+    ``adaptive`` key): per class, and the fitted batch-time line; sizes, the company
+    rate and ``per_item_s`` count ``unit`` (items, or tokens/cost under a budget)."""
     return {
         "classes": {
             c.name: {
@@ -331,6 +332,7 @@ def adaptive_document(state: AdaptiveState) -> dict[str, Any]:
             "per_item_s": state.per_item_s,
             "num_batches": state.num_batches,
         },
+        "unit": state.unit,
     }
 
 
