@@ -74,3 +74,11 @@ async def test_no_dashboard_is_a_404_that_says_why() -> None:
     answer = await Exchange("GET", "/dashboard").run(app)
     assert answer.status == 404
     assert b"--no-dashboard" in answer.body
+
+
+def test_an_adaptive_model_charts_its_controller_s_delay_and_batch_size() -> None:
+    ring = ModelRing("batch", capacity=10)
+    ring.append(0.0, {"adaptive_delay_s": 0.004, "adaptive_batch_size": 12})
+    charts = {c["title"]: c["series"] for c in ring.columns()["charts"]}
+    assert charts["adaptive controller: delay (s)"] == ["adaptive_delay_s"]
+    assert charts["adaptive controller: batch size"] == ["adaptive_batch_size"]
