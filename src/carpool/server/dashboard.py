@@ -58,10 +58,11 @@ BATCH_CHARTS = (
     Chart("replica busy fraction", ("busy:*", "balance")),
     Chart("slowest request: where its time went (s)",
           ("slow_queue_s", "slow_fill_s", "slow_compute_s", "slow_answer_s")),
-    # Two charts: seconds and items on one axis would flatten the delay.
+    # A chart per unit: seconds and items (or bytes and a fraction) on one axis flatten one.
     Chart("adaptive controller: delay (s)", ("adaptive_delay_s",)),
     Chart("adaptive controller: batch size", ("adaptive_batch_size",)),
-    Chart("memory", ("memory_peak_bytes", "memory_volatility")),
+    Chart("memory peak (bytes)", ("memory_peak_bytes",)),
+    Chart("memory volatility", ("memory_volatility",)),
 )  # fmt: skip
 GENERATION_CHARTS = (
     Chart("requests/s", ("requests_per_s",)),
