@@ -57,14 +57,19 @@ BATCH_CHARTS = (
     Chart("rejections/s", ("rejections_per_s",)),
     Chart("replica busy fraction", ("busy:*", "balance")),
     Chart("slowest request: where its time went (s)",
-          ("slow_queue_s", "slow_fill_s", "slow_compute_s")),
-    Chart("memory", ("memory_peak_bytes", "memory_volatility")),
+          ("slow_queue_s", "slow_fill_s", "slow_compute_s", "slow_answer_s")),
+    # A chart per unit: seconds and items (or bytes and a fraction) on one axis flatten one.
+    Chart("adaptive controller: delay (s)", ("adaptive_delay_s",)),
+    Chart("adaptive controller: batch size", ("adaptive_batch_size",)),
+    Chart("memory peak (bytes)", ("memory_peak_bytes",)),
+    Chart("memory volatility", ("memory_volatility",)),
 )  # fmt: skip
 GENERATION_CHARTS = (
     Chart("requests/s", ("requests_per_s",)),
     Chart("sequences", ("running", "waiting")),
+    Chart("batch size (sequences per step, mean of the second)", ("mean_batch_size",)),
     Chart("KV cache in use and prefix-cache hit rate", ("kv_cache_usage", "prefix_hit_rate")),
-    Chart("TTFT and ITL p99 (s)", ("ttft_p99_s", "itl_p99_s")),
+    Chart("TTFT and ITL p50/p99 (s)", ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")),
     Chart("tokens/s", ("tokens_per_s",)),
 )
 

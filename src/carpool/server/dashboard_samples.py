@@ -24,12 +24,13 @@ def sample(now: Mapping[str, Any], before: Mapping[str, Any] | None, dt_s: float
     """One second of a model: rates between ``before`` and ``now`` (two live documents
     ``dt_s`` apart; None when there is no ``before``) and the gauges of ``now``."""
     out: Sample = {"requests_per_s": _rate(now, before, "num_completed", dt_s)}
-    if now["kind"] == "generation":
-        g = now["generation"]
-        return out | _generation(g, None if before is None else before["generation"], dt_s)
+    # A generation model's batches are its engine's steps, its items their sequences.
     batches = None if before is None else now["num_batches"] - before["num_batches"]
     items = None if before is None else now["num_items"] - before["num_items"]
     out["mean_batch_size"] = items / batches if batches and items is not None else None
+    if now["kind"] == "generation":
+        g = now["generation"]
+        return out | _generation(g, None if before is None else before["generation"], dt_s)
     limit = now["max_batch_size"]  # "auto" under adaptive batching: no line to draw
     out["max_batch_size"] = limit if isinstance(limit, int | float) else None
     out["fill_ratio"] = now["fill_ratio"]
@@ -46,6 +47,10 @@ def sample(now: Mapping[str, Any], before: Mapping[str, Any] | None, dt_s: float
     out["slow_queue_s"] = None if slow is None else slow["queue_s"] + slow["replica_wait_s"]
     out["slow_fill_s"] = None if slow is None else slow["fill_wait_s"]
     out["slow_compute_s"] = None if slow is None else slow["compute_s"]
+    out["slow_answer_s"] = None if slow is None else slow.get("answer_s")
+    adaptive = now.get("adaptive")
+    out["adaptive_delay_s"] = None if adaptive is None else adaptive["delay_s"]
+    out["adaptive_batch_size"] = None if adaptive is None else adaptive["batch_size"]
     memory = now["memory"]
     out["memory_peak_bytes"] = None if memory is None else memory["peak_bytes"]
     out["memory_volatility"] = None if memory is None else memory["volatility"]
@@ -80,7 +85,9 @@ def _generation(g: Mapping[str, Any], before: Mapping[str, Any] | None, dt_s: fl
         "waiting": g["num_waiting"],
         "kv_cache_usage": g["kv_cache_usage"],
         "prefix_hit_rate": g["prefix_cache_hit_rate"],
+        "ttft_p50_s": g["ttft"]["p50_s"],
         "ttft_p99_s": g["ttft"]["p99_s"],
+        "itl_p50_s": g["itl"]["p50_s"],
         "itl_p99_s": g["itl"]["p99_s"],
         "tokens_per_s": _rate(g, before, "num_generation_tokens", dt_s),
     }

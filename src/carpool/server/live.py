@@ -5,7 +5,8 @@ Counters are cumulative since the model started (a reader differences two docume
 rate); gauges (queue depth, running sequences, KV-cache use) are the moment's; percentiles
 are over each histogram's recent samples; ratios are since start. A figure a model does
 not have is ``None``: a batch model has no ``generation``, a generation model no classes
-or replicas. Seconds are floats, ``NaN`` written as ``None``.
+or replicas, a model without "auto" in its policy no ``adaptive``. Seconds are floats,
+``NaN`` written as ``None``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from carpool.core.adaptive import AdaptiveState
 from carpool.core.request import RequestTrace
 from carpool.core.telemetry import LatencyStats, TelemetrySnapshot
 from carpool.generation.telemetry import GenerationSnapshot
@@ -25,7 +27,20 @@ def live_figures(model: ServedModel) -> dict[str, Any]:
         return _generation(model.generation.engine.snapshot())
     batcher = model.require_batcher()
     policy = batcher.policy
-    return _batching(batcher.snapshot(), policy.max_batch_size, policy.max_delay_s)
+    document = _batching(batcher.snapshot(), policy.max_batch_size, policy.max_delay_s)
+    document["adaptive"] = _adaptive(batcher.adaptive_state())
+    return document
+
+
+def _adaptive(state: AdaptiveState | None) -> dict[str, float] | None:
+    """What the adaptive controller has in force now (the largest over the classes, as
+    ``carpool top`` shows it); None when the policy has no "auto"."""
+    if state is None or not state.classes:
+        return None
+    return {
+        "delay_s": max(c.delay_s for c in state.classes),
+        "batch_size": max(c.batch_size for c in state.classes),
+    }
 
 
 def _seconds(value: float) -> float | None:
@@ -128,6 +143,7 @@ def _generation(snap: GenerationSnapshot) -> dict[str, Any]:
         "replica_balance": None,
         "memory": None,
         "slowest": None,
+        "adaptive": None,
         "generation": {
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,

@@ -135,8 +135,8 @@ def _summary(models: tuple[ModelView, ...], selected: int, width: int) -> Table:
 def _detail(view: ModelView, adaptive: dict[str, float]) -> Panel:
     d = view.document
     parts: list[RenderableType] = []
-    if d["kind"] == "generation":
-        parts.append(_generation(d["generation"], view.rates))
+    if d["kind"] == "generation":  # its batches: the engine's steps
+        parts += [_sizes(d), _generation(d["generation"], view.rates)]
     else:
         parts += [_sizes(d), _classes(d), _replicas(d, view.rates)]
         parts.append(_controller(d, adaptive))
@@ -212,11 +212,12 @@ def _slowest(slow: dict[str, Any] | None) -> Text:
     if slow is None:
         return Text("slowest request (last 10 s): none yet")
     queue_s = slow["queue_s"] + slow["replica_wait_s"]
+    # The parts sum to the total: answering too (long when the event loop is saturated).
     return Text(
         f"slowest request (last 10 s): {_ms(slow['total_s'])} [{slow['class']}] = "
         f"queue {_ms(queue_s)} + waiting for the batch to fill {_ms(slow['fill_wait_s'])} "
-        f"+ compute {_ms(slow['compute_s'])} (batch of {slow['batch_size']} on replica "
-        f"{slow['replica_id']})"
+        f"+ compute {_ms(slow['compute_s'])} + answering {_ms(slow.get('answer_s'))} "
+        f"(batch of {slow['batch_size']} on replica {slow['replica_id']})"
     )
 
 

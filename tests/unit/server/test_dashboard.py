@@ -74,3 +74,14 @@ async def test_no_dashboard_is_a_404_that_says_why() -> None:
     answer = await Exchange("GET", "/dashboard").run(app)
     assert answer.status == 404
     assert b"--no-dashboard" in answer.body
+
+
+def test_the_adaptive_controller_and_memory_get_a_chart_per_unit() -> None:
+    ring = ModelRing("batch", capacity=10)
+    ring.append(0.0, {"adaptive_delay_s": 0.004, "adaptive_batch_size": 12,
+                      "memory_peak_bytes": 3 << 30, "memory_volatility": 0.2})  # fmt: skip
+    charts = {c["title"]: c["series"] for c in ring.columns()["charts"]}
+    assert charts["adaptive controller: delay (s)"] == ["adaptive_delay_s"]
+    assert charts["adaptive controller: batch size"] == ["adaptive_batch_size"]
+    assert charts["memory peak (bytes)"] == ["memory_peak_bytes"]
+    assert charts["memory volatility"] == ["memory_volatility"]

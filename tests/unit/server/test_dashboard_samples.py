@@ -20,7 +20,8 @@ def _document() -> dict[str, Any]:
         "replicas": [{"replica_id": 0, "busy_s": 1.0, "busy_fraction": 0.1},
                      {"replica_id": 1, "busy_s": 1.0, "busy_fraction": 0.1}],
         "slowest": {"queue_s": 0.01, "replica_wait_s": 0.002, "fill_wait_s": 0.003,
-                    "compute_s": 0.02},
+                    "compute_s": 0.02, "answer_s": 0.004},
+        "adaptive": {"delay_s": 0.003, "batch_size": 6},
         "memory": None, "generation": None,
     }  # fmt: skip
 
@@ -40,6 +41,8 @@ def test_rates_over_the_interval_and_the_moment_s_gauges() -> None:
     assert got["queue:a"] == 4 and got["p99_s:a"] == 0.05
     assert got["slow_queue_s"] == pytest.approx(0.012)
     assert (got["slow_fill_s"], got["slow_compute_s"]) == (0.003, 0.02)
+    assert got["slow_answer_s"] == 0.004
+    assert (got["adaptive_delay_s"], got["adaptive_batch_size"]) == (0.003, 6)
 
 
 def test_without_a_previous_document_rates_are_none_and_busy_is_since_start() -> None:
@@ -54,12 +57,17 @@ def test_a_generation_model_gives_sequences_and_tokens_per_second() -> None:
         "prefix_cache_hit_rate": None, "num_generation_tokens": 50,
         "ttft": {"p50_s": 0.01, "p99_s": 0.02}, "itl": {"p50_s": 0.001, "p99_s": 0.003},
     }  # fmt: skip
-    before = {"kind": "generation", "num_completed": 1, "generation": generation}
+    before = {"kind": "generation", "num_completed": 1, "num_batches": 10, "num_items": 20,
+              "generation": generation}  # fmt: skip
     now = {
         "kind": "generation",
         "num_completed": 3,
+        "num_batches": 14,
+        "num_items": 32,  # 4 steps of 3 sequences
         "generation": generation | {"num_generation_tokens": 150},
     }
     got = sample(now, before, 1.0)
     assert (got["running"], got["waiting"], got["tokens_per_s"]) == (2, 5, 100.0)
     assert got["requests_per_s"] == 2.0 and got["itl_p99_s"] == 0.003
+    assert got["mean_batch_size"] == 3.0
+    assert (got["ttft_p50_s"], got["itl_p50_s"]) == (0.01, 0.001)

@@ -7,9 +7,11 @@ import numpy as np
 import orjson
 import pytest
 
+from carpool import Batcher, BatchPolicy
 from carpool.server.live import live_figures
+from carpool.server.repository import ServedModel
 
-from .apps import Exchange, served, started_app
+from .apps import Exchange, double, served, started_app
 from .test_completions import MODEL, tiny_generation_app
 
 
@@ -55,3 +57,18 @@ async def test_a_generation_model_shows_its_sequences_kv_cache_and_token_latenci
     assert g["num_generation_tokens"] == 4
     assert g["ttft"]["p50_s"] > 0 and g["itl"]["p99_s"] > 0
     assert document["classes"] == [] and document["slowest"] is None
+    assert document["adaptive"] is None
+
+
+async def test_an_auto_policy_shows_what_the_adaptive_controller_has_in_force() -> None:
+    fixed = served()
+    auto = ServedModel(
+        "auto", "1", "python", fixed.inputs, fixed.outputs,
+        Batcher(double, BatchPolicy(max_batch_size=8, max_delay_s="auto"), collate="dict"),
+    )  # fmt: skip
+    async with started_app(fixed, auto):
+        await auto.run({"x": np.ones((2, 2), np.float32)}, {})
+        adaptive, none = live_figures(auto)["adaptive"], live_figures(fixed)["adaptive"]
+    assert none is None
+    assert adaptive is not None and adaptive.keys() == {"delay_s", "batch_size"}
+    assert adaptive["delay_s"] >= 0 and 1 <= adaptive["batch_size"] <= 8

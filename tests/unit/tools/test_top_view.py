@@ -4,6 +4,7 @@ wide and a narrow width, read as text."""
 from __future__ import annotations
 
 import io
+import re
 from typing import Any
 
 import pytest
@@ -31,7 +32,7 @@ def batch_document(**changes: Any) -> dict[str, Any]:
         "memory": {"peak_bytes": 3 << 30, "trough_bytes": 1 << 30, "total_bytes": 8 << 30,
                    "volatility": 0.25},
         "slowest": {"class": "interactive", "total_s": 0.25, "queue_s": 0.1,
-                    "fill_wait_s": 0.05, "replica_wait_s": 0.0, "compute_s": 0.1,
+                    "fill_wait_s": 0.05, "replica_wait_s": 0.0, "compute_s": 0.1, "answer_s": 0.0,
                     "batch_size": 16, "replica_id": 1},
         "generation": None,
     }  # fmt: skip
@@ -77,6 +78,7 @@ def test_shows_the_selected_model_s_batch_sizes_classes_replicas_and_slowest_req
     assert "interactive" in text and "200.0ms" in text and "queue_full 2" in text
     assert "replica 0 (cpu)" in text and "75% busy" in text and "balance 0.33" in text
     assert "waiting for the batch to fill 50.0ms" in text and "compute 100.0ms" in text
+    assert "answering 0.0ms" in text  # the parts add up to the total
     assert "volatility 25%" in text
 
 
@@ -85,6 +87,8 @@ def test_shows_a_generation_model_s_sequences_kv_cache_and_token_latencies() -> 
     assert "llama (generation)" in text
     for expected in ("running sequences", "KV blocks in use", "42%", "80.0ms", "11.0ms"):
         assert expected in text
+    # its steps' sizes, a bar a size: 9 steps of 3 sequences
+    assert re.search(r"\s3\s+9\s+█", text)
 
 
 @pytest.mark.parametrize("width", [40, 60])
