@@ -32,7 +32,7 @@ def live_figures(model: ServedModel) -> dict[str, Any]:
     return document
 
 
-def _adaptive(state: AdaptiveState | None) -> dict[str, float] | None:
+def _adaptive(state: AdaptiveState | None) -> dict[str, float | str] | None:
     """What the adaptive controller has in force now (the largest over the classes, as
     ``carpool top`` shows it); None when the policy has no "auto"."""
     if state is None or not state.classes:
@@ -40,6 +40,7 @@ def _adaptive(state: AdaptiveState | None) -> dict[str, float] | None:
     return {
         "delay_s": max(c.delay_s for c in state.classes),
         "batch_size": max(c.batch_size for c in state.classes),
+        "unit": state.unit,  # what batch_size counts: items, or tokens/cost under a budget
     }
 
 

@@ -70,5 +70,6 @@ async def test_an_auto_policy_shows_what_the_adaptive_controller_has_in_force() 
         await auto.run({"x": np.ones((2, 2), np.float32)}, {})
         adaptive, none = live_figures(auto)["adaptive"], live_figures(fixed)["adaptive"]
     assert none is None
-    assert adaptive is not None and adaptive.keys() == {"delay_s", "batch_size"}
+    assert adaptive is not None and adaptive.keys() == {"delay_s", "batch_size", "unit"}
+    assert adaptive["unit"] == "items"
     assert adaptive["delay_s"] >= 0 and 1 <= adaptive["batch_size"] <= 8
