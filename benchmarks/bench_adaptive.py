@@ -471,6 +471,25 @@ def main() -> None:
         capacity = measure_capacity(url, W1, args.quick)
         print(f"capacity over HTTP at concurrency 64: {capacity:.0f} req/s", flush=True)
         sweep = run_sweep(url, W1, capacity, args.quick)
+        # The two single-load targets: auto at concurrency 64 against the offline batch-64
+        # ceiling, and its concurrency-1 p50 against the model's batch-1 time.
+        set_policy(url, W1.model, **W1.auto)
+        auto_c64 = goodput(url, W1, ["--concurrency", "64"], 3.0 if args.quick else 10.0)
+        batch1_s = 1.0 / offline_ceiling(batch_size=1)
+        targets = {
+            "auto_c64_rps": auto_c64["rate_rps"],
+            "auto_c64_over_ceiling": auto_c64["rate_rps"] / ceiling,
+            "batch1_model_ms": batch1_s * 1e3,
+            "auto_c1_p50_ms": sweep["table"]["auto"]["c=1"]["p50_ms"],
+        }
+        targets["auto_c1_p50_over_batch1_ms"] = targets["auto_c1_p50_ms"] - batch1_s * 1e3
+        print(
+            f"auto at concurrency 64: {auto_c64['rate_rps']:.0f} req/s = "
+            f"{targets['auto_c64_over_ceiling']:.2f} of the ceiling; concurrency 1 p50 "
+            f"{targets['auto_c1_p50_ms']:.2f} ms against batch-1 model time "
+            f"{targets['batch1_model_ms']:.2f} ms",
+            flush=True,
+        )
         priorities = _priorities(url, ceiling, duration_s, args.repeats, args.breakdown)
     print_sweep(sweep)
     write_results(
@@ -482,6 +501,7 @@ def main() -> None:
             "ceiling_items_per_s": ceiling,
             "capacity_rps": capacity,
             "sweep": sweep,
+            "targets": targets,
             "priorities": priorities,
         },
     )

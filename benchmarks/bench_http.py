@@ -49,7 +49,9 @@ DEFAULT_JSON = RESULTS / "http.json"
 CONCURRENCY = (1, 16, 64, 256)
 
 
-def offline_ceiling(seconds: float = 3.0) -> float:
+def offline_ceiling(seconds: float = 3.0, batch_size: int = 64) -> float:
+    """W1's items per second in batches of ``batch_size``, in this process on the server
+    CPU, one torch thread."""
     import torch
 
     from carpool.models.mlp import W1Runner
@@ -57,13 +59,13 @@ def offline_ceiling(seconds: float = 3.0) -> float:
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {int(SERVER_CPU)})
     runner = W1Runner()
-    x = np.random.default_rng(1).standard_normal((64, 256), dtype=np.float32)
+    x = np.random.default_rng(1).standard_normal((batch_size, 256), dtype=np.float32)
     for _ in range(5):
         runner(x)
     start, done = time.perf_counter(), 0
     while time.perf_counter() - start < seconds:
         runner(x)
-        done += 64
+        done += batch_size
     rate = done / (time.perf_counter() - start)
     os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     return rate
