@@ -51,6 +51,7 @@ from carpool.core.remote_replica import (
 )
 from carpool.core.replicas import BatchFn, FnFactory, is_async_callable
 from carpool.core.shm_ring import Header, Reader, Region
+from carpool.core.stepwise import run_to_end
 from carpool.core.watchdog import Watchdog
 from carpool.errors import ConfigError, ReplicaDied
 
@@ -208,7 +209,7 @@ def child_main(conn: Connection, source: ModelSource, device: str, cpus: list[in
                 return
             batch = reader.read(header, copy=False)
             try:
-                outputs = fn(batch)
+                outputs = run_to_end(fn(batch))
             except Exception as exc:
                 del batch
                 conn.send(("raised", _portable(exc)))

@@ -53,6 +53,7 @@ from carpool.core.remote_replica import (
     RemoteReplica,
 )
 from carpool.core.replicas import BatchFn, FnFactory
+from carpool.core.stepwise import run_to_end
 from carpool.core.watchdog import Watchdog
 from carpool.errors import ActorDied, ConfigError
 
@@ -82,7 +83,7 @@ class ReplicaActor:
     def run(self, batch: Any) -> tuple[tuple[str, int], Any]:
         """Where it runs (a restart Ray made while the replica had no batch shows in it)
         and the model's outputs."""
-        return self._where, self._fn(batch)
+        return self._where, run_to_end(self._fn(batch))
 
 
 class RayReplica(RemoteReplica):

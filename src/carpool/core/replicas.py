@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from carpool.core.model_call import ModelCall, RunOutput
+from carpool.core.stepwise import is_steps, run_on_loop, run_to_end
 from carpool.core.telemetry import ReplicaCounters
 from carpool.core.watchdog import (
     CallWatch,
@@ -420,9 +421,13 @@ class Replica:
         call.check_turn(started)
         cpu_started = thread_cpu_s()
         outputs = fn(batch)
+        if is_steps(outputs):  # the loop runs between its steps: judge the longest
+            outputs, held_s, held_cpu_s = await run_on_loop(outputs)
+        else:
+            held_s, held_cpu_s = self._now() - started, thread_cpu_s() - cpu_started
         ended = self._now()
         if self._may_leave_loop:
-            self._judge_loop_batch(ended - started, thread_cpu_s() - cpu_started)
+            self._judge_loop_batch(held_s, held_cpu_s)
         return call.output(outputs, started, ended)
 
     def _run_threaded(self, call: ModelCall, batch: Any) -> Awaitable[RunOutput]:
@@ -447,7 +452,7 @@ class Replica:
                     f"replica {self.replica_id} of model {self._name!r} has no model: "
                     "building it again after a hang failed (see the log)"
                 )
-            outputs = model(batch)
+            outputs = run_to_end(model(batch))
             return outputs, started, now()
 
         running = asyncio.get_running_loop().run_in_executor(thread, job)

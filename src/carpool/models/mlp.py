@@ -7,10 +7,13 @@ Linear(2048, 16)``, float32, weights from ``torch.manual_seed(0)``, eval mode, r
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
+
+from carpool.core.stepwise import run_to_end
 
 if TYPE_CHECKING:
     from carpool.models.torch import TorchRunner
@@ -49,10 +52,28 @@ class W1Runner:
         self.model = build_w1(seed).to(self.device)
 
     def __call__(self, batch: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        out: npt.NDArray[np.float32] = run_to_end(self.steps(batch))
+        return out
+
+    def steps(
+        self, batch: npt.NDArray[np.float32]
+    ) -> Generator[None, None, npt.NDArray[np.float32]]:
+        """The same in three steps (the first layer, then each 2048 x 2048 layer with what
+        follows it), yielding between them: on the event loop's thread the server reads and
+        refuses requests between steps (carpool.core.stepwise) rather than only after the
+        whole batch. Each layer runs under inference mode on its own, so that no other code
+        on the loop runs inside it."""
         torch = self._torch
         with torch.inference_mode():
             x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self.device)
-            out: npt.NDArray[np.float32] = self.model(x).cpu().numpy()
+        layers = list(self.model)
+        for i, layer in enumerate(layers):
+            with torch.inference_mode():
+                x = layer(x)
+            if i in (1, 3):  # before each 2048 x 2048 layer
+                yield
+        with torch.inference_mode():
+            out: npt.NDArray[np.float32] = x.cpu().numpy()
         return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,11 @@ def w1_factory(device: str) -> Any:
 
     runner = make_w1(device)
 
-    def w1(inputs: dict[str, Any]) -> dict[str, Any]:
-        return {"OUTPUT0": runner(inputs["INPUT0"])}
+    def w1(inputs: dict[str, Any]) -> Generator[None, None, dict[str, Any]]:
+        # In steps (carpool.core.stepwise): on the event loop, requests are read and
+        # refused between W1's layers instead of after the whole batch.
+        output = yield from runner.steps(inputs["INPUT0"])
+        return {"OUTPUT0": output}
 
     return w1
 

@@ -16,12 +16,13 @@ batched model gets it from its builder (:func:`checking_outputs`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 from carpool.core.collate import MalformedOutput
 from carpool.core.layout import Packed
 from carpool.core.replicas import is_async_callable
+from carpool.core.stepwise import is_steps
 from carpool.server.repository import TensorSpec
 
 BatchFn = Callable[[Any], Any]
@@ -58,11 +59,19 @@ def checking_outputs(
             return checked_async
 
         def checked(inputs: Any) -> Any:
-            return check_outputs(fn(inputs), outputs)
+            result = fn(inputs)
+            if is_steps(result):  # a model in steps: checked when its last one returns
+                return _checked_steps(result, outputs)
+            return check_outputs(result, outputs)
 
         return checked
 
     return make
+
+
+def _checked_steps(steps: Generator[Any, None, Any], outputs: tuple[TensorSpec, ...]) -> Any:
+    result = yield from steps
+    return check_outputs(result, outputs)
 
 
 def check_outputs(result: Any, outputs: tuple[TensorSpec, ...]) -> Any:

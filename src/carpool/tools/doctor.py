@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from carpool.core.replicas import is_async_callable
+from carpool.core.stepwise import run_to_end
 from carpool.errors import ConfigError, ModelError
 from carpool.tools.doctor_checks import (
     Array,
@@ -209,7 +210,11 @@ def _synchronous(
     if is_async_callable(fn):
         expected = "a synchronous batched callable: carpool doctor times direct calls"
         raise ConfigError(field_name, value, expected, file=file)
-    return fn
+
+    def called(batch: Any) -> Any:
+        return run_to_end(fn(batch))  # a model in steps (carpool.core.stepwise) to its end
+
+    return called
 
 
 # -- all of it ------------------------------------------------------------------------------------

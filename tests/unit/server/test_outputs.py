@@ -8,6 +8,7 @@ backends refuse "unexpected shape for output"."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Generator
 from typing import Any
 
 import ml_dtypes
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from carpool.core.layout import Packed
+from carpool.core.stepwise import is_steps, run_to_end
 from carpool.server.outputs import OutputMismatch, check_outputs, checking_outputs
 from carpool.server.repository import TensorSpec
 
@@ -172,3 +174,17 @@ def test_torch_tensors_and_declared_bf16_pass_the_check() -> None:
     b = TensorSpec("B", "BF16", (4,))
     result = {"Y": torch.zeros(2, 4), "B": np.zeros((2, 4), ml_dtypes.bfloat16)}
     assert check_outputs(result, (y, b)) is result
+
+
+def test_a_model_in_steps_is_checked_when_its_last_step_returns() -> None:
+    specs = (TensorSpec("Y", "FP32", (-1,)),)
+
+    def in_steps(inputs: dict[str, np.ndarray]) -> Generator[None, None, dict[str, np.ndarray]]:
+        yield
+        return {"Y": inputs["X"][:, :1, None]}
+
+    checked = checking_outputs(lambda device: in_steps, specs)("cpu")
+    steps = checked({"X": np.ones((2, 3), np.float32)})
+    assert is_steps(steps)  # still in steps: the loop can run between them
+    with pytest.raises(OutputMismatch, match=r"shape \[2, 1, 1\]"):
+        run_to_end(steps)

@@ -1,0 +1,116 @@
+"""Models in steps (``carpool.core.stepwise``): run to the end off the loop, and on the
+loop with the loop's other work between the steps."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from carpool import Batcher, BatchPolicy
+from carpool.core.stepwise import is_steps, run_on_loop, run_to_end
+
+REPOSITORY_ROOT = str(Path(__file__).resolve().parents[3])
+
+
+def doubled_in_steps(batch: np.ndarray) -> Generator[None, None, np.ndarray]:
+    """Doubles the batch in two steps."""
+    half = batch * 1.5
+    yield
+    return half + batch * 0.5
+
+
+def test_run_to_end_returns_a_plain_result_or_what_the_steps_return() -> None:
+    assert run_to_end(7) == 7
+    steps = doubled_in_steps(np.array([2.0]))
+    assert is_steps(steps) and not is_steps(np.array([2.0]))
+    np.testing.assert_array_equal(run_to_end(steps), [4.0])
+
+
+async def test_on_the_loop_other_work_runs_between_the_steps() -> None:
+    seen: list[str] = []
+
+    def steps() -> Generator[None, None, str]:
+        seen.append("step 1")
+        asyncio.get_running_loop().call_soon(seen.append, "loop")
+        yield
+        seen.append("step 2")
+        time.sleep(0.02)
+        return "done"
+
+    result, longest_s, longest_cpu_s = await run_on_loop(steps())
+    assert result == "done"
+    assert seen == ["step 1", "loop", "step 2"]  # not after the whole call
+    assert 0.02 <= longest_s < 1.0 and longest_cpu_s < longest_s  # the sleep is not CPU
+
+
+class Recorder:
+    """A model in steps that notes, at each step, whether a marker task ran meanwhile."""
+
+    def __init__(self) -> None:
+        self.threads: set[int] = set()
+        self.ran_between: list[bool] = []
+        self.flag = threading.Event()
+
+    def __call__(self, batch: np.ndarray) -> Generator[None, None, np.ndarray]:
+        self.threads.add(threading.get_ident())
+        self.flag.clear()
+        yield
+        self.ran_between.append(self.flag.is_set())
+        return batch * 2
+
+
+@pytest.mark.parametrize("executor", ["loop", "thread"])
+async def test_a_batcher_runs_a_model_in_steps_where_its_executor_says(executor: str) -> None:
+    model = Recorder()
+    batcher = Batcher(
+        model,
+        BatchPolicy(max_batch_size=4, max_delay_s=0.005),
+        executor=executor,
+        switch_interval_s=None,
+    )
+
+    async def mark() -> None:  # sets the flag whenever the loop gets a turn
+        while True:
+            model.flag.set()
+            await asyncio.sleep(0)
+
+    async with batcher:
+        marker = asyncio.create_task(mark())
+        try:
+            inputs = [np.array([float(i)], np.float32) for i in range(8)]
+            results = await asyncio.gather(*(batcher.submit(x) for x in inputs))
+        finally:
+            marker.cancel()
+    for x, y in zip(inputs, results, strict=True):
+        np.testing.assert_array_equal(y, x * 2)
+    on_loop = model.threads == {threading.get_ident()}
+    assert on_loop == (executor == "loop")
+    if executor == "loop":  # the loop got its turn between the steps of every batch
+        assert model.ran_between and all(model.ran_between)
+
+
+def doubled_steps_model(batch: Any) -> Any:
+    return doubled_in_steps(batch)
+
+
+async def test_a_process_replica_runs_a_model_in_steps_to_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Children import this module by the name pytest gave it, from the repository's root.
+    monkeypatch.syspath_prepend(REPOSITORY_ROOT)
+    batcher = Batcher(
+        doubled_steps_model,
+        BatchPolicy(max_batch_size=4, max_delay_s=0.005),
+        executor="process",
+        switch_interval_s=None,
+    )
+    async with batcher:
+        got = await asyncio.gather(*(batcher.submit(np.array([i], np.float64)) for i in range(4)))
+    assert [float(g[0]) for g in got] == [0.0, 2.0, 4.0, 6.0]
