@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 W1_INPUT_DIM = 256
 W1_OUTPUT_DIM = 16
 W1_HIDDEN_DIM = 2048
+# W1Runner.steps computes a 2048 x 2048 layer this many slices of its outputs at a time.
+W1_LAYER_SLICES = 4
 
 
 def build_w1(seed: int = 0) -> Any:
@@ -58,20 +60,32 @@ class W1Runner:
     def steps(
         self, batch: npt.NDArray[np.float32]
     ) -> Generator[None, None, npt.NDArray[np.float32]]:
-        """The same in three steps (the first layer, then each 2048 x 2048 layer with what
-        follows it), yielding between them: on the event loop's thread the server reads and
-        refuses requests between steps (carpool.core.stepwise) rather than only after the
-        whole batch. Each layer runs under inference mode on its own, so that no other code
-        on the loop runs inside it."""
+        """The same in steps of at most a quarter of a 2048 x 2048 layer, yielding between
+        them: on the event loop's thread the server reads and refuses requests between
+        steps (carpool.core.stepwise) rather than only after the whole batch. A large layer
+        is computed :data:`W1_LAYER_SLICES` slices of its outputs at a time (the same sums,
+        bit for bit, and no slower). Each step runs under inference mode on its own, so
+        that no other code on the loop runs inside it."""
         torch = self._torch
+        functional = torch.nn.functional
         with torch.inference_mode():
             x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self.device)
-        layers = list(self.model)
-        for i, layer in enumerate(layers):
+        for layer in self.model:
+            if not (isinstance(layer, torch.nn.Linear) and layer.out_features == W1_HIDDEN_DIM):
+                with torch.inference_mode():
+                    x = layer(x)
+                continue
+            yield
+            width = layer.out_features // W1_LAYER_SLICES
+            parts: list[Any] = []
+            for start in range(0, layer.out_features, width):
+                if parts:
+                    yield
+                rows = slice(start, start + width)
+                with torch.inference_mode():
+                    parts.append(functional.linear(x, layer.weight[rows], layer.bias[rows]))
             with torch.inference_mode():
-                x = layer(x)
-            if i in (1, 3):  # before each 2048 x 2048 layer
-                yield
+                x = torch.cat(parts, dim=1)
         with torch.inference_mode():
             out: npt.NDArray[np.float32] = x.cpu().numpy()
         return out
