@@ -23,8 +23,11 @@ kernel if it builds, else torch, with one warning saying why), ``kernel`` (a
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
+import os
 import platform
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -79,11 +82,25 @@ def _cpu_flags() -> str:
     return "\n".join(sorted(found.values())) or f"{platform.machine()} {platform.processor()}"
 
 
+def _put_ninja_on_path() -> None:
+    """torch runs ``ninja`` from ``PATH``; the PyPI ``ninja`` package (the generation extra)
+    installs it beside the interpreter, which is not on ``PATH`` when the virtual
+    environment is not activated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        bin_dir = str(importlib.import_module("ninja").BIN_DIR)
+    except (ImportError, AttributeError):
+        return  # torch then says that ninja is missing
+    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 def _build() -> None:
     """Compiles (or reuses the cached build of) the kernel and loads it as
     ``torch.ops.carpool.paged_decode``."""
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     cpp_extension.load(
         name=build_name(),
         sources=[str(SOURCE_PATH)],
