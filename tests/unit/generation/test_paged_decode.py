@@ -278,3 +278,17 @@ def test_greedy_generation_is_the_same_with_kernel_and_torch_and_transformers(
             )
         expected.append(out[0, len(prompt) :].tolist())
     assert outputs["kernel"] == outputs["torch"] == expected
+
+
+def test_kernel_on_two_threads_equals_one_thread(kernel_build: KernelBuild) -> None:
+    contexts = _contexts(33, torch.Generator().manual_seed(2))
+    kv_cache, table, slots, q, _ = _step(contexts, 12, 4, 64, torch.float32)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            outs.append(_attend(kv_cache, table, slots, q, contexts, use_kernel=True))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
