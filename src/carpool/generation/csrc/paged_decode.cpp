@@ -337,23 +337,18 @@ template <>
 bool attend_fast<float>(const Shape& s, const float* q, const float* k, const float* v,
                         const int64_t* ids, int64_t length, double scale, int64_t h_begin,
                         int64_t h_end, float* out, float* work) {
-  const float f = static_cast<float>(scale);
+  using Vector = void (*)(const Shape&, const float*, const float*, const float*,
+                          const int64_t*, int64_t, float, int64_t, int64_t, float*, float*);
+  Vector attend = nullptr;
   switch (s.head_dim) {
-    case 32:
-      attend_heads_vector<32>(s, q, k, v, ids, length, f, h_begin, h_end, out, work);
-      return true;
-    case 64:
-      attend_heads_vector<64>(s, q, k, v, ids, length, f, h_begin, h_end, out, work);
-      return true;
-    case 128:
-      attend_heads_vector<128>(s, q, k, v, ids, length, f, h_begin, h_end, out, work);
-      return true;
-    case 256:
-      attend_heads_vector<256>(s, q, k, v, ids, length, f, h_begin, h_end, out, work);
-      return true;
-    default:
-      return false;
+    case 32: attend = attend_heads_vector<32>; break;
+    case 64: attend = attend_heads_vector<64>; break;
+    case 128: attend = attend_heads_vector<128>; break;
+    case 256: attend = attend_heads_vector<256>; break;
+    default: return false;
   }
+  attend(s, q, k, v, ids, length, static_cast<float>(scale), h_begin, h_end, out, work);
+  return true;
 }
 #endif
 
