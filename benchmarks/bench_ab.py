@@ -66,11 +66,17 @@ def peers_figures(result: dict[str, Any]) -> Figures:
 
 
 def decode_step_figures(result: dict[str, Any]) -> Figures:
-    """``bench_decode_step.py``'s rows: the step and its set-up, per batch size."""
+    """``bench_decode_step.py``'s rows: the step and its set-up, per batch size, and,
+    profiled, decode attention with the K/V gather it needs (``attention+gather``)."""
     figures: Figures = {}
     for row in result["rows"]:
         n = row["num_seqs"]
         figures |= {f"n{n} step ms": row["step_ms"], f"n{n} prepare ms": row["prepare_ms"]}
+        if "profile_ms" in row:
+            profile = row["profile_ms"]
+            attention, gather = profile.get("attention", 0.0), profile.get("kv gather", 0.0)
+            figures |= {f"n{n} attention ms": attention, f"n{n} kv gather ms": gather}
+            figures[f"n{n} attention+gather ms"] = attention + gather
     return figures
 
 
@@ -164,13 +170,21 @@ def main() -> None:
     machine = machine_info()
     print(f"machine: {machine}")
     runs: dict[str, list[Figures]] = {"before": [], "after": []}
+    # Which decode attention each tree ran (bench_decode_step.py says; others: none).
+    paths: dict[str, set[str]] = {"before": set(), "after": set()}
     with tempfile.TemporaryDirectory() as tmp:
         for index in range(args.rounds):
             order = ("before", "after") if index % 2 == 0 else ("after", "before")
             for name in order:
                 out = Path(tmp) / f"{name}{index}.json"
                 runs[name].append(run_once(args.script, trees[name], script_args, out))
+                path = json.loads(out.read_text()).get("decode_attention")
+                if path is not None:
+                    paths[name].add(path)
     table = compare(runs)
+    decode_attention = {name: sorted(found) for name, found in paths.items() if found}
+    if decode_attention:
+        print(f"decode attention: {decode_attention}")
     print(f"{'figure':<32}{'before':>12}{'after':>12}{'after/before':>14}")
     for key, row in table.items():
         print(
@@ -186,6 +200,7 @@ def main() -> None:
             "script_args": script_args,
             "trees": {k: {"src": str(v), "commit": _commit(v)} for k, v in trees.items()},
             "rounds": args.rounds,
+            **({"decode_attention": decode_attention} if decode_attention else {}),
             "figures": table,
         },
     )

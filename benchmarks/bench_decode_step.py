@@ -10,15 +10,18 @@ torch.profiler breakdown of the model's time by operator kind:
 
     kv gather     aten::index, aten::index_select (K/V blocks gathered for attention, and
                   small indexing)
-    attention     SDPA (flash attention for CPU)
+    attention     SDPA (flash attention for CPU), or the C++ decode kernel
+                  (carpool::paged_decode) where the tree has it
     kv write      aten::index_copy_ (the step's new K/V into their slots)
     matmul        Linear layers (oneDNN or aten mm/addmm)
     other         norms, rotary, activations, sampling, ...
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_decode_step.py --profile
 
-It uses only what every tree has (``ModelRunner``, ``execute``, ``_prepare``), so
-``bench_ab.py`` can run it over two source trees.
+The machine line and the JSON say which decode attention ran (``decode_attention``:
+``kernel`` or ``torch``; ``torch`` for a tree that predates the kernel). It uses only what
+every tree has (``ModelRunner``, ``execute``, ``_prepare``), so ``bench_ab.py`` can run it
+over two source trees.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ KINDS = {
     "aten::index": "kv gather",
     "aten::index_select": "kv gather",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+    "carpool::paged_decode": "attention",
     "aten::index_copy_": "kv write",
     "mkldnn::_linear_pointwise": "matmul",
     "aten::addmm": "matmul",
@@ -107,12 +111,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=RESULTS / "decode_step.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    machine = machine_info(torch_threads=torch.get_num_threads())
-    print("machine:", machine, flush=True)
     model = random_llama(MODEL_88M, seed=0)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     num_blocks = max(decode_step(n)[1] for n in sizes) + 1
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE)
+    decode_attention = getattr(runner, "decode_attention_path", "torch")  # older trees: torch
+    machine = machine_info(torch_threads=torch.get_num_threads(), decode_attention=decode_attention)
+    print("machine:", machine, flush=True)
     rows = []
     for n in sizes:
         step, _, mean_context = decode_step(n)
@@ -141,6 +146,7 @@ def main() -> None:
             "machine": machine,
             "model": {**MODEL_88M, "seed": 0, "dtype": "float32", "block_size": BLOCK_SIZE},
             "context_lengths": f"log-uniform in [{MIN_CONTEXT}, {MAX_CONTEXT}], seed 0",
+            "decode_attention": decode_attention,
             "repeats": args.repeats,
             "rows": rows,
         },

@@ -91,6 +91,7 @@ GENERATION_FIELDS = (
     "max_num_batched_tokens",
     "max_num_seqs",
     "max_model_len",
+    "decode_attention",
 )
 
 
@@ -198,6 +199,9 @@ class ModelConfig(_Strict):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     max_num_seqs: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
+    # Decode attention: the C++ kernel over the paged cache (kernel), gather + SDPA (torch),
+    # or the kernel where it builds (auto, the default). carpool.generation.paged_decode
+    decode_attention: Literal["auto", "kernel", "torch"] | None = None
     # Placement.
     num_replicas: int | None = Field(None, ge=1)
     devices: list[str] | None = Field(None, min_length=1)

@@ -33,6 +33,11 @@ One step's chunks attend in two kinds of calls, planned once per step by
   return it); on another device, or where the op is missing, a chunk with a prefix runs
   the one masked call.
 
+Where the C++ decode kernel is in use (``use_kernel``, :mod:`carpool.generation.paged_decode`),
+every decode chunk is one :class:`KernelDecode` instead of length groups: the kernel walks
+each sequence's block table and reads its K/V in place (no gather, no padding), one call for
+all of them.
+
 K/V are gathered a whole block at a time (a block is contiguous), not slot by slot, with
 ``index_select`` (a row copy per block). The
 query heads that share a KV head are folded into the query length (grouped-query attention
@@ -46,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from carpool.generation.paged_decode import paged_decode
 
 # PyTorch's CPU flash-attention kernel, which also returns each query's log-sum-exp.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -83,9 +90,19 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelDecode:
+    """Every one-token chunk of the step, attended by the C++ kernel in place."""
+
+    rows: torch.Tensor | None  # [n] their rows in the packed batch; None: every row, in order
+    block_table: torch.Tensor  # [n, columns] each one's block ids
+    context_lens: torch.Tensor  # [n] int64: each one's keys, its own token included
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionPlan:
     spans: tuple[Span, ...]
     groups: tuple[DecodeGroup, ...]
+    kernel_decode: KernelDecode | None = None  # instead of groups, with use_kernel
 
 
 def group_by_length(
@@ -114,10 +131,17 @@ def group_by_length(
 
 
 def plan_attention(
-    table: torch.Tensor, num_tokens: Sequence[int], starts: Sequence[int], block_size: int
+    table: torch.Tensor,
+    num_tokens: Sequence[int],
+    starts: Sequence[int],
+    block_size: int,
+    *,
+    use_kernel: bool = False,
 ) -> AttentionPlan:
     """The step's attention calls. ``table`` [n, columns]: each chunk's block table row;
-    ``num_tokens`` and ``starts``: each chunk's token count and first position."""
+    ``num_tokens`` and ``starts``: each chunk's token count and first position;
+    ``use_kernel``: decode chunks run the C++ kernel (its build loaded) rather than
+    length groups."""
     device = table.device
     can_split = _FLASH_CPU is not None and device.type == "cpu"
     spans: list[Span] = []
@@ -140,6 +164,8 @@ def plan_attention(
     if not decode:
         return AttentionPlan(tuple(spans), ())
     lengths = [starts[i] + 1 for i in decode]  # a decode chunk's context ends at its token
+    if use_kernel:
+        return AttentionPlan(tuple(spans), (), _kernel_decode(table, decode, rows, lengths))
     groups = group_by_length(lengths)
     is_all = len(groups) == 1 and len(decode) == len(num_tokens)
     if is_all:  # one call over every row, in step order
@@ -160,6 +186,19 @@ def plan_attention(
     return AttentionPlan(tuple(spans), tuple(planned))
 
 
+def _kernel_decode(
+    table: torch.Tensor, decode: list[int], rows: list[int], lengths: list[int]
+) -> KernelDecode:
+    """The decode chunks ``decode`` (chunk indices), at ``rows`` of the packed batch."""
+    device = table.device
+    context_lens = torch.tensor(lengths, dtype=torch.long, device=device)
+    if len(decode) == table.shape[0]:  # every chunk decodes: the rows are 0 .. n-1
+        return KernelDecode(None, table, context_lens)
+    index = torch.tensor(decode, dtype=torch.long, device=device)
+    row_index = torch.tensor(rows, dtype=torch.long, device=device)
+    return KernelDecode(row_index, table[index], context_lens)
+
+
 class PagedAttention:
     """One step's attention over the paged KV cache; called by each layer with its index."""
 
@@ -176,10 +215,17 @@ class PagedAttention:
         k_blocks, v_blocks = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         k_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)
         v_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
-        groups, spans = self.plan.groups, self.plan.spans
+        groups, spans, kernel = self.plan.groups, self.plan.spans, self.plan.kernel_decode
         if len(groups) == 1 and groups[0].rows is None:
             return _attend_decode(groups[0], q, k_blocks, v_blocks)
+        if kernel is not None and kernel.rows is None:
+            return _attend_kernel(kernel, q, k_blocks, v_blocks)
         out = torch.empty_like(q)
+        if kernel is not None:
+            assert kernel.rows is not None
+            out.index_copy_(
+                0, kernel.rows, _attend_kernel(kernel, q[kernel.rows], k_blocks, v_blocks)
+            )
         for group in groups:
             assert group.rows is not None
             context = _attend_decode(group, q[group.rows], k_blocks, v_blocks)
@@ -279,6 +325,15 @@ def _attend_decode(
         folded, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask
     )
     return context.reshape(n, num_heads, head_dim)
+
+
+def _attend_kernel(
+    decode: KernelDecode, query: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor
+) -> torch.Tensor:
+    """``query`` [n, heads, D] (the decode rows) over their contexts, read in place by the
+    C++ kernel -> [n, heads, D]."""
+    scale = query.shape[-1] ** -0.5  # SDPA's default, as the gather path uses
+    return paged_decode(query, k_blocks, v_blocks, decode.block_table, decode.context_lens, scale)
 
 
 def _gather(blocks: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

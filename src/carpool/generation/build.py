@@ -34,6 +34,7 @@ class GenerationSettings:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int | None = None
+    decode_attention: str = "auto"  # auto | kernel | torch (carpool.generation.paged_decode)
 
 
 def resolve_settings(model: Any, settings: GenerationSettings) -> GenerationSettings:
@@ -91,7 +92,13 @@ def build_engine(
     dtype = getattr(torch, settings.dtype)
     num_blocks = settings.num_blocks
     runner = ModelRunner(
-        model, num_blocks, settings.block_size, settings.device, dtype, seed=settings.seed
+        model,
+        num_blocks,
+        settings.block_size,
+        settings.device,
+        dtype,
+        seed=settings.seed,
+        decode_attention=settings.decode_attention,
     )
     limits = SchedulerConfig(
         max_num_batched_tokens=settings.max_num_batched_tokens,

@@ -16,9 +16,9 @@ sequence, updated with each step's new blocks); positions and the slot mapping a
 ops over the step's rows. Each layer first writes the step's new K/V into their slots (one
 ``index_copy_`` for all T tokens), then attends over each sequence's own cached K/V
 ``[0, start_pos + len)``, read through its block table (``attention.py``: decode chunks
-grouped by context length, one SDPA call per group; a longer chunk over its cached prefix
-and, causally, itself, merged by log-sum-exp). Logits are computed only at the last token
-of each chunk that ``needs_logits``.
+by the C++ kernel in place, or grouped by context length, one SDPA call per group; a
+longer chunk over its cached prefix and, causally, itself, merged by log-sum-exp). Logits
+are computed only at the last token of each chunk that ``needs_logits``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from torch import nn
 
 from carpool.generation.attention import PagedAttention, plan_attention
 from carpool.generation.block_table import BlockTables
+from carpool.generation.paged_decode import use_decode_kernel
 from carpool.generation.prompt_logprobs import PromptScorer, num_scored_rows
 from carpool.generation.sampling import Sampler
 from carpool.generation.types import SeqChunk, StepInput, StepOutput, TokenLogprobs
@@ -109,6 +110,9 @@ class ModelRunner:
     ``device``/``dtype`` (eval mode), allocates ``kv_cache`` (zeros, see the module
     docstring) and, with ``prepack=True``, switches its Linear layers to oneDNN's prepacked
     kernels where they apply. ``seed`` seeds the generator shared by requests without a seed.
+    ``decode_attention`` (``auto | kernel | torch``) picks the decode attention path
+    (:func:`carpool.generation.paged_decode.use_decode_kernel`); ``decode_attention_path``
+    says which one runs: ``kernel`` or ``torch``.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class ModelRunner:
         *,
         prepack: bool = True,
         seed: int | None = None,
+        decode_attention: str = "auto",
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
@@ -135,6 +140,8 @@ class ModelRunner:
             device=self.device,
             dtype=dtype,
         )
+        self.use_decode_kernel = use_decode_kernel(decode_attention, self.device, dtype)
+        self.decode_attention_path = "kernel" if self.use_decode_kernel else "torch"
         self.sampler = Sampler(seed)
         self.block_tables = BlockTables(self.device)
         self.prompt_scorer = PromptScorer()
@@ -227,7 +234,7 @@ class ModelRunner:
             token_table = table[seq_index]
         block = token_table.gather(1, (positions // bs)[:, None])[:, 0]
         slot_mapping = block * bs + positions % bs
-        plan = plan_attention(table, num_tokens, starts, bs)
+        plan = plan_attention(table, num_tokens, starts, bs, use_kernel=self.use_decode_kernel)
         return _Batch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=positions,

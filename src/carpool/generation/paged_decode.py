@@ -1,0 +1,187 @@
+"""The C++ decode-attention kernel (``csrc/paged_decode.cpp``): each one-token chunk over
+its own context, read from the paged KV cache in place through its block table.
+
+The gather + SDPA path of :mod:`carpool.generation.attention` copies each decode group's
+K/V blocks out of the cache, then attends; the kernel walks each sequence's blocks instead
+(as vLLM's CPU attention does), one task per (sequence, KV head), with an online softmax::
+
+    for each block of the sequence:   scores = q . K[block]     (the heads sharing the KV head)
+                                      max' = max(max, scores);  sum, acc *= exp(max - max')
+                                      sum += sum(exp(scores - max'));  acc += exp(..) V[block]
+    out = acc / sum
+
+It is compiled on first use with ``torch.utils.cpp_extension.load`` (g++/clang and ninja;
+``-O3 -march=native``) into torch's extension directory, where the build is reused by later
+processes; its name carries a hash of the source, the CPU's flags and the torch version, so
+a build for another CPU is never loaded. A build that fails leaves the gather + SDPA path.
+
+``decode_attention`` (a generation model's config key) picks the path: ``auto`` (the
+kernel if it builds, else torch, with one warning saying why), ``kernel`` (a
+:class:`~carpool.errors.ConfigError` naming why when it cannot run) or ``torch``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import os
+import platform
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+import torch
+
+from carpool.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DecodeAttention = Literal["auto", "kernel", "torch"]
+DECODE_ATTENTION_MODES: tuple[str, ...] = get_args(DecodeAttention)
+SOURCE_PATH = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd", "-fno-math-errno")
+# The dtypes the kernel computes in; others take the gather + SDPA path.
+KERNEL_DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBuild:
+    """What building (or loading the cached build of) the kernel gave."""
+
+    is_available: bool
+    reason: str  # why it is not available; "" when it is
+    build_time_s: float
+
+
+_lock = threading.Lock()
+_build_result: KernelBuild | None = None
+
+
+def build_name() -> str:
+    """The extension's name: a hash of the source, the compile flags, the torch version and
+    the CPU's flags (``-march=native`` code runs only where those flags are)."""
+    digest = hashlib.sha256()
+    for part in (SOURCE_PATH.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode()):
+        digest.update(part)
+    digest.update(_cpu_flags().encode())
+    return f"carpool_paged_decode_{digest.hexdigest()[:16]}"
+
+
+def _cpu_flags() -> str:
+    """The CPU's model and feature flags (Linux: /proc/cpuinfo), else what platform says."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = ("flags", "Features", "model name", "CPU part")
+    found = {line.split(":")[0].strip(): line for line in lines if line.startswith(wanted)}
+    return "\n".join(sorted(found.values())) or f"{platform.machine()} {platform.processor()}"
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs ``ninja`` from ``PATH``; the PyPI ``ninja`` package (the generation extra)
+    installs it beside the interpreter, which is not on ``PATH`` when the virtual
+    environment is not activated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        bin_dir = str(importlib.import_module("ninja").BIN_DIR)
+    except (ImportError, AttributeError):
+        return  # torch then says that ninja is missing
+    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def _build() -> None:
+    """Compiles (or reuses the cached build of) the kernel and loads it as
+    ``torch.ops.carpool.paged_decode``."""
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    cpp_extension.load(
+        name=build_name(),
+        sources=[str(SOURCE_PATH)],
+        extra_cflags=list(CFLAGS),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def load_kernel() -> KernelBuild:
+    """Builds the kernel once per process; never raises: a failure is in ``reason``."""
+    global _build_result
+    with _lock:
+        if _build_result is None:
+            started = time.perf_counter()
+            try:
+                _build()
+                torch.ops.carpool.paged_decode  # noqa: B018 (the op is registered)
+                result = KernelBuild(True, "", time.perf_counter() - started)
+            except Exception as error:  # any failure leaves the torch path; never crash
+                last_line = (str(error).strip().splitlines() or [""])[-1][:300]
+                reason = f"{type(error).__name__}: {last_line}"
+                result = KernelBuild(False, reason, time.perf_counter() - started)
+            _build_result = result
+            if result.is_available:
+                logger.info("paged decode kernel ready in %.1f s", result.build_time_s)
+        return _build_result
+
+
+def use_decode_kernel(
+    mode: str, device: torch.device, dtype: torch.dtype, *, field: str = "decode_attention"
+) -> bool:
+    """Whether decode attention runs the kernel under ``mode`` for a cache on ``device`` in
+    ``dtype``. ``auto`` falls back to torch (one warning when the build fails); ``kernel``
+    raises what ``auto`` would warn of.
+
+    Raises:
+        ConfigError: on ``field``: an unknown mode, or ``kernel`` where it cannot run.
+    """
+    if mode not in DECODE_ATTENTION_MODES:
+        raise ConfigError(field, mode, f"one of {list(DECODE_ATTENTION_MODES)}")
+    if mode == "torch":
+        return False
+    if device.type != "cpu" or dtype not in KERNEL_DTYPES:
+        why = f"the kernel runs float32/float64 on the CPU, the cache is {dtype} on {device}"
+        if mode == "kernel":
+            raise ConfigError(field, mode, f"auto or torch: {why}")
+        logger.debug("decode attention: gather + SDPA (%s)", why)
+        return False
+    build = load_kernel()
+    if build.is_available:
+        return True
+    if mode == "kernel":
+        raise ConfigError(field, mode, f"auto or torch: the kernel did not build ({build.reason})")
+    _warn_once(build.reason)
+    return False
+
+
+_warned = False
+
+
+def _warn_once(reason: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.warning("decode attention: gather + SDPA, the C++ kernel did not build (%s)", reason)
+
+
+def paged_decode(
+    query: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``query`` [n, heads, D] (one token per sequence) over the first ``lengths[i]`` keys
+    of its sequence, whose blocks are row i of ``block_table`` [n, max_blocks], in the
+    cache ``k_blocks``/``v_blocks`` [num_blocks, block_size, kv_heads, D] -> [n, heads, D].
+    Needs :func:`load_kernel` to have succeeded."""
+    out: torch.Tensor = torch.ops.carpool.paged_decode(
+        query, k_blocks, v_blocks, block_table, lengths, scale
+    )
+    return out

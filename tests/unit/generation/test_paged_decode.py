@@ -1,0 +1,294 @@
+"""The C++ decode kernel (``paged_decode``): equal to the gather + SDPA path and to attention
+written out by hand, the ``decode_attention`` setting (auto | kernel | torch) and its
+fallback when the build fails, and greedy generation unchanged by the path."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+import torch
+from transformers import LlamaConfig as HFLlamaConfig
+from transformers import LlamaForCausalLM
+
+from carpool.config import ModelConfig
+from carpool.errors import ConfigError
+from carpool.generation import paged_decode
+from carpool.generation.attention import PagedAttention, plan_attention
+from carpool.generation.paged_decode import KernelBuild, load_kernel, use_decode_kernel
+from carpool.generation.runner import ModelRunner
+from carpool.generation.weights import load_model
+from carpool.server.builder import generation_settings
+
+from .paged_driver import MAX_NEW, generate
+
+BLOCK_SIZE = 16
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def kernel_build() -> KernelBuild:
+    """The kernel, built (or its cached build loaded) once for the session."""
+    started = time.perf_counter()
+    build = load_kernel()
+    assert build.is_available, build.reason
+    print(f"paged decode kernel: ready in {time.perf_counter() - started:.1f} s")
+    return build
+
+
+def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One query [heads, D] over its own keys [L, kv_heads, D], written out by hand."""
+    repeat = q.shape[0] // keys.shape[1]
+    k = keys.repeat_interleave(repeat, dim=1)
+    v = values.repeat_interleave(repeat, dim=1)
+    scores = torch.einsum("hd,lhd->hl", q, k) / q.shape[-1] ** 0.5
+    return torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+
+
+def _contexts(n: int, generator: torch.Generator) -> list[int]:
+    """``n`` context lengths: 1, around block boundaries, then random up to 300."""
+    edges = [1, 2, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 2 * BLOCK_SIZE, 5 * BLOCK_SIZE + 3]
+    randoms = torch.randint(1, 300, (max(0, n - len(edges)),), generator=generator).tolist()
+    return (edges + randoms)[:n]
+
+
+def _step(
+    contexts: list[int], num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """A cache with each sequence's blocks shuffled, and one decode token per sequence:
+    (kv_cache, block table, slots of the new tokens, query, each one's block ids)."""
+    generator = torch.Generator().manual_seed(len(contexts) * 100 + num_heads + head_dim)
+    shape = (BLOCK_SIZE, num_kv_heads, head_dim)
+    used = [-(-c // BLOCK_SIZE) for c in contexts]
+    num_blocks = sum(used) + 1
+    kv_cache = torch.randn(1, 2, num_blocks, *shape, generator=generator, dtype=dtype)
+    order = torch.randperm(num_blocks - 1, generator=generator).tolist()
+    blocks, start = [], 0
+    for count in used:
+        blocks.append(order[start : start + count])
+        start += count
+    width = max(used) + 2  # a table wider than any sequence needs, padded with the spare
+    table = torch.tensor([b + [num_blocks - 1] * (width - len(b)) for b in blocks])
+    last = [c - 1 for c in contexts]
+    slots = torch.tensor([b[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                          for b, p in zip(blocks, last, strict=True)])  # fmt: skip
+    q = torch.randn(len(contexts), num_heads, head_dim, generator=generator, dtype=dtype)
+    return kv_cache, table, slots, q, blocks
+
+
+def _attend(
+    kv_cache: torch.Tensor,
+    table: torch.Tensor,
+    slots: torch.Tensor,
+    q: torch.Tensor,
+    contexts: list[int],
+    *,
+    use_kernel: bool,
+) -> torch.Tensor:
+    """The step through ``PagedAttention``, its new K/V the values already in their slots
+    (so both paths see the same cache)."""
+    k = kv_cache[0, 0].flatten(0, 1)[slots]
+    v = kv_cache[0, 1].flatten(0, 1)[slots]
+    starts = [c - 1 for c in contexts]
+    plan = plan_attention(table, [1] * len(contexts), starts, BLOCK_SIZE, use_kernel=use_kernel)
+    assert (plan.kernel_decode is not None) == use_kernel
+    return PagedAttention(kv_cache, slots, plan)(0, q, k, v)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (12, 4), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 12])  # the vector path, and the plain loop
+def test_kernel_equals_the_gather_path_and_a_reference(
+    kernel_build: KernelBuild, n: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    contexts = _contexts(n, torch.Generator().manual_seed(n))
+    kv_cache, table, slots, q, blocks = _step(
+        contexts, num_heads, num_kv_heads, head_dim, torch.float32
+    )
+    kernel = _attend(kv_cache, table, slots, q, contexts, use_kernel=True)
+    gathered = _attend(kv_cache, table, slots, q, contexts, use_kernel=False)
+    torch.testing.assert_close(kernel, gathered, rtol=0, atol=1e-5)
+    for i, context in enumerate(contexts):
+        keys = kv_cache[0, 0, blocks[i]].flatten(0, 1)[:context]
+        values = kv_cache[0, 1, blocks[i]].flatten(0, 1)[:context]
+        torch.testing.assert_close(kernel[i], _reference(q[i], keys, values), rtol=0, atol=1e-5)
+
+
+def test_kernel_in_float64_equals_the_reference(kernel_build: KernelBuild) -> None:
+    contexts = _contexts(9, torch.Generator().manual_seed(1))
+    kv_cache, table, slots, q, _ = _step(contexts, 6, 2, 64, torch.float64)
+    kernel = _attend(kv_cache, table, slots, q, contexts, use_kernel=True)
+    gathered = _attend(kv_cache, table, slots, q, contexts, use_kernel=False)
+    torch.testing.assert_close(kernel, gathered, rtol=0, atol=1e-12)
+
+
+def test_kernel_keeps_the_softmax_stable_for_large_scores(kernel_build: KernelBuild) -> None:
+    contexts = [40, 3]
+    kv_cache, table, slots, q, _ = _step(contexts, 4, 2, 64, torch.float32)
+    q = q * 300  # scores in the thousands: exp would overflow without the running max
+    kernel = _attend(kv_cache, table, slots, q, contexts, use_kernel=True)
+    gathered = _attend(kv_cache, table, slots, q, contexts, use_kernel=False)
+    assert torch.isfinite(kernel).all()
+    torch.testing.assert_close(kernel, gathered, rtol=1e-5, atol=1e-4)
+
+
+def test_decode_rows_beside_a_prefill_chunk_go_to_their_rows(kernel_build: KernelBuild) -> None:
+    """A step of [decode, prefill of 3, decode]: the kernel's rows are 0 and 4."""
+    generator = torch.Generator().manual_seed(3)
+    kv_heads, heads, dim = 2, 4, 64
+    kv_cache = torch.randn(1, 2, 12, BLOCK_SIZE, kv_heads, dim, generator=generator)
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
+    num_tokens, starts = [1, 3, 1], [20, 30, 47]
+    positions = [20, 30, 31, 32, 47]
+    rows_of = [0, 1, 1, 1, 2]
+    slots = torch.tensor([int(table[r, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+                          for r, p in zip(rows_of, positions, strict=True)])  # fmt: skip
+    q = torch.randn(5, heads, dim, generator=generator)
+    k = torch.randn(5, kv_heads, dim, generator=generator)
+    v = torch.randn(5, kv_heads, dim, generator=generator)
+    outs = []
+    for use_kernel in (True, False):
+        cache = kv_cache.clone()
+        plan = plan_attention(table, num_tokens, starts, BLOCK_SIZE, use_kernel=use_kernel)
+        outs.append(PagedAttention(cache, slots, plan)(0, q, k, v))
+    kernel_plan = plan_attention(table, num_tokens, starts, BLOCK_SIZE, use_kernel=True)
+    assert kernel_plan.kernel_decode is not None
+    assert kernel_plan.kernel_decode.rows is not None
+    assert kernel_plan.kernel_decode.rows.tolist() == [0, 4]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
+
+
+def test_kernel_refuses_a_block_id_outside_the_cache(kernel_build: KernelBuild) -> None:
+    kv_cache, table, _, q, _ = _step([20], 4, 2, 64, torch.float32)
+    table[0, 1] = 999
+    with pytest.raises(RuntimeError, match="block 1 is 999, expected 0 to"):
+        paged_decode.paged_decode(q, kv_cache[0, 0], kv_cache[0, 1], table, torch.tensor([20]), 1.0)
+
+
+def test_kernel_refuses_a_context_longer_than_its_table(kernel_build: KernelBuild) -> None:
+    kv_cache, table, _, q, _ = _step([20], 4, 2, 64, torch.float32)
+    too_long = torch.tensor([table.shape[1] * BLOCK_SIZE + 1])
+    with pytest.raises(RuntimeError, match=r"context length .*expected 1 to"):
+        paged_decode.paged_decode(q, kv_cache[0, 0], kv_cache[0, 1], table, too_long, 1.0)
+
+
+@pytest.fixture
+def failing_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process where the kernel has not been built yet and its build fails."""
+
+    def fail() -> None:
+        raise RuntimeError("Error building extension 'carpool_paged_decode': g++ not found")
+
+    monkeypatch.setattr(paged_decode, "_build", fail)
+    monkeypatch.setattr(paged_decode, "_build_result", None)
+    monkeypatch.setattr(paged_decode, "_warned", False)
+
+
+def test_auto_falls_back_to_torch_with_one_warning_when_the_build_fails(
+    failing_build: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger=paged_decode.__name__):
+        assert not use_decode_kernel("auto", CPU, torch.float32)
+        assert not use_decode_kernel("auto", CPU, torch.float32)
+    (record,) = caplog.records
+    assert "gather + SDPA" in record.getMessage() and "g++ not found" in record.getMessage()
+
+
+def test_kernel_mode_is_a_config_error_naming_why_when_the_build_fails(
+    failing_build: None,
+) -> None:
+    with pytest.raises(ConfigError, match=r"decode_attention.*did not build.*g\+\+ not found"):
+        use_decode_kernel("kernel", CPU, torch.float32)
+
+
+def test_torch_mode_neither_builds_nor_uses_the_kernel(failing_build: None) -> None:
+    assert not use_decode_kernel("torch", CPU, torch.float32)
+    assert paged_decode._build_result is None  # nothing was built
+
+
+def test_a_dtype_the_kernel_lacks_takes_torch_under_auto_and_is_refused_under_kernel(
+    failing_build: None,
+) -> None:
+    assert not use_decode_kernel("auto", CPU, torch.bfloat16)
+    assert paged_decode._build_result is None
+    with pytest.raises(ConfigError, match="float32/float64 on the CPU"):
+        use_decode_kernel("kernel", CPU, torch.bfloat16)
+
+
+def test_an_unknown_mode_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"one of \['auto', 'kernel', 'torch'\]"):
+        use_decode_kernel("fast", CPU, torch.float32)
+
+
+def test_the_config_key_becomes_the_engine_setting() -> None:
+    entry: dict[str, Any] = {"name": "g", "kind": "generation", "source": "/x"}
+    model = ModelConfig.model_validate({**entry, "decode_attention": "torch"})
+    assert generation_settings(model).decode_attention == "torch"
+    assert generation_settings(ModelConfig.model_validate(entry)).decode_attention == "auto"
+    with pytest.raises(pydantic.ValidationError, match="decode_attention"):
+        ModelConfig.model_validate({**entry, "decode_attention": "fast"})
+
+
+LLAMA: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,  # head_dim 32: the kernel's vector path
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "initializer_range": 0.1,  # larger than the default: greedy outputs vary more
+}
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(HFLlamaConfig(**LLAMA)).eval().save_pretrained(path)
+    return path
+
+
+def test_greedy_generation_is_the_same_with_kernel_and_torch_and_transformers(
+    kernel_build: KernelBuild, llama_folder: Path
+) -> None:
+    generator = torch.Generator().manual_seed(0)
+    lengths = [2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 1, 3 * BLOCK_SIZE - 1, 1, 40]
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in lengths]
+    outputs = {}
+    for mode in ("kernel", "torch"):
+        runner = ModelRunner(load_model(llama_folder), 64, BLOCK_SIZE, decode_attention=mode)
+        assert runner.decode_attention_path == mode
+        outputs[mode] = generate(runner, prompts, chunk_size=7, start_steps=[0, 2, 4, 5, 1])
+    reference = LlamaForCausalLM.from_pretrained(llama_folder).eval()
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=MAX_NEW,
+                min_new_tokens=0,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        expected.append(out[0, len(prompt) :].tolist())
+    assert outputs["kernel"] == outputs["torch"] == expected
+
+
+def test_kernel_on_two_threads_equals_one_thread(kernel_build: KernelBuild) -> None:
+    contexts = _contexts(33, torch.Generator().manual_seed(2))
+    kv_cache, table, slots, q, _ = _step(contexts, 12, 4, 64, torch.float32)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            outs.append(_attend(kv_cache, table, slots, q, contexts, use_kernel=True))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
