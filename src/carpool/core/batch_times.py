@@ -108,16 +108,21 @@ class BatchTimes:
         self._updated_s: dict[int, float] = {}
         self._seen: set[int] = set()  # buckets whose first (cold) batch has run
 
-    def observe(self, num_items: float, compute_s: float) -> None:
+    def observe(self, num_items: float, compute_s: float, model_s: float | None = None) -> None:
         """A batch of ``num_items`` (in the policy's budget unit: items, tokens or
-        cost) computed in ``compute_s`` seconds."""
+        cost) computed in ``compute_s`` seconds, of which ``model_s`` were the model's own
+        (a model in steps on the event loop, :mod:`carpool.core.stepwise`, shares its span
+        with the loop's other work). The line is fitted to the model's own time (it is
+        the model's, whatever the load); the deadline estimates follow the span (when
+        the batch's answers really come)."""
         if num_items < 1 or not (compute_s >= 0 and math.isfinite(compute_s)):
             return
         bucket = bucket_of(num_items)
         if bucket not in self._seen:
             self._seen.add(bucket)
             return
-        self.fit.observe(num_items, compute_s)
+        own_s = compute_s if model_s is None or not math.isfinite(model_s) else model_s
+        self.fit.observe(num_items, min(own_s, compute_s))
         mean = self._mean_s.get(bucket)
         self._mean_s[bucket] = compute_s if mean is None else mean + SMOOTHING * (compute_s - mean)
         self._updated_s[bucket] = self._clock.now()

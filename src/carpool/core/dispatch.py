@@ -469,6 +469,7 @@ class Dispatcher:
         batch = inflight.batch
         # A batch queued behind another cannot have started before that one ended.
         started_s = max(inflight.launched_s, replica.last_landed_s)
+        model_s: float | None = 0.0  # its steps' own time, when every call ran in steps
         try:
             for i, (call, attempt) in enumerate(
                 zip(inflight.calls, inflight.attempts, strict=True)
@@ -476,6 +477,10 @@ class Dispatcher:
                 output = await self._settler.settle(call, attempt, replica.start)
                 if i == 0 and output is not None:
                     started_s = output.started_s
+                if output is None or output.model_s is None or model_s is None:
+                    model_s = None
+                else:
+                    model_s += output.model_s
         finally:
             for attempt in inflight.attempts:
                 if inspect.iscoroutine(attempt):
@@ -488,7 +493,7 @@ class Dispatcher:
                 busy.add(end, compute_s)
             self._telemetry.batch_done(batch, replica.counters, compute_s)
             if self._batch_times is not None:
-                self._batch_times.observe(batch.units, compute_s)
+                self._batch_times.observe(batch.units, compute_s, model_s)
             if self._intake.has_lengths:
                 groups = [call.requests for call in inflight.calls]
                 self._telemetry.tokens(*self._intake.token_slots(groups))

@@ -27,6 +27,9 @@ class RunOutput:
     results: list[Any]
     started_s: float
     ended_s: float
+    # A model in steps on the event loop (carpool.core.stepwise): the seconds its steps
+    # took, without the loop's other work between them; None: it ran in one go.
+    model_s: float | None = None
 
 
 class Cancels:
@@ -98,14 +101,16 @@ class ModelCall:
         if self.is_withdrawn():
             raise Withdrawn(started_s)
 
-    def output(self, outputs: Any, started_s: float, ended_s: float) -> RunOutput:
+    def output(
+        self, outputs: Any, started_s: float, ended_s: float, model_s: float | None = None
+    ) -> RunOutput:
         lease = self.lease
         if lease:  # outputs aliasing the pooled input are copied before it goes back
             self.lease = []
             collator = self.collator
             assert type(collator) is PooledCollator
             results = collator.split_leased(outputs, self.counts, self.is_many, lease)
-            return RunOutput(results, started_s, ended_s)
+            return RunOutput(results, started_s, ended_s, model_s)
         return RunOutput(
-            self.collator.split(outputs, self.counts, self.is_many), started_s, ended_s
+            self.collator.split(outputs, self.counts, self.is_many), started_s, ended_s, model_s
         )

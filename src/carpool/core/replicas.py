@@ -421,14 +421,16 @@ class Replica:
         call.check_turn(started)
         cpu_started = thread_cpu_s()
         outputs = fn(batch)
+        model_s = None
         if is_steps(outputs):  # the loop runs between its steps: judge the longest
-            outputs, held_s, held_cpu_s = await run_on_loop(outputs)
+            outputs, steps = await run_on_loop(outputs)
+            held_s, held_cpu_s, model_s = steps.longest_s, steps.longest_cpu_s, steps.total_s
         else:
             held_s, held_cpu_s = self._now() - started, thread_cpu_s() - cpu_started
         ended = self._now()
         if self._may_leave_loop:
             self._judge_loop_batch(held_s, held_cpu_s)
-        return call.output(outputs, started, ended)
+        return call.output(outputs, started, ended, model_s)
 
     def _run_threaded(self, call: ModelCall, batch: Any) -> Awaitable[RunOutput]:
         now = self._now

@@ -24,6 +24,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -45,10 +46,20 @@ def run_to_end(result: Any) -> Any:
         return done.value
 
 
-async def run_on_loop(steps: Generator[Any, None, Any]) -> tuple[Any, float, float]:
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """How long a model in steps held the loop: its longest step, in wall and CPU seconds,
+    and all its steps together (its own time, without the loop's work between them)."""
+
+    longest_s: float
+    longest_cpu_s: float
+    total_s: float
+
+
+async def run_on_loop(steps: Generator[Any, None, Any]) -> tuple[Any, StepTimes]:
     """Run ``steps`` on the loop's thread, letting the loop run between them: the outputs,
-    and the longest step's wall and CPU seconds (the most the loop was held at once)."""
-    wall_s = cpu_s = 0.0
+    and how long the steps held the loop."""
+    wall_s = cpu_s = total_s = 0.0
     while True:
         wall_started, cpu_started = time.perf_counter(), time.thread_time()
         try:
@@ -57,10 +68,12 @@ async def run_on_loop(steps: Generator[Any, None, Any]) -> tuple[Any, float, flo
             result = done.value
         else:
             result = _NOT_DONE
-        wall_s = max(wall_s, time.perf_counter() - wall_started)
+        step_s = time.perf_counter() - wall_started
+        total_s += step_s
+        wall_s = max(wall_s, step_s)
         cpu_s = max(cpu_s, time.thread_time() - cpu_started)
         if result is not _NOT_DONE:
-            return result, wall_s, cpu_s
+            return result, StepTimes(wall_s, cpu_s, total_s)
         await asyncio.sleep(0)
 
 

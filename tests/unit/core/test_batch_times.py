@@ -91,3 +91,12 @@ def test_bad_samples_are_ignored(bad: float, clock: FakeClock) -> None:
     times.observe(0, 1.0)
     assert times.predict_s(4) == 0.0
     assert times.as_dict() == {}
+
+
+def test_the_line_learns_the_models_own_time_and_the_estimate_the_span() -> None:
+    """A model in steps on the loop: 10 ms of its own inside a 50 ms span."""
+    times = BatchTimes(FakeClock())
+    for size in [1, 2, 4, 8] * 3:
+        times.observe(size, 0.05, model_s=0.01)
+    assert times.fit.predict_s(4) == pytest.approx(0.01)
+    assert times.predict_s(4) == pytest.approx(0.05)
