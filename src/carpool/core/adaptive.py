@@ -13,7 +13,11 @@ open-loop traffic both rates agree. From them, each time a replica is free:
 - **Target size.** The smallest batch ``b`` that keeps the replica at most
   :data:`TARGET_UTILIZATION` busy at the class's rate ``r``: ``r * t(b) / b <= rho``.
   At low load that is 1 (send at once: waiting buys nothing); as the rate rises it
-  grows, and past the model's capacity it is the size cap. A new target replaces the
+  grows, and past the model's capacity it is the size cap. With ``rho`` 1 it is the
+  size a replica that sends whatever waits whenever it is free settles at (each batch's
+  time brings the next batch): the controller waits only when the queue holds less than
+  that, where a lower ``rho`` made it wait for larger batches than the load brings, and
+  left the replica idle for company a zero window did without. A new target replaces the
   one in force only when it differs by more than :data:`HYSTERESIS` (no flapping
   between neighbours under noise).
 - **When to send.** Now, if the queue already holds the target; else when the rate
@@ -62,7 +66,7 @@ from carpool.core.batch_times import BatchTimeFit
 from carpool.core.policy import MAX_AUTO_DELAY_S, UNIT_ITEMS, BatchPolicy, ClassLimits
 
 RATE_TAU_S = 0.5  # the arrival-rate counter forgets with this time constant
-TARGET_UTILIZATION = 0.8  # rho: the most of the replica's time a target batch size uses
+TARGET_UTILIZATION = 1.0  # rho: the share of the replica's time a target batch size uses
 HYSTERESIS = 0.25  # a new target size replaces the one in force past this relative change
 GAP_FACTOR = 2.0  # send when no arrival came for this many mean gaps
 KNEE_SHARE = 0.1  # max_batch_size auto: overhead under this share of the per-item time

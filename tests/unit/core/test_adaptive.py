@@ -20,6 +20,7 @@ from carpool.core.adaptive import (
     KNEE_SHARE,
     LOWER_MIN_SHARE,
     SLO_HEADROOM,
+    TARGET_UTILIZATION,
     Adaptive,
     ArrivalRate,
     CompanyRate,
@@ -181,12 +182,13 @@ def test_at_low_rate_a_lone_request_goes_at_once() -> None:
 def test_at_high_rate_it_waits_for_the_size_that_keeps_the_replica_under_rho() -> None:
     adaptive = Adaptive(_fit())
     limits = _policy().class_limits(None)
-    _steady(adaptive, limits.name, 1000, until_s=5.0)
+    _steady(adaptive, limits.name, 2000, until_s=5.0)
     now = 5.0
     rate_rps = adaptive.company_rps(limits.name, now)
-    # r * (a / b + c) <= 0.8  ->  b >= r a / (0.8 - r c): 1000 * 0.002 / 0.5 = 4 at 1000
-    target = math.ceil(rate_rps * OVERHEAD_S / (0.8 - rate_rps * PER_ITEM_S))
-    assert target in (4, 5)
+    # r * (a / b + c) <= rho  ->  b >= r a / (rho - r c): 2000 * 0.002 / 0.4 = 10 at 2000
+    rho = TARGET_UTILIZATION
+    target = math.ceil(rate_rps * OVERHEAD_S / (rho - rate_rps * PER_ITEM_S))
+    assert target in (10, 11)
     assert adaptive.target_size(limits, 64, now) == target
     due = adaptive.due_s(limits, target - 1, 64, now - 0.002, now)
     assert due == pytest.approx(now + 1 / rate_rps)
@@ -229,9 +231,10 @@ def test_auto_batch_size_is_never_below_the_size_that_keeps_up() -> None:
     adaptive = Adaptive(_fit())
     policy = _policy(max_batch_size="auto", slo_s=1.0)
     limits = policy.class_limits(None)
-    _steady(adaptive, limits.name, 2600, until_s=5.0)  # r c = 0.78: b >= r a / (0.8 - r c)
+    _steady(adaptive, limits.name, 3200, until_s=5.0)  # r c = 0.96: b >= r a / (rho - r c)
     rate_rps = adaptive.company_rps(limits.name, 5.0)
-    keep_up = math.ceil(rate_rps * OVERHEAD_S / (0.8 - rate_rps * PER_ITEM_S))
+    rho = TARGET_UTILIZATION
+    keep_up = math.ceil(rate_rps * OVERHEAD_S / (rho - rate_rps * PER_ITEM_S))
     assert keep_up > 67  # past the knee
     assert adaptive.max_units(policy, limits, 5.0, 5.0) == min(256, keep_up)
 
