@@ -118,8 +118,8 @@ async def test_a_process_replica_runs_a_model_in_steps_to_its_end(
 
 
 async def test_the_batch_time_line_is_the_models_own_time_not_the_loops_work_between() -> None:
-    """Between a model's steps the loop does other work (here 10 ms per turn); the
-    controller's line must be the model's 4 ms per batch, not the span."""
+    """Between a model's steps the loop does other work (here 20 ms per turn); the
+    controller's line must be the model's 4 ms per batch, not the span of 24 ms or more."""
 
     def model(batch: np.ndarray) -> Generator[None, None, np.ndarray]:
         time.sleep(0.002)
@@ -127,8 +127,8 @@ async def test_the_batch_time_line_is_the_models_own_time_not_the_loops_work_bet
         time.sleep(0.002)
         return batch
 
-    def hold_the_loop() -> None:  # other work on the loop's thread: 10 ms a turn
-        time.sleep(0.01)
+    def hold_the_loop() -> None:  # other work on the loop's thread: 20 ms a turn
+        time.sleep(0.02)
 
     async def busy_loop() -> None:
         while True:
@@ -147,4 +147,5 @@ async def test_the_batch_time_line_is_the_models_own_time_not_the_loops_work_bet
         state = batcher.adaptive_state()
     assert state is not None and state.num_batches >= 12
     one_batch_s = state.overhead_s + state.per_item_s
-    assert 0.003 <= one_batch_s < 0.008, state  # the span was 14 ms or more
+    # Sleeps overshoot on a busy machine, so the bound is loose; the span is 24 ms or more.
+    assert 0.003 <= one_batch_s < 0.014, state
