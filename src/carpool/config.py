@@ -28,14 +28,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 
+from carpool.config_yaml import load_yaml
 from carpool.core.buffer_pool import DEFAULT_BUFFER_POOL_MB
 from carpool.core.policy import BatchPolicy, ClassPolicy
 from carpool.errors import ConfigError
@@ -313,10 +312,7 @@ def load_config(path: str | Path) -> ServeConfig:
         raise ConfigError("file", file, f"a readable file ({error.strerror})", file=file) from None
     except UnicodeDecodeError:
         raise ConfigError("file", file, "a YAML text file in UTF-8", file=file) from None
-    try:
-        data = yaml.load(text, Loader=_StrictLoader)
-    except yaml.YAMLError as error:
-        raise _yaml_error(error, file) from None
+    data = load_yaml(text, file)
     if data is None:
         expected = "a mapping with a models list; the file is empty (or only comments)"
         raise ConfigError("(top level)", MISSING, expected, file=file)
@@ -417,46 +413,6 @@ def _did_you_mean(key: str, known: list[str]) -> str:
     if close:
         return f"; did you mean {close[0]!r}?"
     return f"; known keys: {', '.join(known)}" if known else ""
-
-
-class _StrictLoader(yaml.SafeLoader):  # type: ignore[misc]
-    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the
-    last: ``max_batch_size: 8`` then ``64`` would silently be 64)."""
-
-
-def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> Any:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node)
-
-
-_StrictLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates
-)
-# YAML 1.2 reads 1e-3 and 2E5 as numbers; PyYAML (YAML 1.1, which needs a dot: 1.0e-3)
-# reads them as strings, and `max_delay_s: 1e-3` would be refused as "not a number".
-_StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def _yaml_error(error: yaml.YAMLError, file: str) -> ConfigError:
-    mark = getattr(error, "problem_mark", None)
-    problem = getattr(error, "problem", None) or str(error)
-    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "YAML"
-    snippet = ""
-    if mark is not None and mark.buffer is not None:
-        lines = str(mark.buffer).rstrip("\0").splitlines()
-        snippet = lines[mark.line].strip() if mark.line < len(lines) else ""
-    return ConfigError(where, snippet, f"valid YAML ({problem})", file=file)
 
 
 def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
