@@ -115,7 +115,7 @@ class BatchTimes:
         with the loop's other work). The line is fitted to the model's own time (it is
         the model's, whatever the load); the deadline estimates follow the span (when
         the batch's answers really come)."""
-        if num_items < 1 or not (compute_s >= 0 and math.isfinite(compute_s)):
+        if not num_items > 0 or not (compute_s >= 0 and math.isfinite(compute_s)):
             return
         bucket = bucket_of(num_items)
         if bucket not in self._seen:

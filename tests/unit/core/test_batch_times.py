@@ -100,3 +100,13 @@ def test_the_line_learns_the_models_own_time_and_the_estimate_the_span() -> None
         times.observe(size, 0.05, model_s=0.01)
     assert times.fit.predict_s(4) == pytest.approx(0.01)
     assert times.predict_s(4) == pytest.approx(0.05)
+
+
+def test_a_batch_of_less_than_one_cost_unit_is_learned() -> None:
+    """Under ``max_batch_cost`` a batch is counted in its cost, which may be a fraction
+    (megapixels, say): such batches must still teach the estimate and the line."""
+    times = BatchTimes(FakeClock())
+    for _ in range(3):
+        times.observe(0.25, 0.01)
+    assert times.predict_s(0.25) == pytest.approx(0.01)
+    assert times.fit.num_batches == 2  # the bucket's first (cold) batch is not learned
