@@ -15,7 +15,9 @@ between settings over the policy endpoint (`--allow-policy-updates`), not by res
    once would keep).
 2. **Priority classes.** An interactive request (`priority: 1`, `slo_s` 20 ms) every
    20 ms, alone and then under 64 closed-loop background clients; its p99, and the
-   background throughput against the offline ceiling; fixed (64 within 2 ms) vs auto.
+   background throughput against the offline ceiling; fixed (64 within 2 ms) vs auto,
+   each without and with `preempt` (an interactive batch runs between the steps of a
+   background batch).
    Under load, from `/metrics`: the mean batch size (all classes) and the share of the
    time the model computed.
 
@@ -24,7 +26,7 @@ between settings over the policy endpoint (`--allow-policy-updates`), not by res
 
 `--quick` runs a reduced grid and shorter points (a few minutes); the full run is the
 issue's grid. `--only priority` runs only part 2 (results in `adaptive_priority.json`),
-`--repeats N` runs it N times (fixed and auto alternating) and reports medians;
+`--repeats N` runs it N times (the four policies alternating) and reports medians;
 `--breakdown` also records the server's timelines while the interactive client runs
 under load and summarizes where the interactive requests' time went (it costs the server
 some CPU: leave it off for the figures). Figures are ratios within one run. Needs
@@ -407,10 +409,13 @@ def _priority_round(
 def _priorities(
     url: str, ceiling: float, duration_s: float, repeats: int = 1, breakdown: bool = False
 ) -> dict[str, Any]:
-    """Fixed (64 within 2 ms) and auto, alternating, ``repeats`` times; medians."""
+    """Fixed (64 within 2 ms) and auto, each without and with ``preempt``, alternating,
+    ``repeats`` times; medians."""
     policies = {
-        "fixed": {"max_delay_s": 0.002, "max_batch_size": 64},
-        "auto": {"max_delay_s": "auto", "max_batch_size": 64},
+        "fixed": {"max_delay_s": 0.002, "max_batch_size": 64, "preempt": False},
+        "auto": {"max_delay_s": "auto", "max_batch_size": 64, "preempt": False},
+        "fixed_preempt": {"max_delay_s": 0.002, "max_batch_size": 64, "preempt": True},
+        "auto_preempt": {"max_delay_s": "auto", "max_batch_size": 64, "preempt": True},
     }
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
     for _ in range(repeats):
@@ -527,7 +532,7 @@ def _report_priorities(
 ) -> None:
     for name, row in priorities.items():
         print(
-            f"{name:>6} (median of {len(row['runs'])}): interactive p99 alone "
+            f"{name:>13} (median of {len(row['runs'])}): interactive p99 alone "
             f"{row['interactive_alone_p99_ms']:.1f} ms, under load "
             f"{row['interactive_loaded_p99_ms']:.1f} ms; background "
             f"{row['background_rps']:.0f} req/s = {row['background_over_ceiling']:.2f} of ceiling"

@@ -81,6 +81,7 @@ POLICY_FIELDS = (
     "length_buckets",
     "batch_timeout_s",
     "slo_s",
+    "preempt",
 )
 # Keys only a generation model takes (carpool.generation.build.GenerationSettings).
 GENERATION_FIELDS = (
@@ -181,6 +182,9 @@ class ModelConfig(_Strict):
     classes: list[ClassConfig] | None = Field(None, min_length=1)
     default_class: str = _POLICY_DEFAULTS["default_class"]
     fill_from_lower: bool = _POLICY_DEFAULTS["fill_from_lower"]
+    # A higher class's batch runs between the steps of a lower-class batch (models in
+    # steps on the event loop; carpool.core.stepwise).
+    preempt: bool = _POLICY_DEFAULTS["preempt"]
     oom_recovery_s: float = Field(_POLICY_DEFAULTS["oom_recovery_s"], ge=0, allow_inf_nan=False)
     max_batch_tokens: int | None = Field(None, ge=1)
     length_buckets: list[int] | Literal["auto"] | None = None

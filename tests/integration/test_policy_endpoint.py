@@ -41,6 +41,11 @@ async def test_policy_changes_at_run_time_and_bad_values_are_400(
         assert "max_batch_size" in reply.json()["error"]
         reply = await client.post(f"{url}/policy", json={"preferred_batch_sizes": [8]})
         assert reply.status_code == 400 and "preferred_batch_sizes" in reply.json()["error"]
+        assert current["preempt"] is False
+        reply = await client.post(f"{url}/policy", json={"preempt": True})
+        assert reply.status_code == 200 and reply.json()["preempt"] is True
+        reply = await client.post(f"{url}/policy", json={"preempt": "yes"})
+        assert reply.status_code == 400 and "preempt" in reply.json()["error"]
         reply = await client.post(f"{url}/policy", json={"warp": 9})
         assert reply.status_code == 400 and "unknown field" in reply.json()["error"]
         reply = await client.post(f"{url}/policy", content=b"[1, 2]")

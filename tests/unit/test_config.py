@@ -28,6 +28,7 @@ models:
     max_queue_size: 1000
     timeout_s: 1.5
     fill_from_lower: false
+    preempt: true
     classes:
       - {name: high, max_delay_s: 0.001, slo_s: 0.05}
       - {name: low, share: 0.5, max_wait_s: 2}
@@ -81,6 +82,7 @@ def test_reads_every_field_into_typed_values(config_dir: Path) -> None:
         max_queue_size=1000,
         timeout_s=1.5,
         fill_from_lower=False,
+        preempt=True,
         classes=(
             ClassPolicy("high", max_delay_s=0.001, slo_s=0.05),
             ClassPolicy("low", share=0.5, max_wait_s=2.0),

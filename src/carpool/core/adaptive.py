@@ -75,6 +75,7 @@ ACTIVE_RATE_RPS = 0.5  # a class slower than this is not protected by capping ot
 LOWER_MIN_SHARE = 0.25  # a capped lower-class batch holds at least this share of its cap
 COLD_BATCHES = 8  # batches measured before the controller trusts its line
 MIN_WAITING_S = 0.002  # waiting seen (decayed) before a company rate is trusted
+FILL_STRETCH = 2.0  # preempting: a fill makes a batch at most this much slower than its own
 
 
 class ArrivalRate:
@@ -172,10 +173,12 @@ class AdaptiveState:
 class Adaptive:
     """The controller of one batcher (see the module docstring)."""
 
-    __slots__ = ("_company", "_fit", "_rates", "_targets", "_units")
+    __slots__ = ("_company", "_fit", "_rates", "_targets", "_units", "preempts")
 
     def __init__(self, fit: BatchTimeFit) -> None:
         self._fit = fit
+        # Higher classes run between a lower-class batch's steps: no class caps needed.
+        self.preempts = False
         self._rates: dict[str, ArrivalRate] = {}  # requests
         self._units: dict[str, ArrivalRate] = {}  # units
         self._company: dict[str, CompanyRate] = {}  # units
@@ -267,7 +270,7 @@ class Adaptive:
             knee = max(knee, _keep_up_size(rate, overhead_s, per_item_s, cap))
             cap = min(cap, max(1.0, math.ceil(min(knee, cap))))
         for higher in policy.limits.values():
-            if higher.rank >= limits.rank or higher.slo_s is None:
+            if self.preempts or higher.rank >= limits.rank or higher.slo_s is None:
                 continue
             if self.rate_rps(higher.name, now) < ACTIVE_RATE_RPS:
                 continue
@@ -279,8 +282,17 @@ class Adaptive:
             cap = min(cap, _largest_within(budget_s, overhead_s, per_item_s))
             waited_s = max(now - oldest_arrival_s, self._lower_wait_s(policy, limits, now))
             within = _largest_within(budget_s - waited_s, overhead_s, per_item_s)
+            if self.preempts and self._has_lower_traffic(policy, limits, now):
+                own_s = overhead_s + per_item_s * num_own_units
+                within = min(within, _largest_within(FILL_STRETCH * own_s, overhead_s, per_item_s))
             cap = min(cap, max(within, num_own_units))
         return cap
+
+    def _has_lower_traffic(self, policy: BatchPolicy, limits: ClassLimits, now: float) -> bool:
+        return any(
+            c.rank > limits.rank and self.rate_rps(c.name, now) >= ACTIVE_RATE_RPS
+            for c in policy.limits.values()
+        )
 
     def _lower_wait_s(self, policy: BatchPolicy, limits: ClassLimits, now: float) -> float:
         """The longest a request of class ``limits`` may have waited for a lower-class
@@ -289,7 +301,7 @@ class Adaptive:
         thread is read only after that batch, so its own arrival time does not show this
         wait: its batch's fill must leave room for it."""
         assert limits.slo_s is not None, "only a class with a budget caps the others"
-        if self.rate_rps(limits.name, now) < ACTIVE_RATE_RPS:
+        if self.preempts or self.rate_rps(limits.name, now) < ACTIVE_RATE_RPS:
             return 0.0
         lower = [
             policy.unit_limit(c)

@@ -217,6 +217,7 @@ class Batcher(Lifecycle):
         # dispatcher: the same IdleReplicas, the same bound method.
         self._idle = dispatch.idle
         self._wake_one = dispatch.wake_one
+        dispatch.preempt = self._policy.preempt
 
     # -- properties -------------------------------------------------------------------
 
@@ -461,6 +462,8 @@ class Batcher(Lifecycle):
             request.timer = self._clock.call_at(deadline_s, lambda: self._on_deadline(request))
         if self._idle:
             self._wake_one()
+        if self._policy.preempt:
+            self._dispatch.note_queued(limits.rank)
         return request
 
     def _adopt(self, collator: Collator) -> Collator:
@@ -470,8 +473,16 @@ class Batcher(Lifecycle):
 
     # -- decisions and deadlines ------------------------------------------------------
 
-    def _decide(self, now: float, *, behind_class: str | None) -> Decision:
-        """The dispatcher's replica loops ask this for their next batch."""
+    def _decide(
+        self, now: float, *, behind_class: str | None, above_class: str | None = None
+    ) -> Decision:
+        """The dispatcher's replica loops ask this for their next batch; with
+        ``above_class``, for one of the classes above it (``preempt``: scheduler rule 6)."""
+        above = None if above_class is None else self._policy.limits.get(above_class)
+        if above_class is not None and (above is None or not self._policy.preempt):
+            return Decision()
+        if self._is_adaptive:
+            self._adaptive.preempts = self._policy.preempt and self._dispatch.preempts
         decision = self._scheduler.decide(
             now,
             self._policy,
@@ -484,6 +495,7 @@ class Batcher(Lifecycle):
             behind_class=behind_class,
             predict_s=self._batch_times.predict_s,
             adaptive=self._adaptive if self._is_adaptive else None,
+            above_rank=None if above is None else above.rank,
         )
         if self._is_adaptive and decision.batch is not None:
             for name in {r.class_name for r in decision.batch.requests}:
@@ -521,6 +533,7 @@ class Batcher(Lifecycle):
         self._is_adaptive = policy.is_adaptive
         self._policy_version += 1
         self._dispatch.watchdog.timeout_s = policy.batch_timeout_s
+        self._dispatch.preempt = policy.preempt
         self._telemetry.set_classes({n: lim.slo_s for n, lim in policy.limits.items()})
         self._dispatch.wake_all()
 

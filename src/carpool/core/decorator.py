@@ -137,6 +137,7 @@ def batched(
     length_buckets: tuple[int, ...] | str | None = ...,
     batch_timeout_s: float | None = ...,
     slo_s: float | None = ...,
+    preempt: bool = ...,
     num_replicas: int | None = ...,
     devices: list[str] | None = ...,
     collate: str | Collator = ...,
@@ -175,6 +176,7 @@ def batched(
     length_buckets: tuple[int, ...] | str | None = None,
     batch_timeout_s: float | None = 60.0,
     slo_s: float | None = None,
+    preempt: bool = False,
     num_replicas: int | None = None,
     devices: list[str] | None = None,
     collate: str | Collator = "auto",
@@ -214,6 +216,7 @@ def batched(
         length_buckets=length_buckets,
         batch_timeout_s=batch_timeout_s,
         slo_s=slo_s,
+        preempt=preempt,
     )
 
     def make_batcher(target: BatchFn) -> Batcher:

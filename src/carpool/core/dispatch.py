@@ -28,6 +28,13 @@ replica goes on with a fresh thread (:mod:`carpool.core.watchdog`); its loop wai
 replica's model to be built again before it takes the next batch. :meth:`cut_off` ends
 what a drain has not finished in time: every request left fails with :class:`Closed`.
 
+Under a policy with ``preempt`` (the batcher sets :attr:`Dispatcher.preempt`), a replica
+that computes a batch in steps on the event loop does not only wait for it: a request of
+a class above that batch's lead class wakes it (``note_queued``, see
+:mod:`carpool.core.preempt`), and it asks for a batch of the classes above, which runs
+between the lower batch's steps (the replica's :class:`~carpool.core.stepwise.StepGate`
+holds the lower one back) and is answered first.
+
 A :class:`~carpool.core.batcher.Batcher` owns one :class:`Dispatcher`. The batcher keeps
 the requests' intake, the policy and the lifecycle's state; it hands the dispatcher the
 scheduler's decisions through :class:`Decide`, tells it when to load, run, drain and
@@ -50,6 +57,7 @@ from carpool.core.batch_times import BatchTimes
 from carpool.core.clock import Clock, TimerHandle
 from carpool.core.idle import BusyTime, IdleReplicas
 from carpool.core.model_call import Cancels, ModelCall, RunOutput
+from carpool.core.preempt import Preemptions
 from carpool.core.process_replica import process_replicas, process_source
 from carpool.core.queues import Queues
 from carpool.core.replicas import (
@@ -79,7 +87,9 @@ class Decide(Protocol):
     """The batcher's call to its scheduler: a batch for a replica now, or when to look again.
     ``behind_class`` is the lead class of the batch the replica already holds, if any."""
 
-    def __call__(self, now: float, *, behind_class: str | None) -> Decision: ...
+    def __call__(
+        self, now: float, *, behind_class: str | None, above_class: str | None = None
+    ) -> Decision: ...
 
 
 class Dispatcher:
@@ -139,6 +149,10 @@ class Dispatcher:
         # Each launched batch, by batch id, until it lands.
         self._launched: dict[int, _InFlight] = {}
         self.is_draining = False  # no request comes any more: loops end on empty queues
+        self.preempt = False  # the policy's preempt: the batcher keeps it current
+        self.preempts = False  # a batch ran in steps on the loop: preempting can work
+        self._preemptions = Preemptions(clock)
+        self.note_queued = self._preemptions.note_queued  # a request of a class queued
 
     # -- lifecycle: the batcher's start, stop and return from a closed loop -----------
 
@@ -380,7 +394,10 @@ class Dispatcher:
                 holds_replica = any(
                     f.batch.lead_class == landing.batch.lead_class for f in inflight
                 )
-                await self._land(replica, landing, holds_replica, busy)
+                if self.preempt and isinstance(replica, Replica) and replica.blocks_loop:
+                    await self._land_preempted(replica, landing, holds_replica, busy)
+                else:
+                    await self._land(replica, landing, holds_replica, busy)
                 if replica.blocks_loop:
                     await io_turn()
                 elif not self._holds_switch_interval and replica.is_threaded:
@@ -394,6 +411,39 @@ class Dispatcher:
             if replica.idle_since_s is None:
                 replica.idle_since_s = now
             await self._idle_wait(wake_at_s, busy)
+
+    async def _land_preempted(
+        self, replica: Replica, inflight: _InFlight, holds_replica: bool, busy: BusyTime | None
+    ) -> None:
+        """:meth:`_land`, running batches of higher classes meanwhile (module docstring):
+        each is landed before the lower batch takes its next step."""
+        lead = self._queues.by_name.get(inflight.batch.lead_class)
+        if lead is None or lead.limits.rank == 0:
+            await self._land(replica, inflight, holds_replica, busy)
+            return
+        rank, replica_id, gate = lead.limits.rank, replica.replica_id, replica.gate
+        loop = asyncio.get_running_loop()
+        landing = loop.create_task(self._land(replica, inflight, holds_replica, busy))
+        try:
+            while not landing.done():
+                now = self._clock.now()
+                lead_class = inflight.batch.lead_class
+                decision = self._decide(now, behind_class=None, above_class=lead_class)
+                if decision.batch is not None:
+                    higher = self._launch(replica, decision.batch, now)
+                    try:
+                        await self._land(replica, higher, False, busy)
+                    finally:
+                        gate.release()
+                    continue
+                gate.release()  # nothing of a higher class is due yet
+                await self._preemptions.wait(replica_id, rank, gate, landing, decision.wake_at_s)
+        except BaseException:
+            landing.cancel()
+            raise
+        finally:
+            gate.release()  # a request queued as the lower batch ended held it
+        await landing
 
     async def _renewed(self, replica: ReplicaLike) -> None:
         """Wait until a replica given up after a hang has its model again, building it
@@ -481,6 +531,8 @@ class Dispatcher:
                     model_s = None
                 else:
                     model_s += output.model_s
+            if model_s is not None:
+                self.preempts = True  # the model computes in steps on the loop
         finally:
             for attempt in inflight.attempts:
                 if inspect.iscoroutine(attempt):

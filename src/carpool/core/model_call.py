@@ -61,6 +61,7 @@ class ModelCall:
     is_many: list[bool] = field(init=False)
     counts: list[int] = field(init=False)
     deadline_s: float | None = field(init=False)
+    rank: int = field(init=False)  # its most urgent class's (0: the highest)
     lease: list[Any] = field(init=False, default_factory=list)  # pooled buffers held
 
     def __post_init__(self) -> None:
@@ -70,6 +71,7 @@ class ModelCall:
         self.counts = [r.num_items for r in requests]
         deadlines = [r.deadline_s for r in requests if r.deadline_s is not None]
         self.deadline_s = min(deadlines) if deadlines else None
+        self.rank = min((r.rank for r in requests), default=0)
 
     def part(self, requests: list[Request]) -> ModelCall:
         """The same call for some of its requests (a half, or those left to run)."""

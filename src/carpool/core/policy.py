@@ -173,6 +173,10 @@ class BatchPolicy:
         slo_s: the model's latency target, inherited by classes that set none (and by
             the default classes, whose targets are defaults): with ``"auto"`` the
             controller never lets a request wait past it less its predicted compute.
+        preempt: a batch of a higher class may start while a lower-class batch computes
+            in steps on the event loop (:mod:`carpool.core.stepwise`): the lower one
+            waits at its next step until the higher one is done. The model's steps must
+            keep their state in the generator, as two calls are then in progress at once.
 
     Raises:
         ConfigError: naming the first invalid field.
@@ -193,6 +197,7 @@ class BatchPolicy:
     length_buckets: tuple[int, ...] | str | None = None
     batch_timeout_s: float | None = 60.0
     slo_s: float | None = None
+    preempt: bool = False
     limits: dict[str, ClassLimits] = field(init=False, repr=False, compare=False)
     # max_batch_size as a number: AUTO_MAX_BATCH_SIZE under "auto".
     size_limit: int = field(init=False, repr=False, compare=False)
@@ -225,8 +230,9 @@ class BatchPolicy:
             raise ConfigError(
                 "batch_timeout_s", timeout_s, "a finite number of seconds > 0, or None for no limit"
             )
-        if not isinstance(self.fill_from_lower, bool):  # "no" would be truthy
-            raise ConfigError("fill_from_lower", self.fill_from_lower, "True or False")
+        for flag in ("fill_from_lower", "preempt"):
+            if not isinstance(getattr(self, flag), bool):  # "no" would be truthy
+                raise ConfigError(flag, getattr(self, flag), "True or False")
         buckets = self.length_buckets
         if buckets is not None:
             if not isinstance(buckets, str | list | tuple):

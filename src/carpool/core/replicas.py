@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from carpool.core.model_call import ModelCall, RunOutput
-from carpool.core.stepwise import is_steps, run_on_loop, run_to_end
+from carpool.core.stepwise import StepGate, is_steps, run_on_loop, run_to_end
 from carpool.core.telemetry import ReplicaCounters
 from carpool.core.watchdog import (
     CallWatch,
@@ -246,6 +246,8 @@ class Replica:
         self._on_loop = runs_on_loop(executor, device)
         self._may_leave_loop = executor == "auto"
         self._num_slow_batches = 0  # too long in wall time, in a row, on the loop
+        # Calls in steps on the loop: a higher class's goes first (policy preempt).
+        self.gate = StepGate()
 
     def _new_thread(self) -> ReplicaThread:
         suffix = self.counters.num_abandoned  # carpool-m-r0_0, then _1 once replaced...
@@ -423,7 +425,7 @@ class Replica:
         outputs = fn(batch)
         model_s = None
         if is_steps(outputs):  # the loop runs between its steps: judge the longest
-            outputs, steps = await run_on_loop(outputs)
+            outputs, steps = await run_on_loop(outputs, self.gate, call.rank)
             held_s, held_cpu_s, model_s = steps.longest_s, steps.longest_cpu_s, steps.total_s
         else:
             held_s, held_cpu_s = self._now() - started, thread_cpu_s() - cpu_started

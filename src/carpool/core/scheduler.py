@@ -20,7 +20,10 @@ no threads, time passed in. That keeps every rule testable with a fake clock:
    when it is due instead of the fixed values. Both count the policy's budget unit
    (items, or tokens/cost under a budget): a cap in tokens or cost is applied as a
    budget lower than the policy's own.
-6. A request whose deadline would pass before its batch ends (now plus the compute time
+6. ``preempt``: a replica computing a lower-class batch in steps asks for a batch of the
+   classes above it only (``above_rank``), filled from those classes only; it takes no
+   further replica, so the share caps do not apply.
+7. A request whose deadline would pass before its batch ends (now plus the compute time
    measured for batches of that size in the same unit, :mod:`carpool.core.batch_times`)
    is not run: it expires now, answered at once rather than late, and leaves its place
    to others.
@@ -93,6 +96,7 @@ class Scheduler:
         behind_class: str | None = None,
         predict_s: Callable[[float], float] | None = None,
         adaptive: Adaptive | None = None,
+        above_rank: int | None = None,
     ) -> Decision:
         """The batch a free replica should run now, or when to ask again.
 
@@ -105,6 +109,8 @@ class Scheduler:
         candidates: list[ClassQueue] = []
         heads: dict[str, Request] = {}
         for queue in queues.ordered:
+            if above_rank is not None and queue.limits.rank >= above_rank:
+                continue
             head = queue.head()
             # A head past its deadline will never run: it must not make its class aged.
             while head is not None and head.deadline_s is not None and head.deadline_s <= now:
@@ -151,7 +157,7 @@ class Scheduler:
             # (require_full) adds no concurrency, so the share cap does not apply to it.
             is_same_replica = require_full and behind_class in (None, queue.name)
             is_capped = queue.num_running >= share_cap(queue.limits.share, num_replicas)
-            if is_capped and not (is_aged or is_same_replica):
+            if is_capped and not (is_aged or is_same_replica or above_rank is not None):
                 ages_first_s = _earliest(ages_first_s, ages_at_s)
                 continue
             max_items = queue.limits.max_batch_size
@@ -164,7 +170,7 @@ class Scheduler:
                     max_items, max_units = int(max_units), None
             if max_items_cap is not None:
                 max_items = min(max_items, max_items_cap)
-            plan, expired = self._plan(queue, queues, policy, max_items, now, max_units)
+            plan, expired = self._plan(queue, queues, policy, max_items, now, max_units, above_rank)
             if predict_s is not None and plan.requests:
                 expired += _drop_late(plan, now + predict_s(self._units(plan, unit)))
             for request in expired:
@@ -198,12 +204,14 @@ class Scheduler:
         max_items: int,
         now: float,
         max_units: float | None = None,
+        above_rank: int | None = None,
     ) -> tuple[_Plan, list[Request]]:
         plan = _Plan()
         expired: list[Request] = []
         sources = [lead]
         if policy.fill_from_lower:
-            sources += [q for q in queues.ordered if q.limits.rank > lead.limits.rank]
+            below = above_rank if above_rank is not None else math.inf
+            sources += [q for q in queues.ordered if lead.limits.rank < q.limits.rank < below]
         max_cost = policy.max_batch_cost
         max_tokens: float | None = policy.max_batch_tokens
         if max_units is not None:  # the adaptive cap, in the budget's own unit

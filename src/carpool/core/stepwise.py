@@ -56,9 +56,81 @@ class StepTimes:
     total_s: float
 
 
-async def run_on_loop(steps: Generator[Any, None, Any]) -> tuple[Any, StepTimes]:
+class StepGate:
+    """Which of a replica's calls in progress may take its next step: one of the most
+    urgent rank (0 is the highest class) present or held; the others wait at their
+    ``yield``. A rank is *held* from when a request of it is queued for the replica until
+    its batch has run (or none was formed), so that the lower call stops at its next
+    step rather than a few steps later, when the higher batch starts."""
+
+    __slots__ = ("_changed", "_held", "_ranks")
+
+    def __init__(self) -> None:
+        self._ranks: list[int] = []  # of the calls in progress, one entry each
+        self._held: int | None = None
+        self._changed: asyncio.Future[None] | None = None
+
+    @property
+    def num_calls(self) -> int:
+        return len(self._ranks)
+
+    def enter(self, rank: int) -> None:
+        self._ranks.append(rank)
+
+    def leave(self, rank: int) -> None:
+        self._ranks.remove(rank)
+        self._notify()
+
+    def hold(self, rank: int) -> None:
+        """A batch of ``rank`` is coming: calls of lower classes wait from now."""
+        self._held = rank if self._held is None else min(self._held, rank)
+
+    def release(self) -> None:
+        if self._held is not None:
+            self._held = None
+            self._notify()
+
+    def preempts(self, rank: int) -> bool:
+        """Whether a call of ``rank`` runs ahead of a less urgent one in progress."""
+        return any(r > rank for r in self._ranks)
+
+    def most_urgent(self, default: int) -> int:
+        urgent = min(self._ranks, default=default)
+        return urgent if self._held is None else min(urgent, self._held)
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, None
+        if changed is not None and not changed.done():
+            changed.set_result(None)
+
+    async def turn(self, rank: int) -> None:
+        """Return once no call more urgent than ``rank`` is in progress or held."""
+        while self.most_urgent(rank) < rank:
+            if self._changed is None:
+                self._changed = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._changed)
+
+
+async def run_on_loop(
+    steps: Generator[Any, None, Any], gate: StepGate | None = None, rank: int = 0
+) -> tuple[Any, StepTimes]:
     """Run ``steps`` on the loop's thread, letting the loop run between them: the outputs,
-    and how long the steps held the loop."""
+    and how long the steps held the loop. With a ``gate``, each step after the first waits
+    its turn there (a call of a more urgent ``rank`` in progress goes first), and a call
+    that runs ahead of a less urgent one takes its steps back to back: the loop's work
+    between them, mostly the lower classes' traffic, waits for it as their batch does."""
+    if gate is None:
+        return await _run_steps(steps, None, rank)
+    gate.enter(rank)
+    try:
+        return await _run_steps(steps, gate, rank)
+    finally:
+        gate.leave(rank)
+
+
+async def _run_steps(
+    steps: Generator[Any, None, Any], gate: StepGate | None, rank: int
+) -> tuple[Any, StepTimes]:
     wall_s = cpu_s = total_s = 0.0
     while True:
         wall_started, cpu_started = time.perf_counter(), time.thread_time()
@@ -74,7 +146,11 @@ async def run_on_loop(steps: Generator[Any, None, Any]) -> tuple[Any, StepTimes]
         cpu_s = max(cpu_s, time.thread_time() - cpu_started)
         if result is not _NOT_DONE:
             return result, StepTimes(wall_s, cpu_s, total_s)
+        if gate is not None and gate.preempts(rank):
+            continue
         await asyncio.sleep(0)
+        if gate is not None:
+            await gate.turn(rank)
 
 
 _NOT_DONE = object()  # a step that was not the last

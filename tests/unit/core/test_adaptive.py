@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from carpool.core.adaptive import (
     COLD_BATCHES,
+    FILL_STRETCH,
     GAP_FACTOR,
     KNEE_SHARE,
     LOWER_MIN_SHARE,
@@ -251,6 +252,29 @@ def test_lower_class_batches_are_capped_while_a_higher_class_has_traffic() -> No
     expected = math.floor((allowed_s - OVERHEAD_S) / PER_ITEM_S)
     assert adaptive.max_units(policy, background, 5.0, 5.0) == expected
     assert OVERHEAD_S + PER_ITEM_S * expected + OVERHEAD_S + PER_ITEM_S <= 0.016 + 1e-12
+
+
+def test_while_higher_classes_preempt_lower_class_batches_are_not_capped() -> None:
+    classes = (ClassPolicy("interactive", slo_s=0.02), ClassPolicy("background", slo_s=30.0))
+    policy = _policy(max_batch_size=128, classes=classes, default_class="background", slo_s=None)
+    adaptive = Adaptive(_fit())
+    _steady(adaptive, "interactive", 50, until_s=5.0)
+    _steady(adaptive, "background", 2000, until_s=5.0)
+    background = policy.class_limits("background")
+    interactive = policy.class_limits("interactive")
+    assert adaptive.max_units(policy, background, 5.0, 5.0) < 128
+    assert adaptive.max_units(policy, interactive, 5.0, 5.0) == 1  # room for the wait
+    # An interactive request now waits one step of a background batch, not the batch;
+    # the fill takes its batch to at most twice the time of its own items.
+    adaptive.preempts = True
+    assert adaptive.max_units(policy, background, 5.0, 5.0) == 128
+    for own in (1, 3):
+        stretched = math.floor(
+            (FILL_STRETCH * (OVERHEAD_S + PER_ITEM_S * own) - OVERHEAD_S) / PER_ITEM_S
+        )
+        alone_fits = math.floor((SLO_HEADROOM * 0.02 - OVERHEAD_S) / PER_ITEM_S)
+        assert stretched < alone_fits
+        assert adaptive.max_units(policy, interactive, 5.0, 5.0, own) == stretched
 
 
 def test_a_model_too_slow_for_the_promise_keeps_lower_class_batches_worth_running() -> None:

@@ -311,3 +311,11 @@ def test_policy_refuses_length_buckets_that_are_not_a_list() -> None:
     with pytest.raises(ConfigError) as caught:
         BatchPolicy(length_buckets=5)  # type: ignore[arg-type]
     assert caught.value.field == "length_buckets"
+
+
+@pytest.mark.parametrize("field", ["fill_from_lower", "preempt"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_rejects_a_flag_that_is_not_a_bool(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        BatchPolicy(**{field: value})  # type: ignore[arg-type]
+    _check(excinfo, field, "True or False")

@@ -81,6 +81,7 @@ class Harness:
         num_replicas: int | None = None,
         require_full: bool = False,
         predict_s: Callable[[int], float] | None = None,
+        above_rank: int | None = None,
     ) -> Decision:
         decision = self.scheduler.decide(
             now,
@@ -92,6 +93,7 @@ class Harness:
             expire=self.expire,
             require_full=require_full,
             predict_s=predict_s,
+            above_rank=above_rank,
         )
         if decision.batch is not None:
             for request in decision.batch.requests:
@@ -406,6 +408,33 @@ async def test_never_fills_from_higher_classes() -> None:
     h.add("hi")
     mid = h.add("mid")
     assert _batch(h.decide(0.0)).requests == [mid]
+
+
+# -- preempt: a batch of the classes above a running one ----------------------------------
+
+
+async def test_above_a_rank_only_higher_classes_lead_and_fill_the_batch() -> None:
+    # hi at its share cap on one replica: preempting takes no other replica.
+    classes = (ClassPolicy("hi", share=0.5), ClassPolicy("mid"), ClassPolicy("lo"))
+    h = await _harness(num_replicas=1, max_batch_size=8, max_delay_s=0.0, classes=classes)
+    h.queues.by_name["hi"].num_running = 1
+    lo = h.add("lo", at=0.0)
+    mid = [h.add("mid", at=0.1) for _ in range(2)]
+    hi = h.add("hi", at=0.2)
+    # Above lo (the running batch's class): hi leads, mid fills, lo is never taken.
+    assert _batch(h.decide(1.0, above_rank=2)).requests == [hi, *mid]
+    assert lo.state is RequestState.QUEUED
+    # Above mid: nothing left of a higher class.
+    assert h.decide(1.0, above_rank=1) == Decision()
+    assert h.decide(1.0, above_rank=0) == Decision()
+
+
+async def test_above_a_rank_a_higher_class_keeps_its_own_delay() -> None:
+    classes = (ClassPolicy("hi", max_delay_s=0.004), ClassPolicy("mid"), ClassPolicy("lo"))
+    h = await _harness(max_delay_s=0.0, classes=classes)
+    h.add("hi", at=1.0)
+    assert h.decide(1.001, above_rank=2) == Decision(wake_at_s=1.004)
+    assert len(_batch(h.decide(1.004, above_rank=2)).requests) == 1
 
 
 async def test_lower_requests_filled_in_count_as_taken_from_their_own_queue() -> None:

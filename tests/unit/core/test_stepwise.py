@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from carpool import Batcher, BatchPolicy
-from carpool.core.stepwise import is_steps, run_on_loop, run_to_end
+from carpool.core.stepwise import StepGate, is_steps, run_on_loop, run_to_end
 
 REPOSITORY_ROOT = str(Path(__file__).resolve().parents[3])
 
@@ -149,3 +149,77 @@ async def test_the_batch_time_line_is_the_models_own_time_not_the_loops_work_bet
     one_batch_s = state.overhead_s + state.per_item_s
     # Sleeps overshoot on a busy machine, so the bound is loose; the span is 24 ms or more.
     assert 0.003 <= one_batch_s < 0.014, state
+
+
+async def test_a_step_gate_holds_a_call_while_a_more_urgent_one_is_in_progress() -> None:
+    seen: list[str] = []
+    gate = StepGate()
+
+    def steps(name: str, count: int) -> Generator[None, None, str]:
+        for i in range(count):
+            seen.append(f"{name}{i}")
+            yield
+        return name
+
+    async def urgent_call() -> str:  # starts once the lower call has taken its first step
+        result, _ = await run_on_loop(steps("a", 2), gate, rank=0)
+        return str(result)
+
+    lower = asyncio.ensure_future(run_on_loop(steps("b", 3), gate, rank=2))
+    urgent = asyncio.ensure_future(urgent_call())
+    (low, _), high = await asyncio.gather(lower, urgent)
+    assert (low, high) == ("b", "a")
+    # b takes its first step, then waits at its yield until a has taken all of its own.
+    assert seen == ["b0", "a0", "a1", "b1", "b2"]
+    assert gate.num_calls == 0
+
+
+class ClassOrder:
+    """A model in steps that notes when each batch starts and ends, by its first value's
+    sign (negative: background); 3 ms of blocking work a step, eight steps."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def __call__(self, batch: np.ndarray) -> Generator[None, None, np.ndarray]:
+        name = "background" if batch[0, 0] < 0 else "interactive"
+        self.events.append(f"{name} starts")
+        for _ in range(8):
+            time.sleep(0.003)
+            yield
+        self.events.append(f"{name} ends")
+        return batch * 2
+
+
+@pytest.mark.parametrize("preempt", [True, False])
+async def test_a_higher_class_runs_between_the_steps_of_a_lower_class_batch(
+    preempt: bool,
+) -> None:
+    model = ClassOrder()
+    policy = BatchPolicy(max_batch_size=4, max_delay_s=0.0, preempt=preempt)
+    batcher = Batcher(model, policy, executor="loop", switch_interval_s=None)
+    answered: list[str] = []
+
+    async def ask(x: float, priority: str) -> np.ndarray:
+        result: np.ndarray = await batcher.submit(np.array([x], np.float32), priority=priority)
+        answered.append(priority)
+        return result
+
+    async with batcher:
+        background = [asyncio.ensure_future(ask(-1.0 - i, "background")) for i in range(4)]
+        await asyncio.sleep(0.005)  # the background batch is in its steps by now
+        interactive = await ask(5.0, "interactive")
+        results = await asyncio.gather(*background)
+    np.testing.assert_array_equal(interactive, [10.0])
+    assert [float(r[0]) for r in results] == [-2.0, -4.0, -6.0, -8.0]
+    if preempt:
+        assert model.events == [
+            "background starts",
+            "interactive starts",
+            "interactive ends",
+            "background ends",
+        ]
+        assert answered[0] == "interactive"
+    else:
+        assert model.events[:2] == ["background starts", "background ends"]
+        assert answered[-1] == "interactive"
