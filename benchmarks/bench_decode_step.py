@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchlib import RESULTS, machine_info, utc_now, write_results
+from benchlib import RESULTS, machine_info, serving_malloc, utc_now, write_results
 from carpool.generation.runner import ModelRunner
 from carpool.generation.types import SamplingParams, SeqChunk, StepInput
 from carpool.generation.weights import random_llama
@@ -111,12 +111,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=RESULTS / "decode_step.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    malloc = serving_malloc()
     model = random_llama(MODEL_88M, seed=0)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     num_blocks = max(decode_step(n)[1] for n in sizes) + 1
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE)
     decode_attention = getattr(runner, "decode_attention_path", "torch")  # older trees: torch
-    machine = machine_info(torch_threads=torch.get_num_threads(), decode_attention=decode_attention)
+    machine = machine_info(
+        torch_threads=torch.get_num_threads(), decode_attention=decode_attention, malloc=malloc
+    )
     print("machine:", machine, flush=True)
     rows = []
     for n in sizes:

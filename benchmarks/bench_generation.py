@@ -66,7 +66,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchlib import RESULTS, machine_info, utc_now, write_results
+from benchlib import RESULTS, machine_info, serving_malloc, utc_now, write_results
 from carpool.generation.block_pool import BlockPool
 from carpool.generation.kv_cache import KVCacheManager
 from carpool.generation.runner import ModelRunner
@@ -495,7 +495,9 @@ def main() -> None:
     torch.manual_seed(0)
     import transformers
 
+    malloc = serving_malloc()
     machine = machine_info(
+        malloc=malloc,
         transformers=transformers.__version__,
         torch_threads=torch.get_num_threads(),
         omp_num_threads=os.environ.get("OMP_NUM_THREADS"),

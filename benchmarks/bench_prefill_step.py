@@ -29,7 +29,7 @@ import torch
 
 from bench_decode_step import breakdown, median_ms
 from bench_generation import MODELS
-from benchlib import RESULTS, machine_info, utc_now, write_results
+from benchlib import RESULTS, machine_info, serving_malloc, utc_now, write_results
 from carpool.generation.runner import ModelRunner
 from carpool.generation.types import SamplingParams, SeqChunk, StepInput
 from carpool.generation.weights import random_llama
@@ -56,7 +56,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=RESULTS / "prefill_step.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    machine = machine_info(torch_threads=torch.get_num_threads())
+    malloc = serving_malloc()
+    machine = machine_info(torch_threads=torch.get_num_threads(), malloc=malloc)
     print("machine:", machine, flush=True)
     cases = [tuple(int(x) for x in case.split(":")) for case in args.cases.split(",")]
     num_blocks = max(-(-(n + s) // BLOCK_SIZE) for n, s in cases) + 1

@@ -63,6 +63,18 @@ def machine_info(**extra: Any) -> dict[str, Any]:
     }
 
 
+def serving_malloc() -> str:
+    """Set this process's allocator as ``carpool serve`` sets its own
+    (:mod:`carpool.core.allocator`), so that an in-process benchmark of a model measures
+    what the server runs; the line saying what was set. A tree older than that module
+    keeps glibc's defaults (``bench_ab.py`` compares such trees)."""
+    try:
+        from carpool.core.allocator import tune_malloc
+    except ImportError:
+        return "malloc: glibc's defaults (this tree does not set them)"
+    return tune_malloc()
+
+
 def wrk_info() -> dict[str, str]:
     """The CPUs the server and `wrk` are pinned to, and wrk's version line."""
     version = subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout

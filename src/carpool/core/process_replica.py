@@ -42,6 +42,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from carpool.core.allocator import tune_malloc
 from carpool.core.model_call import ModelCall, RunOutput
 from carpool.core.remote_replica import (
     RESTART_WAIT_MAX_S,
@@ -188,6 +189,7 @@ def child_main(conn: Connection, source: ModelSource, device: str, cpus: list[in
     pipe closes (the server died)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    tune_malloc()  # its batches' arrays, as in the server (carpool.core.allocator)
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
     _match_torch_threads(cpus)
