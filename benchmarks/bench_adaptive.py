@@ -21,12 +21,14 @@ between settings over the policy endpoint (`--allow-policy-updates`), not by res
    Under load, from `/metrics`: the mean batch size (all classes) and the share of the
    time the model computed.
 
-    .venv/bin/python benchmarks/bench_adaptive.py [--quick] [--only priority] [--repeats N]
-        [--breakdown] [--json PATH]
+    .venv/bin/python benchmarks/bench_adaptive.py [--quick] [--only priority|c64]
+        [--repeats N] [--breakdown] [--json PATH]
 
 `--quick` runs a reduced grid and shorter points (a few minutes); the full run is the
-issue's grid. `--only priority` runs only part 2 (results in `adaptive_priority.json`),
-`--repeats N` runs it N times (the four policies alternating) and reports medians;
+issue's grid. `--only priority` runs only part 2 (results in `adaptive_priority.json`);
+`--only c64` only `auto` against fixed (64 within 2 ms) at concurrency 64, in turn
+(`adaptive_c64.json`); `--repeats N` runs either N times (the policies alternating) and
+reports medians;
 `--breakdown` also records the server's timelines while the interactive client runs
 under load and summarizes where the interactive requests' time went (it costs the server
 some CPU: leave it off for the figures). Figures are ratios within one run. Needs
@@ -70,6 +72,7 @@ from wrkrun import free_port
 
 DEFAULT_JSON = RESULTS / "adaptive.json"
 PRIORITY_JSON = RESULTS / "adaptive_priority.json"
+C64_JSON = RESULTS / "adaptive_c64.json"
 SLO_S = 0.05
 INTERACTIVE_SLO_S = 0.02
 CONFIG = f"""\
@@ -406,6 +409,21 @@ def _priority_round(
     return row
 
 
+def _concurrency_64(url: str, duration_s: float, repeats: int) -> dict[str, Any]:
+    """Closed-loop concurrency 64: auto and fixed (64 within 2 ms) in turn, ``repeats``
+    rounds; median req/s of each, and each round's."""
+    policies = {"auto": W1.auto, "fixed": {"max_delay_s": 0.002, "max_batch_size": 64}}
+    rounds: dict[str, list[float]] = {name: [] for name in policies}
+    for _ in range(repeats):
+        for name, policy in policies.items():
+            set_policy(url, W1.model, **policy)
+            point = goodput(url, W1, ["--concurrency", "64"], duration_s)
+            rounds[name].append(point["rate_rps"])
+    out: dict[str, Any] = {f"{name}_rps": float(np.median(r)) for name, r in rounds.items()}
+    out["rounds"] = rounds
+    return out
+
+
 def _priorities(
     url: str, ceiling: float, duration_s: float, repeats: int = 1, breakdown: bool = False
 ) -> dict[str, Any]:
@@ -457,8 +475,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="reduced grid, short points")
-    parser.add_argument("--only", choices=("priority",), help="run only the priority classes")
-    parser.add_argument("--repeats", type=int, default=1, help="priority rounds (medians)")
+    parser.add_argument(
+        "--only", choices=("priority", "c64"), help="only the priority classes, or concurrency 64"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of those two (medians)")
     parser.add_argument("--breakdown", action="store_true", help="record server timelines")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -473,24 +493,34 @@ def main() -> None:
             priorities = _priorities(url, ceiling, duration_s, args.repeats, args.breakdown)
             _report_priorities(args.json or PRIORITY_JSON, machine, ceiling, priorities)
             return
+        if args.only == "c64":
+            c64 = _concurrency_64(url, 3.0 if args.quick else 10.0, args.repeats)
+            c64 |= {"auto_over_fixed": c64["auto_rps"] / c64["fixed_rps"]}
+            c64 |= {"auto_over_ceiling": c64["auto_rps"] / ceiling}
+            print(f"concurrency 64 (medians): {c64}", flush=True)
+            record = {"machine": machine, "ceiling_items_per_s": ceiling, "c64": c64}
+            write_results(args.json or C64_JSON, record)
+            return
         capacity = measure_capacity(url, W1, args.quick)
         print(f"capacity over HTTP at concurrency 64: {capacity:.0f} req/s", flush=True)
         sweep = run_sweep(url, W1, capacity, args.quick)
         # The two single-load targets: auto at concurrency 64 against the offline batch-64
         # ceiling, and its concurrency-1 p50 against the model's batch-1 time.
-        set_policy(url, W1.model, **W1.auto)
-        auto_c64 = goodput(url, W1, ["--concurrency", "64"], 3.0 if args.quick else 10.0)
+        c64 = _concurrency_64(url, 3.0 if args.quick else 10.0, args.repeats)
         batch1_s = 1.0 / offline_ceiling(batch_size=1)
         targets = {
-            "auto_c64_rps": auto_c64["rate_rps"],
-            "auto_c64_over_ceiling": auto_c64["rate_rps"] / ceiling,
+            "auto_c64_rps": c64["auto_rps"],
+            "auto_c64_over_ceiling": c64["auto_rps"] / ceiling,
+            "fixed_c64_rps": c64["fixed_rps"],
+            "auto_c64_over_fixed": c64["auto_rps"] / c64["fixed_rps"],
             "batch1_model_ms": batch1_s * 1e3,
             "auto_c1_p50_ms": sweep["table"]["auto"]["c=1"]["p50_ms"],
         }
         targets["auto_c1_p50_over_batch1_ms"] = targets["auto_c1_p50_ms"] - batch1_s * 1e3
         print(
-            f"auto at concurrency 64: {auto_c64['rate_rps']:.0f} req/s = "
-            f"{targets['auto_c64_over_ceiling']:.2f} of the ceiling; concurrency 1 p50 "
+            f"auto at concurrency 64: {c64['auto_rps']:.0f} req/s = "
+            f"{targets['auto_c64_over_ceiling']:.2f} of the ceiling, "
+            f"{targets['auto_c64_over_fixed']:.2f} of fixed 64 within 2 ms; concurrency 1 p50 "
             f"{targets['auto_c1_p50_ms']:.2f} ms against batch-1 model time "
             f"{targets['batch1_model_ms']:.2f} ms",
             flush=True,
