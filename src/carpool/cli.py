@@ -194,7 +194,6 @@ def serve(
     from carpool.core.allocator import tune_malloc
     from carpool.errors import ConfigError
     from carpool.server.access import api_key_from
-    from carpool.server.banner import logger, use_default_logging
     from carpool.server.errors import DrainTimedOut, PortInUse
     from carpool.server.otlp import traces_url
     from carpool.server.run import check_ports, exit_on_signal_while_building
@@ -212,8 +211,7 @@ def serve(
     except ConfigError as error:  # before the ports are taken or a model loads
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    use_default_logging()
-    logger.info(tune_malloc())  # before the models load: their arrays are allocated next
+    tune_malloc()  # before the models load: their arrays come next (the ready lines say it)
     try:
         ports = None
         if workers == 1:

@@ -383,6 +383,7 @@ POLICY_VALUES = {
     "length_buckets": st.none() | st.just("auto") | st.lists(st.integers(-1, 64), max_size=3),
     "batch_timeout_s": st.none() | st.floats(-1, 120),
     "slo_s": st.none() | st.floats(-1, 1),
+    "preempt": st.booleans() | st.just("yes"),
 }
 assert set(POLICY_VALUES) == set(POLICY_FIELDS)
 POLICY_BODIES = _maybe({**POLICY_VALUES, "classes": st.just([]), "warp": st.just(9)})

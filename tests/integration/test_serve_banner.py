@@ -18,6 +18,7 @@ def test_ready_lines_name_models_and_addresses_and_stopping_is_said(
     assert "doubler  python: batch <= 16 within 1 ms" in ready
     assert f"HTTP  http://{served.http_url}  KServe v2 /v2" in ready
     assert f"gRPC  {served.grpc_url}  KServe v2" in ready
+    assert "malloc: " in ready  # what carpool.core.allocator did, whatever the machine
     assert served.stop() == 0
     lines = served.output().splitlines()
     assert lines[-2:] == ["stopping: no new requests; answering the accepted ones", "stopped"]

@@ -11,8 +11,10 @@ memory is kept and reused; allocations larger than the mmap threshold still go t
 ``mmap``. The cost: the process keeps up to :data:`TRIM_THRESHOLD_BYTES` of freed memory
 instead of returning it at once.
 
-``carpool serve`` calls it before its models load, and each replica process as it
-starts; nothing else does (importing carpool changes no process setting).
+``carpool serve`` calls it before its models load (and says what was done among its
+ready lines, :func:`setting`: an error before then stays the only line it prints), and
+each replica process as it starts; nothing else does (importing carpool changes no
+process setting).
 ``CARPOOL_MALLOC=default`` leaves glibc's settings alone; where another allocator is
 preloaded (tcmalloc, jemalloc, as vLLM's CPU build does) or the C library is not glibc,
 nothing is changed either. Each case says so in the line returned.
@@ -29,11 +31,24 @@ TRIM_THRESHOLD_BYTES = 256 << 20
 ENV = "CARPOOL_MALLOC"  # "default": leave the C library's allocator as it is
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _PRELOADED = ("tcmalloc", "jemalloc", "mimalloc")
+_last: list[str] = []  # what the last call of tune_malloc did
+
+
+def setting() -> str | None:
+    """The line :func:`tune_malloc` returned in this process, or None if it never ran."""
+    return _last[-1] if _last else None
 
 
 def tune_malloc() -> str:
     """Raise glibc's mmap and trim thresholds for this process, where that applies;
-    returns one line saying what was done or why nothing was. Never raises."""
+    returns one line saying what was done or why nothing was (also kept for
+    :func:`setting`). Never raises."""
+    line = _tune()
+    _last[:] = [line]
+    return line
+
+
+def _tune() -> str:
     if os.environ.get(ENV, "") == "default":
         return f"malloc: glibc's defaults kept ({ENV}=default)"
     preloaded = [name for name in _PRELOADED if name in os.environ.get("LD_PRELOAD", "")]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from carpool import __version__
+from carpool.core import allocator
 from carpool.server.repository import ModelRepository, ServedModel
 
 logger = logging.getLogger("carpool.server")
@@ -45,6 +46,9 @@ def ready_lines(repository: ModelRepository, http: str, grpc: str | None) -> lis
     lines.append(f"HTTP  http://{http}  KServe v2 /v2, OpenAI /v1, Prometheus /metrics")
     if grpc is not None:
         lines.append(f"gRPC  {grpc}  KServe v2 inference.GRPCInferenceService")
+    malloc = allocator.setting()
+    if malloc is not None:  # carpool serve set the process's allocator before the models
+        lines.append(malloc)
     lines.append("SIGINT or SIGTERM: stop accepting, answer every accepted request, exit 0")
     return lines
 

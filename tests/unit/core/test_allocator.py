@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from carpool.core import allocator
-from carpool.core.allocator import ENV, tune_malloc
+from carpool.core.allocator import ENV, setting, tune_malloc
 
 
 class FakeMallopt:
@@ -52,6 +52,7 @@ def test_on_glibc_both_thresholds_are_raised(monkeypatch: pytest.MonkeyPatch) ->
         (-1, allocator.TRIM_THRESHOLD_BYTES),  # M_TRIM_THRESHOLD
     ]
     assert "keeps freed memory" in line and "64 MiB" in line and ENV in line
+    assert setting() == line  # for the server's ready lines
 
 
 def test_a_refusal_is_said_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
