@@ -164,7 +164,8 @@ def test_a_generation_request_has_a_span_per_step(
     assert attributes["carpool.kind"] == "generation"
     num_generated = attributes["carpool.num_generated"]
     assert (attributes["carpool.outcome"], num_generated) == ("length", 5) or (
-        attributes["carpool.outcome"] == "stop" and 1 <= num_generated < 5  # an end of sequence
+        # an end of sequence, possibly as the fifth token
+        attributes["carpool.outcome"] == "stop" and 1 <= num_generated <= 5
     )
     assert [e.name for e in root.events] == ["arrived", "scheduled", "first token", "answered"]
     children = [s for s in collector.spans if s.parent_span_id == root.span_id]
