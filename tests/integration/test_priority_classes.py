@@ -8,7 +8,9 @@ while a file exists and logs every value it computes) holds the replica busy so 
 queues fill: a class's bound gives 429 with ``Retry-After`` (gRPC UNAVAILABLE, as Triton)
 while the other classes are still admitted; an expired ``timeout`` is a 503 / UNAVAILABLE
 and never reaches the model; interactive requests queued after background ones are
-computed first. Under a mixed load from several threads, every accepted request is
+computed first. A model in steps with ``preempt: true`` answers an interactive request
+while a background batch is still in its steps. Under a mixed load from several threads,
+every accepted request is
 answered exactly once, background ones complete (no class starves), and ``/metrics`` and
 ``/v2/models/{m}/stats`` count what the clients saw, class by class and reason by reason.
 """
@@ -57,6 +59,20 @@ def gated(inputs):
     return {"Y": x}
 
 
+def stepped(inputs):
+    """Y = X, in steps. Logs each call's values to $CR_SEEN.stepped; a batch holding a
+    negative value then takes a step every 5 ms while $CR_GATE exists."""
+    x = inputs["X"]
+    with open(os.environ["CR_SEEN"] + ".stepped", "a", encoding="utf-8") as seen:
+        seen.write(" ".join(str(int(v)) for v in x.ravel()) + "\\n")
+    limit = time.monotonic() + 30.0
+    while x.min() < 0 and os.path.exists(os.environ["CR_GATE"]) and time.monotonic() < limit:
+        yield
+        time.sleep(0.005)
+    yield
+    return {"Y": x}
+
+
 def slow(inputs):
     """Y = X, 5 ms per batch. Logs each call's values to $CR_SEEN.slow."""
     x = inputs["X"]
@@ -92,6 +108,15 @@ models:
       - {{name: interactive, max_queue_size: 2, slo_s: 0.05}}
       - {{name: normal, max_queue_size: 4, max_wait_s: 0.2, slo_s: 1.0}}
       - {{name: background, max_queue_size: 4, max_wait_s: 0.2, slo_s: 5.0}}
+  - name: stepped
+    kind: python
+    source: crmodels:stepped
+    inputs: [{{name: X, datatype: INT64, shape: [1]}}]
+    outputs: [{{name: Y, datatype: INT64, shape: [1]}}]
+    max_batch_size: 4
+    max_delay_s: 0.0
+    executor: loop
+    preempt: true
 """
 
 CLASSES = ("interactive", "normal", "background")
@@ -115,7 +140,7 @@ class Served:
 
     def seen(self, model: str = "gated") -> list[int]:
         """Every value the model computed, in the order it computed them."""
-        path = self.seen_file if model == "gated" else Path(f"{self.seen_file}.slow")
+        path = self.seen_file if model == "gated" else Path(f"{self.seen_file}.{model}")
         if not path.exists():
             return []
         return [int(v) for v in path.read_text().split()]
@@ -525,3 +550,29 @@ def test_mixed_load_is_answered_once_per_request_and_counted_by_class(served: Se
         n for (_, outcome), n in seen_by_client.items() if outcome != "ok"
     )
     assert _delta(served.counts("slow"), before) == expected
+
+
+def test_an_interactive_request_runs_between_the_steps_of_a_background_batch(
+    served: Served,
+) -> None:
+    """``preempt: true`` on a model in steps on the event loop: while a background batch
+    takes its steps (held by the gate), an interactive request is answered; the
+    background one only once the gate opens."""
+    served.gate.touch()
+    answers: queue.Queue[Answer] = queue.Queue()
+    background = threading.Thread(
+        target=lambda: answers.put(
+            _http(served.http_url, "stepped", -7, {"priority": 3}, face="json")
+        )
+    )
+    background.start()
+    try:
+        wait_until(lambda: -7 in served.seen("stepped"), "the background batch to start")
+        interactive = _http(served.http_url, "stepped", 5, {"priority": 1}, face="json")
+        assert interactive.status == 200, interactive
+        assert background.is_alive() and answers.empty()  # still in its steps
+        assert served.seen("stepped") == [-7, 5]
+    finally:
+        served.gate.unlink(missing_ok=True)
+        background.join(LIMIT_S)
+    assert answers.get_nowait().status == 200
