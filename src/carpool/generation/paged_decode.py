@@ -11,9 +11,19 @@ K/V blocks out of the cache, then attends; the kernel walks each sequence's bloc
     out = acc / sum
 
 It is compiled on first use with ``torch.utils.cpp_extension.load`` (g++/clang and ninja;
-``-O3 -march=native``) into torch's extension directory, where the build is reused by later
-processes; its name carries a hash of the source, the CPU's flags and the torch version, so
-a build for another CPU is never loaded. A build that fails leaves the gather + SDPA path.
+``-O3 -march=native``) into ``carpool/<name>`` under torch's extension directory
+(``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``), where the build is reused
+by later processes; its name carries a hash of the source, its path (each checkout builds
+its own: the build file names the source by its absolute path, so two trees sharing one
+build would rebuild each other's), the CPU's flags and the torch version, so a build for
+another CPU is never loaded. A build that fails leaves the gather + SDPA path.
+
+One process builds at a time: each holds an exclusive ``flock`` on ``<name>.lock`` beside
+the build directory while it builds or loads, which the kernel releases however the
+process ends. torch marks a build in progress with a ``lock`` file of its own, which a
+process killed mid-build (Ctrl-C on a first start) leaves behind, and every later build
+then waits on it for ever; holding the ``flock``, a process knows that no build is in
+progress, and removes such a file first.
 
 ``decode_attention`` (a generation model's config key) picks the path: ``auto`` (the
 kernel if it builds, else torch, with one warning saying why), ``kernel`` (a
@@ -37,6 +47,11 @@ from typing import Literal, get_args
 import torch
 
 from carpool.errors import ConfigError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not serialized (nor a killed build's marker removed)
+    fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +77,13 @@ _build_result: KernelBuild | None = None
 
 
 def build_name() -> str:
-    """The extension's name: a hash of the source, the compile flags, the torch version and
-    the CPU's flags (``-march=native`` code runs only where those flags are)."""
+    """The extension's name: a hash of the source, the compile flags, the torch version,
+    the source's path and the CPU's flags (``-march=native`` code runs only where those
+    flags are)."""
     digest = hashlib.sha256()
     for part in (SOURCE_PATH.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode()):
         digest.update(part)
+    digest.update(str(SOURCE_PATH.resolve()).encode())
     digest.update(_cpu_flags().encode())
     return f"carpool_paged_decode_{digest.hexdigest()[:16]}"
 
@@ -95,19 +112,39 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+def build_directory() -> Path:
+    """Where this kernel's build lives (module docstring); created if missing."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    directory = Path(root) / "carpool" / build_name()
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+# The file torch.utils.cpp_extension keeps in a build directory while it builds there
+# (torch 2.13: FileBaton(os.path.join(build_directory, "lock"))).
+TORCH_BUILD_MARKER = "lock"
+
+
 def _build() -> None:
     """Compiles (or reuses the cached build of) the kernel and loads it as
-    ``torch.ops.carpool.paged_decode``."""
+    ``torch.ops.carpool.paged_decode``, one process at a time (module docstring)."""
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
-    cpp_extension.load(
-        name=build_name(),
-        sources=[str(SOURCE_PATH)],
-        extra_cflags=list(CFLAGS),
-        is_python_module=False,
-        verbose=False,
-    )
+    directory = build_directory()
+    with open(directory.with_name(f"{directory.name}.lock"), "w") as held:
+        if fcntl is not None:
+            fcntl.flock(held, fcntl.LOCK_EX)  # released when this process ends, however
+            # No other build is in progress: a marker left here is a killed build's.
+            (directory / TORCH_BUILD_MARKER).unlink(missing_ok=True)
+        cpp_extension.load(
+            name=build_name(),
+            sources=[str(SOURCE_PATH)],
+            extra_cflags=list(CFLAGS),
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
 
 
 def load_kernel() -> KernelBuild:

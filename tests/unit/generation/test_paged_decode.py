@@ -188,6 +188,39 @@ def failing_build(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(paged_decode, "_warned", False)
 
 
+def test_a_build_left_by_a_killed_process_does_not_hold_the_next_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """torch marks a build in progress with a ``lock`` file and waits while one exists; a
+    process killed mid-build leaves it behind. The next build removes it (it holds the
+    flock every carpool build holds) and builds in carpool's own directory."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = paged_decode.build_directory()
+    assert directory == tmp_path / "carpool" / paged_decode.build_name()
+    (directory / paged_decode.TORCH_BUILD_MARKER).touch()  # a killed build's
+    built: list[str] = []
+
+    def load(**kwargs: Any) -> None:
+        assert not (Path(kwargs["build_directory"]) / paged_decode.TORCH_BUILD_MARKER).exists()
+        built.append(kwargs["build_directory"])
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    paged_decode._build()
+    assert built == [str(directory)]
+
+
+def test_each_checkout_builds_its_own_kernel(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    copy = tmp_path / "paged_decode.cpp"
+    copy.write_bytes(paged_decode.SOURCE_PATH.read_bytes())
+    here = paged_decode.build_name()
+    monkeypatch.setattr(paged_decode, "SOURCE_PATH", copy)
+    assert paged_decode.build_name() != here  # same source, another path
+
+
 def test_auto_falls_back_to_torch_with_one_warning_when_the_build_fails(
     failing_build: None, caplog: pytest.LogCaptureFixture
 ) -> None:
