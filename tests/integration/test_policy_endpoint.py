@@ -64,11 +64,12 @@ async def test_server_runner_measures_a_trial_through_the_endpoint(
         metadata = await runner.connect()
         assert metadata["name"] == "doubler"
         settings = MeasureSettings(warmup_s=0.0, window_s=0.1, max_windows=2, num_stable_windows=1)
-        config = TrialConfig((("max_batch_size", 2), ("max_delay_s", 0.0005)))
+        config = TrialConfig((("max_batch_size", 2), ("max_delay_s", 0.0005), ("preempt", 1)))
         m = await measure_trial(runner, config, settings)
         assert m.error is None and m.num_requests > 0 and m.num_errors == 0
         assert m.mean_batch_size is not None and m.mean_batch_size <= 2
-        assert (await runner.policy())["max_batch_size"] == 2
+        policy = await runner.policy()
+        assert (policy["max_batch_size"], policy["preempt"]) == (2, True)
         refused = await measure_trial(runner, TrialConfig((("max_batch_size", 0),)), settings)
         assert refused.error is not None and "max_batch_size" in refused.error
     finally:

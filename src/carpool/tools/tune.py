@@ -43,6 +43,7 @@ TUNABLE: dict[str, type] = {
     "oom_recovery_s": float,
     "num_replicas": int,
     "buffer_pool": bool,
+    "preempt": bool,
 }
 # Parameters that rebuild the batcher rather than change its policy.
 REBUILDS = ("num_replicas", "buffer_pool")
@@ -86,6 +87,11 @@ class Param:
                 else f"comma-separated {kind.__name__}s{also}",
             ) from None
         return cls(name, values)
+
+
+def policy_values(changes: dict[str, Number]) -> dict[str, Number | bool]:
+    """A trial's levels as the policy takes them: an on/off parameter's 0/1 as a bool."""
+    return {k: bool(v) if TUNABLE.get(k) is bool else v for k, v in changes.items()}
 
 
 def _level(name: str, kind: type, text: str) -> Number:

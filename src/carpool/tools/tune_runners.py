@@ -24,7 +24,7 @@ from carpool.core.clock import Clock, MonotonicClock
 from carpool.core.policy import BatchPolicy
 from carpool.errors import ConfigError
 from carpool.tools.modelref import MODEL_FORMS, ConfiguredModel, Form, ModelRef, resolve_import
-from carpool.tools.tune import REBUILDS
+from carpool.tools.tune import REBUILDS, policy_values
 from carpool.tools.tune_trial import TrialConfig, WindowSample
 
 ERROR_PAUSE_S = 0.001  # a closed-loop caller's pause after a failed request
@@ -221,7 +221,7 @@ class InProcessRunner:
         num_replicas = int(changes.pop("num_replicas", self.num_replicas))
         pool = changes.pop("buffer_pool", None)
         buffer_pool = None if pool is None else bool(pool)
-        policy = self.base_policy.replace(**changes)  # ConfigError when invalid
+        policy = self.base_policy.replace(**policy_values(changes))  # ConfigError when invalid
         batcher = self._batcher
         if (
             batcher is not None
@@ -353,7 +353,8 @@ class ServerRunner:
         if self._body is None:
             await self.connect()  # also notes the starting policy, before the first change
         self._changed.update(changes)
-        response = await self._client.post(self._path("policy"), content=orjson.dumps(changes))
+        document = orjson.dumps(policy_values(changes))
+        response = await self._client.post(self._path("policy"), content=document)
         self._check_access(response)
         if response.status_code == 400:
             raise ConfigError("policy", changes, response.json().get("error", "a valid policy"))

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from carpool.errors import ConfigError
-from carpool.tools.tune import Constraints, Param, SearchSpace, Tuner, rank_key
+from carpool.tools.tune import Constraints, Param, SearchSpace, Tuner, policy_values, rank_key
 from carpool.tools.tune_trial import Measurement, MeasureSettings, TrialConfig, measure_trial
 
 from .conftest import SurfaceRunner, measured, surface
@@ -164,6 +164,14 @@ def test_buffer_pool_param_takes_on_off_levels() -> None:
     assert Param.parse("buffer_pool=True,False").values == (1, 0)
     with pytest.raises(ConfigError, match="on/off"):
         Param.parse("buffer_pool=maybe,on")
+
+
+def test_preempt_param_takes_on_off_levels_and_reaches_the_policy_as_a_bool() -> None:
+    assert Param.parse("preempt=off,on").values == (0, 1)
+    assert policy_values({"preempt": 1, "max_delay_s": 0.002}) == {
+        "preempt": True,
+        "max_delay_s": 0.002,
+    }
 
 
 def test_space_neighbours_stay_on_the_grid() -> None:

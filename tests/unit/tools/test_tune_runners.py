@@ -104,6 +104,16 @@ async def test_the_in_process_runner_measures_auto_as_a_level(models: str) -> No
         await runner.close()
 
 
+async def test_the_in_process_runner_sets_preempt_from_an_on_level(models: str) -> None:
+    runner = InProcessRunner(f"{models}:double", ITEM, LoadSpec(concurrency=2))
+    try:
+        m = await measure_trial(runner, TrialConfig((("preempt", 1),)), ANSWERING)
+        assert m.error is None and m.num_requests > 0
+        assert runner._batcher is not None and runner._batcher.policy.preempt is True
+    finally:
+        await runner.close()
+
+
 async def test_a_batched_function_brings_its_policy_as_the_base(models: str) -> None:
     runner = InProcessRunner(f"{models}:batched_double", ITEM, LoadSpec(concurrency=2))
     assert runner.base_policy.max_batch_size == 8
