@@ -185,6 +185,10 @@ def test_generation_config_describes_its_engine_not_a_dynamic_batcher(
     over_grpc = grpc.get_model_config(GENERATION, as_json=True)["config"]
     assert int(over_grpc["max_batch_size"]) == MAX_NUM_SEQS
     assert "dynamic_batching" not in over_grpc
+    # Which kernels its steps run, on both faces (Triton's string parameters).
+    assert config["parameters"]["decode_attention"]["string_value"] in ("kernel", "torch")
+    assert config["parameters"]["linear"]["string_value"] in ("onednn-prepacked", "aten-linear")
+    assert over_grpc["parameters"] == config["parameters"]
 
 
 def test_generation_kserve_face_answers_an_infer_built_from_its_metadata(

@@ -163,6 +163,16 @@ class GenerationEngine:
         self._telemetry = EngineTelemetry()
         self._on_trace: GenerationTraceHook | None = None
 
+    def kernels(self) -> dict[str, str]:
+        """The kernels its forward pass runs, where its runner says: ``decode_attention``
+        (``kernel`` or ``torch``) and ``linear`` (``onednn-prepacked`` or ``aten-linear``)."""
+        found: dict[str, str] = {}
+        for key, attr in (("decode_attention", "decode_attention_path"), ("linear", "linear_path")):
+            value = getattr(self._runner, attr, None)
+            if isinstance(value, str):
+                found[key] = value
+        return found
+
     @property
     def is_running(self) -> bool:
         return self._state is _State.RUNNING

@@ -133,6 +133,7 @@ class ModelRunner:
         self.dtype = dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.is_prepacked = self.model.prepack(enabled=prepack)
+        self.linear_path = onednn.kernel_name(self.is_prepacked)  # how its Linears run
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_cache = torch.zeros(

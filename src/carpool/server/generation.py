@@ -142,6 +142,10 @@ class GenerationService:
             "device": s.device,
         }
 
+    def kernels(self) -> dict[str, str]:
+        """The kernels the engine's forward pass runs (``/config``'s ``parameters``)."""
+        return self.engine.kernels()
+
     def no_batch_policy(self) -> ConfigError:
         """What ``GET`` and ``POST .../policy`` answer for this model (a 400)."""
         named = ", ".join(f"{k}={v}" for k, v in self.engine_settings().items())

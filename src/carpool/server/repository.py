@@ -263,9 +263,12 @@ class ServedModel:
         """Triton-style model configuration (what ``get_model_config`` returns). A model
         its engine schedules (generation) has no ``dynamic_batching``: requests join and
         leave its batch at every step; ``max_batch_size`` is the most sequences a step
-        runs (``max_num_seqs``), as Triton's TensorRT-LLM models declare it."""
+        runs (``max_num_seqs``), as Triton's TensorRT-LLM models declare it; its
+        ``parameters`` (Triton's string map) name the kernels that run: decode attention
+        (``kernel`` or ``torch``) and the Linear layers'."""
         if self.generation is not None:
             settings = self.generation.engine_settings()
+            kernels = self.generation.kernels()
             return {
                 "name": self.name,
                 "platform": self.platform,
@@ -273,6 +276,7 @@ class ServedModel:
                 "input": [_config_tensor(t) for t in self.inputs],
                 "output": [_config_tensor(t) for t in self.outputs],
                 "instance_group": _instance_groups((str(settings["device"]),)),
+                "parameters": {k: {"string_value": v} for k, v in kernels.items()},
             }
         batcher = self._batcher()
         policy = batcher.policy
