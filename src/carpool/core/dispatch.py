@@ -55,7 +55,7 @@ from typing import Protocol
 from carpool.core.admission import Intake, OomCap
 from carpool.core.batch_times import BatchTimes
 from carpool.core.clock import Clock, TimerHandle
-from carpool.core.idle import BusyTime, IdleReplicas
+from carpool.core.idle import BusyTime, IdleReplicas, wake
 from carpool.core.model_call import Cancels, ModelCall, RunOutput
 from carpool.core.preempt import Preemptions
 from carpool.core.process_replica import process_replicas, process_source
@@ -324,7 +324,7 @@ class Dispatcher:
     def wake_all(self) -> None:
         take = self.idle.take
         while (waiter := take()) is not None:
-            _wake(waiter)
+            wake(waiter)
 
     # -- requests taken out: expired, cancelled, closed -------------------------------
 
@@ -467,7 +467,7 @@ class Dispatcher:
 
     async def _sleep(self, delay_s: float) -> None:
         woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        timer = self._clock.call_at(self._clock.now() + delay_s, lambda: _wake(woken))
+        timer = self._clock.call_at(self._clock.now() + delay_s, lambda: wake(woken))
         try:
             await woken
         finally:
@@ -481,7 +481,7 @@ class Dispatcher:
         if busy is None:
             self.idle.push(waiter, 0.0)
             if wake_at_s is not None:
-                timer = self._clock.call_at(wake_at_s, lambda: _wake(waiter))
+                timer = self._clock.call_at(wake_at_s, lambda: wake(waiter))
         else:
             self.idle.push(waiter, busy.key)
             if wake_at_s is not None:
@@ -572,8 +572,3 @@ class _InFlight:
     attempts: list[Awaitable[RunOutput]]
     launched_s: float
     cancels: Cancels
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)

@@ -16,6 +16,12 @@ import math
 BUSY_DECAY_S = 1.0
 
 
+def wake(waiter: asyncio.Future[None]) -> None:
+    """Wake a loop waiting on ``waiter``, unless it was woken or cancelled already."""
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class IdleReplicas(set[asyncio.Future[None]]):
     """The waiters of idle replica loops: a set of those still waiting, and a heap that
     gives the least busy lately first.

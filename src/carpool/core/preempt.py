@@ -13,6 +13,7 @@ import asyncio
 import functools
 
 from carpool.core.clock import Clock
+from carpool.core.idle import wake
 from carpool.core.stepwise import StepGate
 
 
@@ -32,7 +33,7 @@ class Preemptions:
         for lead_rank, woken, gate in self._waiting.values():
             if rank < lead_rank:
                 gate.hold(rank)  # the lower batch stops at its next step from now
-                _wake(woken)
+                wake(woken)
 
     async def wait(
         self,
@@ -48,15 +49,10 @@ class Preemptions:
         self._waiting[replica_id] = (rank, woken, gate)
         timer = None
         if wake_at_s is not None:
-            timer = self._clock.call_at(wake_at_s, functools.partial(_wake, woken))
+            timer = self._clock.call_at(wake_at_s, functools.partial(wake, woken))
         try:
             await asyncio.wait((landing, woken), return_when=asyncio.FIRST_COMPLETED)
         finally:
             del self._waiting[replica_id]
             if timer is not None:
                 timer.cancel()
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
