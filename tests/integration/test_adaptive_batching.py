@@ -152,6 +152,7 @@ def test_the_batch_size_follows_the_load_from_one_client_to_64(
     assert metrics[("carpool_adaptive_batch_size", normal)] >= 1
     assert 1 <= metrics[("carpool_adaptive_max_batch_size", normal)] <= 256
     assert metrics[("carpool_adaptive_delay_seconds", normal)] >= 0
+    assert 0 <= metrics[("carpool_adaptive_closed_loop_share", normal)] <= 1
     fit = (("model", "linear"),)
     # The fitted line saw batches from 1 to dozens of items of the 2 ms + 0.1 ms model.
     assert metrics[("carpool_batch_time_fit_per_item_seconds", fit)] > 0
@@ -166,6 +167,7 @@ def test_the_batch_size_follows_the_load_from_one_client_to_64(
     assert set(adaptive["classes"]) == {"interactive", "normal", "background"}
     assert adaptive["classes"]["normal"]["arrival_rate_rps"] > 0
     assert adaptive["classes"]["normal"]["company_rate_rps"] > 0
+    assert 0 <= adaptive["classes"]["normal"]["closed_loop_share"] <= 1
     assert adaptive["batch_time_fit"]["num_batches"] > 0
     assert adaptive["unit"] == "items"
 

@@ -26,6 +26,11 @@ open-loop traffic both rates agree. From them, each time a replica is free:
   :data:`~carpool.core.policy.MAX_AUTO_DELAY_S`), and never later than
   :data:`GAP_FACTOR` mean gaps after the class's last arrival (closed-loop clients that
   are all waiting send nothing more: the batch goes).
+- **Closed loops.** Clients that send again as soon as they are answered arrive at the
+  rate the server answers at, so the target above settles at whatever size the loop
+  runs. When most of each landed batch comes straight back
+  (:mod:`carpool.core.returns`), the part of the last batch still on its way is waited
+  for (until its return window closes, within the same budget), whatever the target.
 - **Size cap** (``max_batch_size: auto``). The knee of ``t(b)``: past
   ``overhead / (KNEE_SHARE * per_item)`` the fixed overhead is under a tenth of the
   batch's time, and a bigger batch only adds latency; but never below the target size
@@ -64,6 +69,7 @@ from dataclasses import dataclass
 
 from carpool.core.batch_times import BatchTimeFit
 from carpool.core.policy import MAX_AUTO_DELAY_S, UNIT_ITEMS, BatchPolicy, ClassLimits
+from carpool.core.returns import Returns
 
 RATE_TAU_S = 0.5  # the arrival-rate counter forgets with this time constant
 TARGET_UTILIZATION = 1.0  # rho: the share of the replica's time a target batch size uses
@@ -156,6 +162,7 @@ class ClassChoice:
     max_batch_size: float  # the most a batch led by this class may hold now, in the unit
     arrival_rate_rps: float  # requests per second
     company_rate_rps: float  # units per second arriving while one of the class waits
+    closed_loop_share: float = 0.0  # of its landed batches, the share that came straight back
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +180,7 @@ class AdaptiveState:
 class Adaptive:
     """The controller of one batcher (see the module docstring)."""
 
-    __slots__ = ("_company", "_fit", "_rates", "_targets", "_units", "preempts")
+    __slots__ = ("_company", "_fit", "_rates", "_returns", "_targets", "_units", "preempts")
 
     def __init__(self, fit: BatchTimeFit) -> None:
         self._fit = fit
@@ -182,6 +189,7 @@ class Adaptive:
         self._rates: dict[str, ArrivalRate] = {}  # requests
         self._units: dict[str, ArrivalRate] = {}  # units
         self._company: dict[str, CompanyRate] = {}  # units
+        self._returns: dict[str, Returns] = {}  # units
         self._targets: dict[str, float] = {}
 
     def arrived(
@@ -201,9 +209,24 @@ class Adaptive:
             rate = self._rates[class_name] = ArrivalRate()
             self._units[class_name] = ArrivalRate()
             self._company[class_name] = CompanyRate()
+            self._returns[class_name] = Returns()
         rate.note(now, num)
         self._units[class_name].note(now, units)
         self._company[class_name].note(now, had_company, units)
+        self._returns[class_name].arrived(now, units)
+
+    def answered(self, now: float, units_by_class: dict[str, float]) -> None:
+        """A batch landed at ``now``, answering these units of each class
+        (:mod:`carpool.core.returns`: do their clients come straight back?)."""
+        for class_name, units in units_by_class.items():
+            returns = self._returns.get(class_name)
+            if returns is not None:
+                returns.answered(now, units)
+
+    def closed_loop_share(self, class_name: str) -> float:
+        """The share of the class's landed batches that came straight back (moving average)."""
+        returns = self._returns.get(class_name)
+        return 0.0 if returns is None else returns.share
 
     def emptied(self, class_name: str, now: float) -> None:
         """No request of the class waits any more."""
@@ -344,6 +367,12 @@ class Adaptive:
         if not self.is_warm:
             return oldest_arrival_s + limits.max_delay_s
         target = self.target_size(limits, max_items, now)
+        returns = self._returns.get(limits.name)
+        back = 0.0 if returns is None else returns.pending(now)
+        if returns is not None and back >= 1.0 and num_items + 1.0 <= max_items:
+            # A closed loop's clients are on their way back: wait for them, not the rate.
+            wanted = min(max_items, num_items + back)
+            return min(returns.window_end_s, oldest_arrival_s + self.budget_s(limits, wanted))
         if num_items >= target:
             return now
         rate = self._rates.get(limits.name)
@@ -377,8 +406,9 @@ class Adaptive:
                 wait_s = (target - 1) / rate_rps if rate_rps > 0 else 0.0
                 delay_s = min(wait_s, self.budget_s(limits, target))
             arrival_rps = self.rate_rps(limits.name, now)
+            share = self.closed_loop_share(limits.name)
             choices.append(
-                ClassChoice(limits.name, delay_s, target, max_items, arrival_rps, rate_rps)
+                ClassChoice(limits.name, delay_s, target, max_items, arrival_rps, rate_rps, share)
             )
         overhead_s, per_item_s = self._fit.line()
         return AdaptiveState(

@@ -28,8 +28,8 @@ from carpool.core.process_replica import check_replica_cpus, process_source
 from carpool.core.queues import Queues
 from carpool.core.ray_replica import ray_replica_maker
 from carpool.core.replicas import BatchFn, FnFactory, check_threading, replica_devices
-from carpool.core.request import Outcome, Request, RequestState
-from carpool.core.scheduler import Decision, Scheduler, request_units
+from carpool.core.request import Batch, Outcome, Request, RequestState
+from carpool.core.scheduler import Decision, Scheduler, request_units, units_by_class
 from carpool.core.telemetry import (
     MemoryProbe,
     NullTelemetry,
@@ -218,6 +218,7 @@ class Batcher(Lifecycle):
         self._idle = dispatch.idle
         self._wake_one = dispatch.wake_one
         dispatch.preempt = self._policy.preempt
+        dispatch.on_landed = self._landed
 
     # -- properties -------------------------------------------------------------------
 
@@ -231,9 +232,8 @@ class Batcher(Lifecycle):
 
     @property
     def policy_version(self) -> int:
-        """How many times the policy was replaced (``set_policy``, ``update_policy``): what
-        a caller worked out from the policy (a cached request's priority class and
-        deadline) holds while this number is unchanged."""
+        """Times the policy was replaced (``set_policy``, ``update_policy``): what a caller
+        worked out from it (a cached request's class and deadline) holds while unchanged."""
         return self._policy_version
 
     @property
@@ -242,8 +242,7 @@ class Batcher(Lifecycle):
 
     @property
     def is_ready(self) -> bool:
-        """Running, with a replica that can take a batch: False while every replica is
-        being replaced after a batch ran past ``batch_timeout_s``."""
+        """Running, with a replica that can take a batch (not all being replaced)."""
         return self._state is State.RUNNING and self._dispatch.is_healthy
 
     @property
@@ -542,6 +541,10 @@ class Batcher(Lifecycle):
         policy = self._policy.replace(**changes)
         self.set_policy(policy)
         return policy
+
+    def _landed(self, batch: Batch, now: float) -> None:
+        if self._is_adaptive:
+            self._adaptive.answered(now, units_by_class(batch.requests, self._policy.budget_unit))
 
     def adaptive_state(self) -> AdaptiveState | None:
         """What ``max_delay_s``/``max_batch_size`` "auto" has in force now, per class, and

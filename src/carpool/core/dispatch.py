@@ -148,6 +148,8 @@ class Dispatcher:
         self._due_s = math.inf
         # Each launched batch, by batch id, until it lands.
         self._launched: dict[int, _InFlight] = {}
+        # Told of each batch as it lands, with the time (the adaptive controller's hook).
+        self.on_landed: Callable[[Batch, float], None] | None = None
         self.is_draining = False  # no request comes any more: loops end on empty queues
         self.preempt = False  # the policy's preempt: the batcher keeps it current
         self.preempts = False  # a batch ran in steps on the loop: preempting can work
@@ -546,6 +548,8 @@ class Dispatcher:
             self._telemetry.batch_done(batch, replica.counters, compute_s)
             if self._batch_times is not None:
                 self._batch_times.observe(batch.units, compute_s, model_s)
+            if self.on_landed is not None:
+                self.on_landed(batch, end)
             if self._intake.has_lengths:
                 groups = [call.requests for call in inflight.calls]
                 self._telemetry.tokens(*self._intake.token_slots(groups))

@@ -304,6 +304,15 @@ def request_units(request: Request, unit: str) -> float:
     return request.cost if unit == UNIT_COST else float(request.num_items)
 
 
+def units_by_class(requests: list[Request], unit: str) -> dict[str, float]:
+    """What ``requests`` hold in ``unit``, per class."""
+    units: dict[str, float] = {}
+    for request in requests:
+        name = request.class_name
+        units[name] = units.get(name, 0.0) + request_units(request, unit)
+    return units
+
+
 def _queue_units(queue: ClassQueue, unit: str) -> float:
     """What ``queue``'s live requests hold, in ``unit``."""
     if unit == UNIT_TOKENS:

@@ -44,6 +44,13 @@ def adaptive_metrics(states: list[tuple[str, AdaptiveState]]) -> Iterator[Metric
         "chosen from.",
         labels=labels,
     )
+    closed = GaugeMetricFamily(
+        "carpool_adaptive_closed_loop_share",
+        "Share of the class's landed batches whose requests came straight back (moving "
+        "average): at 0.5 or more the class is a closed loop, and a free replica waits for "
+        "the clients still on their way back.",
+        labels=labels,
+    )
     overhead = GaugeMetricFamily(
         "carpool_batch_time_fit_overhead_seconds",
         "Fitted fixed time of a batch, in seconds: t(b) = overhead + per_item * b.",
@@ -69,7 +76,8 @@ def adaptive_metrics(states: list[tuple[str, AdaptiveState]]) -> Iterator[Metric
             max_size.add_metric(key, c.max_batch_size)
             rate.add_metric(key, c.arrival_rate_rps)
             company.add_metric(key, c.company_rate_rps)
+            closed.add_metric(key, c.closed_loop_share)
         overhead.add_metric([model], state.overhead_s)
         per_item.add_metric([model], state.per_item_s)
         unit.add_metric([model, state.unit], 1.0)
-    yield from (delay, size, max_size, rate, company, overhead, per_item, unit)
+    yield from (delay, size, max_size, rate, company, closed, overhead, per_item, unit)

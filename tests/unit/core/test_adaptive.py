@@ -5,6 +5,7 @@ in a simulated serving loop (settles under noise, follows a step in the arrival 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 import random
 from collections import deque
@@ -36,6 +37,7 @@ from carpool.core.policy import (
 )
 from carpool.core.queues import Queues
 from carpool.core.request import Request
+from carpool.core.returns import CLOSED_LOOP_SHARE
 from carpool.core.scheduler import Decision, Scheduler
 from carpool.errors import ConfigError
 
@@ -447,9 +449,13 @@ class _Sim:
         now, busy_until, next_sample = 0.0, 0.0, sample_every_s
         next_arrival = rng.expovariate(self.rate_of(0.0))  # type: ignore[operator]
         due = math.inf
+        num = 0
         while now < until_s:
             now = min(next_arrival, busy_until if busy_until > now else math.inf, due)
             now = max(now, 0.0)
+            if num and now >= busy_until:  # the batch landed: its answers left
+                adaptive.answered(busy_until, {limits.name: num})
+                num = 0
             if now >= next_sample:
                 state = adaptive.state(self.policy, now)
                 (mine,) = [c for c in state.classes if c.name == limits.name]
@@ -495,6 +501,74 @@ def test_the_chosen_delay_settles_under_a_noisy_model() -> None:
     median = sorted(delays)[len(delays) // 2]
     assert all(0.5 * median <= d <= 1.5 * median for d in delays)
     assert median > 0  # at this rate waiting pays: it does wait
+
+
+def test_open_loop_traffic_is_not_taken_for_a_closed_loop() -> None:
+    adaptive = _Sim(rate_of=lambda t: 1500.0).run(until_s=10.0)
+    assert adaptive.closed_loop_share(_policy().class_limits(None).name) < CLOSED_LOOP_SHARE / 2
+
+
+def _closed_loop(num_clients: int, until_s: float, seed: int = 2) -> tuple[list[int], list[float]]:
+    """``num_clients`` clients that each send again 0.2-1 ms after their answer, to one
+    replica of a noisy ``t(b) = a + c b``; the sizes of the batches it sent, and how long
+    each batch's oldest request had waited when it went."""
+    rng = random.Random(seed)
+    policy = _policy()
+    limits = policy.class_limits(None)
+    fit = BatchTimeFit()
+    adaptive = Adaptive(fit)
+    sends = [rng.uniform(0.0002, 0.001) for _ in range(num_clients)]
+    heapq.heapify(sends)
+    queue: deque[float] = deque()
+    sizes: list[int] = []
+    waits: list[float] = []
+    now, landing_s, running, due = 0.0, math.inf, 0, math.inf
+    while now < until_s:
+        now = min(sends[0] if sends else math.inf, landing_s, due)
+        if now == landing_s:
+            adaptive.answered(now, {limits.name: running})
+            for _ in range(running):
+                heapq.heappush(sends, now + rng.uniform(0.0002, 0.001))
+            landing_s, running = math.inf, 0
+        elif sends and now == sends[0]:
+            heapq.heappop(sends)
+            adaptive.arrived(limits.name, now, bool(queue))
+            queue.append(now)
+        due = math.inf
+        if running or not queue:
+            continue
+        max_items = adaptive.max_units(policy, limits, queue[0], now)
+        num = int(min(len(queue), max_items))
+        when = adaptive.due_s(limits, num, max_items, queue[0], now)
+        if num < max_items and when > now:
+            due = when
+            continue
+        waits.append(now - queue[0])
+        for _ in range(num):
+            queue.popleft()
+        if not queue:
+            adaptive.emptied(limits.name, now)
+        compute_s = (OVERHEAD_S + PER_ITEM_S * num) * rng.uniform(0.9, 1.1)
+        fit.observe(num, compute_s)
+        sizes.append(num)
+        landing_s, running = now + compute_s, num
+    return sizes, waits
+
+
+def test_a_closed_loop_of_64_clients_rides_in_batches_of_nearly_64() -> None:
+    """Sized by the rate alone, 64 clients that come straight back settle in alternating
+    batches of about half (each batch's time brings the other half back): the target
+    size is self-consistent. The controller sees them come back and waits for them."""
+    sizes, _ = _closed_loop(num_clients=64, until_s=5.0)
+    late = sizes[len(sizes) // 2 :]
+    assert sum(late) / len(late) > 0.9 * 64
+
+
+def test_one_closed_loop_client_is_never_kept_waiting() -> None:
+    """Its one request is back: nothing more is pending, so it goes at once (once warm)."""
+    _, waits = _closed_loop(num_clients=1, until_s=1.0)
+    assert len(waits) > 100
+    assert max(waits[COLD_BATCHES:]) == 0.0
 
 
 def test_it_follows_a_step_in_the_arrival_rate_within_a_few_seconds() -> None:

@@ -324,6 +324,7 @@ def adaptive_document(state: AdaptiveState) -> dict[str, Any]:
                 "max_batch_size": c.max_batch_size,
                 "arrival_rate_rps": c.arrival_rate_rps,
                 "company_rate_rps": c.company_rate_rps,
+                "closed_loop_share": c.closed_loop_share,
             }
             for c in state.classes
         },
