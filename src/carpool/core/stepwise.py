@@ -11,11 +11,15 @@ work (a network's layers, say) and returns its outputs::
         return layer3(hidden)
 
 On a replica thread, a process or a Ray actor it is run to the end in one go. On the event
-loop's thread (``executor: loop``, or ``auto`` on one CPU) the loop gets its turn at each
+loop's thread (``executor: loop``, or ``auto`` on one CPU) the loop gets its turn at a
 ``yield``: it reads, refuses and answers other requests between the model's stages instead
 of only after the whole batch, so a request that arrives mid-batch waits for one stage, not
 for the batch (docs/reliability.md, "Refusal time"). The model's own work is the same; what
-runs between its steps is work the loop had to do anyway.
+runs between its steps is work the loop had to do anyway. Steps shorter than
+:data:`TURN_EVERY_S` run back to back until that much ran since the loop's last turn: a
+small batch of a model sliced for its large batches (W1 at batch 1: twelve short steps)
+would otherwise pay a turn of the loop for each, where a request arriving meanwhile waits
+at most that long more.
 """
 
 from __future__ import annotations
@@ -111,14 +115,18 @@ class StepGate:
             await asyncio.shield(self._changed)
 
 
+TURN_EVERY_S = 0.001  # the loop gets a turn at the first yield after this much work
+
+
 async def run_on_loop(
     steps: Generator[Any, None, Any], gate: StepGate | None = None, rank: int = 0
 ) -> tuple[Any, StepTimes]:
-    """Run ``steps`` on the loop's thread, letting the loop run between them: the outputs,
-    and how long the steps held the loop. With a ``gate``, each step after the first waits
-    its turn there (a call of a more urgent ``rank`` in progress goes first), and a call
-    that runs ahead of a less urgent one takes its steps back to back: the loop's work
-    between them, mostly the lower classes' traffic, waits for it as their batch does."""
+    """Run ``steps`` on the loop's thread, letting the loop run between them (once
+    :data:`TURN_EVERY_S` of them ran since its last turn): the outputs, and how long the
+    steps held the loop. With a ``gate``, each step after a turn waits its turn there (a
+    call of a more urgent ``rank`` in progress goes first), and a call that runs ahead of
+    a less urgent one takes its steps back to back: the loop's work between them, mostly
+    the lower classes' traffic, waits for it as their batch does."""
     if gate is None:
         return await _run_steps(steps, None, rank)
     gate.enter(rank)
@@ -131,7 +139,7 @@ async def run_on_loop(
 async def _run_steps(
     steps: Generator[Any, None, Any], gate: StepGate | None, rank: int
 ) -> tuple[Any, StepTimes]:
-    wall_s = cpu_s = total_s = 0.0
+    wall_s = cpu_s = total_s = since_turn_s = 0.0
     while True:
         wall_started, cpu_started = time.perf_counter(), time.thread_time()
         try:
@@ -142,12 +150,14 @@ async def _run_steps(
             result = _NOT_DONE
         step_s = time.perf_counter() - wall_started
         total_s += step_s
+        since_turn_s += step_s
         wall_s = max(wall_s, step_s)
         cpu_s = max(cpu_s, time.thread_time() - cpu_started)
         if result is not _NOT_DONE:
             return result, StepTimes(wall_s, cpu_s, total_s)
-        if gate is not None and gate.preempts(rank):
+        if since_turn_s < TURN_EVERY_S or (gate is not None and gate.preempts(rank)):
             continue
+        since_turn_s = 0.0
         await asyncio.sleep(0)
         if gate is not None:
             await gate.turn(rank)

@@ -4,6 +4,7 @@ loop with the loop's other work between the steps."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections.abc import Generator
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from carpool import Batcher, BatchPolicy
-from carpool.core.stepwise import StepGate, is_steps, run_on_loop, run_to_end
+from carpool.core.stepwise import TURN_EVERY_S, StepGate, is_steps, run_on_loop, run_to_end
 
 REPOSITORY_ROOT = str(Path(__file__).resolve().parents[3])
 
@@ -39,6 +40,7 @@ async def test_on_the_loop_other_work_runs_between_the_steps() -> None:
     def steps() -> Generator[None, None, str]:
         seen.append("step 1")
         asyncio.get_running_loop().call_soon(seen.append, "loop")
+        time.sleep(TURN_EVERY_S)
         yield
         seen.append("step 2")
         time.sleep(0.02)
@@ -49,6 +51,35 @@ async def test_on_the_loop_other_work_runs_between_the_steps() -> None:
     assert seen == ["step 1", "loop", "step 2"]  # not after the whole call
     assert 0.02 <= times.longest_s <= times.total_s < 1.0
     assert times.longest_cpu_s < times.longest_s  # the sleep is not CPU
+
+
+async def test_short_steps_run_back_to_back_until_a_turns_worth_of_work() -> None:
+    """Steps of a tenth of TURN_EVERY_S: the loop gets a turn about every ten of them,
+    not at each (a turn costs more than such a step is worth waiting for)."""
+    seen: list[str] = []
+    loop = asyncio.get_running_loop()
+    ticking = True
+
+    def tick() -> None:  # one entry per turn of the loop
+        if ticking:
+            seen.append("loop")
+            loop.call_soon(tick)
+
+    def steps() -> Generator[None, None, None]:
+        for i in range(40):
+            seen.append(f"step {i}")
+            deadline = time.perf_counter() + TURN_EVERY_S / 10
+            while time.perf_counter() < deadline:  # busy, as a model's step is
+                pass
+            yield
+
+    loop.call_soon(tick)
+    await run_on_loop(steps())
+    ticking = False
+    turns = [i for i, event in enumerate(seen) if event == "loop"]
+    assert 2 <= len(turns) <= 8, seen
+    runs = [b - a - 1 for a, b in itertools.pairwise(turns)]
+    assert min(runs) >= 5, runs  # steps between two turns: about ten, never one
 
 
 class Recorder:
@@ -62,6 +93,7 @@ class Recorder:
     def __call__(self, batch: np.ndarray) -> Generator[None, None, np.ndarray]:
         self.threads.add(threading.get_ident())
         self.flag.clear()
+        time.sleep(TURN_EVERY_S)  # a step long enough to give the loop its turn after it
         yield
         self.ran_between.append(self.flag.is_set())
         return batch * 2
@@ -158,6 +190,7 @@ async def test_a_step_gate_holds_a_call_while_a_more_urgent_one_is_in_progress()
     def steps(name: str, count: int) -> Generator[None, None, str]:
         for i in range(count):
             seen.append(f"{name}{i}")
+            time.sleep(TURN_EVERY_S)  # long enough that the loop gets a turn after each
             yield
         return name
 
