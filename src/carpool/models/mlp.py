@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 W1_INPUT_DIM = 256
 W1_OUTPUT_DIM = 16
 W1_HIDDEN_DIM = 2048
-# W1Runner.steps computes a 2048 x 2048 layer this many slices of its outputs at a time.
+# W1Runner.steps computes a 2048 x 2048 layer this many slices of its outputs at a time,
+# for batches of at least W1_SLICED_ROWS rows (a smaller batch's whole layer is a short step).
 W1_LAYER_SLICES = 4
+W1_SLICED_ROWS = 4
 
 
 def build_w1(seed: int = 0) -> Any:
@@ -60,12 +62,15 @@ class W1Runner:
     def steps(
         self, batch: npt.NDArray[np.float32]
     ) -> Generator[None, None, npt.NDArray[np.float32]]:
-        """The same in steps of at most a quarter of a 2048 x 2048 layer, yielding between
-        them: on the event loop's thread the server reads and refuses requests between
-        steps (carpool.core.stepwise) rather than only after the whole batch. A large layer
+        """The same in steps of at most a quarter of a 2048 x 2048 layer's work at a large
+        batch, yielding between them: on the event loop's thread the server reads and
+        refuses requests between steps (carpool.core.stepwise) rather than only after the
+        whole batch. A large layer
         is computed :data:`W1_LAYER_SLICES` slices of its outputs at a time (the same sums,
-        bit for bit, and no slower). Each step runs under inference mode on its own, so
-        that no other code on the loop runs inside it."""
+        bit for bit, and no slower), in batches of :data:`W1_SLICED_ROWS` rows or more:
+        below that a whole layer is about a millisecond, and slices would only add calls.
+        Each step runs under inference mode on its own, so that no other code on the loop
+        runs inside it."""
         torch = self._torch
         functional = torch.nn.functional
         with torch.inference_mode():
@@ -76,7 +81,8 @@ class W1Runner:
                     x = layer(x)
                 continue
             yield
-            width = layer.out_features // W1_LAYER_SLICES
+            slices = W1_LAYER_SLICES if batch.shape[0] >= W1_SLICED_ROWS else 1
+            width = layer.out_features // slices
             parts: list[Any] = []
             for start in range(0, layer.out_features, width):
                 if parts:
@@ -85,7 +91,7 @@ class W1Runner:
                 with torch.inference_mode():
                     parts.append(functional.linear(x, layer.weight[rows], layer.bias[rows]))
             with torch.inference_mode():
-                x = torch.cat(parts, dim=1)
+                x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         with torch.inference_mode():
             out: npt.NDArray[np.float32] = x.cpu().numpy()
         return out

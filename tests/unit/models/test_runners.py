@@ -702,16 +702,18 @@ def test_config_reports_gpu_replicas_as_triton_instance_groups(
     assert (per_gpu, num_cpu) == ({0: 1, 1: 2}, 1)
 
 
-def test_w1_in_steps_equals_w1_in_one_call() -> None:
+@pytest.mark.parametrize(("rows", "num_steps"), [(1, 3), (5, 12)])
+def test_w1_in_steps_equals_w1_in_one_call(rows: int, num_steps: int) -> None:
     """The built-in ``mlp`` model runs W1 in steps (the loop reads requests between
-    them); the steps compute exactly what the module does."""
+    them): a step per large layer, each in quarters from W1_SLICED_ROWS rows on; the
+    steps compute exactly what the module does."""
     import torch
 
     from carpool.core.stepwise import is_steps, run_to_end
     from carpool.models.mlp import W1Runner
     from carpool.server.defaults import w1_factory
 
-    x = np.random.default_rng(0).standard_normal((5, 256), dtype=np.float32)
+    x = np.random.default_rng(0).standard_normal((rows, 256), dtype=np.float32)
     runner = W1Runner()
     with torch.inference_mode():
         want = runner.model(torch.from_numpy(x)).numpy()
@@ -719,3 +721,4 @@ def test_w1_in_steps_equals_w1_in_one_call() -> None:
     assert is_steps(steps)
     np.testing.assert_array_equal(run_to_end(steps)["OUTPUT0"], want)
     np.testing.assert_array_equal(runner(x), want)
+    assert sum(1 for _ in runner.steps(x)) == num_steps  # the yields
