@@ -449,13 +449,13 @@ class _Sim:
         now, busy_until, next_sample = 0.0, 0.0, sample_every_s
         next_arrival = rng.expovariate(self.rate_of(0.0))  # type: ignore[operator]
         due = math.inf
-        num = 0
+        running = 0  # the items of the batch computing until busy_until
         while now < until_s:
             now = min(next_arrival, busy_until if busy_until > now else math.inf, due)
             now = max(now, 0.0)
-            if num and now >= busy_until:  # the batch landed: its answers left
-                adaptive.answered(busy_until, {limits.name: num})
-                num = 0
+            if running and now >= busy_until:  # the batch landed: its answers left
+                adaptive.answered(busy_until, {limits.name: running})
+                running = 0
             if now >= next_sample:
                 state = adaptive.state(self.policy, now)
                 (mine,) = [c for c in state.classes if c.name == limits.name]
@@ -483,7 +483,7 @@ class _Sim:
             )
             self.fit.observe(num, compute_s)
             self.sizes.append((now, num))
-            busy_until = now + compute_s
+            busy_until, running = now + compute_s, num
         return adaptive
 
 
