@@ -23,7 +23,10 @@ leave. So, per class:
   same clients cycle faster).
 
 Open-loop traffic shows a share near 0, and a lone client (concurrency 1) has nothing
-pending once its one request is back: neither waits.
+pending once its one request is back: neither waits. Each landing closes the window of
+the one before: with several replicas landing batches within a window of each other, the
+windows are cut short, the share reads low, and the rule stays off (the controller then
+behaves as it did without it).
 """
 
 from __future__ import annotations
