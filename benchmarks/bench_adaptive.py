@@ -22,7 +22,7 @@ between settings over the policy endpoint (`--allow-policy-updates`), not by res
    time the model computed.
 
     .venv/bin/python benchmarks/bench_adaptive.py [--quick] [--only priority|c64]
-        [--repeats N] [--breakdown] [--json PATH]
+        [--repeats N] [--breakdown] [--timeout-s S] [--json PATH]
 
 `--quick` runs a reduced grid and shorter points (a few minutes); the full run is the
 issue's grid. `--only priority` runs only part 2 (results in `adaptive_priority.json`);
@@ -31,7 +31,10 @@ issue's grid. `--only priority` runs only part 2 (results in `adaptive_priority.
 reports medians;
 `--breakdown` also records the server's timelines while the interactive client runs
 under load and summarizes where the interactive requests' time went (it costs the server
-some CPU: leave it off for the figures). Figures are ratios within one run. Needs
+some CPU: leave it off for the figures). `--timeout-s S` gives every setting of the
+sweep (fixed, `auto`, AIMD) the same `timeout_s`: a request that can no longer be answered
+within it expires at once (scheduler rule 7) instead of being answered late, as a user
+who prefers a fast error to a late answer sets it. Figures are ratios within one run. Needs
 `taskset` (util-linux). The same sweep for the embeddings model, on a token budget:
 bench_adaptive_embeddings.py (it reuses this module's sweep with its own `Workload`).
 """
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -480,8 +484,15 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=1, help="rounds of those two (medians)")
     parser.add_argument("--breakdown", action="store_true", help="record server timelines")
+    parser.add_argument(
+        "--timeout-s", type=float, help="the sweep's settings all get this timeout_s (deadline)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    work = W1
+    if args.timeout_s is not None:
+        deadline = {"timeout_s": args.timeout_s}
+        work = dataclasses.replace(W1, base=deadline, auto={**W1.auto, **deadline})
     priority_only = args.only == "priority"
     machine = machine_info()
     print(f"machine: {machine}")
@@ -503,7 +514,7 @@ def main() -> None:
             return
         capacity = measure_capacity(url, W1, args.quick)
         print(f"capacity over HTTP at concurrency 64: {capacity:.0f} req/s", flush=True)
-        sweep = run_sweep(url, W1, capacity, args.quick)
+        sweep = run_sweep(url, work, capacity, args.quick)
         # The two single-load targets: auto at concurrency 64 against the offline batch-64
         # ceiling, and its concurrency-1 p50 against the model's batch-1 time.
         c64 = _concurrency_64(url, 3.0 if args.quick else 10.0, args.repeats)
@@ -533,6 +544,7 @@ def main() -> None:
             "machine": machine,
             "quick": args.quick,
             "slo_s": SLO_S,
+            "timeout_s": args.timeout_s,
             "ceiling_items_per_s": ceiling,
             "capacity_rps": capacity,
             "sweep": sweep,
