@@ -41,9 +41,7 @@ open-loop traffic both rates agree. From them, each time a replica is free:
   cap: a model too slow for the promise, or a line fitted on tiny noisy batches, would
   otherwise run the lower class an item at a time for nothing, and tiny batches would
   never show the line that lets them grow). No batch is larger than one whose predicted time
-  fits :data:`SATURATED_BATCHES` times in 80% of its class's ``slo_s``: a replica that
-  never idles makes a request wait out the batch running when it came, then ride the next.
-  Lower-class work fills a batch only as far as the
+  alone fits 80% of its class's ``slo_s``. Lower-class work fills a batch only as far as the
   time its oldest request has left allows, so filling a higher class's batch never takes
   it past its budget (the class's own waiting items are never cut for it); the time left
   counts the longest lower-class batch it may have waited for, which it does not see
@@ -84,7 +82,6 @@ LOWER_MIN_SHARE = 0.25  # a capped lower-class batch holds at least this share o
 COLD_BATCHES = 8  # batches measured before the controller trusts its line
 MIN_WAITING_S = 0.002  # waiting seen (decayed) before a company rate is trusted
 FILL_STRETCH = 2.0  # preempting: a fill makes a batch at most this much slower than its own
-SATURATED_BATCHES = 2.0  # batch times a request may spend under saturation: one waited, one its own
 
 
 class ArrivalRate:
@@ -303,10 +300,9 @@ class Adaptive:
             own = self.request_units(higher.name, now)
             cap = min(cap, _lower_cap(higher.slo_s, overhead_s, per_item_s, cap, own))
         if limits.slo_s is not None:
-            # No batch that would take a request past its budget when the replica is
-            # saturated: it waits out the batch running when it came, then rides its own.
+            # No batch whose compute alone would take it past its budget.
             budget_s = SLO_HEADROOM * limits.slo_s
-            cap = min(cap, _largest_within(budget_s / SATURATED_BATCHES, overhead_s, per_item_s))
+            cap = min(cap, _largest_within(budget_s, overhead_s, per_item_s))
             waited_s = max(now - oldest_arrival_s, self._lower_wait_s(policy, limits, now))
             within = _largest_within(budget_s - waited_s, overhead_s, per_item_s)
             if self.preempts and self._has_lower_traffic(policy, limits, now):

@@ -21,7 +21,6 @@ from carpool.core.adaptive import (
     GAP_FACTOR,
     KNEE_SHARE,
     LOWER_MIN_SHARE,
-    SATURATED_BATCHES,
     SLO_HEADROOM,
     TARGET_UTILIZATION,
     Adaptive,
@@ -224,12 +223,11 @@ def test_it_never_waits_past_the_slo_less_the_predicted_compute() -> None:
 
 def test_auto_batch_size_is_the_knee_of_the_line() -> None:
     adaptive = Adaptive(_fit())
-    policy = _policy(max_batch_size="auto", slo_s=0.1)  # an SLO that does not bind first
-    limits = policy.class_limits(None)
+    limits = _policy(max_batch_size="auto").class_limits(None)
     knee = math.ceil(OVERHEAD_S / (KNEE_SHARE * PER_ITEM_S))  # 67
-    assert adaptive.max_units(policy, limits, 0.0, 0.0) == knee
+    assert adaptive.max_units(_policy(max_batch_size="auto"), limits, 0.0, 0.0) == knee
     flat = Adaptive(_fit(per_item_s=0.0))  # a GPU below its width: no knee, the limit
-    assert flat.max_units(policy, limits, 0.0, 0.0) == 256
+    assert flat.max_units(_policy(max_batch_size="auto"), limits, 0.0, 0.0) == 256
 
 
 def test_auto_batch_size_is_never_below_the_size_that_keeps_up() -> None:
@@ -323,11 +321,10 @@ def test_lower_class_fill_goes_only_as_far_as_the_oldest_request_has_time_left()
     assert adaptive.max_units(policy, interactive, now - waited_s, now) == expected
     assert adaptive.max_units(policy, interactive, now - 1.0, now) == 1  # late: no fill
     # Its own backlog is never cut for it: run one by one, a backlog would only grow;
-    # only by the largest batch a saturated replica can run within its budget (twice).
-    assert adaptive.max_units(policy, interactive, now - 1.0, now, num_own_units=15) == 15
-    twice_fits = math.floor((SLO_HEADROOM * 0.02 / SATURATED_BATCHES - OVERHEAD_S) / PER_ITEM_S)
-    assert twice_fits == 20
-    assert adaptive.max_units(policy, interactive, now - 1.0, now, 200) == twice_fits
+    # only by the batch whose compute alone fits its budget.
+    assert adaptive.max_units(policy, interactive, now - 1.0, now, num_own_units=30) == 30
+    alone_fits = math.floor((SLO_HEADROOM * 0.02 - OVERHEAD_S) / PER_ITEM_S)
+    assert adaptive.max_units(policy, interactive, now - 1.0, now, 200) == alone_fits
 
 
 def test_fill_leaves_room_for_the_lower_class_batch_a_request_may_have_waited_for() -> None:
@@ -338,11 +335,10 @@ def test_fill_leaves_room_for_the_lower_class_batch_a_request_may_have_waited_fo
     background = policy.class_limits("background")
     now = 5.0
     # Neither class has traffic, then only the interactive one: no background batch
-    # was capped for it, or none ran; it waited for nothing unseen (the cap is the
-    # saturated one: two batches of 2 ms + 0.3 ms an item within 16 ms).
-    assert adaptive.max_units(policy, interactive, now, now) == 20
+    # was capped for it, or none ran; it waited for nothing unseen.
+    assert adaptive.max_units(policy, interactive, now, now) == 46
     _steady(adaptive, "interactive", 50, until_s=now)
-    assert adaptive.max_units(policy, interactive, now, now) == 20
+    assert adaptive.max_units(policy, interactive, now, now) == 46
     _steady(adaptive, "background", 2000, until_s=now)
     lower = adaptive.max_units(policy, background, now, now)
     # Read just now: computing on the event loop, the model kept it unread for up to a
@@ -517,7 +513,7 @@ def _closed_loop(num_clients: int, until_s: float, seed: int = 2) -> tuple[list[
     replica of a noisy ``t(b) = a + c b``; the sizes of the batches it sent, and how long
     each batch's oldest request had waited when it went."""
     rng = random.Random(seed)
-    policy = _policy(slo_s=0.1)  # two batches of 64 (21 ms each) fit: the SLO does not cap
+    policy = _policy()
     limits = policy.class_limits(None)
     fit = BatchTimeFit()
     adaptive = Adaptive(fit)
@@ -705,16 +701,15 @@ def _token_queues(policy: BatchPolicy, lengths: list[int], now: float) -> Queues
     [
         # The knee in tokens: overhead / (KNEE_SHARE * per_token) = 2,000 tokens.
         ("auto", None, 2000),
-        # Twice within the budget: (0.8 * 50 ms / 2 - 2 ms) / 10 us = 1,800 tokens, so 3 of
-        # 500.
-        (64, 0.05, 1500),
+        # Within the budget: (0.8 * 50 ms - 2 ms) / 10 us = 3,800 tokens, so 7 of 500.
+        (64, 0.05, 3500),
     ],
 )
 def test_under_a_token_budget_it_caps_batches_in_tokens(
     max_batch_size: int | str, slo_s: float | None, expected_tokens: int
 ) -> None:
     """An embeddings batch's time follows its tokens, not its items: the line is fitted
-    and the caps are applied in tokens. Counted in items, 1,800 (or the 2,000-item knee)
+    and the caps are applied in tokens. Counted in items, 3,800 (or the 2,000-item knee)
     would let the 4,096-token budget take 8 requests of 500 tokens: 80 ms, past a 50 ms
     SLO."""
     policy = BatchPolicy(
