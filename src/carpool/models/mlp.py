@@ -75,13 +75,13 @@ class W1Runner:
         functional = torch.nn.functional
         with torch.inference_mode():
             x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self.device)
+        slices = W1_LAYER_SLICES if batch.shape[0] >= W1_SLICED_ROWS else 1
         for layer in self.model:
             if not (isinstance(layer, torch.nn.Linear) and layer.out_features == W1_HIDDEN_DIM):
                 with torch.inference_mode():
                     x = layer(x)
                 continue
             yield
-            slices = W1_LAYER_SLICES if batch.shape[0] >= W1_SLICED_ROWS else 1
             width = layer.out_features // slices
             parts: list[Any] = []
             for start in range(0, layer.out_features, width):
