@@ -22,7 +22,8 @@ between settings over the policy endpoint (`--allow-policy-updates`), not by res
    time the model computed.
 
     .venv/bin/python benchmarks/bench_adaptive.py [--quick] [--only priority|c64]
-        [--repeats N] [--breakdown] [--timeout-s S] [--json PATH]
+        [--repeats N] [--breakdown] [--timeout-s S] [--max-queue-time-s auto|S]
+        [--json PATH]
 
 `--quick` runs a reduced grid and shorter points (a few minutes); the full run is the
 issue's grid. `--only priority` runs only part 2 (results in `adaptive_priority.json`);
@@ -34,7 +35,9 @@ under load and summarizes where the interactive requests' time went (it costs th
 some CPU: leave it off for the figures). `--timeout-s S` gives every setting of the
 sweep (fixed, `auto`, AIMD) the same `timeout_s`: a request that can no longer be answered
 within it expires at once (scheduler rule 7) instead of being answered late, as a user
-who prefers a fast error to a late answer sets it. Figures are ratios within one run. Needs
+who prefers a fast error to a late answer sets it. `--max-queue-time-s` gives them all the
+same queue bound in time (`auto`: refuse at admission what could only be answered past
+`slo_s`; the c64 and priority parts run without it). Figures are ratios within one run. Needs
 `taskset` (util-linux). The same sweep for the embeddings model, on a token budget:
 bench_adaptive_embeddings.py (it reuses this module's sweep with its own `Workload`).
 """
@@ -132,6 +135,25 @@ W1 = Workload(
     auto={"max_delay_s": "auto", "max_batch_size": "auto"},
     capacity_policy={"max_delay_s": 0.002, "max_batch_size": 64},
 )
+
+
+def with_bounds(
+    work: Workload, timeout_s: float | None, queue_time: float | str | None
+) -> Workload:
+    """``work`` with every setting of its sweep (fixed, AIMD, ``auto``) given the same
+    ``timeout_s`` and ``max_queue_time_s``, where set."""
+    bounds: dict[str, Any] = {}
+    if timeout_s is not None:
+        bounds["timeout_s"] = timeout_s
+    if queue_time is not None:
+        bounds["max_queue_time_s"] = queue_time
+    if not bounds:
+        return work
+    return dataclasses.replace(work, base={**work.base, **bounds}, auto={**work.auto, **bounds})
+
+
+def queue_time_arg(text: str) -> float | str:
+    return text if text == "auto" else float(text)
 
 
 def set_policy(url: str, model: str, **changes: Any) -> None:
@@ -487,12 +509,14 @@ def main() -> None:
     parser.add_argument(
         "--timeout-s", type=float, help="the sweep's settings all get this timeout_s (deadline)"
     )
+    parser.add_argument(
+        "--max-queue-time-s",
+        type=queue_time_arg,
+        help='the sweep\'s settings all get this max_queue_time_s ("auto" or seconds)',
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    work = W1
-    if args.timeout_s is not None:
-        deadline = {"timeout_s": args.timeout_s}
-        work = dataclasses.replace(W1, base=deadline, auto={**W1.auto, **deadline})
+    work = with_bounds(W1, args.timeout_s, args.max_queue_time_s)
     priority_only = args.only == "priority"
     machine = machine_info()
     print(f"machine: {machine}")
@@ -515,6 +539,7 @@ def main() -> None:
         capacity = measure_capacity(url, W1, args.quick)
         print(f"capacity over HTTP at concurrency 64: {capacity:.0f} req/s", flush=True)
         sweep = run_sweep(url, work, capacity, args.quick)
+        set_policy(url, W1.model, **dict.fromkeys(work.base))  # the rest runs without them
         # The two single-load targets: auto at concurrency 64 against the offline batch-64
         # ceiling, and its concurrency-1 p50 against the model's batch-1 time.
         c64 = _concurrency_64(url, 3.0 if args.quick else 10.0, args.repeats)
@@ -545,6 +570,7 @@ def main() -> None:
             "quick": args.quick,
             "slo_s": SLO_S,
             "timeout_s": args.timeout_s,
+            "max_queue_time_s": args.max_queue_time_s,
             "ceiling_items_per_s": ceiling,
             "capacity_rps": capacity,
             "sweep": sweep,

@@ -22,7 +22,11 @@ under the built-in service's policy: 4096 tokens within 5 ms); bursty gamma arri
 a bound of the server's latency histogram (so the AIMD controller can read the share over
 it from /metrics); it is set as the model's `slo_s`, which `auto` plans with.
 
-    .venv/bin/python benchmarks/bench_adaptive_embeddings.py [--quick] [--json PATH]
+    .venv/bin/python benchmarks/bench_adaptive_embeddings.py [--quick]
+        [--max-queue-time-s auto|S] [--json PATH]
+
+`--max-queue-time-s` gives every setting the same queue bound in time, as in
+bench_adaptive.py.
 
 Figures are ratios within one run. Needs `taskset` (util-linux).
 """
@@ -45,9 +49,11 @@ from bench_adaptive import (
     goodput,
     measure_capacity,
     print_sweep,
+    queue_time_arg,
     run_sweep,
     serving,
     set_policy,
+    with_bounds,
 )
 from benchlib import RESULTS, corpus_info, machine_info, write_results
 from carpool.core.telemetry import LATENCY_BUCKETS_S
@@ -110,6 +116,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="3 x 3 grid, short points")
+    parser.add_argument(
+        "--max-queue-time-s",
+        type=queue_time_arg,
+        help='every setting gets this max_queue_time_s ("auto" or seconds)',
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
     machine = machine_info()
@@ -125,7 +136,7 @@ def main() -> None:
         slo_s = slo_from_unloaded(unloaded["p50_ms"] / 1e3)
         print(f"unloaded p50 {unloaded['p50_ms']:.2f} ms: SLO {slo_s * 1e3:g} ms", flush=True)
         set_policy(url, MODEL, slo_s=slo_s)
-        work = dataclasses.replace(probe, slo_s=slo_s)
+        work = with_bounds(dataclasses.replace(probe, slo_s=slo_s), None, args.max_queue_time_s)
         capacity = measure_capacity(url, work, args.quick)
         print(f"capacity over HTTP at concurrency 64: {capacity:.0f} req/s", flush=True)
         sweep = run_sweep(url, work, capacity, args.quick)
@@ -138,6 +149,7 @@ def main() -> None:
             "corpus": corpus_info(texts, SEED, mean_tokens=sum(lengths) / len(lengths)),
             "unloaded": unloaded,
             "slo_s": slo_s,
+            "max_queue_time_s": args.max_queue_time_s,
             "capacity_rps": capacity,
             "sweep": sweep,
         },

@@ -24,6 +24,7 @@ from carpool.errors import (
     InvalidInput,
     ModelError,
     QueueFull,
+    QueueTooLong,
 )
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "InvalidInput",
     "ModelError",
     "QueueFull",
+    "QueueTooLong",
     "RequestTrace",
     "TelemetrySnapshot",
     "__version__",

@@ -59,6 +59,7 @@ Datatype = Literal[
     "BYTES",
     "BF16",
 ]
+QueueTime = Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["auto"] | None
 TorchDtype = Literal["float32", "float16", "bfloat16", "float64"]
 
 _POLICY_DEFAULTS: dict[str, Any] = {
@@ -73,6 +74,7 @@ POLICY_FIELDS = (
     "preferred_batch_sizes",
     "max_batch_cost",
     "max_queue_size",
+    "max_queue_time_s",
     "timeout_s",
     "default_class",
     "fill_from_lower",
@@ -143,6 +145,8 @@ class ClassConfig(_Strict):
     # seconds, or "auto": chosen from the traffic within slo_s (carpool.core.adaptive)
     max_delay_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["auto"] | None = None
     max_queue_size: int | None = Field(None, ge=1)
+    # a queue bound in time: seconds, or "auto" (within slo_s; carpool.core.queue_time)
+    max_queue_time_s: QueueTime = None
     timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     share: float = Field(_CLASS_DEFAULTS["share"], gt=0, le=1)
     max_wait_s: float | None = Field(None, ge=0, allow_inf_nan=False)
@@ -178,6 +182,8 @@ class ModelConfig(_Strict):
     preferred_batch_sizes: list[int] = Field(default_factory=list)
     max_batch_cost: float | None = Field(None, gt=0, allow_inf_nan=False)
     max_queue_size: int | None = Field(None, ge=1)
+    # a queue bound in time: seconds, or "auto" (within slo_s; carpool.core.queue_time)
+    max_queue_time_s: QueueTime = None
     timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     classes: list[ClassConfig] | None = Field(None, min_length=1)
     default_class: str = _POLICY_DEFAULTS["default_class"]

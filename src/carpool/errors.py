@@ -7,6 +7,7 @@
     ├── InvalidInput              one request's payload cannot be batched or run
     │   └── BadParam              ... named by an OpenAI parameter (server/openai.py)
     ├── QueueFull                 admission refused: a queue bound was reached
+    │   └── QueueTooLong          ... in time: too much work queued ahead (max_queue_time_s)
     ├── DeadlineExceeded          the request's deadline passed before it ran
     ├── ModelError                the model raised on this request (carries the cause)
     │   └── BatchTimeout          its batch ran past batch_timeout_s; the replica was replaced
@@ -100,11 +101,12 @@ class InvalidInput(CarpoolError, ValueError):
 
 
 class QueueFull(CarpoolError):
-    """A request was refused at admission because a queue bound was reached."""
+    """A request was refused at admission because a queue bound was reached (``limit``:
+    requests; seconds for :class:`QueueTooLong`)."""
 
     def __init__(self, queue: str, limit: int) -> None:
         self.queue = queue
-        self.limit = limit
+        self.limit: float = limit
         super().__init__(
             f"queue {queue!r} is full ({limit} requests waiting, the configured maximum); "
             "retry later or raise max_queue_size"
@@ -123,6 +125,35 @@ def _duration(seconds: float) -> str:
     if seconds < 1e-4:
         return f"{seconds * 1e6:.0f} µs"
     return f"{seconds * 1e3:.1f} ms"
+
+
+class QueueTooLong(QueueFull):
+    """Refused at admission by a queue bound in time (``max_queue_time_s``): the work
+    queued ahead of the request, at the batch times measured, would keep it waiting
+    ``wait_s``, more than ``limit_s``. With ``slo_s`` (``max_queue_time_s: auto``), the
+    bound was what the class's ``slo_s`` leaves after the request's own batch."""
+
+    def __init__(
+        self, queue: str, wait_s: float, limit_s: float, slo_s: float | None = None
+    ) -> None:
+        self.queue = queue
+        self.limit = limit_s
+        self.wait_s = wait_s
+        self.slo_s = slo_s
+        bound = (
+            f"max_queue_time_s={_duration(limit_s)}"
+            if slo_s is None
+            else f"the {_duration(limit_s)} that slo_s={_duration(slo_s)} leaves after its "
+            "batch's compute (max_queue_time_s: auto)"
+        )
+        CarpoolError.__init__(
+            self,
+            f"queue {queue!r} holds about {_duration(wait_s)} of work ahead of this request, "
+            f"more than {bound}; retry later",
+        )
+
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.queue, self.wait_s, self.limit, self.slo_s), {}
 
 
 class DeadlineExceeded(CarpoolError, TimeoutError):

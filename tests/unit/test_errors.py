@@ -24,6 +24,7 @@ from carpool.errors import (
     InvalidInput,
     ModelError,
     QueueFull,
+    QueueTooLong,
     ReplicaDied,
     StartedLate,
     Withdrawn,
@@ -33,6 +34,7 @@ ALL_ERRORS = [
     ConfigError("max_batch_size", 0, "an integer >= 1"),
     InvalidInput("payload cannot be batched", request_id=3),
     QueueFull("normal", 100),
+    QueueTooLong("normal", 0.08, 0.05),
     DeadlineExceeded(7, 0.05, 0.0625),
     DeadlineExceeded(7, 0.5, 0.025, left_s=0.475),
     ModelError("the model raised ValueError: bad", request_id=9),
@@ -60,7 +62,7 @@ def _defined_exception_classes() -> list[type[BaseException]]:
 def test_every_exception_in_errors_module_is_a_carpool_error() -> None:
     classes = _defined_exception_classes()
     assert CarpoolError in classes
-    assert len(classes) == 9
+    assert len(classes) == 10
     for cls in classes:
         assert issubclass(cls, CarpoolError), cls
 
@@ -219,6 +221,8 @@ def test_config_error_names_the_file_when_given() -> None:
         ConfigError("max_batch_size", 0, "an integer >= 1", file="carpool.yaml"),
         InvalidInput("bad payload", request_id=3),
         QueueFull("normal", 8),
+        QueueTooLong("normal", 0.08, 0.05),
+        QueueTooLong("normal", 0.08, 0.03, 0.05),
         DeadlineExceeded(4, 0.1, 0.25),
         ModelError("the model raised ValueError: no", request_id=5),
         CapacityError(6, 2),

@@ -26,6 +26,7 @@ PUBLIC_API = [
     "InvalidInput",
     "ModelError",
     "QueueFull",
+    "QueueTooLong",
     "RequestTrace",
     "TelemetrySnapshot",
     "__version__",

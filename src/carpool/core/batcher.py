@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,8 +22,10 @@ from carpool.core.clock import Clock, MonotonicClock
 from carpool.core.collate import Collator
 from carpool.core.dispatch import Dispatcher
 from carpool.core.lifecycle import Lifecycle, State
-from carpool.core.policy import BatchPolicy
+from carpool.core.options import check_options
+from carpool.core.policy import BatchPolicy, ClassLimits
 from carpool.core.process_replica import check_replica_cpus, process_source
+from carpool.core.queue_time import check_queue_time, has_bound, predict_wait_s
 from carpool.core.queues import Queues
 from carpool.core.ray_replica import ray_replica_maker
 from carpool.core.replicas import BatchFn, FnFactory, check_threading, replica_devices
@@ -128,7 +129,7 @@ class Batcher(Lifecycle):
             raise ConfigError(
                 "fn_factory", fn_factory, "a callable ('module:attr' needs process or ray)"
             )
-        _check_options(
+        check_options(
             policy,
             name,
             clock,
@@ -448,6 +449,8 @@ class Batcher(Lifecycle):
         if lengths is not None:
             request.num_tokens, request.length, request.bucket = lengths
         try:
+            if has_bound(limits):
+                self._check_queue_time(request, limits, now)
             self._queues.admit(request)
         except QueueFull:
             self._telemetry.rejected(limits.name, "queue_full")
@@ -464,6 +467,25 @@ class Batcher(Lifecycle):
         if self._policy.preempt:
             self._dispatch.note_queued(limits.rank)
         return request
+
+    def _check_queue_time(self, request: Request, limits: ClassLimits, now: float) -> None:
+        """Refuse ``request`` if the work queued ahead breaks its class's bound in time."""
+        policy, predict_s = self._policy, self._batch_times.predict_s
+        wait_s, own_s = predict_wait_s(
+            self._queues,
+            limits,
+            request_units(request, policy.budget_unit),
+            policy.budget_unit,
+            lambda: (
+                self._adaptive.max_units(policy, limits, now, now)
+                if self._is_adaptive
+                else policy.unit_limit(limits)
+            ),
+            len(self._dispatch.replicas),
+            lambda: self._dispatch.busy_left_s(now, predict_s),
+            predict_s,
+        )
+        check_queue_time(limits, wait_s, own_s)
 
     def _adopt(self, collator: Collator) -> Collator:
         self._intake.adopt(collator, self._policy)
@@ -562,39 +584,3 @@ class Batcher(Lifecycle):
         return self._telemetry.snapshot(
             uptime, self._queues.pending_by_class(), replicas, quantiles=quantiles
         )
-
-
-def _check_options(
-    policy: object,
-    name: object,
-    clock: object,
-    slow_request_s: object,
-    *hooks: object,
-) -> None:
-    """Refuse a Batcher argument of the wrong kind when it is built: otherwise a hook that
-    is not callable fails every batch (logged and skipped) and a policy dict fails with an
-    AttributeError far from the call that passed it."""
-    if policy is not None and not isinstance(policy, BatchPolicy):
-        raise ConfigError(
-            "policy", policy, "a BatchPolicy, as Batcher(fn, BatchPolicy(max_batch_size=64))"
-        )
-    if name is not None and not isinstance(name, str):
-        raise ConfigError("name", name, "a string or None")
-    if clock is not None and not all(callable(getattr(clock, m, None)) for m in ("now", "call_at")):
-        raise ConfigError("clock", clock, "a Clock: an object with now() and call_at()")
-    if slow_request_s is not None and not (
-        isinstance(slow_request_s, int | float)
-        and not isinstance(slow_request_s, bool)
-        and 0 <= slow_request_s < math.inf
-    ):
-        raise ConfigError("slow_request_s", slow_request_s, "a finite number of seconds >= 0")
-    expected = (
-        ("fn", "a callable taking one batch"),
-        ("fn_factory", "a callable taking a device string and returning the model"),
-        ("on_trace", "a callable taking a RequestTrace, or None"),
-        ("memory_probe", "a callable returning (used_bytes, total_bytes), or None"),
-        ("policy_check", "a callable taking a BatchPolicy, or None"),
-    )
-    for (hook_name, what), hook in zip(expected, hooks, strict=True):
-        if hook is not None and not callable(hook):
-            raise ConfigError(hook_name, hook, what)

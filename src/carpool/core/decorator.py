@@ -128,6 +128,7 @@ def batched(
     max_batch_cost: float | None = ...,
     cost_fn: CostFn | None = ...,
     max_queue_size: int | None = ...,
+    max_queue_time_s: float | str | None = ...,
     timeout_s: float | None = ...,
     classes: tuple[ClassPolicy, ...] = ...,
     default_class: str = ...,
@@ -167,6 +168,7 @@ def batched(
     max_batch_cost: float | None = None,
     cost_fn: CostFn | None = None,
     max_queue_size: int | None = None,
+    max_queue_time_s: float | str | None = None,
     timeout_s: float | None = None,
     classes: tuple[ClassPolicy, ...] = DEFAULT_CLASSES,
     default_class: str = DEFAULT_CLASS,
@@ -207,6 +209,7 @@ def batched(
         max_batch_cost=max_batch_cost,
         cost_fn=cost_fn,
         max_queue_size=max_queue_size,
+        max_queue_time_s=max_queue_time_s,
         timeout_s=timeout_s,
         classes=classes,  # BatchPolicy checks and copies it
         default_class=default_class,

@@ -280,6 +280,15 @@ class Dispatcher:
             replica.counters.num_stuck_threads = replica.num_stuck_threads
         return [r.counters for r in self.replicas]
 
+    def busy_left_s(self, now: float, predict_s: Callable[[float], float]) -> float:
+        """How long until a replica is free for the next batch, by the batch times
+        measured (``predict_s``): 0 when one is idle or none holds a batch, else the least
+        time a batch in flight has left."""
+        if self.idle or not self._launched:
+            return 0.0
+        left = min(predict_s(f.batch.units) - (now - f.launched_s) for f in self._launched.values())
+        return max(0.0, left)
+
     def abandon(self) -> None:
         """Forget replica loops whose event loop was closed under them: their idle waiters
         and the batches they held count for nothing now; the replicas are closed."""

@@ -83,6 +83,8 @@ class ClassPolicy:
     ``slo_s`` is the end-to-end latency target that SLO attainment is measured against,
     and under ``max_delay_s: "auto"`` the budget the controller keeps the class within
     (the model's ``slo_s`` when ``None``). ``max_delay_s`` may be ``"auto"``.
+    ``max_queue_time_s`` bounds the class's queue in time (the model's when ``None``):
+    see :attr:`BatchPolicy.max_queue_time_s`.
     """
 
     name: str
@@ -93,6 +95,7 @@ class ClassPolicy:
     share: float = 1.0
     max_wait_s: float | None = None
     slo_s: float | None = None
+    max_queue_time_s: float | str | None = None
 
     def __post_init__(self) -> None:
         where = f"classes[{self.name!r}]"
@@ -105,6 +108,8 @@ class ClassPolicy:
         _check_optional_float(f"{where}.timeout_s", self.timeout_s, minimum=0.0, strict=True)
         _check_optional_float(f"{where}.max_wait_s", self.max_wait_s, minimum=0.0)
         _check_optional_float(f"{where}.slo_s", self.slo_s, minimum=0.0, strict=True)
+        if self.max_queue_time_s is not None:
+            _check_delay(f"{where}.max_queue_time_s", self.max_queue_time_s)
         share = self.share
         if isinstance(share, bool) or not (isinstance(share, int | float) and 0.0 < share <= 1.0):
             raise ConfigError(f"{where}.share", self.share, "a number in (0, 1]")
@@ -131,6 +136,10 @@ class ClassLimits:
     share: float
     max_wait_s: float | None
     slo_s: float | None
+    # The longest predicted wait a request is admitted with; with is_auto_queue_time,
+    # what slo_s leaves after its batch's predicted compute. None: no bound in time.
+    max_queue_time_s: float | None = None
+    is_auto_queue_time: bool = False
     # Chosen by the adaptive controller: the delay (max_delay_s then holds the cold-start
     # window) and the batch size (max_batch_size then holds the most it may choose).
     is_auto_delay: bool = False
@@ -154,6 +163,11 @@ class BatchPolicy:
             pixels, rows); ``None`` means no budget.
         cost_fn: cost of one request's payload; defaults to its number of items.
         max_queue_size: most requests waiting across all classes.
+        max_queue_time_s: a queue bound in time, per class: a request is refused at
+            admission (:class:`~carpool.errors.QueueTooLong`, a kind of ``QueueFull``)
+            when the work queued ahead of it, at the batch times measured, would keep it
+            waiting longer than this; ``"auto"``: when its answer would come after its
+            class's ``slo_s`` (:mod:`carpool.core.queue_time`). ``None``: no bound.
         timeout_s: default deadline of a request, counted from its arrival.
         classes: priority classes, highest first.
         default_class: the class of a request that names none.
@@ -198,6 +212,7 @@ class BatchPolicy:
     batch_timeout_s: float | None = 60.0
     slo_s: float | None = None
     preempt: bool = False
+    max_queue_time_s: float | str | None = None
     limits: dict[str, ClassLimits] = field(init=False, repr=False, compare=False)
     # max_batch_size as a number: AUTO_MAX_BATCH_SIZE under "auto".
     size_limit: int = field(init=False, repr=False, compare=False)
@@ -217,6 +232,8 @@ class BatchPolicy:
         _check_optional_float("slo_s", self.slo_s, minimum=0.0, strict=True)
         _check_optional_float("max_batch_cost", self.max_batch_cost, minimum=0.0, strict=True)
         _check_optional_int("max_queue_size", self.max_queue_size, minimum=1)
+        if self.max_queue_time_s is not None:
+            _check_delay("max_queue_time_s", self.max_queue_time_s)
         _check_optional_float("timeout_s", self.timeout_s, minimum=0.0, strict=True)
         _check_float("oom_recovery_s", self.oom_recovery_s, minimum=0.0)
         _check_optional_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
@@ -275,6 +292,13 @@ class BatchPolicy:
         slo_s = c.slo_s
         if self.slo_s is not None and (c.slo_s is None or self.classes is DEFAULT_CLASSES):
             slo_s = self.slo_s
+        queue_time = self.max_queue_time_s if c.max_queue_time_s is None else c.max_queue_time_s
+        if queue_time == AUTO and slo_s is None:
+            raise ConfigError(
+                f"classes[{c.name!r}].max_queue_time_s",
+                queue_time,
+                'a number of seconds: "auto" bounds the wait by slo_s, and the class has none',
+            )
         return ClassLimits(
             name=c.name,
             rank=rank,
@@ -285,6 +309,8 @@ class BatchPolicy:
             share=c.share,
             max_wait_s=c.max_wait_s,
             slo_s=slo_s,
+            max_queue_time_s=None if isinstance(queue_time, str) else queue_time,
+            is_auto_queue_time=queue_time == AUTO,
             is_auto_delay=delay == AUTO,
             is_auto_size=self.max_batch_size == AUTO and c.max_batch_size is None,
         )

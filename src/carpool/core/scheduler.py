@@ -164,7 +164,7 @@ class Scheduler:
             max_units: float | None = None  # the controller's cap in a budget's unit
             if adaptive is not None:
                 oldest_s = heads[queue.name].arrival_s
-                own = _queue_units(queue, unit)
+                own = queue_units(queue, unit)
                 max_units = adaptive.max_units(policy, queue.limits, oldest_s, now, own)
                 if unit == UNIT_ITEMS:
                     max_items, max_units = int(max_units), None
@@ -313,7 +313,7 @@ def units_by_class(requests: list[Request], unit: str) -> dict[str, float]:
     return units
 
 
-def _queue_units(queue: ClassQueue, unit: str) -> float:
+def queue_units(queue: ClassQueue, unit: str) -> float:
     """What ``queue``'s live requests hold, in ``unit``."""
     if unit == UNIT_TOKENS:
         return float(queue.num_live_tokens)

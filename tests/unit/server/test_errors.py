@@ -20,6 +20,7 @@ from carpool.errors import (
     InvalidInput,
     ModelError,
     QueueFull,
+    QueueTooLong,
 )
 from carpool.server import errors as server_errors
 from carpool.server.errors import (
@@ -44,6 +45,7 @@ from carpool.server.errors import (
         (InvalidInput("bad shape"), "INVALID_ARGUMENT", 400),
         (NotFound("model 'x'", ["mlp"]), "NOT_FOUND", 404),
         (QueueFull("normal", 8), "UNAVAILABLE", 429),
+        (QueueTooLong("normal", 0.08, 0.05), "UNAVAILABLE", 429),
         (DeadlineExceeded(1, 0.5, 0.6), "UNAVAILABLE", 503),
         (Closed("mlp"), "UNAVAILABLE", 503),
         (ModelError("boom"), "INTERNAL", 500),
@@ -121,6 +123,7 @@ def test_server_errors_survive_pickle_and_copy_with_their_fields(
         (SERVER_ERRORS[5], 413, "RESOURCE_EXHAUSTED", None),
         (SERVER_ERRORS[6], 503, "UNAVAILABLE", (b"retry-after", b"1")),
         (QueueFull("normal", 8), 429, "UNAVAILABLE", (b"retry-after", b"1")),
+        (QueueTooLong("normal", 0.08, 0.05), 429, "UNAVAILABLE", (b"retry-after", b"1")),
         (ConfigError("max_batch_size", 0, "an integer >= 1"), 400, "INVALID_ARGUMENT", None),
     ],
     ids=lambda v: type(v).__name__ if isinstance(v, Exception) else None,
