@@ -131,7 +131,8 @@ class QueueTooLong(QueueFull):
     """Refused at admission by a queue bound in time (``max_queue_time_s``): the work
     queued ahead of the request, at the batch times measured, would keep it waiting
     ``wait_s``, more than ``limit_s``. With ``slo_s`` (``max_queue_time_s: auto``), the
-    bound was what the class's ``slo_s`` leaves after the request's own batch."""
+    bound was what the class's ``slo_s`` leaves for waiting: less the request's own
+    batch, and less what its reading and answer take."""
 
     def __init__(
         self, queue: str, wait_s: float, limit_s: float, slo_s: float | None = None
@@ -143,8 +144,8 @@ class QueueTooLong(QueueFull):
         bound = (
             f"max_queue_time_s={_duration(limit_s)}"
             if slo_s is None
-            else f"the {_duration(limit_s)} that slo_s={_duration(slo_s)} leaves after its "
-            "batch's compute (max_queue_time_s: auto)"
+            else f"the {_duration(limit_s)} that slo_s={_duration(slo_s)} leaves for it "
+            "(max_queue_time_s: auto)"
         )
         CarpoolError.__init__(
             self,

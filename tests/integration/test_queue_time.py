@@ -116,7 +116,7 @@ def test_overload_is_refused_at_once_and_everything_admitted_is_answered(
     assert right > 0
     assert all(
         "of work ahead of this request, more than the" in m
-        and "slo_s=50.0 ms leaves after its batch's compute (max_queue_time_s: auto)" in m
+        and "slo_s=50.0 ms leaves for it (max_queue_time_s: auto)" in m
         for m in messages
     ), messages[:3]
 

@@ -137,7 +137,7 @@ class ClassLimits:
     max_wait_s: float | None
     slo_s: float | None
     # The longest predicted wait a request is admitted with; with is_auto_queue_time,
-    # what slo_s leaves after its batch's predicted compute. None: no bound in time.
+    # what slo_s leaves (carpool.core.queue_time). None: no bound in time.
     max_queue_time_s: float | None = None
     is_auto_queue_time: bool = False
     # Chosen by the adaptive controller: the delay (max_delay_s then holds the cold-start

@@ -16,7 +16,9 @@ answer comes. So at admission the wait is predicted from what the batcher measur
 
 The request's batch is the last of those. ``max_queue_time_s: <seconds>`` refuses it
 when the wait before its batch is longer; ``"auto"`` when the wait plus its batch's time
-would take it past its class's ``slo_s``: its answer could only be late, and under
+would take it past the share of its class's ``slo_s`` the adaptive controller plans with
+(:data:`~carpool.core.adaptive.SLO_HEADROOM`; the rest is the request's reading,
+decoding and answer, which the batch times do not hold): its answer could only be late, and under
 overload a queue that grows past the target makes every answer late (goodput falls to
 nothing), where refusing the excess at once keeps the rest within it. The refusal is a
 :class:`~carpool.errors.QueueTooLong` (a ``QueueFull``: HTTP 429, gRPC UNAVAILABLE).
@@ -31,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from carpool.core.adaptive import SLO_HEADROOM
 from carpool.core.policy import ClassLimits
 from carpool.core.queues import Queues
 from carpool.core.scheduler import queue_units, share_cap
@@ -74,7 +77,7 @@ def check_queue_time(limits: ClassLimits, wait_s: float, own_s: float) -> None:
     if limits.is_auto_queue_time:
         slo_s = limits.slo_s
         assert slo_s is not None, "the policy refuses max_queue_time_s: auto without slo_s"
-        if wait_s + own_s > slo_s:
-            raise QueueTooLong(queue, wait_s, max(0.0, slo_s - own_s), slo_s)
+        if wait_s + own_s > SLO_HEADROOM * slo_s:
+            raise QueueTooLong(queue, wait_s, max(0.0, SLO_HEADROOM * slo_s - own_s), slo_s)
     elif limits.max_queue_time_s is not None and wait_s > limits.max_queue_time_s:
         raise QueueTooLong(queue, wait_s, limits.max_queue_time_s)

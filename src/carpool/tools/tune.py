@@ -29,14 +29,16 @@ from carpool.tools.orthogonal import Design, FactorEffect, design_for, main_effe
 from carpool.tools.tune_trial import Measurement, TrialConfig
 
 Number = int | float | str  # a level: a number, or "auto" (AUTO_PARAMS)
-# Parameters that may also be searched at "auto" (carpool.core.adaptive), against numbers.
-AUTO_PARAMS = ("max_batch_size", "max_delay_s")
+# Parameters that may also be searched at "auto" (carpool.core.adaptive, and
+# carpool.core.queue_time for the queue bound in time), against numbers.
+AUTO_PARAMS = ("max_batch_size", "max_delay_s", "max_queue_time_s")
 # Parameters a trial can set, with their types: BatchPolicy fields, the replica count and
 # the batch buffer pool (0 off, 1 on; rebuilt like the replica count).
 TUNABLE: dict[str, type] = {
     "max_batch_size": int,
     "max_delay_s": float,
     "max_queue_size": int,
+    "max_queue_time_s": float,
     "max_batch_tokens": int,
     "max_batch_cost": float,
     "timeout_s": float,

@@ -117,14 +117,15 @@ def test_a_fixed_bound_refuses_a_longer_wait_naming_both() -> None:
     assert (type(again), str(again), again.wait_s) == (QueueTooLong, str(error), 0.0625)
 
 
-def test_auto_refuses_an_answer_that_would_come_past_the_slo() -> None:
+def test_auto_refuses_an_answer_that_would_come_past_the_slo_less_its_headroom() -> None:
     limits = BatchPolicy(slo_s=0.05, max_queue_time_s="auto").limits["normal"]
-    check_queue_time(limits, 0.03, 0.02)  # answered at 50 ms: in time
+    # The controller plans with 80% of slo_s (SLO_HEADROOM): 40 ms here.
+    check_queue_time(limits, 0.02, 0.02)  # its batch ends at 40 ms: in time
     with pytest.raises(QueueTooLong) as caught:
-        check_queue_time(limits, 0.031, 0.02)
-    assert caught.value.limit == pytest.approx(0.03)
-    assert "more than the 30.0 ms that slo_s=50.0 ms leaves after its batch's compute" in str(
-        caught.value
+        check_queue_time(limits, 0.021, 0.02)
+    assert caught.value.limit == pytest.approx(0.02)
+    assert "more than the 20.0 ms that slo_s=50.0 ms leaves for it (max_queue_time_s: auto)" in (
+        str(caught.value)
     )
 
 
@@ -181,14 +182,15 @@ async def test_the_batcher_refuses_what_would_wait_too_long_and_admits_it_later(
 async def test_auto_counts_the_requests_own_batch_against_its_slo(
     make_batcher, fake_model, fake_clock, spawn
 ):
-    batcher = make_batcher(max_batch_size=1, max_delay_s=0.0, slo_s=0.7, max_queue_time_s="auto")
+    # slo_s 0.8 s: the controller's 80% of it is 0.64 s.
+    batcher = make_batcher(max_batch_size=1, max_delay_s=0.0, slo_s=0.8, max_queue_time_s="auto")
     await _learn(batcher, fake_model, fake_clock, spawn)
     blocker = await occupy(batcher, fake_model, spawn, fake_clock)
     first = spawn(batcher.submit(1))
-    refused = spawn(batcher.submit(2))  # answered after 0.3 + 0.3 + 0.3 s: past 0.7
+    refused = spawn(batcher.submit(2))  # answered after 0.3 + 0.3 + 0.3 s: past 0.64
     await settle()
     assert isinstance(refused.exception(), QueueTooLong)
-    assert refused.exception().slo_s == 0.7
+    assert refused.exception().slo_s == 0.8
     await fake_clock.advance(BATCH_S)  # the running batch is due: 0.3 + its own 0.3
     admitted = spawn(batcher.submit(3))
     await settle()

@@ -152,6 +152,7 @@ def test_param_parse_types_values_and_refuses_nonsense() -> None:
 def test_param_parse_searches_auto_against_numbers_where_the_policy_takes_it() -> None:
     assert Param.parse("max_delay_s=0,0.002,auto").values == (0.0, 0.002, "auto")
     assert Param.parse("max_batch_size=16,auto").values == (16, "auto")
+    assert Param.parse("max_queue_time_s=0.05,auto").values == (0.05, "auto")
     with pytest.raises(ConfigError, match='or "auto"'):
         Param.parse("max_delay_s=0,soon")
     with pytest.raises(ConfigError):
