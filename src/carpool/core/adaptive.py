@@ -35,6 +35,14 @@ open-loop traffic both rates agree. From them, each time a replica is free:
   ``overhead / (KNEE_SHARE * per_item)`` the fixed overhead is under a tenth of the
   batch's time, and a bigger batch only adds latency; but never below the target size
   (under overload the size that keeps up, else the cap), or the queue would only grow.
+- **Overload under a queue bound in time** (``max_queue_time_s``,
+  :mod:`carpool.core.queue_time`). While more than :data:`REFUSING_SHARE` of a class's
+  arrivals are refused at admission, no batch size keeps up, and the size that answers
+  the admitted ones in time is the one two of which fit the budget: a request admitted
+  as a batch starts waits for it, then rides the next. The line is stretched by the
+  batches' span over the model's own time (:attr:`BatchTimeFit.stretch`: the event loop
+  reads and answers requests between a model's steps), since that is how long they
+  really take.
 - **Classes keep their promise.** A batch led by a lower class is capped so that a
   higher class's request arriving just after it starts still fits in its ``slo_s``:
   that batch's time plus one item's (but never below :data:`LOWER_MIN_SHARE` of the size
@@ -82,6 +90,7 @@ LOWER_MIN_SHARE = 0.25  # a capped lower-class batch holds at least this share o
 COLD_BATCHES = 8  # batches measured before the controller trusts its line
 MIN_WAITING_S = 0.002  # waiting seen (decayed) before a company rate is trusted
 FILL_STRETCH = 2.0  # preempting: a fill makes a batch at most this much slower than its own
+REFUSING_SHARE = 0.01  # refused at admission past this share of arrivals: overloaded
 
 
 class ArrivalRate:
@@ -180,7 +189,16 @@ class AdaptiveState:
 class Adaptive:
     """The controller of one batcher (see the module docstring)."""
 
-    __slots__ = ("_company", "_fit", "_rates", "_returns", "_targets", "_units", "preempts")
+    __slots__ = (
+        "_company",
+        "_fit",
+        "_rates",
+        "_refused",
+        "_returns",
+        "_targets",
+        "_units",
+        "preempts",
+    )
 
     def __init__(self, fit: BatchTimeFit) -> None:
         self._fit = fit
@@ -190,6 +208,7 @@ class Adaptive:
         self._units: dict[str, ArrivalRate] = {}  # units
         self._company: dict[str, CompanyRate] = {}  # units
         self._returns: dict[str, Returns] = {}  # units
+        self._refused: dict[str, ArrivalRate] = {}  # requests refused at admission
         self._targets: dict[str, float] = {}
 
     def arrived(
@@ -222,6 +241,22 @@ class Adaptive:
             returns = self._returns.get(class_name)
             if returns is not None:
                 returns.answered(now, units)
+
+    def refused(self, class_name: str, now: float) -> None:
+        """A request of the class was refused at admission (a queue bound)."""
+        rate = self._refused.get(class_name)
+        if rate is None:
+            rate = self._refused[class_name] = ArrivalRate()
+        rate.note(now)
+
+    def is_refusing(self, class_name: str, now: float) -> bool:
+        """Whether more than :data:`REFUSING_SHARE` of the class's recent arrivals were
+        refused at admission: more comes than its queue bound lets wait."""
+        refused = self._refused.get(class_name)
+        if refused is None:
+            return False
+        refused_rps = refused.rate_rps(now)
+        return refused_rps > REFUSING_SHARE * (refused_rps + self.rate_rps(class_name, now))
 
     def closed_loop_share(self, class_name: str) -> float:
         """The share of the class's landed batches that came straight back (moving average)."""
@@ -303,6 +338,13 @@ class Adaptive:
             # No batch whose compute alone would take it past its budget.
             budget_s = SLO_HEADROOM * limits.slo_s
             cap = min(cap, _largest_within(budget_s, overhead_s, per_item_s))
+            if limits.bounds_queue_time and self.is_refusing(limits.name, now):
+                # Overloaded, the excess refused: a request admitted as a batch starts
+                # waits for it, then rides the next. Two batches, at the time they
+                # really span, within the budget.
+                stretch = self._fit.stretch
+                two = _largest_within(budget_s / 2, overhead_s * stretch, per_item_s * stretch)
+                cap = min(cap, two)
             waited_s = max(now - oldest_arrival_s, self._lower_wait_s(policy, limits, now))
             within = _largest_within(budget_s - waited_s, overhead_s, per_item_s)
             if self.preempts and self._has_lower_traffic(policy, limits, now):

@@ -42,12 +42,21 @@ class BatchTimeFit:
     slope last fitted is kept, and the overhead follows the recent batches' mean time:
     forgetting the slope would switch off what depends on it just under load."""
 
-    __slots__ = ("_sb", "_sbb", "_sbt", "_slope", "_st", "_sw", "num_batches")
+    __slots__ = ("_sb", "_sbb", "_sbt", "_slope", "_st", "_sw", "num_batches", "stretch")
 
     def __init__(self) -> None:
         self._sw = self._sb = self._sbb = self._st = self._sbt = 0.0
         self._slope: float | None = None  # the last slope the sizes seen identified
         self.num_batches = 0
+        # A batch's span over the model's own time, a moving average (1 when the model
+        # has its core to itself): how much longer a batch really takes than the line
+        # says while the event loop also reads and answers requests between its steps.
+        self.stretch = 1.0
+
+    def note_stretch(self, span_s: float, own_s: float) -> None:
+        """A batch spanned ``span_s`` for ``own_s`` of the model's own time."""
+        if own_s > 0 and span_s >= own_s:
+            self.stretch += SMOOTHING * (span_s / own_s - self.stretch)
 
     def observe(self, num_items: float, compute_s: float) -> None:
         k = FIT_KEEP
@@ -123,6 +132,7 @@ class BatchTimes:
             return
         own_s = compute_s if model_s is None or not math.isfinite(model_s) else model_s
         self.fit.observe(num_items, min(own_s, compute_s))
+        self.fit.note_stretch(compute_s, own_s)
         mean = self._mean_s.get(bucket)
         self._mean_s[bucket] = compute_s if mean is None else mean + SMOOTHING * (compute_s - mean)
         self._updated_s[bucket] = self._clock.now()

@@ -25,7 +25,7 @@ from carpool.core.lifecycle import Lifecycle, State
 from carpool.core.options import check_options
 from carpool.core.policy import BatchPolicy, ClassLimits
 from carpool.core.process_replica import check_replica_cpus, process_source
-from carpool.core.queue_time import check_queue_time, has_bound, predict_wait_s
+from carpool.core.queue_time import check_queue_time, predict_wait_s
 from carpool.core.queues import Queues
 from carpool.core.ray_replica import ray_replica_maker
 from carpool.core.replicas import BatchFn, FnFactory, check_threading, replica_devices
@@ -449,11 +449,13 @@ class Batcher(Lifecycle):
         if lengths is not None:
             request.num_tokens, request.length, request.bucket = lengths
         try:
-            if has_bound(limits):
+            if limits.bounds_queue_time:
                 self._check_queue_time(request, limits, now)
             self._queues.admit(request)
         except QueueFull:
             self._telemetry.rejected(limits.name, "queue_full")
+            if self._is_adaptive:
+                self._adaptive.refused(limits.name, now)
             raise
         self._telemetry.admitted(request)
         if self._is_adaptive:

@@ -145,6 +145,11 @@ class ClassLimits:
     is_auto_delay: bool = False
     is_auto_size: bool = False
 
+    @property
+    def bounds_queue_time(self) -> bool:
+        """Whether the class's queue is bounded in time (``max_queue_time_s``)."""
+        return self.max_queue_time_s is not None or self.is_auto_queue_time
+
 
 @dataclass(frozen=True, slots=True)
 class BatchPolicy:

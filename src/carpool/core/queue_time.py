@@ -40,11 +40,6 @@ from carpool.core.scheduler import queue_units, share_cap
 from carpool.errors import QueueTooLong
 
 
-def has_bound(limits: ClassLimits) -> bool:
-    """Whether the class's queue is bounded in time."""
-    return limits.max_queue_time_s is not None or limits.is_auto_queue_time
-
-
 def predict_wait_s(
     queues: Queues,
     limits: ClassLimits,
