@@ -65,12 +65,15 @@ def _decide(now: float, policy: BatchPolicy, queues: Queues, adaptive: Adaptive)
     )
 
 
-def _steady(adaptive: Adaptive, name: str, rate_rps: float, until_s: float) -> None:
-    """Arrivals of class ``name`` every 1/rate seconds from 0 up to ``until_s``, each
-    finding one of its class waiting (open-loop traffic, as a waiting request sees it)."""
+def _steady(
+    adaptive: Adaptive, name: str, rate_rps: float, until_s: float, start_s: float = 0.0
+) -> None:
+    """Arrivals of class ``name`` every 1/rate seconds from ``start_s`` up to ``until_s``,
+    each finding one of its class waiting (open-loop traffic, as a waiting request sees
+    it)."""
     gap_s = 1.0 / rate_rps
-    for i in range(int(until_s / gap_s) + 1):
-        adaptive.arrived(name, i * gap_s, True)
+    for i in range(int((until_s - start_s) / gap_s) + 1):
+        adaptive.arrived(name, start_s + i * gap_s, True)
 
 
 # -- the pieces: arrival rate and batch-time line --------------------------------------
@@ -240,6 +243,36 @@ def test_auto_batch_size_is_never_below_the_size_that_keeps_up() -> None:
     keep_up = math.ceil(rate_rps * OVERHEAD_S / (rho - rate_rps * PER_ITEM_S))
     assert keep_up > 67  # past the knee
     assert adaptive.max_units(policy, limits, 5.0, 5.0) == min(256, keep_up)
+
+
+def test_refusing_under_a_queue_bound_it_caps_at_two_batches_within_the_budget() -> None:
+    policy = _policy(max_batch_size=256, slo_s=0.05, max_queue_time_s="auto")
+    limits = policy.class_limits(None)
+    budget_s = SLO_HEADROOM * 0.05
+    one = math.floor((budget_s - OVERHEAD_S) / PER_ITEM_S)  # 126: one batch in the budget
+    two = math.floor((budget_s / 2 - OVERHEAD_S) / PER_ITEM_S)  # 60: two of them
+    fit = _fit()
+    adaptive = Adaptive(fit)
+    _steady(adaptive, limits.name, 3000, until_s=5.0)
+    assert adaptive.max_units(policy, limits, 5.0, 5.0) == one
+    for i in range(20):  # 20 of about 1,500 arrivals in half a second: refusing
+        adaptive.refused(limits.name, 5.0 + i * 0.001)
+    now = 5.02
+    assert adaptive.is_refusing(limits.name, now)
+    assert adaptive.max_units(policy, limits, now, now) == two
+    # Batches that span 1.25x the model's own time (the loop's work between steps).
+    for _ in range(50):
+        fit.note_stretch(0.0125, 0.01)
+    stretched = math.floor((budget_s / 2 / fit.stretch - OVERHEAD_S) / PER_ITEM_S)
+    assert stretched < two
+    assert adaptive.max_units(policy, limits, now, now) == stretched
+    # Admitted again, the refusals age out (a time constant of half a second).
+    _steady(adaptive, limits.name, 3000, until_s=now + 5.0, start_s=now)
+    assert not adaptive.is_refusing(limits.name, now + 5.0)
+    assert adaptive.max_units(policy, limits, now + 5.0, now + 5.0) == one
+    # Without a queue bound in time, refusals (a count bound) leave the cap alone.
+    unbounded = _policy(max_batch_size=256, slo_s=0.05, max_queue_size=10)
+    assert adaptive.max_units(unbounded, unbounded.class_limits(None), now, now) == one
 
 
 def test_lower_class_batches_are_capped_while_a_higher_class_has_traffic() -> None:

@@ -110,3 +110,17 @@ def test_a_batch_of_less_than_one_cost_unit_is_learned() -> None:
         times.observe(0.25, 0.01)
     assert times.predict_s(0.25) == pytest.approx(0.01)
     assert times.fit.num_batches == 2  # the bucket's first (cold) batch is not learned
+
+
+def test_the_stretch_follows_the_span_over_the_models_own_time(clock: FakeClock) -> None:
+    times = BatchTimes(clock)
+    assert times.fit.stretch == 1.0  # a model with its core to itself
+    for _ in range(3):  # the first batch of a size is cold and not learned
+        times.observe(8, 0.015, model_s=0.01)
+    assert 1.0 < times.fit.stretch < 1.5
+    for _ in range(60):
+        times.observe(8, 0.015, model_s=0.01)
+    assert times.fit.stretch == pytest.approx(1.5)
+    for _ in range(60):  # a model in one call: its span is its own time
+        times.observe(8, 0.01)
+    assert times.fit.stretch == pytest.approx(1.0, abs=1e-4)
