@@ -375,6 +375,7 @@ POLICY_VALUES = {
     "preferred_batch_sizes": st.lists(st.integers(-1, 64), max_size=3),
     "max_batch_cost": st.floats(-1, 100),
     "max_queue_size": st.none() | st.integers(-1, 1000),
+    "max_queue_time_s": st.none() | st.floats(-1, 1) | st.just("auto") | st.just("soon"),
     "timeout_s": st.none() | st.floats(-1, 10),
     "default_class": st.sampled_from(["normal", "high", ""]),
     "fill_from_lower": st.booleans(),
