@@ -138,7 +138,7 @@ def main() -> None:
         set_policy(url, MODEL, slo_s=slo_s)
         unbounded = dataclasses.replace(probe, slo_s=slo_s)
         # Without the bound: under it, 64 closed-loop clients refused after their texts
-        # were tokenized send again at once, and the refusals take the CPU (18 req/s).
+        # were tokenized send again at once, and the refusals take the CPU.
         capacity = measure_capacity(url, unbounded, args.quick)
         work = with_bounds(unbounded, None, args.max_queue_time_s)
         print(f"capacity over HTTP at concurrency 64: {capacity:.0f} req/s", flush=True)
