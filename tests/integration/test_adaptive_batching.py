@@ -153,10 +153,13 @@ def test_the_batch_size_follows_the_load_from_one_client_to_64(
     assert 1 <= metrics[("carpool_adaptive_max_batch_size", normal)] <= 256
     assert metrics[("carpool_adaptive_delay_seconds", normal)] >= 0
     assert 0 <= metrics[("carpool_adaptive_closed_loop_share", normal)] <= 1
+    # No queue bound in time: nothing refused, nothing capped for it.
+    assert metrics[("carpool_adaptive_refusing", normal)] == 0
     fit = (("model", "linear"),)
     # The fitted line saw batches from 1 to dozens of items of the 2 ms + 0.1 ms model.
     assert metrics[("carpool_batch_time_fit_per_item_seconds", fit)] > 0
     assert metrics[("carpool_batch_time_fit_overhead_seconds", fit)] > 0
+    assert metrics[("carpool_batch_time_fit_stretch", fit)] >= 1
     # No token or cost budget: the controller counts items.
     assert metrics[("carpool_adaptive_unit", (("model", "linear"), ("unit", "items")))] == 1
 
@@ -168,6 +171,8 @@ def test_the_batch_size_follows_the_load_from_one_client_to_64(
     assert adaptive["classes"]["normal"]["arrival_rate_rps"] > 0
     assert adaptive["classes"]["normal"]["company_rate_rps"] > 0
     assert 0 <= adaptive["classes"]["normal"]["closed_loop_share"] <= 1
+    assert adaptive["classes"]["normal"]["refusing"] is False
+    assert adaptive["batch_time_fit"]["stretch"] >= 1
     assert adaptive["batch_time_fit"]["num_batches"] > 0
     assert adaptive["unit"] == "items"
 

@@ -172,6 +172,7 @@ class ClassChoice:
     arrival_rate_rps: float  # requests per second
     company_rate_rps: float  # units per second arriving while one of the class waits
     closed_loop_share: float = 0.0  # of its landed batches, the share that came straight back
+    refusing: bool = False  # over REFUSING_SHARE of its arrivals refused at admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +185,7 @@ class AdaptiveState:
     per_item_s: float  # seconds per unit
     num_batches: int
     unit: str = UNIT_ITEMS
+    stretch: float = 1.0  # a batch's span over the model's own time (BatchTimeFit.stretch)
 
 
 class Adaptive:
@@ -449,12 +451,16 @@ class Adaptive:
                 delay_s = min(wait_s, self.budget_s(limits, target))
             arrival_rps = self.rate_rps(limits.name, now)
             share = self.closed_loop_share(limits.name)
+            refusing = self.is_refusing(limits.name, now)
             choices.append(
-                ClassChoice(limits.name, delay_s, target, max_items, arrival_rps, rate_rps, share)
+                ClassChoice(
+                    limits.name, delay_s, target, max_items, arrival_rps, rate_rps, share, refusing
+                )
             )
         overhead_s, per_item_s = self._fit.line()
+        fit = self._fit
         return AdaptiveState(
-            tuple(choices), overhead_s, per_item_s, self._fit.num_batches, policy.budget_unit
+            tuple(choices), overhead_s, per_item_s, fit.num_batches, policy.budget_unit, fit.stretch
         )
 
 

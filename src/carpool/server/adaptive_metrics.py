@@ -51,6 +51,12 @@ def adaptive_metrics(states: list[tuple[str, AdaptiveState]]) -> Iterator[Metric
         "the clients still on their way back.",
         labels=labels,
     )
+    refusing = GaugeMetricFamily(
+        "carpool_adaptive_refusing",
+        "1 while over 1% of the class's arrivals are refused at admission (a queue bound): "
+        "under max_queue_time_s its batches are then capped at two within its slo_s.",
+        labels=labels,
+    )
     overhead = GaugeMetricFamily(
         "carpool_batch_time_fit_overhead_seconds",
         "Fitted fixed time of a batch, in seconds: t(b) = overhead + per_item * b.",
@@ -60,6 +66,13 @@ def adaptive_metrics(states: list[tuple[str, AdaptiveState]]) -> Iterator[Metric
         "carpool_batch_time_fit_per_item_seconds",
         "Fitted time per item of a batch (per token or cost unit under a budget), in "
         "seconds: t(b) = overhead + per_item * b.",
+        labels=["model"],
+    )
+    stretch = GaugeMetricFamily(
+        "carpool_batch_time_fit_stretch",
+        "A batch's span over the model's own time (moving average; 1 when the model has "
+        "its core to itself, more when the event loop also serves requests between its "
+        "steps).",
         labels=["model"],
     )
     unit = GaugeMetricFamily(
@@ -77,7 +90,10 @@ def adaptive_metrics(states: list[tuple[str, AdaptiveState]]) -> Iterator[Metric
             rate.add_metric(key, c.arrival_rate_rps)
             company.add_metric(key, c.company_rate_rps)
             closed.add_metric(key, c.closed_loop_share)
+            refusing.add_metric(key, float(c.refusing))
         overhead.add_metric([model], state.overhead_s)
         per_item.add_metric([model], state.per_item_s)
+        stretch.add_metric([model], state.stretch)
         unit.add_metric([model, state.unit], 1.0)
-    yield from (delay, size, max_size, rate, company, closed, overhead, per_item, unit)
+    yield from (delay, size, max_size, rate, company, closed, refusing)
+    yield from (overhead, per_item, stretch, unit)

@@ -260,12 +260,15 @@ def test_refusing_under_a_queue_bound_it_caps_at_two_batches_within_the_budget()
     now = 5.02
     assert adaptive.is_refusing(limits.name, now)
     assert adaptive.max_units(policy, limits, now, now) == two
+    shown = {c.name: c.refusing for c in adaptive.state(policy, now).classes}
+    assert shown == {"interactive": False, "normal": True, "background": False}
     # Batches that span 1.25x the model's own time (the loop's work between steps).
     for _ in range(50):
         fit.note_stretch(0.0125, 0.01)
     stretched = math.floor((budget_s / 2 / fit.stretch - OVERHEAD_S) / PER_ITEM_S)
     assert stretched < two
     assert adaptive.max_units(policy, limits, now, now) == stretched
+    assert adaptive.state(policy, now).stretch == fit.stretch
     # Admitted again, the refusals age out (a time constant of half a second).
     _steady(adaptive, limits.name, 3000, until_s=now + 5.0, start_s=now)
     assert not adaptive.is_refusing(limits.name, now + 5.0)

@@ -325,6 +325,7 @@ def adaptive_document(state: AdaptiveState) -> dict[str, Any]:
                 "arrival_rate_rps": c.arrival_rate_rps,
                 "company_rate_rps": c.company_rate_rps,
                 "closed_loop_share": c.closed_loop_share,
+                "refusing": c.refusing,
             }
             for c in state.classes
         },
@@ -332,6 +333,7 @@ def adaptive_document(state: AdaptiveState) -> dict[str, Any]:
             "overhead_s": state.overhead_s,
             "per_item_s": state.per_item_s,
             "num_batches": state.num_batches,
+            "stretch": state.stretch,
         },
         "unit": state.unit,
     }
