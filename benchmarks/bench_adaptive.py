@@ -23,7 +23,7 @@ between settings over the policy endpoint (`--allow-policy-updates`), not by res
 
     .venv/bin/python benchmarks/bench_adaptive.py [--quick] [--only priority|c64]
         [--repeats N] [--breakdown] [--timeout-s S] [--max-queue-time-s auto|S]
-        [--json PATH]
+        [--loads LABELS] [--settings NAMES] [--sweep-only] [--json PATH]
 
 `--quick` runs a reduced grid and shorter points (a few minutes); the full run is the
 issue's grid. `--only priority` runs only part 2 (results in `adaptive_priority.json`);
@@ -37,9 +37,12 @@ sweep (fixed, `auto`, AIMD) the same `timeout_s`: a request that can no longer b
 within it expires at once (scheduler rule 7) instead of being answered late, as a user
 who prefers a fast error to a late answer sets it. `--max-queue-time-s` gives them all the
 same queue bound in time (`auto`: refuse at admission what could only be answered past
-`slo_s`; the c64 and priority parts run without it). Figures are ratios within one run. Needs
-`taskset` (util-linux). The same sweep for the embeddings model, on a token budget:
-bench_adaptive_embeddings.py (it reuses this module's sweep with its own `Workload`).
+`slo_s`; the c64 and priority parts run without it). `--loads` and `--settings` keep
+some of the sweep's loads and settings (`auto` always), `--sweep-only` skips the rest of
+the run (the day/night schedule at full length against a few fixed settings, say).
+Figures are ratios within one run. Needs `taskset` (util-linux). The same sweep for the
+embeddings model, on a token budget: bench_adaptive_embeddings.py (it reuses this
+module's sweep with its own `Workload`).
 """
 
 from __future__ import annotations
@@ -254,7 +257,16 @@ def measure_capacity(url: str, work: Workload, quick: bool) -> float:
     return goodput(url, work, ["--concurrency", "64"], 3.0 if quick else 10.0)["rate_rps"]
 
 
-def run_sweep(url: str, work: Workload, capacity: float, quick: bool) -> dict[str, Any]:
+def run_sweep(
+    url: str,
+    work: Workload,
+    capacity: float,
+    quick: bool,
+    only_loads: list[str] | None = None,
+    only_settings: list[str] | None = None,
+) -> dict[str, Any]:
+    """The sweep (module docstring); ``only_loads``/``only_settings`` keep those labels
+    and setting names (``auto`` is always kept: the ratios are its)."""
     delays = QUICK_DELAYS_S if quick else FULL_DELAYS_S
     sizes = work.quick_sizes if quick else work.full_sizes
     settings: list[tuple[str, dict[str, Any] | None]] = [
@@ -266,7 +278,11 @@ def run_sweep(url: str, work: Workload, capacity: float, quick: bool) -> dict[st
         for b in sizes
     ]
     settings += [("auto", work.auto), ("aimd", None)]
+    if only_settings is not None:
+        settings = [(n, p) for n, p in settings if n in only_settings or n == "auto"]
     loads = _loads(capacity, quick, work.day_night)
+    if only_loads is not None:
+        loads = [load for load in loads if load[0] in only_loads]
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for name, policy in settings:
         table[name] = {}
@@ -305,13 +321,13 @@ def run_sweep(url: str, work: Workload, capacity: float, quick: bool) -> dict[st
         "per_load": summary,
         "best_single_fixed": best_single,
         "auto_over_single_fixed_total": total["auto"] / total[best_single],
-        "aimd_over_single_fixed_total": total["aimd"] / total[best_single],
+        "aimd_over_single_fixed_total": total.get("aimd", 0.0) / total[best_single],
     }
 
 
 def _ratio(table: dict[str, dict[str, dict[str, Any]]], a: str, b: str, load: str) -> float:
     base = table[b][load]["goodput_rps"]
-    return table[a][load]["goodput_rps"] / base if base else 0.0
+    return table[a][load]["goodput_rps"] / base if base and a in table else 0.0
 
 
 def _interactive(url: str, duration_s: float) -> list[float]:
@@ -514,9 +530,16 @@ def main() -> None:
         type=queue_time_arg,
         help='the sweep\'s settings all get this max_queue_time_s ("auto" or seconds)',
     )
+    parser.add_argument("--loads", help='only these loads of the sweep, by label ("c=1,day/night")')
+    parser.add_argument(
+        "--settings", help='only these settings (and auto), by name ("fixed 0 ms x 64,aimd")'
+    )
+    parser.add_argument("--sweep-only", action="store_true", help="no c64 or priority parts")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     work = with_bounds(W1, args.timeout_s, args.max_queue_time_s)
+    only_loads = None if args.loads is None else args.loads.split(",")
+    only_settings = None if args.settings is None else args.settings.split(",")
     priority_only = args.only == "priority"
     machine = machine_info()
     print(f"machine: {machine}")
@@ -538,8 +561,15 @@ def main() -> None:
             return
         capacity = measure_capacity(url, W1, args.quick)
         print(f"capacity over HTTP at concurrency 64: {capacity:.0f} req/s", flush=True)
-        sweep = run_sweep(url, work, capacity, args.quick)
+        sweep = run_sweep(url, work, capacity, args.quick, only_loads, only_settings)
         set_policy(url, W1.model, **dict.fromkeys(work.base))  # the rest runs without them
+        if args.sweep_only:
+            print_sweep(sweep)
+            record = {"machine": machine, "quick": args.quick, "slo_s": SLO_S}
+            record |= {"max_queue_time_s": args.max_queue_time_s, "timeout_s": args.timeout_s}
+            record |= {"capacity_rps": capacity, "sweep": sweep}
+            write_results(args.json or DEFAULT_JSON, record)
+            return
         # The two single-load targets: auto at concurrency 64 against the offline batch-64
         # ceiling, and its concurrency-1 p50 against the model's batch-1 time.
         c64 = _concurrency_64(url, 3.0 if args.quick else 10.0, args.repeats)
