@@ -244,21 +244,28 @@ class Adaptive:
             if returns is not None:
                 returns.answered(now, units)
 
-    def refused(self, class_name: str, now: float) -> None:
-        """A request of the class was refused at admission (a queue bound)."""
+    def refused(self, class_name: str, now: float, units: float = 1.0) -> None:
+        """A request of the class, of ``units`` in the budget unit, was refused at
+        admission (a queue bound)."""
         rate = self._refused.get(class_name)
         if rate is None:
             rate = self._refused[class_name] = ArrivalRate()
-        rate.note(now)
+        rate.note(now, units)
+
+    def refused_rps(self, class_name: str, now: float) -> float:
+        """Units of the class refused at admission per second, lately."""
+        refused = self._refused.get(class_name)
+        return 0.0 if refused is None else refused.rate_rps(now)
 
     def is_refusing(self, class_name: str, now: float) -> bool:
-        """Whether more than :data:`REFUSING_SHARE` of the class's recent arrivals were
-        refused at admission: more comes than its queue bound lets wait."""
-        refused = self._refused.get(class_name)
-        if refused is None:
+        """Whether more than :data:`REFUSING_SHARE` of the class's recent arrivals (in
+        units) were refused at admission: more comes than its queue bound lets wait."""
+        refused_rps = self.refused_rps(class_name, now)
+        if refused_rps <= 0.0:
             return False
-        refused_rps = refused.rate_rps(now)
-        return refused_rps > REFUSING_SHARE * (refused_rps + self.rate_rps(class_name, now))
+        units = self._units.get(class_name)
+        admitted_rps = 0.0 if units is None else units.rate_rps(now)
+        return refused_rps > REFUSING_SHARE * (refused_rps + admitted_rps)
 
     def closed_loop_share(self, class_name: str) -> float:
         """The share of the class's landed batches that came straight back (moving average)."""
@@ -326,7 +333,10 @@ class Adaptive:
             knee = overhead_s / knee_per_item_s
             # Past the knee a larger batch only adds latency while the replica keeps up;
             # when it does not, the size that keeps up is the floor (else the queue grows).
-            rate = self.company_rps(limits.name, now)
+            # What a queue bound refused is demand too: from the admitted rate alone, a
+            # cap that refuses most of the load would keep itself small (a day/night
+            # schedule ran in batches of one, the rest refused).
+            rate = self.company_rps(limits.name, now) + self.refused_rps(limits.name, now)
             knee = max(knee, _keep_up_size(rate, overhead_s, per_item_s, cap))
             cap = min(cap, max(1.0, math.ceil(min(knee, cap))))
         for higher in policy.limits.values():

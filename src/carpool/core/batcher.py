@@ -455,7 +455,8 @@ class Batcher(Lifecycle):
         except QueueFull:
             self._telemetry.rejected(limits.name, "queue_full")
             if self._is_adaptive:
-                self._adaptive.refused(limits.name, now)
+                units = request_units(request, self._policy.budget_unit)
+                self._adaptive.refused(limits.name, now, units)
             raise
         self._telemetry.admitted(request)
         if self._is_adaptive:

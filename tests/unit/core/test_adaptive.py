@@ -278,6 +278,31 @@ def test_refusing_under_a_queue_bound_it_caps_at_two_batches_within_the_budget()
     assert adaptive.max_units(unbounded, unbounded.class_limits(None), now, now) == one
 
 
+def test_what_a_queue_bound_refuses_counts_as_demand_for_the_size_that_keeps_up() -> None:
+    """A line fitted on batches of one only (no overhead seen: the knee is 0) and a queue
+    bound refusing most of the load: from the admitted rate alone the size that keeps up
+    was 1, the cap stayed at 1 and the bound kept refusing (a day/night schedule)."""
+    fit = BatchTimeFit()
+    for size in [1, 2, 4, 8, 16, 32, 64] * 4:  # a steep slope, identified once
+        fit.observe(size, 0.003 * size)
+    for _ in range(300):  # then batches of one only, faster than that slope says
+        fit.observe(1, 0.0025)
+    overhead_s, per_item_s = fit.line()
+    assert fit.is_identified and overhead_s == 0.0  # the knee is 0: keep-up is the floor
+    policy = _policy(max_batch_size="auto", slo_s=0.05, max_queue_time_s="auto")
+    limits = policy.class_limits(None)
+    adaptive = Adaptive(fit)
+    _steady(adaptive, limits.name, 160, until_s=5.0)  # admitted: 0.4 of one item a time
+    for i in range(int(5.0 * 2400)):  # refused: 2,400 a second
+        adaptive.refused(limits.name, i / 2400)
+    now = 5.0
+    assert adaptive.is_refusing(limits.name, now)
+    # Two batches in the budget on the line's own slope, not 1 item a batch.
+    two = math.floor((SLO_HEADROOM * 0.05 / 2) / per_item_s)
+    assert two >= 6
+    assert adaptive.max_units(policy, limits, now, now) == two
+
+
 def test_lower_class_batches_are_capped_while_a_higher_class_has_traffic() -> None:
     classes = (ClassPolicy("interactive", slo_s=0.02), ClassPolicy("background", slo_s=30.0))
     policy = _policy(max_batch_size=128, classes=classes, default_class="background", slo_s=None)
