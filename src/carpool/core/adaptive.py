@@ -35,15 +35,14 @@ open-loop traffic both rates agree. From them, each time a replica is free:
   ``overhead / (KNEE_SHARE * per_item)`` the fixed overhead is under a tenth of the
   batch's time, and a bigger batch only adds latency; but never below the target size
   (under overload the size that keeps up, else the cap), or the queue would only grow.
-- **Under a queue bound in time** (``max_queue_time_s``, :mod:`carpool.core.queue_time`).
-  A request admitted as a batch starts waits for it, then rides the next, so the size
-  that answers the admitted ones in time is the one two of which fit the budget; a
-  larger batch only where it is what keeps up with the demand (admitted and refused),
-  and not while more than :data:`REFUSING_SHARE` of the class's arrivals are refused:
-  then nothing keeps up, and larger batches would only make the bound refuse more. The
-  line is stretched by the batches' span over the model's own time
-  (:attr:`BatchTimeFit.stretch`: the event loop reads and answers requests between a
-  model's steps), since that is how long they really take.
+- **Overload under a queue bound in time** (``max_queue_time_s``,
+  :mod:`carpool.core.queue_time`). While more than :data:`REFUSING_SHARE` of a class's
+  arrivals are refused at admission, no batch size keeps up, and the size that answers
+  the admitted ones in time is the one two of which fit the budget: a request admitted
+  as a batch starts waits for it, then rides the next. The line is stretched by the
+  batches' span over the model's own time (:attr:`BatchTimeFit.stretch`: the event loop
+  reads and answers requests between a model's steps), since that is how long they
+  really take.
 - **Classes keep their promise.** A batch led by a lower class is capped so that a
   higher class's request arriving just after it starts still fits in its ``slo_s``:
   that batch's time plus one item's (but never below :data:`LOWER_MIN_SHARE` of the size
@@ -351,16 +350,12 @@ class Adaptive:
             # No batch whose compute alone would take it past its budget.
             budget_s = SLO_HEADROOM * limits.slo_s
             cap = min(cap, _largest_within(budget_s, overhead_s, per_item_s))
-            if limits.bounds_queue_time:
-                # A request admitted as a batch starts waits for it, then rides the next:
-                # two batches, at the time they really span, within the budget. While
-                # nothing is refused, a larger batch if that is what keeps up.
+            if limits.bounds_queue_time and self.is_refusing(limits.name, now):
+                # Overloaded, the excess refused: a request admitted as a batch starts
+                # waits for it, then rides the next. Two batches, at the time they
+                # really span, within the budget.
                 stretch = self._fit.stretch
-                wall_s, wall_per_item_s = overhead_s * stretch, per_item_s * stretch
-                two: float = _largest_within(budget_s / 2, wall_s, wall_per_item_s)
-                if not self.is_refusing(limits.name, now):
-                    demand = self.company_rps(limits.name, now) + self.refused_rps(limits.name, now)
-                    two = max(two, _keep_up_size(demand, wall_s, wall_per_item_s, cap))
+                two = _largest_within(budget_s / 2, overhead_s * stretch, per_item_s * stretch)
                 cap = min(cap, two)
             waited_s = max(now - oldest_arrival_s, self._lower_wait_s(policy, limits, now))
             within = _largest_within(budget_s - waited_s, overhead_s, per_item_s)

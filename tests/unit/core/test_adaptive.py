@@ -245,43 +245,37 @@ def test_auto_batch_size_is_never_below_the_size_that_keeps_up() -> None:
     assert adaptive.max_units(policy, limits, 5.0, 5.0) == min(256, keep_up)
 
 
-def test_under_a_queue_bound_it_caps_at_two_batches_unless_more_keeps_up() -> None:
+def test_refusing_under_a_queue_bound_it_caps_at_two_batches_within_the_budget() -> None:
     policy = _policy(max_batch_size=256, slo_s=0.05, max_queue_time_s="auto")
     limits = policy.class_limits(None)
     budget_s = SLO_HEADROOM * 0.05
     one = math.floor((budget_s - OVERHEAD_S) / PER_ITEM_S)  # 126: one batch in the budget
     two = math.floor((budget_s / 2 - OVERHEAD_S) / PER_ITEM_S)  # 60: two of them
     fit = _fit()
-    # At 1,000 a second batches of 3 keep up: two batches in the budget is the cap.
-    calm = Adaptive(fit)
-    _steady(calm, limits.name, 1000, until_s=5.0)
-    assert calm.max_units(policy, limits, 5.0, 5.0) == two
-    # At 3,200 a second only batches of 160 keep up (r c = 0.96): as large as the
-    # budget allows while nothing is refused, since smaller would only grow the queue.
-    busy = Adaptive(fit)
-    _steady(busy, limits.name, 3200, until_s=5.0)
-    assert busy.max_units(policy, limits, 5.0, 5.0) == one
-    for i in range(40):  # 40 of about 1,600 arrivals in half a second: refusing
-        busy.refused(limits.name, 5.0 + i * 0.0005)
+    adaptive = Adaptive(fit)
+    _steady(adaptive, limits.name, 3000, until_s=5.0)
+    assert adaptive.max_units(policy, limits, 5.0, 5.0) == one
+    for i in range(20):  # 20 of about 1,500 arrivals in half a second: refusing
+        adaptive.refused(limits.name, 5.0 + i * 0.001)
     now = 5.02
-    assert busy.is_refusing(limits.name, now)
-    assert busy.max_units(policy, limits, now, now) == two
-    shown = {c.name: c.refusing for c in busy.state(policy, now).classes}
+    assert adaptive.is_refusing(limits.name, now)
+    assert adaptive.max_units(policy, limits, now, now) == two
+    shown = {c.name: c.refusing for c in adaptive.state(policy, now).classes}
     assert shown == {"interactive": False, "normal": True, "background": False}
     # Batches that span 1.25x the model's own time (the loop's work between steps).
     for _ in range(50):
         fit.note_stretch(0.0125, 0.01)
     stretched = math.floor((budget_s / 2 / fit.stretch - OVERHEAD_S) / PER_ITEM_S)
     assert stretched < two
-    assert busy.max_units(policy, limits, now, now) == stretched
-    assert busy.state(policy, now).stretch == fit.stretch
+    assert adaptive.max_units(policy, limits, now, now) == stretched
+    assert adaptive.state(policy, now).stretch == fit.stretch
     # Admitted again, the refusals age out (a time constant of half a second).
-    _steady(busy, limits.name, 3200, until_s=now + 5.0, start_s=now)
-    assert not busy.is_refusing(limits.name, now + 5.0)
-    assert busy.max_units(policy, limits, now + 5.0, now + 5.0) == one
-    # Without a queue bound in time the cap is one batch in the budget, refusing or not.
+    _steady(adaptive, limits.name, 3000, until_s=now + 5.0, start_s=now)
+    assert not adaptive.is_refusing(limits.name, now + 5.0)
+    assert adaptive.max_units(policy, limits, now + 5.0, now + 5.0) == one
+    # Without a queue bound in time, refusals (a count bound) leave the cap alone.
     unbounded = _policy(max_batch_size=256, slo_s=0.05, max_queue_size=10)
-    assert calm.max_units(unbounded, unbounded.class_limits(None), 5.0, 5.0) == one
+    assert adaptive.max_units(unbounded, unbounded.class_limits(None), now, now) == one
 
 
 def test_what_a_queue_bound_refuses_counts_as_demand_for_the_size_that_keeps_up() -> None:
