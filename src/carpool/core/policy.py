@@ -171,8 +171,9 @@ class BatchPolicy:
         max_queue_time_s: a queue bound in time, per class: a request is refused at
             admission (:class:`~carpool.errors.QueueTooLong`, a kind of ``QueueFull``)
             when the work queued ahead of it, at the batch times measured, would keep it
-            waiting longer than this; ``"auto"``: when its answer would come after its
-            class's ``slo_s`` (:mod:`carpool.core.queue_time`). ``None``: no bound.
+            waiting longer than this; ``"auto"``: when its answer would come after the
+            80% of its class's ``slo_s`` the adaptive controller plans with
+            (:mod:`carpool.core.queue_time`). ``None``: no bound.
         timeout_s: default deadline of a request, counted from its arrival.
         classes: priority classes, highest first.
         default_class: the class of a request that names none.
