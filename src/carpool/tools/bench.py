@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +208,38 @@ async def run_bench(config: BenchConfig) -> list[PointResult]:
         await target.close()
 
 
+# A full collection is never due while a point runs (its threshold is out of reach).
+_NO_FULL_COLLECTION = 1 << 30
+
+
+@contextlib.contextmanager
+def full_collections_held() -> Iterator[None]:
+    """Collect once and freeze what is alive, then let no full (oldest-generation)
+    collection run until the block ends; young ones still run, so short-lived cycles
+    are still freed. A full collection walks every object the process holds (the
+    records of the run so far, and torch's when the benchmark measured a model
+    in-process): in the load generator it stalled the event loop for about 100 ms in
+    the middle of a point, every send due meanwhile left late, and the latency counted
+    from the scheduled time (as it must be) charged that stall to the server."""
+    young, middle, old = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(young, middle, _NO_FULL_COLLECTION)
+    try:
+        yield
+    finally:
+        gc.set_threshold(young, middle, old)
+        gc.unfreeze()
+
+
 async def _run_point(
+    config: BenchConfig, target: Target, point: Point, rng: np.random.Generator
+) -> PointResult:
+    with full_collections_held():
+        return await _run_point_held(config, target, point, rng)
+
+
+async def _run_point_held(
     config: BenchConfig, target: Target, point: Point, rng: np.random.Generator
 ) -> PointResult:
     if config.warmup_s > 0:

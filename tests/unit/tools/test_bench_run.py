@@ -1,15 +1,17 @@
 """``carpool bench`` run end to end on a tiny in-process model (``run_bench``), and what
 its text table reports: the offered rate beside the achieved one, the warm-up kept out of
-the measured schedule, time to first token for streams of one token."""
+the measured schedule, time to first token for streams of one token; no full garbage
+collection while a point runs."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from carpool.tools.bench import BenchConfig, Point, PointResult, run_bench
+from carpool.tools.bench import BenchConfig, Point, PointResult, full_collections_held, run_bench
 from carpool.tools.benchreport import text_table
 from carpool.tools.loadgen import Arrival, ArrivalProcess, Mode, RequestRecord, RunResult
 from carpool.tools.summary import summarize
@@ -85,3 +87,39 @@ def test_text_table_shows_ttft_for_single_token_streams() -> None:
     result = RunResult(Mode.CLOSED, records, 0.0, 0.1, concurrency=1)
     table = text_table([PointResult("c=1", summarize(result), None, [])])
     assert "ttft p50 50.00 ms" in table
+
+
+def _full_collections_while(keep: list[object], num_lists: int) -> int:
+    """Full (oldest-generation) collections run while ``num_lists`` long-lived lists are
+    made and kept."""
+    counted: list[int] = []
+
+    def note(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            counted.append(1)
+
+    gc.callbacks.append(note)
+    try:
+        keep.extend([i] for i in range(num_lists))
+    finally:
+        gc.callbacks.remove(note)
+    return len(counted)
+
+
+def test_no_full_collection_runs_while_a_point_is_measured() -> None:
+    """A full collection stalled the load generator's loop for about 100 ms mid-point,
+    and its sends left late (counted against the server): while a point runs, only the
+    young generations are collected; the threshold comes back after."""
+    if not gc.isenabled():
+        pytest.skip("the garbage collector is disabled in this process")
+    threshold = gc.get_threshold()
+    kept: list[object] = []
+    # A full collection is due once the objects made since the last one pass a quarter
+    # of those it found: make more than half as many as the process holds.
+    num = 300_000 + len(gc.get_objects()) // 2
+    assert _full_collections_while(kept, num) > 0  # without the hold, some run
+    with full_collections_held():
+        assert gc.get_freeze_count() > 0  # what was alive before is not walked again
+        assert _full_collections_while(kept, 2 * num) == 0
+    assert gc.get_threshold() == threshold
+    assert gc.get_freeze_count() == 0
