@@ -12,7 +12,11 @@ between settings over the policy endpoint (`--allow-policy-updates`), not by res
    arrivals, CV^2 4, at 70%; a day/night schedule between 5% and 90%), the goodput:
    requests answered within `SLO_S` per second. Per load, the best fixed setting; over
    the whole sweep, the single fixed setting with the best total (the one a user tuning
-   once would keep).
+   once would keep). Each point also keeps where a late answer's time went: the
+   client's lag (`behind_schedule_ratio`, `max_lag_ms`: sends that left late, the load
+   generator's own CPU), the server's mean batch size, queue wait and model time, its
+   refusals, and the share it answered within the SLO by its own clock; for `auto`, what
+   the controller had in force every 0.25 s (`adaptive_trace`).
 2. **Priority classes.** An interactive request (`priority: 1`, `slo_s` 20 ms) every
    20 ms, alone and then under 64 closed-loop background clients; its p99, and the
    background throughput against the offline ceiling; fixed (64 within 2 ms) vs auto,
@@ -60,7 +64,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import numpy as np
@@ -78,6 +82,7 @@ from benchlib import (
     write_results,
 )
 from carpool.tools.bench import build_parser, config_from_args, run_bench
+from carpool.tools.bench_types import PointResult
 from wrkrun import free_port
 
 DEFAULT_JSON = RESULTS / "adaptive.json"
@@ -186,7 +191,9 @@ def goodput(url: str, work: Workload, flags: list[str], duration_s: float) -> di
     argv = [url, "--model", work.model, *work.payload]
     argv += [*flags, "--duration", f"{duration_s:g}s", "--warmup", "1s", "--seed", "0"]
     config = config_from_args(build_parser().parse_args([*argv, "--no-progress"]))
+    before = _server_latency(url, work)
     (point,) = asyncio.run(run_bench(config))
+    after = _server_latency(url, work)
     latencies = np.array(point.latencies_s)
     within = int((latencies <= work.slo_s).sum())
     return {
@@ -195,23 +202,64 @@ def goodput(url: str, work: Workload, flags: list[str], duration_s: float) -> di
         "p50_ms": float(np.percentile(latencies, 50) * 1e3) if len(latencies) else 0.0,
         "p99_ms": float(np.percentile(latencies, 99) * 1e3) if len(latencies) else 0.0,
         "num_errors": point.summary.num_errors,
+        **_where_the_time_went(point),
+        # The server's own clock (arrival to answer, warm-up included): within the SLO
+        # there but not at the client, a request waited outside the batcher (unread in a
+        # socket, or in a client that fell behind).
+        "server_within_slo_share": _share(after[0] - before[0], after[1] - before[1]),
     }
 
 
-class Aimd:
-    """Clipper-style AIMD on the workload's size key (W1: max_batch_size, from 8, +4 up to
-    128) from the server's latency histogram: +step each period while under 1% of the
-    period's requests were over the SLO (a bound of the histogram), else x0.9."""
+def _share(part: float, whole: float) -> float | None:
+    return part / whole if whole else None
 
-    def __init__(self, url: str, work: Workload, period_s: float = 0.25) -> None:
-        self.url, self.work, self.period_s = url, work, period_s
-        self.size, self.step, self.least, self.most = work.aimd_range
+
+def _server_latency(url: str, work: Workload) -> tuple[float, float]:
+    """(answered within the SLO, answered) by the server's latency histogram so far."""
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    within = total = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name != "carpool_request_latency_seconds":
+            continue
+        for s in family.samples:
+            if s.labels.get("model") != work.model or not s.name.endswith("_bucket"):
+                continue
+            le = float(s.labels["le"])
+            if le == float("inf"):
+                total += s.value
+            elif abs(le - work.slo_s) < 1e-9:
+                within += s.value
+    return within, total
+
+
+def _where_the_time_went(point: PointResult) -> dict[str, Any]:
+    """The client's lag (sends that left late: its own CPU, not the server) and the
+    server's side of the point (batch size, queue wait, model time), to tell a late
+    answer's cause apart."""
+    summary, server = point.summary, point.server
+    out: dict[str, Any] = {
+        "behind_schedule_ratio": summary.behind_schedule_ratio,
+        "max_lag_ms": summary.max_lag_s * 1e3,
+    }
+    if server is not None:
+        wait, compute = server.mean_queue_wait_s, server.mean_compute_s
+        out["mean_batch_size"] = server.mean_batch_size
+        out["mean_queue_wait_ms"] = None if wait is None else wait * 1e3
+        out["mean_compute_ms"] = None if compute is None else compute * 1e3
+        out["rejections"] = server.rejections
+    return out
+
+
+class _Every:
+    """A thread that runs :meth:`_run` (which waits ``period_s`` between its turns on
+    ``_stop``) while the ``with`` block lasts."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Aimd:
-        start = {**self.work.base, "max_delay_s": 0.002, self.work.size_key: self.size}
-        set_policy(self.url, self.work.model, **start)
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -219,26 +267,29 @@ class Aimd:
         self._stop.set()
         self._thread.join()
 
-    def _counts(self) -> tuple[float, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
-        within = total = 0.0
-        for family in text_string_to_metric_families(text):
-            if family.name != "carpool_request_latency_seconds":
-                continue
-            for s in family.samples:
-                if s.labels.get("model") != self.work.model or not s.name.endswith("_bucket"):
-                    continue
-                le = float(s.labels["le"])
-                if le == float("inf"):
-                    total += s.value
-                elif abs(le - self.work.slo_s) < 1e-9:
-                    within += s.value
-        return within, total
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Aimd(_Every):
+    """Clipper-style AIMD on the workload's size key (W1: max_batch_size, from 8, +4 up to
+    128) from the server's latency histogram: +step each period while under 1% of the
+    period's requests were over the SLO (a bound of the histogram), else x0.9."""
+
+    def __init__(self, url: str, work: Workload, period_s: float = 0.25) -> None:
+        super().__init__(period_s)
+        self.url, self.work = url, work
+        self.size, self.step, self.least, self.most = work.aimd_range
+
+    def __enter__(self) -> Self:
+        start = {**self.work.base, "max_delay_s": 0.002, self.work.size_key: self.size}
+        set_policy(self.url, self.work.model, **start)
+        return super().__enter__()
 
     def _run(self) -> None:
-        before = self._counts()
+        before = _server_latency(self.url, self.work)
         while not self._stop.wait(self.period_s):
-            after = self._counts()
+            after = _server_latency(self.url, self.work)
             num = after[1] - before[1]
             over = num - (after[0] - before[0])
             before = after
@@ -249,12 +300,45 @@ class Aimd:
             set_policy(self.url, self.work.model, **{self.work.size_key: self.size})
 
 
+class PolicyTrace(_Every):
+    """What the controller had in force through a load: the policy's ``adaptive`` key
+    every ``period_s`` (seconds since the start; per class the cap, the target size,
+    whether it refuses and the company rate; the fitted line and its stretch)."""
+
+    def __init__(self, url: str, model: str, period_s: float = 0.25) -> None:
+        super().__init__(period_s)
+        self.url, self.model = url, model
+        self.samples: list[dict[str, Any]] = []
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        with httpx.Client(base_url=self.url, timeout=10.0) as client:
+            while not self._stop.wait(self.period_s):
+                state = client.get(f"/v2/models/{self.model}/policy").json().get("adaptive")
+                if state is None:  # a fixed policy: nothing adapts
+                    continue
+                fit = state["batch_time_fit"]
+                self.samples.append(
+                    {
+                        "t_s": round(time.perf_counter() - start, 3),
+                        "classes": {
+                            name: {k: c[k] for k in ("max_batch_size", "batch_size", "refusing")}
+                            | {"company_rps": round(c["company_rate_rps"])}
+                            for name, c in state["classes"].items()
+                        },
+                        "overhead_ms": round(fit["overhead_s"] * 1e3, 3),
+                        "per_item_ms": round(fit["per_item_s"] * 1e3, 4),
+                        "stretch": round(fit["stretch"], 3),
+                    }
+                )
+
+
 def measure_capacity(url: str, work: Workload, quick: bool) -> float:
     """Requests per second the server answers at concurrency 64 under the workload's
     default policy (W1: 64 within 2 ms): the capacity that the open-loop loads are
     fractions of. (The offline ceiling leaves out the HTTP work, which shares the core.)"""
     set_policy(url, work.model, **work.base, **work.capacity_policy)
-    return goodput(url, work, ["--concurrency", "64"], 3.0 if quick else 10.0)["rate_rps"]
+    return float(goodput(url, work, ["--concurrency", "64"], 3.0 if quick else 10.0)["rate_rps"])
 
 
 def run_sweep(
@@ -290,6 +374,11 @@ def run_sweep(
             if policy is None:
                 with Aimd(url, work):
                     table[name][label] = goodput(url, work, flags, duration_s)
+            elif name == "auto":
+                set_policy(url, work.model, **policy)
+                with PolicyTrace(url, work.model) as trace:
+                    table[name][label] = goodput(url, work, flags, duration_s)
+                table[name][label]["adaptive_trace"] = trace.samples
             else:
                 set_policy(url, work.model, **policy)
                 table[name][label] = goodput(url, work, flags, duration_s)
@@ -373,7 +462,7 @@ def _breakdown(served: dict[str, Any], loaded: list[float]) -> dict[str, Any]:
         return float(np.percentile(values, q) * 1e3) if values else 0.0
 
     def span(t: dict[str, Any], a: str, b: str) -> float:
-        return (t[b] or t["answered_s"]) - (t[a] or t["arrived_s"])
+        return float((t[b] or t["answered_s"]) - (t[a] or t["arrived_s"]))
 
     stages = {
         "server_total": [t["answered_s"] - t["arrived_s"] for t in interactive],
@@ -471,7 +560,7 @@ def _priorities(
 ) -> dict[str, Any]:
     """Fixed (64 within 2 ms) and auto, each without and with ``preempt``, alternating,
     ``repeats`` times; medians."""
-    policies = {
+    policies: dict[str, dict[str, Any]] = {
         "fixed": {"max_delay_s": 0.002, "max_batch_size": 64, "preempt": False},
         "auto": {"max_delay_s": "auto", "max_batch_size": 64, "preempt": False},
         "fixed_preempt": {"max_delay_s": 0.002, "max_batch_size": 64, "preempt": True},
