@@ -120,8 +120,11 @@ def _start_cluster(head_args: dict[str, Any], node_args: dict[str, Any]) -> Any:
     machine for the head once and for the second node once, its raylet registered with
     the GCS in 3 s and no log at all from the other; alone, the same tests pass. Also
     when the head's GCS did not write its port file in time ("Timed out waiting for
-    file .../gcs_server_port...": once on a fresh clone's CI run, every Ray test erred)."""
-    startup_errors = ("timed out during startup", "Timed out waiting for file")
+    file .../gcs_server_port...": once on a fresh clone's CI run, every Ray test erred).
+    A full suite on this machine once erred every Ray test at set-up again, with the
+    output lost and the same tests passing alone and under two busy cores: starting a
+    cluster is Ray's code, so any error from it is retried, its text printed, and the
+    third raised."""
     for attempt in (1, 2, 3):
         started = None
         try:
@@ -130,9 +133,9 @@ def _start_cluster(head_args: dict[str, Any], node_args: dict[str, Any]) -> Any:
             started.doomed = _add_doomed_node(started)
             return started
         except Exception as error:
-            if attempt == 3 or not any(e in str(error) for e in startup_errors):
+            if attempt == 3:
                 raise
-            print(f"a Ray node did not start ({error}); starting the cluster again")
+            print(f"a Ray node did not start ({error!r}); starting the cluster again")
             if started is not None:
                 started.shutdown()
     raise AssertionError("unreachable")
