@@ -222,6 +222,7 @@ def full_collections_held() -> Iterator[None]:
     the middle of a point, every send due meanwhile left late, and the latency counted
     from the scheduled time (as it must be) charged that stall to the server."""
     young, middle, old = gc.get_threshold()
+    was_frozen = gc.get_freeze_count() > 0  # someone froze on purpose: leave it so
     gc.collect()
     gc.freeze()
     gc.set_threshold(young, middle, _NO_FULL_COLLECTION)
@@ -229,7 +230,8 @@ def full_collections_held() -> Iterator[None]:
         yield
     finally:
         gc.set_threshold(young, middle, old)
-        gc.unfreeze()
+        if not was_frozen:
+            gc.unfreeze()
 
 
 async def _run_point(

@@ -123,3 +123,12 @@ def test_no_full_collection_runs_while_a_point_is_measured() -> None:
         assert _full_collections_while(kept, 2 * num) == 0
     assert gc.get_threshold() == threshold
     assert gc.get_freeze_count() == 0
+    # What the process itself froze stays frozen.
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with full_collections_held():
+            pass
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()
