@@ -113,16 +113,23 @@ def test_no_full_collection_runs_while_a_point_is_measured() -> None:
     if not gc.isenabled():
         pytest.skip("the garbage collector is disabled in this process")
     threshold = gc.get_threshold()
-    kept: list[object] = []
-    # A full collection is due once the objects made since the last one pass a quarter
-    # of those it found: make more than half as many as the process holds.
-    num = 300_000 + len(gc.get_objects()) // 2
-    assert _full_collections_while(kept, num) > 0  # without the hold, some run
-    with full_collections_held():
-        assert gc.get_freeze_count() > 0  # what was alive before is not walked again
-        assert _full_collections_while(kept, 2 * num) == 0
-    assert gc.get_threshold() == threshold
-    assert gc.get_freeze_count() == 0
+    gc.set_threshold(700, 10, 10)  # CPython's own, whatever this process had set
+    try:
+        # A full collection is due once the objects that survived into the oldest
+        # generation since the last one pass a quarter of those that one found: collect
+        # (the count starts again from what is alive now, not from what a test before
+        # once held), then keep more than half as many as the process holds.
+        gc.collect()
+        num = 300_000 + len(gc.get_objects()) // 2
+        kept: list[object] = []
+        assert _full_collections_while(kept, num) > 0  # without the hold, some run
+        with full_collections_held():
+            assert gc.get_freeze_count() > 0  # what was alive before is not walked again
+            assert _full_collections_while(kept, 2 * num) == 0
+        assert gc.get_threshold() == (700, 10, 10)
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.set_threshold(*threshold)
     # What the process itself froze stays frozen.
     gc.freeze()
     try:
