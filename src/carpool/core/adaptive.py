@@ -263,9 +263,7 @@ class Adaptive:
         refused_rps = self.refused_rps(class_name, now)
         if refused_rps <= 0.0:
             return False
-        units = self._units.get(class_name)
-        admitted_rps = 0.0 if units is None else units.rate_rps(now)
-        return refused_rps > REFUSING_SHARE * (refused_rps + admitted_rps)
+        return refused_rps > REFUSING_SHARE * (refused_rps + self.units_rps(class_name, now))
 
     def closed_loop_share(self, class_name: str) -> float:
         """The share of the class's landed batches that came straight back (moving average)."""
@@ -283,6 +281,11 @@ class Adaptive:
         rate = self._rates.get(class_name)
         return 0.0 if rate is None else rate.rate_rps(now)
 
+    def units_rps(self, class_name: str, now: float) -> float:
+        """All arrivals of the class, in the budget unit per second."""
+        units = self._units.get(class_name)
+        return 0.0 if units is None else units.rate_rps(now)
+
     def company_rps(self, class_name: str, now: float) -> float:
         """Units arriving per second while one of the class waits (:class:`CompanyRate`),
         at most the overall rate: over HTTP, arrivals bunch while requests wait (answers
@@ -291,7 +294,7 @@ class Adaptive:
         company = self._company.get(class_name)
         if company is None:
             return 0.0
-        return min(company.rate_rps(now), self._units[class_name].rate_rps(now))
+        return min(company.rate_rps(now), self.units_rps(class_name, now))
 
     def request_units(self, class_name: str, now: float) -> float:
         """The class's mean request in the budget unit, over its recent arrivals (1.0
@@ -299,7 +302,7 @@ class Adaptive:
         requests = self.rate_rps(class_name, now)
         if requests <= 0.0:
             return 1.0
-        return max(1.0, self._units[class_name].rate_rps(now) / requests)
+        return max(1.0, self.units_rps(class_name, now) / requests)
 
     @property
     def is_warm(self) -> bool:

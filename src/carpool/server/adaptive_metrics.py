@@ -54,7 +54,7 @@ def adaptive_metrics(states: list[tuple[str, AdaptiveState]]) -> Iterator[Metric
     refusing = GaugeMetricFamily(
         "carpool_adaptive_refusing",
         "1 while over 1% of the class's arrivals are refused at admission (a queue bound): "
-        "under max_queue_time_s its batches are then capped at two within its slo_s.",
+        "under max_queue_time_s its batches are then capped at two within 80% of its slo_s.",
         labels=labels,
     )
     overhead = GaugeMetricFamily(

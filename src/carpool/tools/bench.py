@@ -238,27 +238,21 @@ async def _run_point(
     config: BenchConfig, target: Target, point: Point, rng: np.random.Generator
 ) -> PointResult:
     with full_collections_held():
-        return await _run_point_held(config, target, point, rng)
-
-
-async def _run_point_held(
-    config: BenchConfig, target: Target, point: Point, rng: np.random.Generator
-) -> PointResult:
-    if config.warmup_s > 0:
-        # Its own stream: the measured schedule for a seed is the same whatever the warm-up.
-        [warm_rng] = rng.spawn(1)
-        warm = LoadGenerator(target, drain_timeout_s=config.drain_timeout_s)
-        await _drive(warm, config, point, config.warmup_s, warm_rng, is_warmup=True)
-    before = await _server_state(config, target)
-    generator = LoadGenerator(target, drain_timeout_s=config.drain_timeout_s)
-    async with benchreport.LiveProgress(
-        generator.progress, point.label, config.duration_s, enabled=config.show_progress
-    ):
-        result = await _drive(generator, config, point, config.duration_s, rng)
-    after = await _server_state(config, target)
-    server = _server_stats(config, before, after)
-    latencies = sorted(r.latency_s for r in result.records if r.error is None)
-    return PointResult(point.label, summarize(result), server, latencies)
+        if config.warmup_s > 0:
+            # Its own stream: the measured schedule for a seed is the same whatever the warm-up.
+            [warm_rng] = rng.spawn(1)
+            warm = LoadGenerator(target, drain_timeout_s=config.drain_timeout_s)
+            await _drive(warm, config, point, config.warmup_s, warm_rng, is_warmup=True)
+        before = await _server_state(config, target)
+        generator = LoadGenerator(target, drain_timeout_s=config.drain_timeout_s)
+        async with benchreport.LiveProgress(
+            generator.progress, point.label, config.duration_s, enabled=config.show_progress
+        ):
+            result = await _drive(generator, config, point, config.duration_s, rng)
+        after = await _server_state(config, target)
+        server = _server_stats(config, before, after)
+        latencies = sorted(r.latency_s for r in result.records if r.error is None)
+        return PointResult(point.label, summarize(result), server, latencies)
 
 
 async def _drive(
