@@ -11,9 +11,16 @@ length. Systems, on the same weights:
     static      the same ModelRunner, batches of up to B in arrival order; a batch starts when
                 the previous one has finished entirely and runs until its longest member is
                 done (finished members leave the steps, the batch is held): idealised static
-    padded      classic padded static batching on the same runner: as static, but finished
+    padded      padded static batching on the same runner: as static, but finished
                 members keep their slots and keep computing (their tokens thrown away) until
-                the batch ends, as ``generate`` does
+                the batch ends, as ``generate`` does; each prompt is prefilled at its own length
+    classic     classic padded static batching on the same runner, as ``generate`` runs a
+                batch: as padded, and each prompt is also padded (on the left) to the batch's
+                longest prompt, the pad tokens computed in the prefill step like real ones.
+                The runner has no attention mask, so the pads run as a separate throwaway
+                sequence per member (same matmul work, attention over themselves only), and
+                decode steps do not attend over them as ``generate``'s masked pads are: the
+                pads cost this baseline less than they cost ``generate``
     hf          transformers' LlamaForCausalLM.generate, left-padded batches of up to B,
                 min_new_tokens = max_new_tokens = the batch's longest output, same static
                 manner (only each request's own tokens count as useful output)
@@ -95,10 +102,12 @@ WORKLOAD_SEED = 0
 MIN_LEN, MAX_LEN = 16, 512
 BLOCK_SIZE = 16
 OVERHEAD_BATCH = 32
-SYSTEMS = ("continuous", "static", "padded", "hf")
+SYSTEMS = ("continuous", "static", "padded", "classic", "hf")
+BASELINES = ("static", "padded", "classic", "hf")
 PATTERNS = ("all-at-once", "poisson")
 LABELS = {"continuous": "carpool continuous", "static": "static (ModelRunner)",
-          "padded": "padded static", "hf": "HF generate"}  # fmt: skip
+          "padded": "padded static", "classic": "classic padded static",
+          "hf": "HF generate"}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,12 +261,20 @@ def static_batches(
 
 
 def runner_batch(
-    runner: ModelRunner, keep_finished: bool = False, max_len: int = MAX_LEN
+    runner: ModelRunner,
+    keep_finished: bool = False,
+    max_len: int = MAX_LEN,
+    pad_prompts: bool = False,
 ) -> Callable[[list[Request], float, dict[int, Trace]], int]:
     """One static batch on ``runner``: one prefill step, then decode steps of the members
     still short of their output length (``keep_finished``: of every member, the finished
-    ones' tokens thrown away), until the longest is done."""
+    ones' tokens thrown away), until the longest is done. ``pad_prompts``: the prefill step
+    also computes, per member, pad tokens up to the batch's longest prompt (a throwaway
+    sequence written to the second half of the member's blocks, which its prompt never
+    reaches, and forgotten after that step)."""
     blocks_per_seq = -(-(2 * max_len) // runner.block_size)
+    half = blocks_per_seq // 2
+    pad_ids = 1 << 40  # above every request id
 
     def run_batch(batch: list[Request], t0: float, traces: dict[int, Trace]) -> int:
         tables = {
@@ -272,6 +289,18 @@ def runner_batch(
             SeqChunk(r.request_id, r.prompt, 0, tables[r.request_id], True, sampling[r.request_id])
             for r in batch
         )
+        pads: list[int] = []
+        if pad_prompts:
+            width = max(len(r.prompt) for r in batch)
+            pad_chunks = tuple(
+                SeqChunk(pad_ids + r.request_id, (0,) * (width - len(r.prompt)), 0,
+                         tables[r.request_id][half:], False)
+                for r in batch
+                if len(r.prompt) < width
+            )  # fmt: skip
+            pads = [c.seq_id for c in pad_chunks]
+            chunks += pad_chunks
+        forget: tuple[int, ...] = ()
         members = list(batch)
         made: dict[int, list[int]] = {r.request_id: [] for r in batch}  # thrown away too
         done: set[int] = set()
@@ -279,10 +308,13 @@ def runner_batch(
         num_steps = 0
         while len(done) < len(batch):
             num_steps += 1
-            output = runner.execute(StepInput(chunks, tuple(finished)))
+            output = runner.execute(StepInput(chunks, tuple(finished) + forget))
+            forget, pads = tuple(pads), []  # the next step forgets the pads it no longer runs
             now = time.perf_counter() - t0
             finished = []
-            for r, token_id in zip(members, output.sampled, strict=True):
+            sampled = output.sampled[: len(members)]  # the pads' chunks come last
+            assert all(t is None for t in output.sampled[len(members) :])
+            for r, token_id in zip(members, sampled, strict=True):
                 assert token_id is not None
                 made[r.request_id].append(token_id)
                 trace = traces[r.request_id]
@@ -307,7 +339,7 @@ def runner_batch(
                 )
                 for r in members
             )
-        runner.execute(StepInput((), tuple(made)))  # the runner forgets them all
+        runner.execute(StepInput((), tuple(made) + forget))  # the runner forgets them all
         return num_steps
 
     return run_batch
@@ -451,7 +483,7 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         cont = by.get((pattern, "continuous"))
         if cont is None:
             continue
-        for base in ("static", "padded", "hf"):
+        for base in BASELINES:
             other = by.get((pattern, base))
             if other is None:
                 continue
@@ -555,6 +587,10 @@ def main() -> None:
     if "padded" in systems:
         padded_fn = runner_batch(runner, keep_finished=True, max_len=args.max_len)
         systems_run["padded"] = lambda reqs: static_batches(reqs, static_b, padded_fn)
+    if "classic" in systems:
+        classic_fn = runner_batch(runner, keep_finished=True, max_len=args.max_len,
+                                  pad_prompts=True)  # fmt: skip
+        systems_run["classic"] = lambda reqs: static_batches(reqs, static_b, classic_fn)
     if "hf" in systems:
         from transformers import LlamaForCausalLM
 
@@ -591,7 +627,7 @@ def main() -> None:
 
     parity: dict[str, float] = {}
     for pattern in patterns:
-        for base in ("static", "padded", "hf"):
+        for base in BASELINES:
             if (pattern, "continuous") in runs and (pattern, base) in runs:
                 parity[f"{pattern}/continuous_vs_{base}"] = agreement(
                     runs[pattern, "continuous"], runs[pattern, base]
