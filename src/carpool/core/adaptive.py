@@ -91,6 +91,7 @@ COLD_BATCHES = 8  # batches measured before the controller trusts its line
 MIN_WAITING_S = 0.002  # waiting seen (decayed) before a company rate is trusted
 FILL_STRETCH = 2.0  # preempting: a fill makes a batch at most this much slower than its own
 REFUSING_SHARE = 0.01  # refused at admission past this share of arrivals: overloaded
+ADMISSION_CAP_S = 0.005  # an admission check's cap is reused this long (1% of RATE_TAU_S)
 
 
 class ArrivalRate:
@@ -192,6 +193,7 @@ class Adaptive:
     """The controller of one batcher (see the module docstring)."""
 
     __slots__ = (
+        "_admission_caps",
         "_company",
         "_fit",
         "_rates",
@@ -212,6 +214,8 @@ class Adaptive:
         self._returns: dict[str, Returns] = {}  # units
         self._refused: dict[str, ArrivalRate] = {}  # requests refused at admission
         self._targets: dict[str, float] = {}
+        # class -> (policy, batches fitted, when, cap): see admission_cap
+        self._admission_caps: dict[str, tuple[BatchPolicy, int, float, float]] = {}
 
     def arrived(
         self,
@@ -366,6 +370,26 @@ class Adaptive:
                 own_s = overhead_s + per_item_s * num_own_units
                 within = min(within, _largest_within(FILL_STRETCH * own_s, overhead_s, per_item_s))
             cap = min(cap, max(within, num_own_units))
+        return cap
+
+    def admission_cap(self, policy: BatchPolicy, limits: ClassLimits, now: float) -> float:
+        """:meth:`max_units` for a batch led by a request arriving now, as the queue bound
+        in time asks it at every admission (:mod:`carpool.core.queue_time`): the same
+        answer is reused for :data:`ADMISSION_CAP_S`, until a batch lands or the policy
+        changes. What it reads moves slowly next to that (the rates by about 1% in that time),
+        and under overload, where every admission asks, computing it afresh (about 10 µs)
+        took W1 about 4% of its event loop's time (docs/benchmarks.md)."""
+        held = self._admission_caps.get(limits.name)
+        num_batches = self._fit.num_batches
+        if (
+            held is not None
+            and held[0] is policy
+            and held[1] == num_batches
+            and 0.0 <= now - held[2] < ADMISSION_CAP_S
+        ):
+            return held[3]
+        cap = self.max_units(policy, limits, now, now)
+        self._admission_caps[limits.name] = (policy, num_batches, now, cap)
         return cap
 
     def _has_lower_traffic(self, policy: BatchPolicy, limits: ClassLimits, now: float) -> bool:

@@ -143,13 +143,13 @@ class BatchTimes:
         else the largest smaller bucket's, scaled by size (an overestimate: time grows
         slower than size); 0.0 when no bucket was measured within :data:`MAX_AGE_S`."""
         oldest_s = self._clock.now() - MAX_AGE_S
+        bucket = bucket_of(num_items)
+        updated_s = self._updated_s.get(bucket)
+        if updated_s is not None and updated_s >= oldest_s:  # asked at every admission
+            return self._mean_s[bucket]
         means = {b: s for b, s in self._mean_s.items() if self._updated_s[b] >= oldest_s}
         if not means:
             return 0.0
-        bucket = bucket_of(num_items)
-        mean = means.get(bucket)
-        if mean is not None:
-            return mean
         larger = [b for b in means if b > bucket]
         if larger:
             return means[min(larger)]

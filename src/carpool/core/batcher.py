@@ -480,7 +480,7 @@ class Batcher(Lifecycle):
             request_units(request, policy.budget_unit),
             policy.budget_unit,
             lambda: (
-                self._adaptive.max_units(policy, limits, now, now)
+                self._adaptive.admission_cap(policy, limits, now)
                 if self._is_adaptive
                 else policy.unit_limit(limits)
             ),

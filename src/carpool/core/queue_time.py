@@ -9,7 +9,8 @@ answer comes. So at admission the wait is predicted from what the batcher measur
 - the work ahead: the requests of the request's class and the classes above it, in
   the policy's budget unit (items, tokens or cost), plus its own;
 - the batches it drains in: at most the batch cap in force (the adaptive controller's,
-  or the class's limit), each taking its measured time
+  as it computed it at most :data:`~carpool.core.adaptive.ADMISSION_CAP_S` ago, or the
+  class's limit), each taking its measured time
   (:meth:`~carpool.core.batch_times.BatchTimes.predict_s`, the span a batch really
   took), spread over the replicas the class may use;
 - the time until a replica is free: the least a batch in flight has left.

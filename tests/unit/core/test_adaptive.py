@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from carpool.core.adaptive import (
+    ADMISSION_CAP_S,
     COLD_BATCHES,
     FILL_STRETCH,
     GAP_FACTOR,
@@ -276,6 +277,32 @@ def test_refusing_under_a_queue_bound_it_caps_at_two_batches_within_the_budget()
     # Without a queue bound in time, refusals (a count bound) leave the cap alone.
     unbounded = _policy(max_batch_size=256, slo_s=0.05, max_queue_size=10)
     assert adaptive.max_units(unbounded, unbounded.class_limits(None), now, now) == one
+
+
+def test_the_admission_cap_is_reused_briefly_and_never_past_a_batch_or_a_new_policy() -> None:
+    policy = _policy(max_batch_size=256, slo_s=0.05, max_queue_time_s="auto")
+    limits = policy.class_limits(None)
+    fit = _fit()
+    adaptive = Adaptive(fit)
+    _steady(adaptive, limits.name, 3000, until_s=5.0)
+    one = adaptive.max_units(policy, limits, 5.0, 5.0)
+    tighter = policy.replace(max_batch_size=4)  # a new policy asks afresh, however soon
+    assert adaptive.admission_cap(tighter, tighter.class_limits(None), 5.0) == 4
+    assert adaptive.admission_cap(policy, limits, 5.0) == one
+    for i in range(20):  # refusing from here on: the cap in force falls to two batches
+        adaptive.refused(limits.name, 5.0 + i * 0.0001)
+    now = 5.002
+    two = adaptive.max_units(policy, limits, now, now)
+    assert two < one
+    assert adaptive.admission_cap(policy, limits, now) == one  # within ADMISSION_CAP_S
+    assert adaptive.admission_cap(policy, limits, 5.0 + 1.01 * ADMISSION_CAP_S) == two
+    # A batch landing (the line changed) asks afresh, however soon.
+    later = 5.0 + 1.02 * ADMISSION_CAP_S
+    assert adaptive.admission_cap(policy, limits, later) == two
+    fit.observe(8, 0.2)  # much slower batches: a smaller cap
+    slower = adaptive.max_units(policy, limits, later, later)
+    assert slower < two
+    assert adaptive.admission_cap(policy, limits, later) == slower
 
 
 def test_what_a_queue_bound_refuses_counts_as_demand_for_the_size_that_keeps_up() -> None:
