@@ -520,6 +520,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
     model_config = MODELS[args.model]
+    for flag, given, known in (("--systems", args.systems, SYSTEMS),
+                               ("--patterns", args.patterns, PATTERNS)):  # fmt: skip
+        unknown = sorted(set(given.split(",")) - set(known))
+        if unknown:
+            parser.error(f"{flag}: unknown {', '.join(unknown)}; expected names from "
+                         f"{','.join(known)}")  # fmt: skip
     systems = [s for s in SYSTEMS if s in args.systems.split(",")]
     patterns = [p for p in PATTERNS if p in args.patterns.split(",")]
 
