@@ -520,14 +520,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
     model_config = MODELS[args.model]
+    chosen: dict[str, list[str]] = {}  # flag -> the names asked, in the known order
     for flag, given, known in (("--systems", args.systems, SYSTEMS),
                                ("--patterns", args.patterns, PATTERNS)):  # fmt: skip
-        unknown = sorted(set(given.split(",")) - set(known))
-        if unknown:
+        asked = set(given.split(","))
+        if unknown := sorted(asked - set(known)):
             parser.error(f"{flag}: unknown {', '.join(unknown)}; expected names from "
                          f"{','.join(known)}")  # fmt: skip
-    systems = [s for s in SYSTEMS if s in args.systems.split(",")]
-    patterns = [p for p in PATTERNS if p in args.patterns.split(",")]
+        chosen[flag] = [name for name in known if name in asked]
+    systems, patterns = chosen["--systems"], chosen["--patterns"]
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

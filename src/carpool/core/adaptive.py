@@ -381,13 +381,11 @@ class Adaptive:
         took W1 about 4% of its event loop's time (docs/benchmarks.md)."""
         held = self._admission_caps.get(limits.name)
         num_batches = self._fit.num_batches
-        if (
-            held is not None
-            and held[0] is policy
-            and held[1] == num_batches
-            and 0.0 <= now - held[2] < ADMISSION_CAP_S
-        ):
-            return held[3]
+        if held is not None:
+            held_policy, held_batches, held_s, cap = held
+            fresh = 0.0 <= now - held_s < ADMISSION_CAP_S
+            if held_policy is policy and held_batches == num_batches and fresh:
+                return cap
         cap = self.max_units(policy, limits, now, now)
         self._admission_caps[limits.name] = (policy, num_batches, now, cap)
         return cap
