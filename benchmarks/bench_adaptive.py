@@ -33,7 +33,8 @@ between settings over the policy endpoint (`--allow-policy-updates`), not by res
 issue's grid. `--only priority` runs only part 2 (results in `adaptive_priority.json`);
 `--only c64` only `auto` against fixed (64 within 2 ms) at concurrency 64, in turn
 (`adaptive_c64.json`); `--repeats N` runs either N times (the policies alternating) and
-reports medians;
+reports medians, and with `--sweep-only` runs the sweep N times, each on a fresh server
+that measures its own capacity, and reports each load's median `auto` / best fixed;
 `--breakdown` also records the server's timelines while the interactive client runs
 under load and summarizes where the interactive requests' time went (it costs the server
 some CPU: leave it off for the figures). `--timeout-s S` gives every setting of the
@@ -609,7 +610,12 @@ def main() -> None:
     parser.add_argument(
         "--only", choices=("priority", "c64"), help="only the priority classes, or concurrency 64"
     )
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of those two (medians)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of those two, or of the sweep with --sweep-only (medians)",
+    )
     parser.add_argument("--breakdown", action="store_true", help="record server timelines")
     parser.add_argument(
         "--timeout-s", type=float, help="the sweep's settings all get this timeout_s (deadline)"
@@ -632,6 +638,12 @@ def main() -> None:
     priority_only = args.only == "priority"
     machine = machine_info()
     print(f"machine: {machine}")
+    if args.sweep_only and args.repeats > 1:
+        rounds = sweep_rounds(work, args.quick, args.repeats, only_loads, only_settings)
+        record = {"machine": machine, "quick": args.quick, "slo_s": SLO_S}
+        record |= {"max_queue_time_s": args.max_queue_time_s, "timeout_s": args.timeout_s}
+        write_results(args.json or DEFAULT_JSON, record | rounds)
+        return
     ceiling = offline_ceiling()
     print(f"offline W1 ceiling at batch 64 on cpu {SERVER_CPU}: {ceiling:.0f} items/s")
     with serving(CONFIG) as url:
@@ -697,6 +709,39 @@ def main() -> None:
             "priorities": priorities,
         },
     )
+
+
+def sweep_rounds(
+    work: Workload,
+    quick: bool,
+    repeats: int,
+    only_loads: list[str] | None,
+    only_settings: list[str] | None,
+) -> dict[str, Any]:
+    """The sweep ``repeats`` times, each on a fresh server with its own capacity
+    measurement; per load, each round's `auto` / best fixed and their median (one point
+    under overload moves by tens of percent from round to round on this shared machine)."""
+    rounds = []
+    for i in range(repeats):
+        with serving(CONFIG) as url:
+            capacity = measure_capacity(url, W1, quick)
+            print(f"round {i + 1}/{repeats}: capacity {capacity:.0f} req/s", flush=True)
+            sweep = run_sweep(url, work, capacity, quick, only_loads, only_settings)
+        print_sweep(sweep)
+        rounds.append({"capacity_rps": capacity, "sweep": sweep})
+    per_load: dict[str, Any] = {}
+    for load in rounds[0]["sweep"]["per_load"]:
+        ratios = [r["sweep"]["per_load"][load]["auto_over_best_fixed"] for r in rounds]
+        per_load[load] = {"auto_over_best_fixed": ratios, "median": float(np.median(ratios))}
+        print(
+            f"{load:>13}: auto / best fixed, median of {repeats} rounds {np.median(ratios):.2f}"
+            f" (rounds {', '.join(f'{x:.2f}' for x in ratios)})"
+        )
+    totals = [r["sweep"]["auto_over_single_fixed_total"] for r in rounds]
+    print(f"whole sweep: auto / best single fixed, median {np.median(totals):.2f}")
+    summary = {"per_load": per_load, "auto_over_single_fixed_total": totals}
+    summary["auto_over_single_fixed_total_median"] = float(np.median(totals))
+    return {"rounds": rounds, "medians": summary}
 
 
 def print_sweep(sweep: dict[str, Any]) -> None:
