@@ -30,8 +30,12 @@ from carpool.core.clock import Clock
 SMOOTHING = 0.2  # weight of the newest batch in its bucket's average
 MAX_AGE_S = 1.0  # an estimate older than this is not trusted to drop a request
 FIT_KEEP = 0.98  # weight a batch keeps in the fit per newer batch: ~50 batches of memory
-# The fit has a slope once the sizes it saw vary this much (variance in items squared).
+# The fit has a slope once the sizes it saw vary this much (variance in items squared),
 MIN_SIZE_VARIANCE = 0.25
+# and takes a new one only when its standard error is under this share of the mean time
+# per item: batches of nearly one size (a closed loop of 16 clients) with noisy times
+# give a slope of anything, 0 included, which would put the knee at infinity.
+MAX_SLOPE_ERROR = 0.1
 
 
 class BatchTimeFit:
@@ -40,12 +44,26 @@ class BatchTimeFit:
 
     Once the sizes seen stop varying (a saturated replica runs full batches only) the
     slope last fitted is kept, and the overhead follows the recent batches' mean time:
-    forgetting the slope would switch off what depends on it just under load."""
+    forgetting the slope would switch off what depends on it just under load. The sizes
+    vary enough when the slope they give is known to within :data:`MAX_SLOPE_ERROR` of
+    the mean time per item (its standard error, from the residuals and the weights)."""
 
-    __slots__ = ("_sb", "_sbb", "_sbt", "_slope", "_st", "_sw", "num_batches", "stretch")
+    __slots__ = (
+        "_sb",
+        "_sbb",
+        "_sbt",
+        "_slope",
+        "_st",
+        "_stt",
+        "_sw",
+        "_sww",
+        "num_batches",
+        "stretch",
+    )
 
     def __init__(self) -> None:
         self._sw = self._sb = self._sbb = self._st = self._sbt = 0.0
+        self._stt = self._sww = 0.0  # for the slope's standard error
         self._slope: float | None = None  # the last slope the sizes seen identified
         self.num_batches = 0
         # A batch's span over the model's own time, a moving average (1 when the model
@@ -61,14 +79,26 @@ class BatchTimeFit:
     def observe(self, num_items: float, compute_s: float) -> None:
         k = FIT_KEEP
         self._sw = k * self._sw + 1.0
+        self._sww = k * k * self._sww + 1.0
         self._sb = k * self._sb + num_items
         self._sbb = k * self._sbb + num_items * num_items
         self._st = k * self._st + compute_s
+        self._stt = k * self._stt + compute_s * compute_s
         self._sbt = k * self._sbt + num_items * compute_s
         self.num_batches += 1
-        if self._variance() >= MIN_SIZE_VARIANCE:
-            mean_b, mean_t = self._sb / self._sw, self._st / self._sw
-            slope = (self._sbt / self._sw - mean_b * mean_t) / self._variance()
+        variance = self._variance()
+        if variance < MIN_SIZE_VARIANCE:
+            return
+        mean_b, mean_t = self._sb / self._sw, self._st / self._sw
+        covariance = self._sbt / self._sw - mean_b * mean_t
+        slope = covariance / variance
+        # What the line leaves unexplained, over the batches the weights amount to.
+        residual = max(0.0, self._stt / self._sw - mean_t * mean_t - slope * covariance)
+        num_effective = self._sw * self._sw / self._sww
+        if num_effective <= 2.0:
+            return
+        error = math.sqrt(residual / ((num_effective - 2.0) * variance))
+        if error <= MAX_SLOPE_ERROR * mean_t / mean_b:
             self._slope = max(slope, 0.0)
 
     @property

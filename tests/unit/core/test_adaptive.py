@@ -158,6 +158,47 @@ def test_the_fit_keeps_its_slope_once_the_sizes_stop_varying() -> None:
     assert overhead_s == pytest.approx(OVERHEAD_S + 0.001)
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_a_narrow_noisy_cluster_of_sizes_leaves_the_slope_it_found_before(seed: int) -> None:
+    """A closed loop of 16 clients runs batches of 16, now and then 12-15, whose times
+    vary by more than what a few items cost: the slope they give could be anything (over
+    HTTP a line of 7.01 ms + 0 ms an item was fitted after such a load: the knee at
+    infinity). The slope the varied sizes gave before stays within what the cluster can
+    tell; the overhead follows."""
+    rng = random.Random(seed)
+    fit = _fit()
+    for _ in range(2000):
+        size = 16 if rng.random() < 0.7 else rng.randint(12, 15)
+        fit.observe(size, OVERHEAD_S + PER_ITEM_S * size + rng.gauss(0.0, 0.001))
+    overhead_s, per_item_s = fit.line()
+    assert per_item_s == pytest.approx(PER_ITEM_S, rel=0.25)
+    assert overhead_s == pytest.approx(OVERHEAD_S, abs=0.0015)
+
+
+def test_varied_sizes_with_noisy_times_still_give_the_slope() -> None:
+    rng = random.Random(4)
+    fit = BatchTimeFit()
+    for i in range(400):
+        size = 1 << (i % 7)
+        fit.observe(size, OVERHEAD_S + PER_ITEM_S * size + rng.gauss(0.0, 0.0005))
+    assert fit.is_identified
+    overhead_s, per_item_s = fit.line()
+    assert per_item_s == pytest.approx(PER_ITEM_S, rel=0.1)
+    assert overhead_s == pytest.approx(OVERHEAD_S, abs=0.0005)
+
+
+def test_a_model_whose_time_does_not_grow_with_the_batch_gets_a_flat_line() -> None:
+    """A GPU far from its limit: 5 ms whatever the size. A slope of about 0 is a known
+    slope (no knee), not an unknown one (each item charged the mean)."""
+    rng = random.Random(5)
+    fit = BatchTimeFit()
+    for i in range(400):
+        fit.observe(1 << (i % 7), 0.005 + rng.gauss(0.0, 0.0002))
+    assert fit.is_identified
+    overhead_s, per_item_s = fit.line()
+    assert per_item_s < 0.00002 and overhead_s == pytest.approx(0.005, abs=0.0003)
+
+
 # -- decisions on a known line and known arrivals -------------------------------------
 
 
