@@ -12,11 +12,14 @@ between settings over the policy endpoint (`--allow-policy-updates`), not by res
    arrivals, CV^2 4, at 70%; a day/night schedule between 5% and 90%), the goodput:
    requests answered within `SLO_S` per second. Per load, the best fixed setting; over
    the whole sweep, the single fixed setting with the best total (the one a user tuning
-   once would keep). Each point also keeps where a late answer's time went: the
-   client's lag (`behind_schedule_ratio`, `max_lag_ms`: sends that left late, the load
-   generator's own CPU), the server's mean batch size, queue wait and model time, its
-   refusals, and the share it answered within the SLO by its own clock; for `auto`, what
-   the controller had in force every 0.25 s (`adaptive_trace`).
+   once would keep). The sweep goes load by load, every setting in turn, the order
+   turned by one setting from load to load, so that no setting runs last at every load
+   (this VM's speed drifts: `bench_steadiness.py`). Each point also keeps where a late
+   answer's time went: the client's lag (`behind_schedule_ratio`, `max_lag_ms`: sends
+   that left late, the load generator's own CPU), the server's mean batch size, queue
+   wait and model time, its refusals, and the share it answered within the SLO by its
+   own clock; for `auto`, what the controller had in force every 0.25 s
+   (`adaptive_trace`).
 2. **Priority classes.** An interactive request (`priority: 1`, `slo_s` 20 ms) every
    20 ms, alone and then under 64 closed-loop background clients; its p99, and the
    background throughput against the offline ceiling; fixed (64 within 2 ms) vs auto,
@@ -368,10 +371,13 @@ def run_sweep(
     loads = _loads(capacity, quick, work.day_night)
     if only_loads is not None:
         loads = [load for load in loads if load[0] in only_loads]
-    table: dict[str, dict[str, dict[str, Any]]] = {}
-    for name, policy in settings:
-        table[name] = {}
-        for label, flags, duration_s in loads:
+    table: dict[str, dict[str, dict[str, Any]]] = {name: {} for name, _ in settings}
+    # Load by load, every setting in turn, the order turned by one setting from one load
+    # to the next: the machine's speed drifts (bench_steadiness.py), and a setting run
+    # last at every load would carry every slow stretch at the end of the run.
+    for i, (label, flags, duration_s) in enumerate(loads):
+        shift = i % len(settings)
+        for name, policy in settings[shift:] + settings[:shift]:
             if policy is None:
                 with Aimd(url, work):
                     table[name][label] = goodput(url, work, flags, duration_s)

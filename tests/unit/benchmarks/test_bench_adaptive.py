@@ -47,3 +47,65 @@ def test_rounds_each_get_a_fresh_server_and_report_each_loads_median(
     assert per_load["poisson 110%"] == {"auto_over_best_fixed": [0.8, 1.2, 0.9], "median": 0.9}
     assert per_load["bursty 70%"]["median"] == 0.95
     assert out["medians"]["auto_over_single_fixed_total_median"] == 0.95
+
+
+def test_the_sweep_runs_every_setting_at_each_load_in_a_turning_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ran: list[tuple[str, str]] = []  # (load, setting) in the order they ran
+    policies: list[dict[str, Any]] = []
+
+    def goodput(url: str, work: Any, flags: list[str], duration_s: float) -> dict[str, Any]:
+        load = next(label for label, f, _ in loads if f == flags)
+        setting = "aimd" if aimd_on else _name(policies[-1])
+        ran.append((load, setting))
+        return {"goodput_rps": 1.0, "p50_ms": 1.0, "p99_ms": 1.0}
+
+    def _name(policy: dict[str, Any]) -> str:
+        if policy["max_delay_s"] == "auto":
+            return "auto"
+        return f"fixed {policy['max_delay_s'] * 1e3:g} ms x {policy['max_batch_size']}"
+
+    aimd_on = False
+
+    class Aimd:
+        def __init__(self, url: str, work: Any) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            nonlocal aimd_on
+            aimd_on = True
+
+        def __exit__(self, *exc: object) -> None:
+            nonlocal aimd_on
+            aimd_on = False
+
+    class Trace:
+        def __init__(self, url: str, model: str) -> None:
+            self.samples: list[Any] = []
+
+        def __enter__(self) -> Trace:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    class Response:
+        def json(self) -> dict[str, Any]:
+            return {"adaptive": {}}
+
+    loads = bench_adaptive._loads(1000.0, True, True)
+    monkeypatch.setattr(bench_adaptive, "goodput", goodput)
+    monkeypatch.setattr(bench_adaptive, "set_policy", lambda url, m, **p: policies.append(p))
+    monkeypatch.setattr(bench_adaptive, "Aimd", Aimd)
+    monkeypatch.setattr(bench_adaptive, "PolicyTrace", Trace)
+    monkeypatch.setattr(bench_adaptive.httpx, "get", lambda *a, **k: Response())
+
+    sweep = bench_adaptive.run_sweep("url", bench_adaptive.W1, 1000.0, True)
+
+    settings = list(sweep["table"])
+    labels = [label for label, _, _ in loads]
+    assert [load for load, _ in ran] == [lb for lb in labels for _ in settings]  # load by load
+    for i, label in enumerate(labels):
+        order = [setting for load, setting in ran if load == label]
+        assert order == settings[i:] + settings[:i]  # every setting, turned by one a load
