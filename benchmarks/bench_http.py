@@ -57,6 +57,7 @@ def offline_ceiling(seconds: float = 3.0, batch_size: int = 64) -> float:
     from carpool.models.mlp import W1Runner
 
     torch.set_num_threads(1)
+    allowed = os.sched_getaffinity(0)  # given back after: a caller pinned to the load CPU
     os.sched_setaffinity(0, {int(SERVER_CPU)})
     runner = W1Runner()
     x = np.random.default_rng(1).standard_normal((batch_size, 256), dtype=np.float32)
@@ -67,7 +68,7 @@ def offline_ceiling(seconds: float = 3.0, batch_size: int = 64) -> float:
         runner(x)
         done += batch_size
     rate = done / (time.perf_counter() - start)
-    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    os.sched_setaffinity(0, allowed)
     return rate
 
 
