@@ -52,8 +52,9 @@ def main() -> None:
     print(f"machine: {machine}")
     rows: list[dict[str, Any]] = []
     with serving(CONFIG) as url:
-        set_policy(url, W1.model, max_delay_s="auto", max_batch_size="auto")
-        set_policy(url, W1.model, max_queue_time_s="auto")
+        set_policy(
+            url, W1.model, max_delay_s="auto", max_batch_size="auto", max_queue_time_s="auto"
+        )
         for label, flags in LOADS:
             point = goodput(url, W1, flags, POINT_S)
             policy = httpx.get(f"{url}/v2/models/{W1.model}/policy", timeout=10.0).json()

@@ -87,16 +87,14 @@ class BatchTimeFit:
         self._sbt = k * self._sbt + num_items * compute_s
         self.num_batches += 1
         variance = self._variance()
-        if variance < MIN_SIZE_VARIANCE:
+        num_effective = self._sw * self._sw / self._sww  # the batches the weights amount to
+        if variance < MIN_SIZE_VARIANCE or num_effective <= 2.0:
             return
         mean_b, mean_t = self._sb / self._sw, self._st / self._sw
         covariance = self._sbt / self._sw - mean_b * mean_t
         slope = covariance / variance
-        # What the line leaves unexplained, over the batches the weights amount to.
+        # What the line leaves unexplained.
         residual = max(0.0, self._stt / self._sw - mean_t * mean_t - slope * covariance)
-        num_effective = self._sw * self._sw / self._sww
-        if num_effective <= 2.0:
-            return
         error = math.sqrt(residual / ((num_effective - 2.0) * variance))
         if error <= MAX_SLOPE_ERROR * mean_t / mean_b:
             self._slope = max(slope, 0.0)
