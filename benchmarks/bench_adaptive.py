@@ -345,16 +345,9 @@ def measure_capacity(url: str, work: Workload, quick: bool) -> float:
     return float(goodput(url, work, ["--concurrency", "64"], 3.0 if quick else 10.0)["rate_rps"])
 
 
-def run_sweep(
-    url: str,
-    work: Workload,
-    capacity: float,
-    quick: bool,
-    only_loads: list[str] | None = None,
-    only_settings: list[str] | None = None,
-) -> dict[str, Any]:
-    """The sweep (module docstring); ``only_loads``/``only_settings`` keep those labels
-    and setting names (``auto`` is always kept: the ratios are its)."""
+def sweep_settings(work: Workload, quick: bool) -> list[tuple[str, dict[str, Any] | None]]:
+    """(name, policy) of every setting of the sweep: the fixed grid, then `auto` and AIMD
+    (no policy: the controller sets it as it runs)."""
     delays = QUICK_DELAYS_S if quick else FULL_DELAYS_S
     sizes = work.quick_sizes if quick else work.full_sizes
     settings: list[tuple[str, dict[str, Any] | None]] = [
@@ -365,7 +358,38 @@ def run_sweep(
         for d in delays
         for b in sizes
     ]
-    settings += [("auto", work.auto), ("aimd", None)]
+    return [*settings, ("auto", work.auto), ("aimd", None)]
+
+
+def unknown_names(
+    work: Workload, quick: bool, loads: list[str] | None, settings: list[str] | None
+) -> str | None:
+    """What is wrong with ``--loads``/``--settings`` names (a typo would run an empty
+    sweep for minutes, then fail), or None."""
+    known = {
+        "--loads": [label for label, _, _ in _loads(1.0, quick, work.day_night)],
+        "--settings": [name for name, _ in sweep_settings(work, quick)],
+    }
+    for flag, asked in (("--loads", loads), ("--settings", settings)):
+        if unknown := [name for name in asked or [] if name not in known[flag]]:
+            return (
+                f"{flag}: unknown {', '.join(unknown)}; expected names from "
+                f"{','.join(known[flag])}{' (this grid: --quick)' if quick else ''}"
+            )
+    return None
+
+
+def run_sweep(
+    url: str,
+    work: Workload,
+    capacity: float,
+    quick: bool,
+    only_loads: list[str] | None = None,
+    only_settings: list[str] | None = None,
+) -> dict[str, Any]:
+    """The sweep (module docstring); ``only_loads``/``only_settings`` keep those labels
+    and setting names (``auto`` is always kept: the ratios are its)."""
+    settings = sweep_settings(work, quick)
     if only_settings is not None:
         settings = [(n, p) for n, p in settings if n in only_settings or n == "auto"]
     loads = _loads(capacity, quick, work.day_night)
@@ -641,6 +665,10 @@ def main() -> None:
     work = with_bounds(W1, args.timeout_s, args.max_queue_time_s)
     only_loads = None if args.loads is None else args.loads.split(",")
     only_settings = None if args.settings is None else args.settings.split(",")
+    if problem := unknown_names(work, args.quick, only_loads, only_settings):
+        parser.error(problem)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: expected at least 1")
     priority_only = args.only == "priority"
     machine = machine_info()
     print(f"machine: {machine}")

@@ -109,3 +109,15 @@ def test_the_sweep_runs_every_setting_at_each_load_in_a_turning_order(
     for i, label in enumerate(labels):
         order = [setting for load, setting in ran if load == label]
         assert order == settings[i:] + settings[:i]  # every setting, turned by one a load
+
+
+def test_names_the_sweep_does_not_have_are_refused_with_the_ones_it_has() -> None:
+    w1 = bench_adaptive.W1
+    assert bench_adaptive.unknown_names(w1, False, ["poisson 110%", "day/night"], None) is None
+    assert bench_adaptive.unknown_names(w1, False, None, ["fixed 10 ms x 64", "aimd"]) is None
+    problem = bench_adaptive.unknown_names(w1, True, ["poisson 111%"], None)
+    assert problem is not None and problem.startswith("--loads: unknown poisson 111%;")
+    assert "poisson 110%" in problem
+    problem = bench_adaptive.unknown_names(w1, True, None, ["fixed 5 ms x 64"])
+    assert problem is not None and "--settings: unknown fixed 5 ms x 64;" in problem
+    assert "(this grid: --quick)" in problem  # 5 ms is in the full grid only
