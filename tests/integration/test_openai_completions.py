@@ -54,6 +54,21 @@ def test_models_lists_the_generator_labelled_as_random_weights(client):
     assert "random weights" in models[MODEL].owned_by
 
 
+def test_vllm_probes_answer_as_vllm_answers_them(served):
+    """What vLLM's clients ask before their first request: ``guidellm`` checks ``GET
+    /health`` (200, empty body) and stops at anything else; ``/ping`` and ``/version``
+    are vLLM's too. ``/health`` is open without the API key, as on vLLM."""
+    base = f"http://{served.http_url}"
+    health = httpx.get(f"{base}/health")
+    assert (health.status_code, health.content) == (200, b"")
+    assert httpx.get(f"{base}/ping").status_code == 200
+    assert httpx.post(f"{base}/ping").status_code == 200
+    version = httpx.get(f"{base}/version")
+    assert version.status_code == 200
+    assert version.json()["version"] == httpx.get(f"{base}/v2").json()["version"]
+    assert httpx.post(f"{base}/health").status_code == 405
+
+
 def test_completion_answers_with_text_finish_reason_and_usage(client):
     response = client.completions.create(
         model=MODEL, prompt="Hello", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}

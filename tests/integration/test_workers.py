@@ -146,6 +146,15 @@ def test_new_connections_spread_over_both_workers_and_metrics_agree(
     assert counts == {NUM_CONNECTIONS}
 
 
+def test_vllm_probes_are_answered_through_the_workers(served: ServedProcess) -> None:
+    """``GET /health`` from the worker's head (as ``/v2/health/ready``), ``POST /ping``
+    forwarded to the engine: both 200 once every model is ready."""
+    base = f"http://{served.http_url}"
+    for _ in range(4):  # new connections: both workers
+        assert httpx.get(f"{base}/health").status_code == 200
+        assert httpx.post(f"{base}/ping").status_code == 200
+
+
 def test_the_dashboard_and_the_live_figures_come_from_the_engine(served: ServedProcess) -> None:
     x = np.ones((1, 2), dtype=np.float32)
     for _ in range(4):

@@ -4,7 +4,7 @@
 route and gRPC call need the key, as ``Authorization: Bearer KEY`` (gRPC: the
 ``authorization`` metadata), except what probes and scrapers call without one::
 
-    HTTP  /v2/health/*                              always open
+    HTTP  /v2/health/*, /health, /ping              always open
           /metrics                                  open unless --protect-metrics
     gRPC  ServerLive, ServerReady, ModelReady       always open (Triton's and KServe's probes)
 
@@ -117,11 +117,14 @@ class Access:
         return hmac.compare_digest(token, key)
 
     def is_open(self, path: str) -> bool:
-        """Whether the HTTP ``path`` is answered without the key: ``/v2/health/*``, and
-        ``/metrics`` unless ``protect_metrics``. Split as ``KServeApp`` routes it (empty
-        segments dropped), so no path reaches a route other than the one checked."""
+        """Whether the HTTP ``path`` is answered without the key: ``/v2/health/*``,
+        ``/health`` and ``/ping``, and ``/metrics`` unless ``protect_metrics``. Split as
+        ``KServeApp`` routes it (empty segments dropped), so no path reaches a route
+        other than the one checked."""
         parts = [p for p in path.split("/") if p]
-        return parts[:2] == ["v2", "health"] or (parts == ["metrics"] and not self.protect_metrics)
+        if parts[:2] == ["v2", "health"] or parts in (["health"], ["ping"]):
+            return True
+        return parts == ["metrics"] and not self.protect_metrics
 
     def check_http(self, path: str, authorization: bytes | None) -> None:
         """Raises Unauthorized (401) unless the request may be served."""

@@ -67,6 +67,10 @@ def test_the_refusal_says_what_was_wrong_without_what_was_sent() -> None:
         ("/v2/health/live", False, True),
         ("/v2/health/ready", True, True),
         ("//v2//health/ready", False, True),  # split as the router splits it
+        ("/health", False, True),  # vLLM's probes, open as vLLM leaves them
+        ("/ping/", True, True),
+        ("/version", False, False),
+        ("/health/x", False, False),
         ("/metrics", False, True),
         ("/metrics", True, False),
         ("/metrics/", False, True),

@@ -85,6 +85,9 @@ async def test_body_over_the_limit_is_a_413() -> None:
     [
         ("GET", "/v2/health/live", 200),
         ("GET", "/v2/health/ready", 503),  # batchers not started
+        ("GET", "/health", 503),  # vLLM's probes answer readiness
+        ("POST", "/ping", 503),
+        ("GET", "/version", 200),
         ("GET", "/v2/models/m/versions/1", 200),
         ("GET", "/v2/models/m/versions/2", 404),
         ("GET", "/v2/models/m/nonsense", 404),
@@ -132,6 +135,7 @@ async def app() -> AsyncIterator[KServeApp]:
     [
         ("GET", "/v2/models/m/infer"),
         ("POST", "/v2/health/live"),
+        ("POST", "/health"),  # vLLM's /health is GET only; its /ping takes both
         ("HEAD", "/v2/models/m/infer"),  # HEAD goes with GET only
         ("POST", "/v2/models/m/ready"),
         ("DELETE", "/v2/models/m"),

@@ -4,6 +4,7 @@
 
     POST /v2/models/{m}[/versions/{v}]/infer   a model its batcher answers: the fast path
     GET  /v2/health/live | /v2/health/ready    answered from the head, in its turn
+    GET  /health | /ping                       (vLLM's probes, ready as /v2/health/ready)
     anything else                              its route's handler, in a task
 
 The fast path takes no task: the body is decoded and checked on the spot
@@ -51,7 +52,12 @@ from carpool.server.limits import over_inflight_bytes
 from carpool.server.repository import ServedModel
 
 # The probes answered from the head, each with whether it asks for readiness.
-_HEALTH = {b"/v2/health/live": False, b"/v2/health/ready": True}
+_HEALTH = {
+    b"/v2/health/live": False,
+    b"/v2/health/ready": True,
+    b"/health": True,  # vLLM's
+    b"/ping": True,  # vLLM's (SageMaker's)
+}
 T = TypeVar("T")
 MAX_PREPARED_REFUSALS = 256  # one per model and bound, a few limits: never many
 _INFER, _ROUTE, _REFUSAL = ExchangeKind.INFER, ExchangeKind.ROUTE, ExchangeKind.REFUSAL

@@ -140,6 +140,10 @@ async def _ready(served: Served, call: Call) -> Answer:
     return (200 if served.repository.is_ready else 503), b"", ()
 
 
+async def _version(served: Served, call: Call) -> Answer:
+    return _json({"version": __version__})
+
+
 async def _server_metadata(served: Served, call: Call) -> Answer:
     return _json({"name": "carpool", "version": __version__, "extensions": EXTENSIONS})
 
@@ -257,6 +261,7 @@ _HANDLERS: dict[RouteKind, Handler] = {
     RouteKind.COMPLETIONS: _completions,
     RouteKind.CHAT_COMPLETIONS: _completions,
     RouteKind.DASHBOARD: _dashboard,
+    RouteKind.VERSION: _version,
 }
 
 

@@ -4,6 +4,8 @@ Every path carpool serves is told apart here, for requests read by carpool's own
 (:mod:`carpool.server.http.connection`) and by the ASGI app alike::
 
     GET  /v2/health/live | /v2/health/ready
+    GET  /health | GET, POST /ping                       readiness, as vLLM's server answers it
+    GET  /version                                        {"version": ...}, as vLLM's
     GET  /v2                                             server metadata
     GET  /v2/models/{m}[/versions/{v}]                   model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready | /config | /stats
@@ -65,6 +67,7 @@ class RouteKind(enum.Enum):
     COMPLETIONS = "completions"
     CHAT_COMPLETIONS = "chat completions"
     DASHBOARD = "dashboard"
+    VERSION = "version"
 
 
 # The routes whose answer needs the request's body; the others are answered from the head.
@@ -131,8 +134,16 @@ def route_path(repository: ModelRepository, access: Access, method: str, path: s
         return Route(RouteKind.DASHBOARD)
     if parts[:1] == ["v1"]:
         return _openai(method, path, parts[1:])
+    if parts in (["health"], ["ping"]):  # vLLM's probes: what its clients check first
+        _allow(method, path, *(("GET", "POST") if parts[0] == "ping" else ("GET",)))
+        return Route(RouteKind.HEALTH_READY)
+    if parts == ["version"]:
+        _allow(method, path, "GET")
+        return Route(RouteKind.VERSION)
     if not parts or parts[0] != "v2":
-        raise NotFound(f"path {path!r}", ["/v2/...", "/v1/...", "/metrics", "/dashboard"])
+        raise NotFound(
+            f"path {path!r}", ["/v2/...", "/v1/...", "/metrics", "/dashboard", "/health"]
+        )
     rest = parts[1:]
     if rest in (["health", "live"], ["health", "ready"]):
         _allow(method, path, "GET")

@@ -423,16 +423,18 @@ async def test_health_probes_are_answered_without_a_task_in_their_turn(server: S
     protocol, transport = connect()
     live = b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n"
     ready = b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n"
-    protocol.data_received(binary_request(1.0) + ready + live)  # behind an infer
+    vllm = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"  # vLLM's probe: readiness
+    protocol.data_received(binary_request(1.0) + ready + live + vllm)  # behind an infer
     assert not protocol.tasks  # no task: nothing to queue behind
-    await until(lambda: len(Responses(bytes(transport.data)).items) == 3)
+    await until(lambda: len(Responses(bytes(transport.data)).items) == 4)
     statuses = [status for status, _, _ in Responses(bytes(transport.data)).items]
-    assert statuses == [200, 200, 200]  # in order: the infer's answer first
+    assert statuses == [200, 200, 200, 200]  # in order: the infer's answer first
     assert not transport.closed
     await app.repository.stop()  # not ready any more; still alive
-    protocol.data_received(ready + live)
-    await until(lambda: len(Responses(bytes(transport.data)).items) == 5)
-    assert [status for status, _, _ in Responses(bytes(transport.data)).items][3:] == [503, 200]
+    protocol.data_received(ready + live + vllm)
+    await until(lambda: len(Responses(bytes(transport.data)).items) == 7)
+    statuses = [status for status, _, _ in Responses(bytes(transport.data)).items][4:]
+    assert statuses == [503, 200, 503]
 
 
 async def test_a_client_gone_before_its_handler_ran_reaches_the_model_and_is_withdrawn(

@@ -37,6 +37,10 @@ def _request(method: str, path: str, authorization: bytes | None = None) -> Http
     [
         ("GET", "/v2/health/live", RouteKind.HEALTH_LIVE),
         ("HEAD", "/v2/health/ready", RouteKind.HEALTH_READY),
+        ("GET", "/health", RouteKind.HEALTH_READY),  # vLLM's probes: readiness
+        ("GET", "/ping", RouteKind.HEALTH_READY),
+        ("POST", "/ping", RouteKind.HEALTH_READY),
+        ("GET", "/version", RouteKind.VERSION),
         ("GET", "/v2", RouteKind.SERVER_METADATA),
         ("GET", "/v2/models/stats", RouteKind.MODELS_STATS),
         ("GET", "/v2/timelines", RouteKind.TIMELINES),
