@@ -487,7 +487,10 @@ class Replica:
         return finish()
 
     def close(self) -> None:
-        """End the replica's thread: wait for its calls, unless it was given up."""
+        """End the replica's thread: wait for its calls, unless it was given up; stop
+        watching it."""
+        if self._watch is not None:
+            self._watch.close()
         if not self._thread.is_abandoned:
             self._thread.shutdown(wait=True)
 

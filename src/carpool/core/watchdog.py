@@ -103,6 +103,15 @@ class ThreadWatch:
         if self.current is call:
             self.current = None
 
+    def close(self) -> None:
+        """Watch nothing more: the timer is cancelled, so the loop lets go of the replica
+        (and of its model) now, not when the timer would have fired, ``timeout_s`` after
+        its last arming (``carpool tune`` rebuilds a batcher per trial: every model built
+        stayed in memory for the watchdog's minute)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._due_s, self.current = None, math.inf, None
+
     def _arm(self, due_s: float) -> None:
         self._due_s = due_s
         self._timer = self._clock.call_at(due_s, self._fire)

@@ -5,7 +5,9 @@ behind it are served. Time is a FakeClock: the watchdog fires when the test adva
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -268,3 +270,37 @@ def test_an_abandoned_thread_cancels_what_waits_on_it_and_takes_no_more() -> Non
     assert running.result(SAFETY_S) is True
     thread.shutdown(wait=True)
     assert not thread.is_alive
+
+
+class _Doubler:
+    """A model object the test can hold weakly."""
+
+    def __call__(self, batch: list[int]) -> list[int]:
+        return [2 * x for x in batch]
+
+
+async def test_a_stopped_batcher_lets_go_of_its_models_at_once() -> None:
+    """The watchdog's timer, armed for ``batch_timeout_s`` at a replica's first batch, is
+    cancelled when its replica closes. Before, the event loop held the timer, the timer
+    the replica, the replica its model, for the watchdog's whole minute: ``carpool tune``
+    rebuilds a batcher per trial, and every model it built stayed in memory."""
+    built: list[weakref.ref[_Doubler]] = []
+
+    def factory(device: str) -> _Doubler:
+        model = _Doubler()
+        built.append(weakref.ref(model))
+        return model
+
+    batcher = Batcher(
+        None,
+        BatchPolicy(batch_timeout_s=60.0),
+        fn_factory=factory,
+        executor="thread",
+        num_replicas=2,
+        name="released",
+    )
+    async with batcher:
+        assert await asyncio.gather(batcher.submit(1), batcher.submit(2)) == [2, 4]
+    del batcher
+    gc.collect()
+    assert len(built) == 2 and [ref() for ref in built] == [None, None]
