@@ -15,7 +15,10 @@ then shuffled with a fixed seed. Modules are walked in sorted order, each in sou
 and sampled with ``random.Random``, so one Python version gives the same corpus on every run
 and machine (docstrings change between Python versions; ``__main__`` prints a fingerprint).
 
-    .venv/bin/python benchmarks/corpus.py [--num-texts 2000] [--seed 0]
+    .venv/bin/python benchmarks/corpus.py [--num-texts 2000] [--seed 0] [--out FILE]
+
+``--out`` writes the texts one per line (what ``carpool bench --texts`` and ``carpool tune
+--texts`` read; the whitespace inside each is collapsed, so none holds a newline).
 """
 
 from __future__ import annotations
@@ -355,8 +358,11 @@ def main() -> None:
     )
     parser.add_argument("--num-texts", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the texts here, one per line")
     args = parser.parse_args()
     texts = build_corpus(args.num_texts, args.seed)
+    if args.out is not None:
+        args.out.write_text("".join(f"{text}\n" for text in texts), encoding="utf-8")
     lengths = count_tokens(texts)
     short_pool, long_pool = _pools()
     digest = hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:16]

@@ -45,11 +45,11 @@ from carpool.tools.outputs import writable_path
 from carpool.tools.serverstats import ServerStats, stats_from_metrics, stats_from_snapshots
 from carpool.tools.summary import summarize
 from carpool.tools.targets import (
-    DEFAULT_TEXT,
     InProcessTarget,
     TargetSpec,
     Wire,
     make_target,
+    read_texts,
     resolve_target,
 )
 
@@ -110,7 +110,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         config=args.config,
         input_shape=_int_list(args.input_shape, "input-shape") if args.input_shape else None,
         datatype=args.dtype,
-        texts=_texts(args.texts),
+        texts=read_texts(args.texts),
         max_tokens=args.max_tokens,
         is_streaming=not args.no_stream,
         seed=args.seed,
@@ -179,19 +179,6 @@ def _float_list(text: str, name: str) -> tuple[float, ...]:
     if not values or not all(math.isfinite(v) and v > 0 for v in values):
         raise ConfigError(name, text, "comma-separated numbers above 0, e.g. 100,200")
     return values
-
-
-def _texts(path: str | None) -> tuple[str, ...]:
-    if path is None:
-        return (DEFAULT_TEXT,)
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as error:
-        raise ConfigError("texts", path, f"a readable file ({error.strerror})") from None
-    texts = tuple(line for line in lines if line.strip())
-    if not texts:
-        raise ConfigError("texts", path, "a file with at least one non-empty line")
-    return texts
 
 
 async def run_bench(config: BenchConfig) -> list[PointResult]:

@@ -139,16 +139,23 @@ class ConfiguredModel:
     def label(self) -> str:
         return f"--config {self.file} --model {self.model.name}"
 
-    def check_batched(self, command: str) -> None:
-        """Refuse a model the ``command`` cannot call on tensor batches.
+    @property
+    def takes_texts(self) -> bool:
+        """An embeddings model: its batcher's requests are texts' token ids."""
+        return self.model.kind == "embeddings"
+
+    def check_batched(self, command: str, *, texts: bool = False) -> None:
+        """Refuse a model the ``command`` cannot call on tensor batches (``texts``: the
+        command can drive an embeddings model's batcher with tokenized texts).
 
         Raises:
-            ConfigError: on ``models[i].kind`` for an embeddings or generation model.
+            ConfigError: on ``models[i].kind`` for a generation model, and for an
+                embeddings model unless ``texts``.
         """
         from carpool.server.builder import BATCHED_KINDS
 
         kind = self.model.kind
-        if kind not in BATCHED_KINDS:
+        if kind not in BATCHED_KINDS and not (texts and self.takes_texts):
             protocol = "openai-embeddings" if kind == "embeddings" else "openai-completions"
             raise ConfigError(
                 f"{self.key}.kind",
@@ -171,18 +178,24 @@ class ConfiguredModel:
         return self._keyed(lambda: build_runner(self.model, key=self.key, file=self.file))
 
     def served(
-        self, command: str, *, num_replicas: int | None = None, buffer_pool: bool | None = None
+        self,
+        command: str,
+        *,
+        num_replicas: int | None = None,
+        buffer_pool: bool | None = None,
+        texts: bool = False,
     ) -> ServedModel:
         """The model as ``carpool serve`` serves it: its batcher, policy and devices;
         ``num_replicas`` replicas instead of the config's (its devices taken in turn), and
-        ``buffer_pool`` instead of the config's when given.
+        ``buffer_pool`` instead of the config's when given; ``texts``: an embeddings model
+        too (its service tokenizes, its batcher takes the token ids).
 
         Raises:
             ConfigError: naming ``models[i].<field>`` and the file (see :meth:`check_batched`).
         """
         from carpool.server.builder import build_model
 
-        self.check_batched(command)
+        self.check_batched(command, texts=texts)
         model = self.model
         if num_replicas is not None:
             devices = model.replica_devices()

@@ -21,6 +21,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,6 +48,26 @@ if TYPE_CHECKING:
     from carpool.server.repository import TensorSpec
 
 DEFAULT_TEXT = "A container truck carrying one strawberry wastes the road; share the ride."
+
+
+def read_texts(path: str | Path | None) -> tuple[str, ...]:
+    """The non-empty lines of the file ``path`` (None: :data:`DEFAULT_TEXT` alone).
+
+    Raises:
+        ConfigError: on ``texts`` for a file that cannot be read or holds no text.
+    """
+    if path is None:
+        return (DEFAULT_TEXT,)
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise ConfigError("texts", str(path), f"a readable file ({error.strerror})") from None
+    texts = tuple(line for line in lines if line.strip())
+    if not texts:
+        raise ConfigError("texts", str(path), "a file with at least one non-empty line")
+    return texts
+
+
 _DTYPES = {
     "BOOL": "?", "UINT8": "<u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8",
     "INT8": "<i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8",

@@ -28,7 +28,7 @@ import numpy as np
 from carpool.errors import ConfigError
 from carpool.tools.modelref import ConfiguredModel, resolve, resolve_import
 from carpool.tools.outputs import writable_path
-from carpool.tools.targets import sample_inputs
+from carpool.tools.targets import read_texts, sample_inputs
 from carpool.tools.tune import (
     OBJECTIVES,
     STRATEGIES,
@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="one item's shape, comma-separated (e.g. 256); --config: every input's "
         "(default: as declared, a variable dim as 16)",
     )
+    p.add_argument(
+        "--texts",
+        type=Path,
+        metavar="FILE",
+        help="--config's embeddings model: the texts its requests carry, one per line, in "
+        "turn (default: carpool bench's one text)",
+    )
     p.add_argument("--dtype", default="float32", help="module:attr: the item's NumPy dtype")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -211,6 +218,8 @@ def _in_process(args: argparse.Namespace, load: LoadSpec) -> InProcessRunner:
     config = None if args.model_config is None else str(args.model_config)
     ref = resolve(None, config=config, model=args.model_name, accepts=TUNE_FORMS)
     assert isinstance(ref, ConfiguredModel)  # no source: the config's model, or an error
+    if ref.takes_texts:
+        return InProcessRunner(ref, read_texts(args.texts), load)
     return InProcessRunner(ref, _config_item(args, ref), load)
 
 

@@ -9,6 +9,7 @@ arrivals at ``rate_rps``). It is deliberately minimal, just enough to compare co
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import os
 import time
@@ -156,7 +157,9 @@ class InProcessRunner:
     Args:
         source: ``module:attr``, or what :func:`~carpool.tools.modelref.resolve` returned.
         payload: one request's item (the batch stacks items along a new axis 0); for a
-            config's model, ``{input name: item}``.
+            config's model, ``{input name: item}``; for a config's embeddings model, the
+            texts (a sequence of str) its requests carry in turn, one text a request,
+            tokenized by the model's own tokenizer as ``carpool serve`` tokenizes them.
         load: the load to drive.
         base_policy: the policy trials change (the BatchedFunction's or the config's, else
             the default).
@@ -179,9 +182,15 @@ class InProcessRunner:
         self._fn: Callable[[Any], Any] | None = None
         self._factory: Callable[[str], Any] | None = None
         self._entry: ConfiguredModel | None = None
+        self._texts: tuple[str, ...] | None = None
+        self._items: list[Any] | None = None  # the texts' token ids, once tokenized
         if isinstance(ref, ConfiguredModel):
-            ref.check_batched("tune")
+            ref.check_batched("tune", texts=True)
             self._entry = ref
+            if ref.takes_texts:
+                self._texts = tuple(payload)
+                if not self._texts:
+                    raise ConfigError("texts", payload, "at least one text")
             base_policy = base_policy or ref.model.policy()
             num_replicas = len(ref.model.replica_devices())
         elif ref.form is Form.BATCHED:
@@ -211,7 +220,12 @@ class InProcessRunner:
                 name=name,
                 buffer_pool=bool(buffer_pool),
             )
-        served = self._entry.served("tune", num_replicas=num_replicas, buffer_pool=buffer_pool)
+        served = self._entry.served(
+            "tune", num_replicas=num_replicas, buffer_pool=buffer_pool, texts=True
+        )
+        if served.embeddings is not None and self._items is None:
+            assert self._texts is not None, "an embeddings entry's payload is its texts"
+            self._items = list(served.embeddings.encoder.tokenize(list(self._texts)))
         batcher = served.require_batcher()
         batcher.set_policy(policy)
         return batcher
@@ -235,8 +249,9 @@ class InProcessRunner:
             batcher = self._new_batcher(policy, num_replicas, "tune", buffer_pool)
             self._batcher = batcher
             await batcher.start()
-        payload = self._payload
-        driver = self._driver = LoadDriver(lambda: _submit_one(batcher, payload), self._load)
+        # Texts: each request carries the next one's token ids, in turn.
+        items = itertools.cycle([self._payload] if self._items is None else self._items)
+        driver = self._driver = LoadDriver(lambda: _submit_one(batcher, next(items)), self._load)
         driver.start()
 
     async def measure_window(self, duration_s: float) -> WindowSample:
@@ -269,7 +284,7 @@ class InProcessRunner:
         """One item's output (to declare the model's outputs in the recommended config)."""
         batcher = self._new_batcher(self.base_policy, 1, "tune-probe")
         async with batcher:
-            return await batcher.submit(self._payload)
+            return await batcher.submit(self._payload if self._items is None else self._items[0])
 
 
 async def _submit_one(batcher: Batcher, payload: Any) -> int:

