@@ -9,6 +9,7 @@ arrivals at ``rate_rps``). It is deliberately minimal, just enough to compare co
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import math
 import os
@@ -246,6 +247,11 @@ class InProcessRunner:
         else:
             if batcher is not None:
                 await batcher.stop()
+                # Its replicas hold their models in reference cycles, which only the cyclic
+                # collector frees: free them now, before the new ones are built, or each
+                # rebuild would keep one more model resident until a full collection.
+                self._batcher = batcher = None
+                gc.collect()
             batcher = self._new_batcher(policy, num_replicas, "tune", buffer_pool)
             self._batcher = batcher
             await batcher.start()
