@@ -76,6 +76,12 @@ FOLDERS: dict[str, dict[str, Any]] = {
             "num_key_value_heads": 4, "intermediate_size": 2048, "vocab_size": 8000},
 }  # fmt: skip
 MAX_MODEL_LEN = 2048
+# A plain chat template ("role: content" lines, then "assistant: "), the same for both
+# servers: random weights have no template of their own, and neither server invents one.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 MAX_NUM_SEQS = 64
 MAX_NUM_BATCHED_TOKENS = 1024
 SPECIALS = ["<s>", "</s>"]
@@ -116,6 +122,7 @@ def build_folder(name: str, root: Path) -> Path:
         "bos_token": SPECIALS[0],
         "eos_token": SPECIALS[1],
         "model_max_length": MAX_MODEL_LEN,
+        "chat_template": CHAT_TEMPLATE,  # /v1/chat/completions on both (bench_guidellm.py)
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     generation = {"bos_token_id": 0, "eos_token_id": 1}
