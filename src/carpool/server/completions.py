@@ -241,20 +241,27 @@ async def respond(call: CompletionCall) -> bytes:
 
 async def stream(call: CompletionCall) -> AsyncGenerator[bytes, None]:
     """The response as server-sent events, ``data: [DONE]`` last. A failure after the
-    first event is sent as an ``error`` event (the status line is already out)."""
+    first event is sent as an ``error`` event (the status line is already out).
+
+    A chat choice's first chunk, the assistant's role with empty content, goes out with
+    its first event (its first token), as vLLM sends it: a client times its first token
+    from the first chunk (``vllm bench serve`` does), and a role sent at once would have
+    it time the request's arrival instead."""
     events = _choices(call)
     writers = [call.logprobs_writer() for _ in range(call.n)]
     completion_tokens = prompt_tokens = 0
     # With the prompt's log-probabilities the echo waits for them: they come with the
     # choice's first event.
     waiting_echo = set(range(call.n)) if call.sampling.prompt_logprobs is not None else set()
+    waiting_role = set(range(call.n)) if call.is_chat else set()
     try:
         for index in range(call.n):
-            if call.is_chat:
-                yield _sse(_chunk(call, index, {"role": "assistant", "content": ""}, None))
-            elif call.echo and index not in waiting_echo:
+            if call.echo and not call.is_chat and index not in waiting_echo:
                 yield _sse(_chunk(call, index, call.echo, None))
         async for index, event in events:
+            if index in waiting_role:
+                waiting_role.discard(index)
+                yield _sse(_chunk(call, index, {"role": "assistant", "content": ""}, None))
             finish = event.finish_reason.value if event.finish_reason is not None else None
             writer = writers[index]
             if index in waiting_echo and writer is not None:
