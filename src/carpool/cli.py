@@ -116,9 +116,9 @@ def serve(
         str | None,
         typer.Option(
             help="Require 'Authorization: Bearer KEY' (gRPC: 'authorization' metadata) on "
-            "every route but /v2/health/* and the gRPC health calls (and /metrics unless "
-            "--protect-metrics). Default: the CARPOOL_API_KEY environment variable, which "
-            "keeps the key out of the process list; neither: no key.",
+            "every route but /v2/health/*, /health, /ping and the gRPC health calls (and "
+            "/metrics unless --protect-metrics). Default: the CARPOOL_API_KEY environment "
+            "variable, which keeps the key out of the process list; neither: no key.",
             show_default=False,
         ),
     ] = None,

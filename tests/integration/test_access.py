@@ -83,6 +83,9 @@ def test_a_refusal_is_a_401_with_an_error_body_that_never_repeats_a_key(
         assert "guessed" not in reply.text and KEY not in reply.text
     assert httpx.get(f"{base}/v2/health/live").status_code == 200
     assert httpx.get(f"{base}/v2/health/ready").status_code == 200
+    assert httpx.get(f"{base}/health").status_code == 200  # vLLM's probes: open as on vLLM
+    assert httpx.post(f"{base}/ping").status_code == 200
+    assert httpx.get(f"{base}/version").status_code == 401  # vLLM leaves it open; not here
     assert httpx.get(f"{base}/metrics").status_code == 200  # open: no --protect-metrics
 
 

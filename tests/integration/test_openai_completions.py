@@ -57,7 +57,7 @@ def test_models_lists_the_generator_labelled_as_random_weights(client):
 def test_vllm_probes_answer_as_vllm_answers_them(served):
     """What vLLM's clients ask before their first request: ``guidellm`` checks ``GET
     /health`` (200, empty body) and stops at anything else; ``/ping`` and ``/version``
-    are vLLM's too. ``/health`` is open without the API key, as on vLLM."""
+    are vLLM's too (open without an API key: tests/integration/test_access.py)."""
     base = f"http://{served.http_url}"
     health = httpx.get(f"{base}/health")
     assert (health.status_code, health.content) == (200, b"")

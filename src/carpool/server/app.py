@@ -9,8 +9,9 @@ error mapping (:mod:`carpool.server.http.router`, :mod:`~carpool.server.http.han
 
     uvicorn.run(KServeApp(repository), lifespan="on")   # starts and drains the models
 
-With an API key (:mod:`carpool.server.access`) every route but ``/v2/health/*`` (and
-``/metrics`` unless protected) answers a request without it 401, its body unread.
+With an API key (:mod:`carpool.server.access`) every route but the probes
+(``/v2/health/*``, ``/health``, ``/ping``) and ``/metrics`` (unless protected) answers a
+request without it 401, its body unread.
 """
 
 from __future__ import annotations

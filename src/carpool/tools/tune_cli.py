@@ -214,13 +214,28 @@ def _config_item(args: argparse.Namespace, entry: ConfiguredModel) -> dict[str, 
 def _in_process(args: argparse.Namespace, load: LoadSpec) -> InProcessRunner:
     """The runner of a module:attr TARGET, or of ``--config FILE --model NAME``."""
     if args.target is not None:
+        _refuse_texts(args, "a module:attr target")
         return InProcessRunner(resolve_import(args.target, TUNE_FORMS), _item(args), load)
     config = None if args.model_config is None else str(args.model_config)
     ref = resolve(None, config=config, model=args.model_name, accepts=TUNE_FORMS)
     assert isinstance(ref, ConfiguredModel)  # no source: the config's model, or an error
     if ref.takes_texts:
+        if args.shape:
+            raise ConfigError(
+                "--shape", args.shape, "none for an embeddings model: its requests are texts"
+            )
         return InProcessRunner(ref, read_texts(args.texts), load)
+    _refuse_texts(args, f"a {ref.model.kind} model")
     return InProcessRunner(ref, _config_item(args, ref), load)
+
+
+def _refuse_texts(args: argparse.Namespace, what: str) -> None:
+    """``--texts`` is for a config's embeddings model only: anywhere else it would be
+    silently ignored."""
+    if args.texts is not None:
+        raise ConfigError(
+            "--texts", str(args.texts), f"only with --config's embeddings model, not {what}"
+        )
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -240,6 +255,7 @@ async def run(args: argparse.Namespace) -> int:
         url, model = _server_target(args.target, args.model_name)
         from carpool.server.access import API_KEY_ENV
 
+        _refuse_texts(args, "a served model (its requests are KServe rows)")
         runner = ServerRunner(url, model, load, api_key=os.environ.get(API_KEY_ENV))
         await runner.connect()
         label = args.target

@@ -297,3 +297,30 @@ def test_tune_refuses_a_texts_file_with_no_text(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
         carpool_main(argv)
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["numpy:negative", "--shape", "4", "--texts", "{texts}"], "--texts"),
+        (["--config", "{config}", "--model", "minilm", "--shape", "16"], "--shape"),
+    ],
+    ids=["texts-for-a-tensor-model", "shape-for-an-embeddings-model"],
+)
+def test_a_flag_that_would_be_ignored_is_refused(
+    tmp_path: Path, argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from carpool.server.defaults import embeddings_folder
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        f"models:\n  - name: minilm\n    kind: embeddings\n    source: {embeddings_folder()}\n"
+    )
+    texts = tmp_path / "texts.txt"
+    texts.write_text("one text\n")
+    argv = [a.format(config=config, texts=texts) for a in argv]
+    argv += ["--slo-p99-ms", "50", "--out", str(tmp_path / "o.yaml"), *FAST]
+    with pytest.raises(SystemExit) as exit_info:
+        carpool_main(["tune", *argv])
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err

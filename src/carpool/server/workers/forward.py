@@ -26,6 +26,7 @@ from carpool.server.grpc import InferenceServicer
 from carpool.server.http.dispatch import Dispatch
 from carpool.server.http.exchange import Exchange
 from carpool.server.http.handlers import Stream
+from carpool.server.http.router import RouteKind
 from carpool.server.http.states import ConnectionPort
 from carpool.server.infer import error_response
 from carpool.server.proto import grpc_service_pb2 as pb
@@ -38,6 +39,10 @@ _GRPC_CODES = {
     400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
     429: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
 }  # fmt: skip
+
+# The routes a worker answers itself: the probes, whatever the method or query, and the
+# version (the same package as the engine's).
+_ANSWERED_HERE = frozenset({RouteKind.HEALTH_LIVE, RouteKind.HEALTH_READY, RouteKind.VERSION})
 
 
 def header_fields(exchange: Exchange) -> dict[str, str | None]:
@@ -70,6 +75,12 @@ class WorkerDispatch(Dispatch):
     async def _answer_route(self, conn: ConnectionPort, exchange: Exchange) -> None:
         request = exchange.request
         assert request is not None, "a route exchange is routed"
+        found = exchange.route
+        if found is not None and found.kind in _ANSWERED_HERE:
+            # A probe however it is asked (POST /ping, HEAD, a query), and the version:
+            # from this worker's readiness flags, without the engine, as in its head.
+            await super()._answer_route(conn, exchange)
+            return
         link = self._link
         try:
             if request.path == "/metrics":
