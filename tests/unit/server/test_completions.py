@@ -119,8 +119,8 @@ async def test_chat_stream_opens_with_the_assistant_role(app):
 
 async def test_a_chat_stream_sends_the_role_with_the_first_token_not_before(app, monkeypatch):
     """As vLLM sends it: the role chunk goes out with the choice's first event. Sent at
-    once, it made ``vllm bench serve`` time carpool's first chat token at 2.65 ms (p50,
-    C = 8), before a 128-token prompt could have been prefilled."""
+    once, it made ``vllm bench serve`` time carpool's first chat token before a 128-token
+    prompt could have been prefilled (benchmarks/results/chat_ttft_role.json)."""
     from carpool.server import completions
 
     released = asyncio.Event()
