@@ -23,9 +23,11 @@ row keeps guidellm's own figures (output tokens/s, the mean of its per-second se
 its table prints it; TTFT, ITL and request latency medians and p95; successful and
 errored requests), the output tokens over the benchmark's duration, the server's CPU
 seconds in that run (its session, vLLM's engine core included) and what the other
-server, idle beside it on the same CPUs, used meanwhile. ``--rounds`` repeats every
-point on the same servers, the systems taking turns within each round; the table shows
-each point's median over the rounds. Writes ``benchmarks/results/guidellm.json``.
+server, waiting beside it on the same CPUs, used meanwhile: nothing, since it is stopped
+(SIGSTOP to its process group, SIGCONT after; ``--no-pause-idle`` leaves it running).
+``--rounds`` repeats every point on the same servers, the systems taking turns within
+each round; the table shows each point's median over the rounds. Writes
+``benchmarks/results/guidellm.json``.
 
 This script installs nothing. guidellm and vLLM each live in a virtual environment of
 their own, outside the repository (each pulls a torch other than carpool's pinned one)::
@@ -41,13 +43,16 @@ their own, outside the repository (each pulls a torch other than carpool's pinne
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +217,12 @@ def main() -> None:
     parser.add_argument("--server-cpus", default="0")
     parser.add_argument("--load-cpus", default="1")
     parser.add_argument("--vllm-kv-cache-gb", type=int, default=4)
+    parser.add_argument(
+        "--no-pause-idle",
+        dest="pause_idle",
+        action="store_false",
+        help="leave the server not measured running (default: SIGSTOP it)",
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "guidellm.json")
     args = parser.parse_args()
     try:
@@ -257,7 +268,8 @@ def main() -> None:
                             server, port, _ = servers[system]
                             idle = [s for name, (s, _, _) in servers.items() if name != system]
                             point = (system, request_format, c, round_index)
-                            rows.append(_point(args, point, server, port, folder, root, idle))
+                            with paused(idle if args.pause_idle else []):
+                                rows.append(_point(args, point, server, port, folder, root, idle))
         except Exception:
             for _, _, log in servers.values():
                 print(log.read_text()[-4000:], file=sys.stderr)
@@ -275,10 +287,26 @@ def main() -> None:
                       "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                       "requests_per_stream": args.requests_per_stream,
                       "min_requests": args.min_requests, "rounds": args.rounds,
+                      "pause_idle": args.pause_idle,
                       "max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN,
                       "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "dtype": "float32"},
          "rows": rows, "points": points, "ratios": compared},
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def paused(servers: list[subprocess.Popen[bytes]]) -> Iterator[None]:
+    """``servers`` stopped (SIGSTOP to each one's process group: it was started in a
+    session of its own) while the other is measured, then continued: an idle server
+    beside the measured one on the same core still takes CPU (vLLM's took 3-10% of
+    carpool's runs' time when left running)."""
+    for server in servers:
+        os.killpg(server.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for server in servers:
+            os.killpg(server.pid, signal.SIGCONT)
 
 
 def _point(
