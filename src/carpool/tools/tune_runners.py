@@ -247,9 +247,11 @@ class InProcessRunner:
         else:
             if batcher is not None:
                 await batcher.stop()
-                # Its replicas hold their models in reference cycles, which only the cyclic
-                # collector frees: free them now, before the new ones are built, or each
-                # rebuild would keep one more model resident until a full collection.
+                # A stopped batcher's models sit in reference cycles (a replica with its
+                # thread and watchdog; an embeddings service with its batcher) that only
+                # the cyclic collector frees: free them now, before the new ones are
+                # built, or each rebuild keeps one more model until a full collection.
+                # Here, not in Replica.close: the service's cycle holds its encoder too.
                 self._batcher = batcher = None
                 gc.collect()
             batcher = self._new_batcher(policy, num_replicas, "tune", buffer_pool)
