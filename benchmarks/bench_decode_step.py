@@ -10,8 +10,8 @@ torch.profiler breakdown of the model's time by operator kind:
 
     kv gather     aten::index, aten::index_select (K/V blocks gathered for attention, and
                   small indexing)
-    attention     SDPA (flash attention for CPU), or the C++ decode kernel
-                  (carpool::paged_decode) where the tree has it
+    attention     SDPA (flash attention for CPU), or the C++ kernels
+                  (carpool::paged_decode, carpool::paged_prefill) where the tree has them
     kv write      aten::index_copy_ (the step's new K/V into their slots)
     matmul        Linear layers (oneDNN or aten mm/addmm)
     other         norms, rotary, activations, sampling, ...
@@ -58,6 +58,7 @@ KINDS = {
     "aten::index_select": "kv gather",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "carpool::paged_decode": "attention",
+    "carpool::paged_prefill": "attention",
     "aten::index_copy_": "kv write",
     "mkldnn::_linear_pointwise": "matmul",
     "aten::addmm": "matmul",

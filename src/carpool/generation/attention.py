@@ -33,10 +33,12 @@ One step's chunks attend in two kinds of calls, planned once per step by
   return it); on another device, or where the op is missing, a chunk with a prefix runs
   the one masked call.
 
-Where the C++ decode kernel is in use (``use_kernel``, :mod:`carpool.generation.paged_decode`),
+Where the C++ kernels are in use (``use_kernel``, :mod:`carpool.generation.paged_decode`),
 every decode chunk is one :class:`KernelDecode` instead of length groups: the kernel walks
 each sequence's block table and reads its K/V in place (no gather, no padding), one call for
-all of them.
+all of them. Each multi-token chunk is then one call of the prefill kernel, which reads the
+prefix and the chunk's own K/V in place alike, causally, instead of the two SDPA calls and
+their merge (docs/generation.md, "Prefill attention").
 
 K/V are gathered a whole block at a time (a block is contiguous), not slot by slot, with
 ``index_select`` (a row copy per block). The
@@ -52,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from carpool.generation.paged_decode import paged_decode
+from carpool.generation.paged_decode import paged_decode, paged_prefill
 
 # PyTorch's CPU flash-attention kernel, which also returns each query's log-sum-exp.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -103,6 +105,7 @@ class AttentionPlan:
     spans: tuple[Span, ...]
     groups: tuple[DecodeGroup, ...]
     kernel_decode: KernelDecode | None = None  # instead of groups, with use_kernel
+    kernel_prefill: bool = False  # the spans run the prefill kernel (use_kernel)
 
 
 def group_by_length(
@@ -141,9 +144,9 @@ def plan_attention(
     """The step's attention calls. ``table`` [n, columns]: each chunk's block table row;
     ``num_tokens`` and ``starts``: each chunk's token count and first position;
     ``use_kernel``: decode chunks run the C++ kernel (its build loaded) rather than
-    length groups."""
+    length groups, and multi-token chunks the prefill kernel."""
     device = table.device
-    can_split = _FLASH_CPU is not None and device.type == "cpu"
+    can_split = use_kernel or (_FLASH_CPU is not None and device.type == "cpu")
     spans: list[Span] = []
     decode: list[int] = []  # chunk indices
     rows: list[int] = []  # and their rows in the packed batch
@@ -162,10 +165,11 @@ def plan_attention(
             spans.append(Span(row, row + n, start, block_ids, mask))
         row += n
     if not decode:
-        return AttentionPlan(tuple(spans), ())
+        return AttentionPlan(tuple(spans), (), kernel_prefill=use_kernel)
     lengths = [starts[i] + 1 for i in decode]  # a decode chunk's context ends at its token
     if use_kernel:
-        return AttentionPlan(tuple(spans), (), _kernel_decode(table, decode, rows, lengths))
+        kernel = _kernel_decode(table, decode, rows, lengths)
+        return AttentionPlan(tuple(spans), (), kernel, kernel_prefill=True)
     groups = group_by_length(lengths)
     is_all = len(groups) == 1 and len(decode) == len(num_tokens)
     if is_all:  # one call over every row, in step order
@@ -232,6 +236,12 @@ class PagedAttention:
             out.index_copy_(0, group.rows, context)
         for span in spans:
             rows = slice(span.start, span.end)
+            if self.plan.kernel_prefill:
+                scale = head_dim**-0.5  # SDPA's default, as the other paths use
+                out[rows] = paged_prefill(
+                    q[rows], k_blocks, v_blocks, span.block_ids, span.num_cached, scale
+                )
+                continue
             if span.mask is not None:
                 out[rows] = _attend_masked(span, q[rows], k_blocks, v_blocks)
                 continue

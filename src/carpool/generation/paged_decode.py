@@ -1,5 +1,7 @@
-"""The C++ decode-attention kernel (``csrc/paged_decode.cpp``): each one-token chunk over
-its own context, read from the paged KV cache in place through its block table.
+"""The C++ attention kernels over the paged KV cache, built together as one extension:
+decode (``csrc/paged_decode.cpp``: each one-token chunk over its own context) and prefill
+(``csrc/paged_prefill.cpp``: a multi-token chunk over its cached prefix and itself,
+causally), both reading K/V in place through the sequence's block table.
 
 The gather + SDPA path of :mod:`carpool.generation.attention` copies each decode group's
 K/V blocks out of the cache, then attends; the kernel walks each sequence's blocks instead
@@ -9,6 +11,12 @@ K/V blocks out of the cache, then attends; the kernel walks each sequence's bloc
                                       max' = max(max, scores);  sum, acc *= exp(max - max')
                                       sum += sum(exp(scores - max'));  acc += exp(..) V[block]
     out = acc / sum
+
+The prefill kernel does the same for a chunk's query rows, in tiles of 32 rows per KV head:
+a span of 128 keys is transposed once per tile, so each query's scores are whole-vector
+multiply-adds (16 floats a vector with AVX-512), four query vectors sharing every load, and
+the query at position p stops at key p. It replaces the two SDPA calls (the prefix, then the
+chunk itself, causally) and their log-sum-exp merge of the torch path (docs/generation.md).
 
 It is compiled on first use with ``torch.utils.cpp_extension.load`` (g++/clang and ninja;
 ``-O3 -march=native``) into ``carpool/<name>`` under torch's extension directory
@@ -25,9 +33,9 @@ process killed mid-build (Ctrl-C on a first start) leaves behind, and every late
 then waits on it for ever; holding the ``flock``, a process knows that no build is in
 progress, and removes such a file first.
 
-``decode_attention`` (a generation model's config key) picks the path: ``auto`` (the
-kernel if it builds, else torch, with one warning saying why), ``kernel`` (a
-:class:`~carpool.errors.ConfigError` naming why when it cannot run) or ``torch``.
+``decode_attention`` (a generation model's config key) picks the path for both kernels:
+``auto`` (the kernels if they build, else torch, with one warning saying why), ``kernel`` (a
+:class:`~carpool.errors.ConfigError` naming why when they cannot run) or ``torch``.
 """
 
 from __future__ import annotations
@@ -57,7 +65,9 @@ logger = logging.getLogger(__name__)
 
 DecodeAttention = Literal["auto", "kernel", "torch"]
 DECODE_ATTENTION_MODES: tuple[str, ...] = get_args(DecodeAttention)
-SOURCE_PATH = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCE_PATHS = (CSRC / "paged_decode.cpp", CSRC / "paged_prefill.cpp")
+HEADER_PATHS = (CSRC / "attention_common.h",)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd", "-fno-math-errno")
 # The dtypes the kernel computes in; others take the gather + SDPA path.
 KERNEL_DTYPES = (torch.float32, torch.float64)
@@ -81,9 +91,11 @@ def build_name() -> str:
     the source's path and the CPU's flags (``-march=native`` code runs only where those
     flags are)."""
     digest = hashlib.sha256()
-    for part in (SOURCE_PATH.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode()):
+    for path in (*SOURCE_PATHS, *HEADER_PATHS):
+        digest.update(path.read_bytes())
+    for part in (" ".join(CFLAGS).encode(), torch.__version__.encode()):
         digest.update(part)
-    digest.update(str(SOURCE_PATH.resolve()).encode())
+    digest.update(str(CSRC.resolve()).encode())
     digest.update(_cpu_flags().encode())
     return f"carpool_paged_decode_{digest.hexdigest()[:16]}"
 
@@ -139,7 +151,7 @@ def _build() -> None:
             (directory / TORCH_BUILD_MARKER).unlink(missing_ok=True)
         cpp_extension.load(
             name=build_name(),
-            sources=[str(SOURCE_PATH)],
+            sources=[str(path) for path in SOURCE_PATHS],
             extra_cflags=list(CFLAGS),
             build_directory=str(directory),
             is_python_module=False,
@@ -155,7 +167,8 @@ def load_kernel() -> KernelBuild:
             started = time.perf_counter()
             try:
                 _build()
-                torch.ops.carpool.paged_decode  # noqa: B018 (the op is registered)
+                torch.ops.carpool.paged_decode  # noqa: B018 (the ops are registered)
+                torch.ops.carpool.paged_prefill  # noqa: B018
                 result = KernelBuild(True, "", time.perf_counter() - started)
             except Exception as error:  # any failure leaves the torch path; never crash
                 last_line = (str(error).strip().splitlines() or [""])[-1][:300]
@@ -204,6 +217,25 @@ def _warn_once(reason: str) -> None:
     if not _warned:
         _warned = True
         logger.warning("decode attention: gather + SDPA, the C++ kernel did not build (%s)", reason)
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    block_ids: torch.Tensor,
+    num_cached: int,
+    scale: float,
+) -> torch.Tensor:
+    """One chunk of one sequence: ``query`` [n, heads, D] at positions ``num_cached`` ..
+    ``num_cached + n - 1``, whose K/V are already in the cache, each over the keys up to
+    its own position (causal), read in place through ``block_ids`` (the sequence's
+    blocks) from ``k_blocks``/``v_blocks`` [num_blocks, block_size, kv_heads, D] ->
+    [n, heads, D]. Needs :func:`load_kernel` to have succeeded."""
+    out: torch.Tensor = torch.ops.carpool.paged_prefill(
+        query, k_blocks, v_blocks, block_ids, num_cached, scale
+    )
+    return out
 
 
 def paged_decode(

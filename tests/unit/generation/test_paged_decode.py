@@ -1,6 +1,6 @@
-"""The C++ decode kernel (``paged_decode``): equal to the gather + SDPA path and to attention
-written out by hand, the ``decode_attention`` setting (auto | kernel | torch) and its
-fallback when the build fails, and greedy generation unchanged by the path."""
+"""The C++ kernels (``paged_decode``, ``paged_prefill``): equal to the gather + SDPA path and
+to attention written out by hand, the ``decode_attention`` setting (auto | kernel | torch)
+and its fallback when the build fails, and greedy generation unchanged by the path."""
 
 from __future__ import annotations
 
@@ -176,6 +176,120 @@ def test_kernel_refuses_a_context_longer_than_its_table(kernel_build: KernelBuil
         paged_decode.paged_decode(q, kv_cache[0, 0], kv_cache[0, 1], table, too_long, 1.0)
 
 
+def _prefill(
+    n: int, num_cached: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], list[int]]:
+    """One chunk of ``n`` tokens after ``num_cached`` in the cache, its blocks shuffled over
+    a larger cache: (kv_cache, its table row [1, columns], slots of the chunk's tokens,
+    (q, k, v) of the chunk, its block ids)."""
+    generator = torch.Generator().manual_seed(n * 1000 + num_cached + num_heads + head_dim)
+    used = -(-(num_cached + n) // BLOCK_SIZE)
+    num_blocks = used + 3
+    shape = (BLOCK_SIZE, num_kv_heads, head_dim)
+    kv_cache = torch.randn(1, 2, num_blocks, *shape, generator=generator, dtype=dtype)
+    blocks = torch.randperm(num_blocks, generator=generator)[:used].tolist()
+    table = torch.tensor([[*blocks, blocks[0]]])  # wider than the chunk needs
+    slots = torch.tensor([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                          for p in range(num_cached, num_cached + n)])  # fmt: skip
+    q = torch.randn(n, num_heads, head_dim, generator=generator, dtype=dtype)
+    k = torch.randn(n, num_kv_heads, head_dim, generator=generator, dtype=dtype)
+    v = torch.randn(n, num_kv_heads, head_dim, generator=generator, dtype=dtype)
+    return kv_cache, table, slots, (q, k, v), blocks
+
+
+def _attend_chunk(
+    kv_cache: torch.Tensor,
+    table: torch.Tensor,
+    slots: torch.Tensor,
+    qkv: tuple[torch.Tensor, ...],
+    num_cached: int,
+    *,
+    use_kernel: bool,
+) -> torch.Tensor:
+    """The chunk through ``PagedAttention`` on a copy of the cache (it writes its K/V)."""
+    n = qkv[0].shape[0]
+    plan = plan_attention(table, [n], [num_cached], BLOCK_SIZE, use_kernel=use_kernel)
+    assert plan.kernel_prefill == use_kernel
+    return PagedAttention(kv_cache.clone(), slots, plan)(0, *qkv)
+
+
+CHUNKS = [(2, 0), (17, 0), (70, 0), (33, 5), (16, 16), (40, 300)]  # (tokens, cached before)
+
+
+@pytest.mark.parametrize(("n", "num_cached"), CHUNKS)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (12, 4), (8, 2)])
+@pytest.mark.parametrize("head_dim", [32, 64, 12])  # the vector path twice, the plain loop
+def test_prefill_kernel_equals_the_torch_path_and_a_reference(
+    kernel_build: KernelBuild,
+    n: int,
+    num_cached: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    kv_cache, table, slots, qkv, blocks = _prefill(
+        n, num_cached, num_heads, num_kv_heads, head_dim, torch.float32
+    )
+    kernel = _attend_chunk(kv_cache, table, slots, qkv, num_cached, use_kernel=True)
+    torch_path = _attend_chunk(kv_cache, table, slots, qkv, num_cached, use_kernel=False)
+    torch.testing.assert_close(kernel, torch_path, rtol=0, atol=1e-5)
+    written = kv_cache.clone()
+    for part, new in ((0, qkv[1]), (1, qkv[2])):
+        written[0, part].flatten(0, 1)[slots] = new
+    keys = written[0, 0, blocks].flatten(0, 1)
+    values = written[0, 1, blocks].flatten(0, 1)
+    for i in (0, n // 2, n - 1):  # the query at position p sees keys 0 .. p
+        position = num_cached + i
+        expected = _reference(qkv[0][i], keys[: position + 1], values[: position + 1])
+        torch.testing.assert_close(kernel[i], expected, rtol=0, atol=1e-5)
+
+
+def test_prefill_kernel_in_float64_and_with_large_scores(kernel_build: KernelBuild) -> None:
+    kv_cache, table, slots, qkv, _ = _prefill(37, 21, 8, 2, 64, torch.float64)
+    kernel = _attend_chunk(kv_cache, table, slots, qkv, 21, use_kernel=True)
+    torch_path = _attend_chunk(kv_cache, table, slots, qkv, 21, use_kernel=False)
+    torch.testing.assert_close(kernel, torch_path, rtol=0, atol=1e-12)
+    kv_cache, table, slots, (q, k, v), _ = _prefill(50, 30, 4, 2, 32, torch.float32)
+    loud = (q * 300, k, v)  # scores in the thousands: exp would overflow without the max
+    kernel = _attend_chunk(kv_cache, table, slots, loud, 30, use_kernel=True)
+    torch_path = _attend_chunk(kv_cache, table, slots, loud, 30, use_kernel=False)
+    exact = _attend_chunk(
+        kv_cache.double(), table, slots, tuple(x.double() for x in loud), 30, use_kernel=False
+    )
+    assert torch.isfinite(kernel).all()
+    # Scores this large lose digits in float32 whatever the order of the sums: the kernel
+    # is held to the torch path's own distance from float64, not to the torch path.
+    kernel_error = (kernel.double() - exact).abs().max().item()
+    torch_error = (torch_path.double() - exact).abs().max().item()
+    assert kernel_error <= max(2 * torch_error, 1e-5), (kernel_error, torch_error)
+
+
+def test_prefill_kernel_on_two_threads_equals_one_thread(kernel_build: KernelBuild) -> None:
+    kv_cache, table, slots, qkv, _ = _prefill(100, 60, 12, 4, 64, torch.float32)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            outs.append(_attend_chunk(kv_cache, table, slots, qkv, 60, use_kernel=True))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_prefill_kernel_refuses_too_few_blocks_and_a_block_outside_the_cache(
+    kernel_build: KernelBuild,
+) -> None:
+    kv_cache, table, _, (q, _, _), _ = _prefill(20, 20, 4, 2, 64, torch.float32)
+    k_blocks, v_blocks = kv_cache[0, 0], kv_cache[0, 1]
+    with pytest.raises(RuntimeError, match="40 positions need 3 blocks, block_ids has 2"):
+        paged_decode.paged_prefill(q, k_blocks, v_blocks, table[0, :2], 20, 1.0)
+    ids = table[0].clone()
+    ids[1] = 999
+    with pytest.raises(RuntimeError, match="block 1 is 999, expected 0 to"):
+        paged_decode.paged_prefill(q, k_blocks, v_blocks, ids, 20, 1.0)
+
+
 @pytest.fixture
 def failing_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process where the kernel has not been built yet and its build fails."""
@@ -214,11 +328,13 @@ def test_a_build_left_by_a_killed_process_does_not_hold_the_next_one(
 def test_each_checkout_builds_its_own_kernel(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    copy = tmp_path / "paged_decode.cpp"
-    copy.write_bytes(paged_decode.SOURCE_PATH.read_bytes())
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for path in (*paged_decode.SOURCE_PATHS, *paged_decode.HEADER_PATHS):
+        (copy / path.name).write_bytes(path.read_bytes())
     here = paged_decode.build_name()
-    monkeypatch.setattr(paged_decode, "SOURCE_PATH", copy)
-    assert paged_decode.build_name() != here  # same source, another path
+    monkeypatch.setattr(paged_decode, "CSRC", copy)
+    assert paged_decode.build_name() != here  # same sources, another path
 
 
 def test_auto_falls_back_to_torch_with_one_warning_when_the_build_fails(
