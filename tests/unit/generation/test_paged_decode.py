@@ -28,6 +28,9 @@ from .paged_driver import MAX_NEW, generate
 
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")
+# (query heads, KV heads): MHA, GQA, and one KV head for several (the scalar loop's scratch
+# holds a block's scores per query head of the group)
+HEADS = [(4, 4), (12, 4), (8, 2), (4, 1)]
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +103,7 @@ def _attend(
 
 
 @pytest.mark.parametrize("n", [1, 7, 64])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (12, 4), (8, 2)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
 @pytest.mark.parametrize("head_dim", [64, 12])  # the vector path, and the plain loop
 def test_kernel_equals_the_gather_path_and_a_reference(
     kernel_build: KernelBuild, n: int, num_heads: int, num_kv_heads: int, head_dim: int
@@ -217,7 +220,7 @@ CHUNKS = [(2, 0), (17, 0), (70, 0), (33, 5), (16, 16), (40, 300)]  # (tokens, ca
 
 
 @pytest.mark.parametrize(("n", "num_cached"), CHUNKS)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (12, 4), (8, 2)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
 @pytest.mark.parametrize("head_dim", [32, 64, 12])  # the vector path twice, the plain loop
 def test_prefill_kernel_equals_the_torch_path_and_a_reference(
     kernel_build: KernelBuild,
