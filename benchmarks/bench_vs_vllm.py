@@ -48,6 +48,13 @@ those two fields in the client for carpool's runs, and says so in the results.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_vs_vllm.py \\
         --vllm-python /work/vllm-venv/bin/python --folders small,88m --concurrency 8
+
+``--prefill-lengths 256,1024,2000`` also times one request's prefill on each server: a
+prompt of that many token ids sent alone (``max_tokens`` 1, greedy), a warm-up first, then
+``--prefill-repeats`` requests whose ids differ from the first position on (no cached
+prefix to reuse), the median of their round trips from the client (rows under
+``prefill``). The carpool tree the servers ran (``carpool_src``) is in the settings, so
+a run with ``PYTHONPATH`` on another tree is told apart.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -294,8 +302,11 @@ def main() -> None:
     parser.add_argument("--load-cpus", default="1")
     parser.add_argument("--vllm-kv-cache-gb", type=int, default=4)
     parser.add_argument("--strip-fields", choices=("auto", "yes", "no"), default="auto")
+    parser.add_argument("--prefill-lengths", default="", help="e.g. 256,1024,2000")
+    parser.add_argument("--prefill-repeats", type=int, default=7)
     parser.add_argument("--json", type=Path, default=RESULTS / "vs_vllm.json")
     args = parser.parse_args()
+    prefill_lengths = [int(n) for n in args.prefill_lengths.split(",") if n]
     runs = [{"concurrency": int(c), "input_len": 128, "output_len": 128}
             for c in args.concurrency.split(",") if c]  # fmt: skip
     runs += [{"concurrency": int(c), "input_len": 1024, "output_len": 256}
@@ -305,6 +316,7 @@ def main() -> None:
     machine = machine_info(server_cpus=args.server_cpus, load_cpus=args.load_cpus)
     print("machine:", machine, flush=True)
     rows: list[dict[str, Any]] = []
+    prefills: list[dict[str, Any]] = []
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="vs_vllm_") as tmp:
         root = Path(tmp)
@@ -340,6 +352,14 @@ def main() -> None:
                         )
                         rows.append(row)
                         print(json.dumps(row), flush=True)
+                    vocab = FOLDERS[name]["vocab_size"]
+                    for length in prefill_lengths:
+                        runs_ms = prefill_ms(port, name, vocab, length, args.prefill_repeats)
+                        prefill = {"folder": name, "system": system, "input_len": length,
+                                   "median_ms": statistics.median(runs_ms),
+                                   "runs_ms": runs_ms}  # fmt: skip
+                        prefills.append(prefill)
+                        print(json.dumps(prefill), flush=True)
                 except Exception:
                     print(log.read_text()[-4000:], file=sys.stderr)
                     raise
@@ -347,14 +367,54 @@ def main() -> None:
                     stop(server)
     ratios = compare(rows)
     print(table(rows, ratios))
+    for p in prefills:
+        print(f"prefill {p['folder']} {p['system']} {p['input_len']} tokens: "
+              f"{p['median_ms']:.1f} ms")  # fmt: skip
     write_results(
         args.json,
         {"benchmark": "vs_vllm", "date": utc_now(), "machine": machine,
          "settings": {"max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN,
                       "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "dtype": "float32",
-                      "folders": {k: FOLDERS[k] for k in args.folders.split(",")}},
-         "notes": notes, "rows": rows, "ratios": ratios},
+                      "folders": {k: FOLDERS[k] for k in args.folders.split(",")},
+                      "carpool_src": carpool_src()},
+         "notes": notes, "rows": rows, "ratios": ratios, "prefill": prefills},
     )  # fmt: skip
+
+
+def prompt_ids(length: int, vocab: int, repeat: int) -> list[int]:
+    """``length`` token ids that no other ``repeat`` shares a first token with (ids 0-4,
+    the specials among them, left out)."""
+    span = vocab - 5
+    return [5 + (i * 7 + repeat * 13) % span for i in range(length)]
+
+
+def prefill_ms(port: int, model: str, vocab: int, length: int, repeats: int) -> list[float]:
+    """Round trips of ``repeats`` lone prefills of ``length`` tokens (``max_tokens`` 1),
+    after one warm-up, in milliseconds."""
+    times = []
+    for repeat in range(-1, repeats):
+        body = {"model": model, "prompt": prompt_ids(length, vocab, repeat + 1),
+                "max_tokens": 1, "temperature": 0}  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        started = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=300) as response:
+            response.read()
+        if repeat >= 0:
+            times.append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def carpool_src() -> str:
+    """Where the carpool the servers import lives (``PYTHONPATH`` may name another tree)."""
+    found = subprocess.run(
+        [sys.executable, "-c", "import carpool, os; print(os.path.dirname(carpool.__file__))"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return found.stdout.strip()
 
 
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
