@@ -208,8 +208,9 @@ class ModelConfig(_Strict):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     max_num_seqs: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
-    # Decode attention: the C++ kernel over the paged cache (kernel), gather + SDPA (torch),
-    # or the kernel where it builds (auto, the default). carpool.generation.paged_decode
+    # Attention over the paged cache: the C++ decode and prefill kernels (kernel), gather +
+    # SDPA (torch), or the kernels where they build (auto, the default).
+    # carpool.generation.paged_decode
     decode_attention: Literal["auto", "kernel", "torch"] | None = None
     # Placement.
     num_replicas: int | None = Field(None, ge=1)
