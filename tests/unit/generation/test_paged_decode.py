@@ -104,7 +104,7 @@ def _attend(
 
 @pytest.mark.parametrize("n", [1, 7, 64])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
-@pytest.mark.parametrize("head_dim", [64, 12])  # the vector path, and the plain loop
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 12])  # the vector path, and the plain loop
 def test_kernel_equals_the_gather_path_and_a_reference(
     kernel_build: KernelBuild, n: int, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:

@@ -216,6 +216,15 @@ inline V exp_nonpositive_of(V x) {
 inline vfloat exp_nonpositive(vfloat x) { return exp_nonpositive_of<vfloat, vint>(x); }
 inline wfloat exp_nonpositive(wfloat x) { return exp_nonpositive_of<wfloat, wint>(x); }
 
+// The widest of them the compiler targets: one AVX-512 register where there are such, else
+// eight floats.
+#ifdef __AVX512F__
+using pfloat = wfloat;
+#else
+using pfloat = vfloat;
+#endif
+constexpr int64_t kWidth = lanes_of<pfloat>;
+
 #endif  // CARPOOL_VECTOR
 
 }  // namespace carpool_attention

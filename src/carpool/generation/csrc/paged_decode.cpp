@@ -46,84 +46,160 @@ __attribute__((always_inline)) inline void prefetch_part(const float* keys, cons
   }
 }
 
-// float32 with head_dim kD (a multiple of kLanes), KV heads [h_begin, h_end) of one
-// sequence. Blocks are the outer loop: a block's rows for these heads are read once, while
-// the next block is prefetched (prefetch_part); within a block, each query head scores the
-// keys, updates its running max and sum, and adds the weighted values to its accumulator
-// (kept in `work` between blocks, in registers within one).
-template <int64_t kD>
-void attend_heads_vector(const Shape& s, const float* query, const float* k_blocks,
-                         const float* v_blocks, const int64_t* block_ids, int64_t length,
-                         float scale, int64_t h_begin, int64_t h_end, float* out,
-                         float* work) {
-  constexpr int64_t C = kD / kLanes;
-  const int64_t B = s.block_size;
-  const int64_t token_stride = s.num_kv_heads * kD;
-  const int64_t block_stride = B * token_stride;
-  const int64_t num_blocks = (length + B - 1) / B;
-  const int64_t first_head = h_begin * s.group;  // query heads [first_head, last_head)
-  const int64_t num_heads = (h_end - h_begin) * s.group;
-  float* accs = work;                          // [num_heads, kD]
-  float* maxes = accs + num_heads * kD;        // [num_heads]
-  float* sums = maxes + num_heads;             // [num_heads]
-  float* scores = sums + num_heads;            // [B rounded up to kLanes]
-  std::fill(accs, accs + num_heads * kD, 0.0f);
-  std::fill(maxes, maxes + num_heads, -std::numeric_limits<float>::infinity());
-  std::fill(sums, sums + num_heads, 0.0f);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t num_keys = std::min(B, length - b * B);
-    const int64_t padded = (num_keys + kLanes - 1) / kLanes * kLanes;
-    for (int64_t j = 0; j < num_heads; ++j) {
-      const int64_t head = first_head + j;
-      const int64_t offset = block_ids[b] * block_stride + (head / s.group) * kD;
-      const float* keys = k_blocks + offset;
-      const float* values = v_blocks + offset;
-      if (b + 1 < num_blocks) {  // this head's share of the next block, while this one computes
-        const int64_t next = block_ids[b + 1] * block_stride + h_begin * kD;
-        const int64_t row_size = (h_end - h_begin) * kD;
-        prefetch_part(k_blocks + next, v_blocks + next, token_stride, B, row_size, j, num_heads);
+// Keys per online-softmax update (rounded to whole blocks): a span's K and V rows of one KV
+// head, 32 KB, stay in the L1 cache while its heads score it and add its values.
+constexpr int64_t kDecodeSpanFloats = 4096;
+inline int64_t decode_span_blocks(int64_t head_dim, int64_t block_size) {
+  return std::max<int64_t>(1, kDecodeSpanFloats / head_dim / block_size);
+}
+
+// The weighted value rows of one span for kNum query heads: acc[i] += scores[i][t] * V[t]
+// over the span's keys, each value row loaded once for all kNum heads. `scores` [kNum, P]
+// (P: the span's stride), `accs` [kNum, kD] read and written back.
+template <int64_t kD, int64_t kNum>
+inline void add_values(const float* scores, int64_t P, const float* v_blocks,
+                       const int64_t* block_ids, int64_t b0, int64_t b1, int64_t num_keys,
+                       int64_t B, int64_t block_stride, int64_t token_stride, int64_t head_offset,
+                       float* accs) {
+  constexpr int64_t CP = kD / kWidth;
+  pfloat acc[kNum][CP];
+  for (int64_t i = 0; i < kNum; ++i) {
+    for (int64_t c = 0; c < CP; ++c) acc[i][c] = load<pfloat>(accs + i * kD + c * kWidth);
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* values = v_blocks + block_ids[b] * block_stride + head_offset;
+    const int64_t first = (b - b0) * B;
+    const int64_t rows = std::min(B, num_keys - first);
+    for (int64_t r = 0; r < rows; ++r) {
+      pfloat v[CP];
+      for (int64_t c = 0; c < CP; ++c) v[c] = load<pfloat>(values + r * token_stride + c * kWidth);
+      for (int64_t i = 0; i < kNum; ++i) {
+        const pfloat weight = splat<pfloat>(scores[i * P + first + r]);
+        for (int64_t c = 0; c < CP; ++c) acc[i][c] += weight * v[c];
       }
-      vfloat q[C];
-      for (int64_t c = 0; c < C; ++c) q[c] = load(query + head * kD + c * kLanes) * scale;
-      int64_t t = 0;
-      for (; t + 8 <= num_keys; t += 8) {  // eight keys at a time: eight independent sums
-        const float* k0 = keys + t * token_stride;
-        vfloat a[8] = {};
-        for (int64_t c = 0; c < C; ++c) {
-          for (int64_t i = 0; i < 8; ++i) a[i] += q[c] * load(k0 + i * token_stride + c * kLanes);
-        }
-        store(scores + t, horizontal_sums(a));
-      }
-      for (; t < num_keys; ++t) {
-        vfloat a{};
-        for (int64_t c = 0; c < C; ++c) a += q[c] * load(keys + t * token_stride + c * kLanes);
-        scores[t] = horizontal_sum(a);
-      }
-      float block_max = maxes[j];
-      for (t = 0; t < num_keys; ++t) block_max = std::max(block_max, scores[t]);
-      for (t = num_keys; t < padded; ++t) scores[t] = block_max;  // exp of 0, not used
-      for (t = 0; t < padded; t += kLanes) {
-        store(scores + t, exp_nonpositive(load(scores + t) - block_max));
-      }
-      // Online softmax: what was summed under the old max is rescaled to the new one.
-      const float correction = std::exp(maxes[j] - block_max);
-      maxes[j] = block_max;
-      float block_sum = 0;
-      for (t = 0; t < num_keys; ++t) block_sum += scores[t];
-      sums[j] = sums[j] * correction + block_sum;
-      vfloat acc[C];
-      for (int64_t c = 0; c < C; ++c) acc[c] = load(accs + j * kD + c * kLanes) * correction;
-      for (t = 0; t < num_keys; ++t) {
-        const float* row = values + t * token_stride;
-        for (int64_t c = 0; c < C; ++c) acc[c] += scores[t] * load(row + c * kLanes);
-      }
-      for (int64_t c = 0; c < C; ++c) store(accs + j * kD + c * kLanes, acc[c]);
     }
   }
-  for (int64_t j = 0; j < num_heads; ++j) {
-    const float inverse = 1.0f / sums[j];
-    for (int64_t d = 0; d < kD; ++d) out[(first_head + j) * kD + d] = accs[j * kD + d] * inverse;
+  for (int64_t i = 0; i < kNum; ++i) {
+    for (int64_t c = 0; c < CP; ++c) store(accs + i * kD + c * kWidth, acc[i][c]);
   }
+}
+
+// add_values for `num` (1..kMax) heads, the count made a compile-time one.
+template <int64_t kD, int64_t kMax>
+inline void add_values_of(int64_t num, const float* scores, int64_t P, const float* v_blocks,
+                          const int64_t* block_ids, int64_t b0, int64_t b1, int64_t num_keys,
+                          int64_t B, int64_t block_stride, int64_t token_stride,
+                          int64_t head_offset, float* accs) {
+  if constexpr (kMax > 1) {
+    if (num < kMax) {
+      add_values_of<kD, kMax - 1>(num, scores, P, v_blocks, block_ids, b0, b1, num_keys, B,
+                                  block_stride, token_stride, head_offset, accs);
+      return;
+    }
+  }
+  add_values<kD, kMax>(scores, P, v_blocks, block_ids, b0, b1, num_keys, B, block_stride,
+                       token_stride, head_offset, accs);
+}
+
+// float32 with head_dim kD (a multiple of kWidth), the query heads of KV head `h` of one
+// sequence (`query`: the sequence's [heads, kD]). Keys go in spans of whole blocks (about
+// kDecodeSpanKeys): each query head scores the span's keys, eight at a time (eight
+// independent sums, transposed by pairwise adds), while its share of the next span is
+// prefetched (prefetch_part); then per head one online-softmax update for the span, and the
+// weighted value rows added for the heads together (add_values), each row loaded once.
+template <int64_t kD>
+void attend_group_vector(const Shape& s, const float* query, const float* k_blocks,
+                         const float* v_blocks, const int64_t* block_ids, int64_t length,
+                         float scale, int64_t h, float* out, float* work) {
+  constexpr int64_t C = kD / kLanes;
+  constexpr int64_t CP = kD / kWidth;
+  constexpr int64_t kHeadsTogether = std::max<int64_t>(1, std::min<int64_t>(8, 16 / CP));
+  const int64_t G = s.group, B = s.block_size;
+  const int64_t token_stride = s.num_kv_heads * kD;
+  const int64_t block_stride = B * token_stride;
+  const int64_t head_offset = h * kD;
+  const int64_t num_blocks = (length + B - 1) / B;
+  const int64_t span_blocks = decode_span_blocks(kD, B);
+  const int64_t P = (span_blocks * B + kWidth - 1) / kWidth * kWidth;
+  float* accs = work;                  // [G, kD]
+  float* sums = accs + G * kD;         // [G, kWidth]
+  float* maxes = sums + G * kWidth;    // [G]
+  float* scores = maxes + G;           // [G, P]
+  std::fill(accs, accs + G * kD, 0.0f);
+  std::fill(sums, sums + G * kWidth, 0.0f);
+  std::fill(maxes, maxes + G, -std::numeric_limits<float>::infinity());
+  for (int64_t b0 = 0; b0 < num_blocks; b0 += span_blocks) {
+    const int64_t b1 = std::min(num_blocks, b0 + span_blocks);
+    const int64_t num_keys = std::min(length, b1 * B) - b0 * B;
+    const int64_t padded = (num_keys + kWidth - 1) / kWidth * kWidth;
+    const int64_t next_end = std::min(num_blocks, b1 + span_blocks);
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t b = b1; b < next_end; ++b) {  // this head's share of the next span
+        const int64_t next = block_ids[b] * block_stride + head_offset;
+        prefetch_part(k_blocks + next, v_blocks + next, token_stride, B, kD, g, G);
+      }
+      vfloat q[C];
+      const float* q_head = query + (h * G + g) * kD;
+      for (int64_t c = 0; c < C; ++c) q[c] = load(q_head + c * kLanes) * scale;
+      float* row = scores + g * P;
+      for (int64_t b = b0; b < b1; ++b) {
+        const float* keys = k_blocks + block_ids[b] * block_stride + head_offset;
+        float* out_row = row + (b - b0) * B;
+        const int64_t rows = std::min(B, num_keys - (b - b0) * B);
+        int64_t t = 0;
+        for (; t + 8 <= rows; t += 8) {  // eight keys at a time: eight independent sums
+          const float* k0 = keys + t * token_stride;
+          vfloat a[8] = {};
+          for (int64_t c = 0; c < C; ++c) {
+            for (int64_t i = 0; i < 8; ++i) a[i] += q[c] * load(k0 + i * token_stride + c * kLanes);
+          }
+          store(out_row + t, horizontal_sums(a));
+        }
+        for (; t < rows; ++t) {
+          vfloat a{};
+          for (int64_t c = 0; c < C; ++c) a += q[c] * load(keys + t * token_stride + c * kLanes);
+          out_row[t] = horizontal_sum(a);
+        }
+      }
+      // Online softmax over the span: what was summed under the old max is rescaled.
+      float span_max = maxes[g];
+      for (int64_t t = 0; t < num_keys; ++t) span_max = std::max(span_max, row[t]);
+      for (int64_t t = num_keys; t < padded; ++t) row[t] = span_max;
+      const pfloat shift = splat<pfloat>(span_max);
+      for (int64_t t = 0; t < padded; t += kWidth) {
+        store(row + t, exp_nonpositive(load<pfloat>(row + t) - shift));
+      }
+      for (int64_t t = num_keys; t < padded; ++t) row[t] = 0.0f;  // adds nothing
+      pfloat sum{};
+      for (int64_t t = 0; t < padded; t += kWidth) sum += load<pfloat>(row + t);
+      const float correction = std::exp(maxes[g] - span_max);
+      maxes[g] = span_max;
+      const pfloat scaled = splat<pfloat>(correction);
+      store(sums + g * kWidth, load<pfloat>(sums + g * kWidth) * scaled + sum);
+      for (int64_t c = 0; c < CP; ++c) {
+        store(accs + g * kD + c * kWidth, load<pfloat>(accs + g * kD + c * kWidth) * scaled);
+      }
+    }
+    for (int64_t g = 0; g < G;) {
+      const int64_t num = std::min(G - g, kHeadsTogether);
+      add_values_of<kD, kHeadsTogether>(num, scores + g * P, P, v_blocks, block_ids, b0, b1,
+                                        num_keys, B, block_stride, token_stride, head_offset,
+                                        accs + g * kD);
+      g += num;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inverse = 1.0f / horizontal_sum(load<pfloat>(sums + g * kWidth));
+    float* o = out + (h * G + g) * kD;
+    for (int64_t d = 0; d < kD; ++d) o[d] = accs[g * kD + d] * inverse;
+  }
+}
+
+// Scratch of attend_group_vector, in floats.
+int64_t group_vector_work(const Shape& s) {
+  const int64_t span_blocks = decode_span_blocks(s.head_dim, s.block_size);
+  const int64_t P = (span_blocks * s.block_size + kWidth - 1) / kWidth * kWidth;
+  return s.group * (s.head_dim + kWidth + 1 + P);
 }
 #endif
 
@@ -157,26 +233,26 @@ void check_tables(const int64_t* table, const int64_t* lengths, int64_t n, int64
 // The vector path where it applies (float32, head_dim 32/64/128/256); false: it does not.
 template <typename T>
 bool attend_fast(const Shape&, const T*, const T*, const T*, const int64_t*, int64_t, double,
-                 int64_t, int64_t, T*, T*) {
+                 int64_t, T*, T*) {
   return false;
 }
 
 #ifdef CARPOOL_VECTOR
 template <>
 bool attend_fast<float>(const Shape& s, const float* q, const float* k, const float* v,
-                        const int64_t* ids, int64_t length, double scale, int64_t h_begin,
-                        int64_t h_end, float* out, float* work) {
+                        const int64_t* ids, int64_t length, double scale, int64_t h,
+                        float* out, float* work) {
   using Vector = void (*)(const Shape&, const float*, const float*, const float*,
-                          const int64_t*, int64_t, float, int64_t, int64_t, float*, float*);
+                          const int64_t*, int64_t, float, int64_t, float*, float*);
   Vector attend = nullptr;
   switch (s.head_dim) {
-    case 32: attend = attend_heads_vector<32>; break;
-    case 64: attend = attend_heads_vector<64>; break;
-    case 128: attend = attend_heads_vector<128>; break;
-    case 256: attend = attend_heads_vector<256>; break;
+    case 32: attend = attend_group_vector<32>; break;
+    case 64: attend = attend_group_vector<64>; break;
+    case 128: attend = attend_group_vector<128>; break;
+    case 256: attend = attend_group_vector<256>; break;
     default: return false;
   }
-  attend(s, q, k, v, ids, length, static_cast<float>(scale), h_begin, h_end, out, work);
+  attend(s, q, k, v, ids, length, static_cast<float>(scale), h, out, work);
   return true;
 }
 #endif
@@ -196,29 +272,23 @@ void run(const at::Tensor& query, const at::Tensor& k_blocks, const at::Tensor& 
   const int64_t* ids = table.data_ptr<int64_t>();
   const int64_t* lens = lengths.data_ptr<int64_t>();
   T* o = out.data_ptr<T>();
-  const int64_t heads_per_task = 1;
-  const int64_t tasks_per_seq = s.num_kv_heads / heads_per_task;
-  // Either path's scratch: the vector path's accumulators, maxes and sums of one task's
-  // query heads and one block's scores (rounded up to 8 lanes), or attend_one's.
-  const int64_t vector_work = s.group * s.head_dim + 2 * s.group + s.block_size + 8;
-  const int64_t work_size = std::max(vector_work, attend_one_work(s));
-  at::parallel_for(0, n * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+  // Either path's scratch: the vector path's (attend_group_vector) or attend_one's.
+  int64_t work_size = attend_one_work(s);
+#ifdef CARPOOL_VECTOR
+  work_size = std::max(work_size, group_vector_work(s));
+#endif
+  at::parallel_for(0, n * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> work(work_size);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / tasks_per_seq;
-      const int64_t h_begin = task % tasks_per_seq * heads_per_task;
-      const int64_t h_end = h_begin + heads_per_task;
+      const int64_t i = task / s.num_kv_heads;
+      const int64_t h = task % s.num_kv_heads;
       const T* q_seq = q + i * s.num_heads * s.head_dim;
       T* o_seq = o + i * s.num_heads * s.head_dim;
       const int64_t* row = ids + i * s.max_blocks;
-      if (attend_fast(s, q_seq, k, v, row, lens[i], scale, h_begin, h_end, o_seq, work.data())) {
-        continue;
-      }
-      for (int64_t h = h_begin; h < h_end; ++h) {
-        const int64_t head_offset = h * s.group * s.head_dim;
-        attend_one<T>(s, q_seq + head_offset, k + h * s.head_dim, v + h * s.head_dim, row,
-                      lens[i], static_cast<T>(scale), o_seq + head_offset, work.data());
-      }
+      if (attend_fast(s, q_seq, k, v, row, lens[i], scale, h, o_seq, work.data())) continue;
+      const int64_t head_offset = h * s.group * s.head_dim;
+      attend_one<T>(s, q_seq + head_offset, k + h * s.head_dim, v + h * s.head_dim, row,
+                    lens[i], static_cast<T>(scale), o_seq + head_offset, work.data());
     }
   });
 }

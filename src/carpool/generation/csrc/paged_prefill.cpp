@@ -29,13 +29,6 @@ using namespace carpool_attention;
 constexpr int64_t kTileRows = 32;  // query rows per task
 
 #ifdef CARPOOL_VECTOR
-// One AVX-512 register where there are such, else eight floats (attention_common.h).
-#ifdef __AVX512F__
-using pfloat = wfloat;
-#else
-using pfloat = pfloat;
-#endif
-constexpr int64_t kWidth = lanes_of<pfloat>;
 constexpr int64_t kQuad = 4;         // query vectors scored together
 constexpr int64_t kSpanKeys = 128;   // keys per online-softmax update (whole blocks)
 
