@@ -1,9 +1,10 @@
 """Where a decode step's time goes: one engine step of n sequences on one CPU thread.
 
 The 88 M random Llama of issue 26 (hidden 768, 12 layers, 12 heads, 4 KV heads,
-intermediate 2048, vocab 8000, seed 0, float32). Each n in ``--batch-sizes`` decodes one
-token per sequence with context lengths log-uniform in [32, 1024] (seed 0: spread, as a
-busy server's are), blocks of 16 scattered over the pool. Per n: the step's median time
+intermediate 2048, vocab 8000, seed 0, float32), or with ``--model small`` the small
+folder's (``bench_generation.py``). Each n in ``--batch-sizes`` decodes one token per
+sequence with context lengths log-uniform in ``--contexts`` (default [32, 1024]; seed 0:
+spread, as a busy server's are), blocks of 16 scattered over the pool. Per n: the step's median time
 (``ModelRunner.execute``) over ``--repeats`` steps, its batch set-up alone (``_prepare``:
 block tables, positions, slot mapping, attention plan), and with ``--profile`` a
 torch.profiler breakdown of the model's time by operator kind:
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench_generation import MODELS
 from benchlib import RESULTS, machine_info, serving_malloc, utc_now, write_results
 from carpool.generation.runner import ModelRunner
 from carpool.generation.types import SamplingParams, SeqChunk, StepInput
@@ -66,10 +68,12 @@ KINDS = {
 }
 
 
-def decode_step(n: int, seed: int = 0) -> tuple[StepInput, int, float]:
+def decode_step(
+    n: int, seed: int = 0, contexts: tuple[int, int] = (MIN_CONTEXT, MAX_CONTEXT)
+) -> tuple[StepInput, int, float]:
     """n decode chunks with spread contexts; the blocks they need; their mean context."""
     rng = np.random.default_rng(seed)
-    lengths = np.rint(np.exp(rng.uniform(math.log(MIN_CONTEXT), math.log(MAX_CONTEXT), n)))
+    lengths = np.rint(np.exp(rng.uniform(math.log(contexts[0]), math.log(contexts[1]), n)))
     needed = [-(-(int(length) + 1) // BLOCK_SIZE) for length in lengths]
     blocks = rng.permutation(sum(needed)).tolist()
     sampling = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
@@ -109,13 +113,18 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--model", choices=("88m", "small"), default="88m")
+    parser.add_argument("--contexts", default=f"{MIN_CONTEXT},{MAX_CONTEXT}",
+                        help="the least and the most context length")  # fmt: skip
     parser.add_argument("--json", type=Path, default=RESULTS / "decode_step.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     malloc = serving_malloc()
-    model = random_llama(MODEL_88M, seed=0)
+    config = MODEL_88M if args.model == "88m" else MODELS["small"]
+    low, high = (int(c) for c in args.contexts.split(","))
+    model = random_llama(config, seed=0)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
-    num_blocks = max(decode_step(n)[1] for n in sizes) + 1
+    num_blocks = max(decode_step(n, contexts=(low, high))[1] for n in sizes) + 1
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE)
     decode_attention = getattr(runner, "decode_attention_path", "torch")  # older trees: torch
     machine = machine_info(
@@ -124,7 +133,7 @@ def main() -> None:
     print("machine:", machine, flush=True)
     rows = []
     for n in sizes:
-        step, _, mean_context = decode_step(n)
+        step, _, mean_context = decode_step(n, contexts=(low, high))
         runner.execute(step)  # warm-up
         row: dict[str, Any] = {
             "num_seqs": n,
@@ -148,8 +157,8 @@ def main() -> None:
             "benchmark": "decode_step",
             "date": utc_now(),
             "machine": machine,
-            "model": {**MODEL_88M, "seed": 0, "dtype": "float32", "block_size": BLOCK_SIZE},
-            "context_lengths": f"log-uniform in [{MIN_CONTEXT}, {MAX_CONTEXT}], seed 0",
+            "model": {**config, "seed": 0, "dtype": "float32", "block_size": BLOCK_SIZE},
+            "context_lengths": f"log-uniform in [{low}, {high}], seed 0",
             "decode_attention": decode_attention,
             "repeats": args.repeats,
             "rows": rows,
