@@ -247,6 +247,33 @@ def test_prefill_kernel_equals_the_torch_path_and_a_reference(
         torch.testing.assert_close(kernel[i], expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [1, 12, 100])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 32), (4, 1, 128)])
+def test_both_kernels_take_a_block_size_that_is_not_a_power_of_two(
+    kernel_build: KernelBuild, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """Spans of whole blocks and vectors of 8 or 16 keys: blocks that split neither."""
+    generator = torch.Generator().manual_seed(block_size + head_dim)
+    n, num_cached = 40, 123
+    num_blocks = -(-(n + num_cached) // block_size)
+    shape = (num_blocks + 2, block_size, num_kv_heads, head_dim)
+    k_blocks = torch.randn(*shape, generator=generator)
+    v_blocks = torch.randn(*shape, generator=generator)
+    ids = torch.randperm(num_blocks + 2, generator=generator)[:num_blocks]
+    q = torch.randn(n, num_heads, head_dim, generator=generator)
+    scale = head_dim**-0.5
+    prefill = paged_decode.paged_prefill(q, k_blocks, v_blocks, ids, num_cached, scale)
+    keys = k_blocks[ids].flatten(0, 1)
+    values = v_blocks[ids].flatten(0, 1)
+    for i in (0, n - 1):
+        position = num_cached + i
+        expected = _reference(q[i], keys[: position + 1], values[: position + 1])
+        torch.testing.assert_close(prefill[i], expected, rtol=0, atol=1e-5)
+    lengths = torch.tensor([num_cached + n])
+    decode = paged_decode.paged_decode(q[-1:], k_blocks, v_blocks, ids[None], lengths, scale)
+    torch.testing.assert_close(decode, prefill[-1:], rtol=0, atol=1e-5)
+
+
 def test_prefill_kernel_in_float64_and_with_large_scores(kernel_build: KernelBuild) -> None:
     kv_cache, table, slots, qkv, _ = _prefill(37, 21, 8, 2, 64, torch.float64)
     kernel = _attend_chunk(kv_cache, table, slots, qkv, 21, use_kernel=True)
