@@ -10,14 +10,15 @@
 //   block_ids  [>= ceil((num_cached + n) / block_size)] int64, the sequence's blocks
 //   out        [n, heads, D]
 //
-// float32 with head_dim 32/64/128/256 (16 floats a vector with AVX-512, else 8): one task per (KV head, tile of query rows). A tile's
-// query vectors (rows x the query heads sharing the KV head) walk the blocks up to the
-// tile's last position; each block's keys are transposed once per tile into [D, block], so
-// a query's scores for the block are D broadcast multiply-adds on whole vectors of keys
-// (no horizontal sums), four query vectors at a time sharing each load; then an online
-// softmax per query vector (running max and sum) and the weighted values added, the four
-// again sharing each value row. Other dtypes and head sizes: the scalar walk of
-// attention_common.h, one query token at a time.
+// float32 with head_dim 32/64/128/256 (16 floats a vector with AVX-512, else 8): one task
+// per (KV head, tile of 32 query rows). A tile's query vectors (rows x the query heads
+// sharing the KV head) walk the keys up to the tile's last position in spans of about 128
+// (whole blocks); each span's keys are transposed once per tile into [D, keys], so a
+// query's scores are D broadcast multiply-adds on whole vectors of keys (no horizontal
+// sums), four query vectors at a time sharing each load; then one online-softmax update
+// per query vector and span (running max; running sum as a vector) and the weighted
+// values added, the four again sharing each value row. Other dtypes and head sizes: the
+// scalar walk of attention_common.h, one query token at a time.
 //
 // Registered as torch.ops.carpool.paged_prefill.
 #include "attention_common.h"
