@@ -163,15 +163,22 @@ void attend_group_vector(const Shape& s, const float* query, const float* k_bloc
       }
       // Online softmax over the span: what was summed under the old max is rescaled.
       float span_max = maxes[g];
-      for (int64_t t = 0; t < num_keys; ++t) span_max = std::max(span_max, row[t]);
-      for (int64_t t = num_keys; t < padded; ++t) row[t] = span_max;
+      pfloat lanes_max = splat<pfloat>(span_max);  // a vector max: one serial chain was slow
+      int64_t t = 0;
+      for (; t + kWidth <= num_keys; t += kWidth) {
+        const pfloat x = load<pfloat>(row + t);
+        lanes_max = x > lanes_max ? x : lanes_max;
+      }
+      for (int64_t l = 0; l < kWidth; ++l) span_max = std::max(span_max, lanes_max[l]);
+      for (; t < num_keys; ++t) span_max = std::max(span_max, row[t]);
+      for (t = num_keys; t < padded; ++t) row[t] = span_max;
       const pfloat shift = splat<pfloat>(span_max);
-      for (int64_t t = 0; t < padded; t += kWidth) {
+      for (t = 0; t < padded; t += kWidth) {
         store(row + t, exp_nonpositive(load<pfloat>(row + t) - shift));
       }
-      for (int64_t t = num_keys; t < padded; ++t) row[t] = 0.0f;  // adds nothing
+      for (t = num_keys; t < padded; ++t) row[t] = 0.0f;  // adds nothing
       pfloat sum{};
-      for (int64_t t = 0; t < padded; t += kWidth) sum += load<pfloat>(row + t);
+      for (t = 0; t < padded; t += kWidth) sum += load<pfloat>(row + t);
       const float correction = std::exp(maxes[g] - span_max);
       maxes[g] = span_max;
       const pfloat scaled = splat<pfloat>(correction);
