@@ -114,11 +114,12 @@ int64_t tile_work(const Shape& s, int64_t span_keys) {
 
 // Query rows [r0, r1) of the chunk, the query heads of KV head `kv_head` (file comment).
 // Keys go in spans of `span_keys` (whole blocks): one softmax update per span.
+// `work`: tile_work floats; `value_rows`: span_keys pointers (the caller's, per task).
 template <int64_t kD>
 void prefill_tile(const Shape& s, const float* query, const float* k_blocks,
                   const float* v_blocks, const int64_t* block_ids, int64_t num_cached,
                   int64_t r0, int64_t r1, int64_t kv_head, float scale, int64_t span_keys,
-                  float* out, float* work) {
+                  float* out, float* work, const float** value_rows) {
   const int64_t G = s.group, B = s.block_size;
   const int64_t token_stride = s.num_kv_heads * kD;
   const int64_t block_stride = B * token_stride;
@@ -130,7 +131,6 @@ void prefill_tile(const Shape& s, const float* query, const float* k_blocks,
   float* sums = maxes + num_vectors;           // [num_vectors, kWidth]
   float* kt = sums + num_vectors * kWidth;     // [kD, P] a span's keys, transposed
   float* scores = kt + kD * span_p;            // [kQuad, P]
-  std::vector<const float*> value_rows(span_keys);  // each key's value row in the cache
   for (int64_t i = 0; i < num_vectors; ++i) {
     const int64_t head = kv_head * G + i % G;
     const float* q = query + ((r0 + i / G) * s.num_heads + head) * kD;
@@ -161,13 +161,13 @@ void prefill_tile(const Shape& s, const float* query, const float* k_blocks,
         valid[j] = std::min(num_keys, num_cached + r0 + (i + j) / G + 1 - first_key);
       }
       score_span<kD, kQuad>(qs + i * kD, kt, P, scores);
-      absorb_span<kD, kQuad>(scores, P, valid, value_rows.data(), maxes + i,
+      absorb_span<kD, kQuad>(scores, P, valid, value_rows, maxes + i,
                              sums + i * kWidth, accs + i * kD);
     }
     for (; i < num_vectors; ++i) {
       valid[0] = std::min(num_keys, num_cached + r0 + i / G + 1 - first_key);
       score_span<kD, 1>(qs + i * kD, kt, P, scores);
-      absorb_span<kD, 1>(scores, P, valid, value_rows.data(), maxes + i, sums + i * kWidth,
+      absorb_span<kD, 1>(scores, P, valid, value_rows, maxes + i, sums + i * kWidth,
                          accs + i * kD);
     }
   }
@@ -180,7 +180,8 @@ void prefill_tile(const Shape& s, const float* query, const float* k_blocks,
 }
 
 using Tile = void (*)(const Shape&, const float*, const float*, const float*, const int64_t*,
-                      int64_t, int64_t, int64_t, int64_t, float, int64_t, float*, float*);
+                      int64_t, int64_t, int64_t, int64_t, float, int64_t, float*, float*,
+                      const float**);
 
 Tile vector_tile(int64_t head_dim) {
   switch (head_dim) {
@@ -214,11 +215,12 @@ void run(const at::Tensor& query, const at::Tensor& k_blocks, const at::Tensor& 
       const int64_t work_size = tile_work(s, span_keys);
       at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> work(work_size);
+        std::vector<const float*> value_rows(span_keys);  // a span's value rows, per key
         for (int64_t task = begin; task < end; ++task) {
           const int64_t r0 = task / s.num_kv_heads * kTileRows;
           const int64_t r1 = std::min(n, r0 + kTileRows);
           tile(s, q, k, v, ids, num_cached, r0, r1, task % s.num_kv_heads,
-               static_cast<float>(scale), span_keys, o, work.data());
+               static_cast<float>(scale), span_keys, o, work.data(), value_rows.data());
         }
       });
       return;
