@@ -61,6 +61,7 @@ from bench_vs_vllm import (
     MAX_MODEL_LEN,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
+    against_vllm,
     build_folder,
     free_port,
     session_cpu_s,
@@ -158,15 +159,11 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def ratios(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """carpool / vLLM at each point: output tokens/s (guidellm's and over the duration),
     per server CPU second, and vLLM's TTFT p50 over carpool's."""
-    by = {(p["system"], p["format"], p["concurrency"]): p for p in points}
     out = []
-    for (system, request_format, concurrency), mine in by.items():
-        other = by.get(("vllm", request_format, concurrency))
-        if system != "carpool" or other is None:
-            continue
+    for mine, other in against_vllm(points, ("format", "concurrency")):
         ratio = {key: mine[key] / other[key] for key in RATIO_KEYS}
         ratio["ttft_p50_vllm_over_carpool"] = other["ttft_p50_ms"] / mine["ttft_p50_ms"]
-        out.append({"format": request_format, "concurrency": concurrency, **ratio})
+        out.append({"format": mine["format"], "concurrency": mine["concurrency"], **ratio})
     return out
 
 

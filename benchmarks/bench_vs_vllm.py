@@ -417,23 +417,28 @@ def carpool_src() -> str:
     return found.stdout.strip()
 
 
+def against_vllm(
+    rows: list[dict[str, Any]], fields: tuple[str, ...]
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each carpool row with vLLM's row of the same ``fields`` (rows vLLM lacks left out)."""
+
+    def key(row: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(row[f] for f in fields)
+
+    vllm = {key(r): r for r in rows if r["system"] == "vllm"}
+    return [(r, vllm[key(r)]) for r in rows if r["system"] == "carpool" and key(r) in vllm]
+
+
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """carpool / vLLM per folder and run: output tokens/s, and TTFT p50 (vLLM / carpool)."""
-    by = {(r["folder"], r["system"], r["concurrency"], r["input_len"]): r for r in rows}
-    out = []
-    for (folder, system, c, input_len), row in by.items():
-        other = by.get((folder, "vllm", c, input_len))
-        if system != "carpool" or other is None:
-            continue
-        out.append({
-            "folder": folder, "concurrency": c, "input_len": input_len,
-            "output_tokens_per_s": row["output_throughput"] / other["output_throughput"],
-            "output_tokens_per_cpu_s": (
-                row["output_tokens_per_cpu_s"] / other["output_tokens_per_cpu_s"]
-            ),
-            "ttft_p50_vllm_over_carpool": other["median_ttft_ms"] / row["median_ttft_ms"],
-        })  # fmt: skip
-    return out
+    return [{
+        "folder": row["folder"], "concurrency": row["concurrency"], "input_len": row["input_len"],
+        "output_tokens_per_s": row["output_throughput"] / other["output_throughput"],
+        "output_tokens_per_cpu_s": (
+            row["output_tokens_per_cpu_s"] / other["output_tokens_per_cpu_s"]
+        ),
+        "ttft_p50_vllm_over_carpool": other["median_ttft_ms"] / row["median_ttft_ms"],
+    } for row, other in against_vllm(rows, ("folder", "concurrency", "input_len"))]  # fmt: skip
 
 
 def table(rows: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> str:
