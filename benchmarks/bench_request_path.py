@@ -31,9 +31,9 @@ import benchlib
 from carpool.core.batcher import Batcher
 from carpool.core.policy import BatchPolicy
 from carpool.server.app import KServeApp
+from carpool.server.heap import freeze_startup_heap
 from carpool.server.http.server import HttpServer
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
-from carpool.server.run import _freeze_startup_heap
 from wrkrun import write_w1_binary_body
 
 WINDOWS = 7
@@ -114,7 +114,7 @@ async def measure(connections: int, as_json: bool, rounds: int) -> float:
 
     for _ in range(20):
         await one_round()
-    _freeze_startup_heap()
+    freeze_startup_heap()
     windows = []
     for _ in range(WINDOWS):
         start = time.thread_time()

@@ -38,7 +38,7 @@ Per (replicas, load), medians over ``--repeats`` (each with its own seed):
 
 The garbage collector is set up as ``carpool serve`` sets it once its models are loaded
 (``--gc serve``, the default): a full collection, ``gc.freeze()`` of what is alive, and a
-young generation of ``YOUNG_GC_THRESHOLD`` objects (``carpool.server.run``), here once the
+young generation of ``YOUNG_GC_THRESHOLD`` objects (``carpool.server.heap``), here once the
 replicas are loaded and before the first arrival, undone after each run. ``--gc python``
 keeps Python's defaults, as the simulation ran before.
 
@@ -71,7 +71,7 @@ from carpool import BatchPolicy
 from carpool.core.batcher import Batcher
 from carpool.core.clock import FakeClock, TimerHandle, settle
 from carpool.core.request import Outcome, RequestTrace
-from carpool.server.run import YOUNG_GC_THRESHOLD
+from carpool.server.heap import YOUNG_GC_THRESHOLD
 
 SETTLE_ROUNDS = 20  # loop turns FakeClock.advance lets run: 2 settles, and one per timer
 MAX_BATCH_SIZE = 8

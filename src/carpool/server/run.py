@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import gc
 import logging
 import math
 import os
@@ -40,6 +39,7 @@ from carpool.server.app import KServeApp
 from carpool.server.banner import logger, ready_lines, use_default_logging
 from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES, DrainTimedOut, PortInUse
 from carpool.server.grpc import InferenceServicer, bind_grpc_server, host_port
+from carpool.server.heap import freeze_startup_heap
 from carpool.server.http.server import HttpServer
 from carpool.server.limits import ServerLimits
 from carpool.server.memory import TICK_S, Trimmer, malloc_trim
@@ -53,7 +53,6 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # cut-off cannot reach.
 CUT_OFF_ANSWER_S = 1.0
 CUT_OFF_EXIT_S = 3.0
-YOUNG_GC_THRESHOLD = 100_000  # see _freeze_startup_heap
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # The log levels `carpool serve --log-level` takes (uvicorn's names; "trace" below debug).
 LOG_LEVELS = {
@@ -131,23 +130,6 @@ def serve(
         finally:
             if otlp is not None:
                 otlp.close()  # the last spans sent
-
-
-def _freeze_startup_heap() -> None:
-    """Keep the cyclic garbage collector off the request path.
-
-    Everything allocated at startup (torch, the models, their weights' Python objects)
-    moves out of the collector's reach: without it the collector re-walked that heap
-    every few thousand requests, 17% of the event loop's CPU under load (``perf`` on W1 at
-    concurrency 256, ``docs/benchmarks.md``). And a young generation far larger than the
-    container objects in-flight requests keep alive (about ten each): at the default of
-    700 the collector ran every few requests at concurrency 256, walking the live ones.
-    Requests free their objects by reference counting; cycles are still collected.
-    """
-    gc.collect()
-    gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(YOUNG_GC_THRESHOLD, older, oldest)
 
 
 def check_ports(host: str, port: int, grpc_port: int | None) -> None:
@@ -290,7 +272,7 @@ async def _serve(
         await repository.start()
         # A full collection over the models' heap takes a while: still nothing accepted,
         # so a signal meanwhile still exits at once (not with the default handler's -15).
-        _freeze_startup_heap()
+        freeze_startup_heap()
     except BaseException:  # a model failed to load: serve nothing
         _close(sockets)
         _close(held)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from carpool.server.run import YOUNG_GC_THRESHOLD
+from carpool.server.heap import YOUNG_GC_THRESHOLD
 from sim_dispatch import (
     SimConfig,
     batch_time_s,

@@ -45,6 +45,7 @@ from carpool.server.app import KServeApp
 from carpool.server.banner import logger, ready_lines, use_default_logging
 from carpool.server.errors import DEFAULT_MAX_REQUEST_BYTES, PortInUse
 from carpool.server.grpc import host_port
+from carpool.server.heap import freeze_startup_heap
 from carpool.server.limits import ServerLimits
 from carpool.server.otlp import start_otlp
 from carpool.server.repository import ModelRepository, ServedModel
@@ -198,6 +199,7 @@ class Engine:
         restore = exit_on_signal_while_loading(loop)
         try:
             await self.repository.start()
+            freeze_startup_heap()  # before any request: as in one process
         finally:
             restore()
         deadline = DrainDeadline(self.repository, self._drain_timeout_s)

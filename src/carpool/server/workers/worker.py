@@ -35,6 +35,7 @@ from carpool.server.access import Access
 from carpool.server.app import KServeApp
 from carpool.server.banner import use_default_logging
 from carpool.server.grpc import bind_grpc_server
+from carpool.server.heap import freeze_startup_heap
 from carpool.server.http.server import HttpServer
 from carpool.server.limits import ServerLimits
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
@@ -181,6 +182,7 @@ async def _serve(spec: WorkerSpec) -> None:
         await grpc_server.start()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stopping.set)
+    freeze_startup_heap()  # the collector off the request path, as in one process
     http.start([listener])
     link.send(Kind.COUNTS, {**_counts(spec.index, http), "listening": True})
     reporting = asyncio.ensure_future(_report(link, spec.index, http))
