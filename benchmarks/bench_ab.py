@@ -15,7 +15,7 @@ import that tree's carpool; what it writes with ``--json`` is read back. Reporte
 figure (closed-loop req/s and p50/p99 at each concurrency, per server for
 ``bench_peers.py``; step and set-up ms per batch size for ``bench_decode_step.py``; step and
 attention ms per chunk for ``bench_prefill_step.py``; prefill and decode seconds for
-``bench_long_context.py``): each
+``bench_long_context.py``; CPU per request per worker count for ``bench_workers.py``): each
 tree's runs, their medians, and after/before. Results go to
 ``benchmarks/results/ab_<label>.json``.
 """
@@ -102,12 +102,25 @@ def long_context_figures(result: dict[str, Any]) -> Figures:
     }
 
 
+def workers_figures(result: dict[str, Any]) -> Figures:
+    """``bench_workers.py``'s rows: the server's CPU per request and req/s per model and
+    worker count, and the CPU per request's ratio to the run's first worker count."""
+    figures: Figures = {}
+    for row in result["rows"]:
+        name = f"{row['model']} w{row['workers']}"
+        figures[f"{name} CPU us/request"] = row["cpu_us_per_request"]
+        figures[f"{name} req/s"] = row["rate_rps"]
+        figures[f"{name} CPU ratio"] = row["cpu_ratio_to_first"]
+    return figures
+
+
 READERS: dict[str, Callable[[dict[str, Any]], Figures]] = {
     "bench_decode_step.py": decode_step_figures,
     "bench_prefill_step.py": prefill_step_figures,
     "bench_http.py": http_figures,
     "bench_long_context.py": long_context_figures,
     "bench_peers.py": peers_figures,
+    "bench_workers.py": workers_figures,
 }
 
 

@@ -53,9 +53,11 @@ models:
 MODELS = {"noop": "bench_noop_model:noop", "mlp": "carpool.server.defaults:w1_factory"}
 
 
-def tree_cpu_ticks(pid: int) -> tuple[int, int]:
-    """User and system ticks of ``pid`` and all its descendants now alive."""
-    user = system = 0
+def tree_cpu_ticks(pid: int) -> tuple[int, int, int]:
+    """User and system ticks of ``pid`` and all its descendants now alive, and the
+    ticks (both) of ``pid`` alone: the engine's share, where the workers are its
+    children."""
+    user = system = own = 0
     pending = [pid]
     while pending:
         current = pending.pop()
@@ -67,8 +69,10 @@ def tree_cpu_ticks(pid: int) -> tuple[int, int]:
         fields = stat[stat.rindex(")") + 2 :].split()
         user += int(fields[11])
         system += int(fields[12])
+        if current == pid:
+            own = int(fields[11]) + int(fields[12])
         pending += [int(child) for child in children]
-    return user, system
+    return user, system, own
 
 
 def _answered(url: str, model: str) -> tuple[int, int]:
@@ -98,13 +102,14 @@ def measure(
         time.sleep(1.0)  # every worker listening (the ready lines come after the last)
         infer = f"{url}/v2/models/{model}/infer"
         run_wrk(infer, script, args.concurrency, 1.0, benchlib.LOAD_CPU)  # warm-up
-        (user, system), (answered, batches) = tree_cpu_ticks(server.pid), _answered(url, model)
+        (user, system, own), (answered, batches) = tree_cpu_ticks(server.pid), _answered(url, model)
         start = time.perf_counter()
         result = run_wrk(infer, script, args.concurrency, args.duration_s, benchlib.LOAD_CPU)
         elapsed_s = time.perf_counter() - start
-        user_end, system_end = tree_cpu_ticks(server.pid)
+        user_end, system_end, own_end = tree_cpu_ticks(server.pid)
         user_s, system_s = (user_end - user) / TICKS_PER_S, (system_end - system) / TICKS_PER_S
         used_s = user_s + system_s
+        engine_s = (own_end - own) / TICKS_PER_S
         answered_end, batches_end = _answered(url, model)
         requests = answered_end - answered - 1  # less the /stats scrape's own
         batch_size = requests / max(batches_end - batches, 1)
@@ -120,6 +125,10 @@ def measure(
         "server_cpu_s": round(used_s, 3),
         "cpu_us_per_request": round(cpu_us, 1),
         "system_share": round(system_s / max(used_s, 1e-9), 2),
+        # With workers, the engine's process (batchers, hand-offs) and the workers' (HTTP,
+        # codec, hand-offs); with one, the whole server is the "engine".
+        "engine_cpu_us_per_request": round(engine_s / max(requests, 1) * 1e6, 1),
+        "workers_cpu_us_per_request": round((used_s - engine_s) / max(requests, 1) * 1e6, 1),
         "mean_batch_size": round(batch_size, 1),
         "server_cores_used": round(used_s / elapsed_s, 2),
         "non_2xx": result["non_2xx"],
@@ -127,7 +136,8 @@ def measure(
     }
     print(
         f"{model:5s} --workers {workers}: {result['rate_rps']:8.0f} req/s  "
-        f"{cpu_us:6.1f} us CPU/request ({system_s / max(used_s, 1e-9):.0%} system)  "
+        f"{cpu_us:6.1f} us CPU/request ({system_s / max(used_s, 1e-9):.0%} system; "
+        f"engine {row['engine_cpu_us_per_request']:.1f})  "
         f"({used_s / elapsed_s:.2f} cores)  batch {batch_size:.1f}  "
         f"p99 {result['p99_ms']:.1f} ms  exit {status}"
     )
@@ -174,7 +184,7 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=3, help="rounds; medians are kept")
     parser.add_argument("--server-cpus", default=benchlib.SERVER_CPU)
-    parser.add_argument("--out", type=Path, default=benchlib.RESULTS / "workers.json")
+    parser.add_argument("--out", "--json", type=Path, default=benchlib.RESULTS / "workers.json")
     args = parser.parse_args()
     benchlib.require_wrk("bench_workers.py")
     machine = benchlib.machine_info(**benchlib.wrk_info(), server_cpus=args.server_cpus)

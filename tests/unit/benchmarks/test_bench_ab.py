@@ -13,6 +13,7 @@ from bench_ab import (
     long_context_figures,
     peers_figures,
     prefill_step_figures,
+    workers_figures,
 )
 
 
@@ -45,6 +46,17 @@ def test_bench_peers_rows_are_named_by_server_and_a_failed_server_has_none() -> 
 def test_bench_decode_step_rows_become_step_and_set_up_figures_per_batch_size() -> None:
     result = {"rows": [{"num_seqs": 64, "step_ms": 300.0, "prepare_ms": 0.5, "max_context": 9}]}
     assert decode_step_figures(result) == {"n64 step ms": 300.0, "n64 prepare ms": 0.5}
+
+
+def test_bench_workers_rows_become_cpu_rate_and_ratio_figures_per_model_and_count() -> None:
+    one = {"model": "noop", "workers": 1, "cpu_us_per_request": 40.0, "rate_rps": 25000.0,
+           "cpu_ratio_to_first": 1.0}  # fmt: skip
+    four = {**one, "workers": 4, "cpu_us_per_request": 60.0, "cpu_ratio_to_first": 1.5}
+    figures = workers_figures({"rows": [one, four]})
+    assert figures["noop w4 CPU us/request"] == 60.0
+    assert figures["noop w4 CPU ratio"] == 1.5
+    assert figures["noop w1 req/s"] == 25000.0
+    assert len(figures) == 6
 
 
 def test_bench_prefill_step_rows_become_step_and_attention_figures_per_chunk() -> None:
