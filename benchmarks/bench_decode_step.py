@@ -63,6 +63,7 @@ KINDS = {
     "carpool::paged_prefill": "attention",
     "aten::index_copy_": "kv write",
     "mkldnn::_linear_pointwise": "matmul",
+    "carpool::packed_linear": "matmul",
     "aten::addmm": "matmul",
     "aten::mm": "matmul",
 }
@@ -128,7 +129,10 @@ def main() -> None:
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE)
     decode_attention = getattr(runner, "decode_attention_path", "torch")  # older trees: torch
     machine = machine_info(
-        torch_threads=torch.get_num_threads(), decode_attention=decode_attention, malloc=malloc
+        torch_threads=torch.get_num_threads(),
+        decode_attention=decode_attention,
+        generation_linear=runner.linear_path,  # the runner's Linear layers: which kernel ran
+        malloc=malloc,
     )
     print("machine:", machine, flush=True)
     rows = []

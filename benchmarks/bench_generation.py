@@ -580,6 +580,7 @@ def main() -> None:
         "block_size": BLOCK_SIZE,
         "num_blocks": num_blocks,
         "prepacked_linear": runner.is_prepacked,
+        "linear": runner.linear_path,
     }
     print("settings:", settings, flush=True)
 

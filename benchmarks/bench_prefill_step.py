@@ -57,11 +57,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     malloc = serving_malloc()
-    machine = machine_info(torch_threads=torch.get_num_threads(), malloc=malloc)
-    print("machine:", machine, flush=True)
     cases = [tuple(int(x) for x in case.split(":")) for case in args.cases.split(",")]
     num_blocks = max(-(-(n + s) // BLOCK_SIZE) for n, s in cases) + 1
     runner = ModelRunner(random_llama(MODELS[args.model], seed=0), num_blocks, BLOCK_SIZE)
+    machine = machine_info(
+        torch_threads=torch.get_num_threads(),
+        generation_linear=runner.linear_path,  # the runner's Linear layers: which kernel ran
+        malloc=malloc,
+    )
+    print("machine:", machine, flush=True)
     blocks = np.random.default_rng(0).permutation(num_blocks).tolist()
     rows = []
     for n, s in cases:

@@ -18,6 +18,9 @@ multiply-adds (16 floats a vector with AVX-512), four query vectors sharing ever
 the query at position p stops at key p. It replaces the two SDPA calls (the prefix, then the
 chunk itself, causally) and their log-sum-exp merge of the torch path (docs/generation.md).
 
+The same extension holds the runner's float32 Linear kernel (``csrc/packed_linear.cpp``:
+weights packed once into panels, read in order; :mod:`carpool.generation.runner`).
+
 It is compiled on first use with ``torch.utils.cpp_extension.load`` (g++/clang and ninja;
 ``-O3 -march=native``) into ``carpool/<name>`` under torch's extension directory
 (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``), where the build is reused
@@ -55,6 +58,7 @@ from typing import Literal, get_args
 import torch
 
 from carpool.errors import ConfigError
+from carpool.models import onednn
 
 try:
     import fcntl
@@ -66,7 +70,7 @@ logger = logging.getLogger(__name__)
 DecodeAttention = Literal["auto", "kernel", "torch"]
 DECODE_ATTENTION_MODES: tuple[str, ...] = get_args(DecodeAttention)
 CSRC = Path(__file__).with_name("csrc")
-SOURCE_PATHS = (CSRC / "paged_decode.cpp", CSRC / "paged_prefill.cpp")
+SOURCE_PATHS = (CSRC / "paged_decode.cpp", CSRC / "paged_prefill.cpp", CSRC / "packed_linear.cpp")
 HEADER_PATHS = (CSRC / "attention_common.h",)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd", "-fno-math-errno")
 # The dtypes the kernel computes in; others take the gather + SDPA path.
@@ -169,6 +173,7 @@ def load_kernel() -> KernelBuild:
                 _build()
                 torch.ops.carpool.paged_decode  # noqa: B018 (the ops are registered)
                 torch.ops.carpool.paged_prefill  # noqa: B018
+                torch.ops.carpool.packed_linear  # noqa: B018
                 result = KernelBuild(True, "", time.perf_counter() - started)
             except Exception as error:  # any failure leaves the torch path; never crash
                 last_line = (str(error).strip().splitlines() or [""])[-1][:300]
@@ -207,6 +212,34 @@ def use_decode_kernel(
         raise ConfigError(field, mode, f"auto or torch: the kernel did not build ({build.reason})")
     _warn_once(build.reason)
     return False
+
+
+PACKED_LINEAR = "carpool-packed"  # the runner's Linear layers on csrc/packed_linear.cpp
+
+
+def use_linear_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the runner's Linear layers run the extension's packed kernel: float32 on the
+    CPU, the extension built, and ``CARPOOL_LINEAR_KERNEL`` not ``onednn`` or ``aten``.
+    Never raises: where it cannot, one log line says why and the caller keeps oneDNN's
+    prepacked kernel (or aten's)."""
+    choice = os.environ.get(onednn.LINEAR_KERNEL_ENV, "auto")
+    if choice in ("onednn", "aten"):
+        logger.info(
+            "Linear layers: %s=%s, not carpool's packed kernel", onednn.LINEAR_KERNEL_ENV, choice
+        )
+        return False
+    if device.type != "cpu" or dtype != torch.float32:
+        logger.debug(
+            "Linear layers: carpool's packed kernel is float32 on the CPU, not %s on %s",
+            dtype,
+            device,
+        )
+        return False
+    build = load_kernel()
+    if not build.is_available:
+        logger.info("Linear layers: carpool's packed kernel did not build (%s)", build.reason)
+        return False
+    return True
 
 
 _warned = False

@@ -34,7 +34,7 @@ from torch import nn
 
 from carpool.generation.attention import PagedAttention, plan_attention
 from carpool.generation.block_table import BlockTables
-from carpool.generation.paged_decode import use_decode_kernel
+from carpool.generation.paged_decode import PACKED_LINEAR, use_decode_kernel, use_linear_kernel
 from carpool.generation.prompt_logprobs import PromptScorer, num_scored_rows
 from carpool.generation.sampling import Sampler
 from carpool.generation.types import SeqChunk, StepInput, StepOutput, TokenLogprobs
@@ -44,17 +44,35 @@ logger = logging.getLogger(__name__)
 
 
 class FastLinear(nn.Linear):
-    """``nn.Linear`` with an optional oneDNN fast path (weights reordered once by ``prepack``;
-    see :mod:`carpool.models.onednn` for where it applies)."""
+    """``nn.Linear`` on weights packed once by ``prepack``: into carpool's panels
+    (``carpool-packed``, float32 on the CPU: ``csrc/packed_linear.cpp``) or oneDNN's
+    layout (``onednn-prepacked``, see :mod:`carpool.models.onednn` for where it applies);
+    plain ``F.linear`` when neither was packed."""
 
     packed: torch.Tensor | None = None
+    kernel: str = onednn.kernel_name(False)
 
-    def prepack(self) -> None:
-        self.packed = onednn.reorder_weight(self.weight)
+    def prepack(self, kernel: str) -> None:
+        """Pack the weight for ``kernel`` (``PACKED_LINEAR`` or oneDNN's)."""
+        if kernel == PACKED_LINEAR:
+            self.packed = torch.ops.carpool.pack_linear(self.weight.detach())
+        else:
+            self.packed = onednn.reorder_weight(self.weight)
+        self.kernel = kernel
+
+    def unpack(self) -> None:
+        self.packed = None
+        self.kernel = onednn.kernel_name(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
+        if self.kernel == PACKED_LINEAR:
+            flat = x.reshape(-1, x.shape[-1])
+            y: torch.Tensor = torch.ops.carpool.packed_linear(
+                flat, self.packed, self.bias, self.out_features
+            )
+            return y.view(*x.shape[:-1], self.out_features)
         return onednn.linear(x, self.packed, self.bias)
 
 
@@ -77,21 +95,27 @@ class PagedDecoder(nn.Module, abc.ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on some rows of the last hidden states: [n, hidden] -> [n, V]."""
 
-    def prepack(self, enabled: bool = True) -> bool:
-        """Switches every ``FastLinear`` to oneDNN's prepacked kernel where this CPU and dtype
-        support it (see :mod:`carpool.models.onednn`); returns whether it did
-        (``enabled=False`` drops any prepacked weights). Call again
-        after a move to another device or dtype."""
+    def prepack(self, enabled: bool = True) -> str:
+        """Packs every ``FastLinear``'s weight once for the fastest kernel this CPU, build
+        and dtype have: carpool's packed kernel (float32 on the CPU, where the extension
+        builds), else oneDNN's prepacked one (see :mod:`carpool.models.onednn`), else none.
+        Returns the kernel's name (``enabled=False`` drops any packed weights: plain
+        ``F.linear``). Call again after a move to another device or dtype."""
         linears = [m for m in self.modules() if isinstance(m, FastLinear)]
         weight = linears[0].weight if linears else None
-        usable = enabled and weight is not None and onednn.can_prepack(weight.dtype, weight.device)
+        kernel = onednn.kernel_name(False)
+        if enabled and weight is not None:
+            if use_linear_kernel(weight.device, weight.dtype):
+                kernel = PACKED_LINEAR
+            elif onednn.can_prepack(weight.dtype, weight.device):
+                kernel = onednn.kernel_name(True)
         for linear in linears:
-            if usable:
-                linear.prepack()
+            if kernel == onednn.kernel_name(False):
+                linear.unpack()
             else:
-                linear.packed = None
-        logger.debug("%s Linear layers: %s", type(self).__name__, onednn.kernel_name(usable))
-        return usable
+                linear.prepack(kernel)
+        logger.debug("%s Linear layers: %s", type(self).__name__, kernel)
+        return kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +156,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
-        self.is_prepacked = self.model.prepack(enabled=prepack)
-        self.linear_path = onednn.kernel_name(self.is_prepacked)  # how its Linears run
+        self.linear_path = self.model.prepack(enabled=prepack)  # how its Linears run
+        self.is_prepacked = self.linear_path != onednn.kernel_name(False)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_cache = torch.zeros(

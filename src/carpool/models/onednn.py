@@ -79,6 +79,8 @@ def can_prepack(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
 # Set to "aten" to keep every model on nn.Linear: held to AVX2, oneDNN's prepacked float32
 # and plain nn.Linear ran within noise of each other (docs/benchmarks.md), too close to
 # decide by timing at load; this lets an operator choose by measuring their own machine.
+# "onednn" keeps the generation runner's layers on oneDNN's prepacked kernel rather than
+# carpool's own (carpool.generation.paged_decode.use_linear_kernel).
 LINEAR_KERNEL_ENV = "CARPOOL_LINEAR_KERNEL"
 
 
@@ -86,8 +88,10 @@ LINEAR_KERNEL_ENV = "CARPOOL_LINEAR_KERNEL"
 def _probe(dtype: torch.dtype) -> bool:
     choice = os.environ.get(LINEAR_KERNEL_ENV, "auto")
     reason = _probe_failure(dtype) if choice != "aten" else f"{LINEAR_KERNEL_ENV}=aten"
-    if choice not in ("auto", "aten"):
-        logger.warning("%s=%r is not auto or aten: taken as auto", LINEAR_KERNEL_ENV, choice)
+    if choice not in ("auto", "aten", "onednn"):
+        logger.warning(
+            "%s=%r is not auto, onednn or aten: taken as auto", LINEAR_KERNEL_ENV, choice
+        )
     if reason is not None:
         logger.info(
             "oneDNN prepacked Linear unavailable for %s, using aten linear: %s", dtype, reason
