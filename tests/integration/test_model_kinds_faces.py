@@ -187,7 +187,11 @@ def test_generation_config_describes_its_engine_not_a_dynamic_batcher(
     assert "dynamic_batching" not in over_grpc
     # Which kernels its steps run, on both faces (Triton's string parameters).
     assert config["parameters"]["decode_attention"]["string_value"] in ("kernel", "torch")
-    assert config["parameters"]["linear"]["string_value"] in ("onednn-prepacked", "aten-linear")
+    assert config["parameters"]["linear"]["string_value"] in (
+        "carpool-packed",
+        "onednn-prepacked",
+        "aten-linear",
+    )
     assert over_grpc["parameters"] == config["parameters"]
 
 

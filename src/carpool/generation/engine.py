@@ -165,7 +165,8 @@ class GenerationEngine:
 
     def kernels(self) -> dict[str, str]:
         """The kernels its forward pass runs, where its runner says: ``decode_attention``
-        (``kernel`` or ``torch``) and ``linear`` (``onednn-prepacked`` or ``aten-linear``)."""
+        (``kernel`` or ``torch``) and ``linear`` (``carpool-packed``, ``onednn-prepacked`` or
+        ``aten-linear``)."""
         found: dict[str, str] = {}
         for key, attr in (("decode_attention", "decode_attention_path"), ("linear", "linear_path")):
             value = getattr(self._runner, attr, None)

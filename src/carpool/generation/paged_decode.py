@@ -214,7 +214,7 @@ def use_decode_kernel(
     return False
 
 
-PACKED_LINEAR = "carpool-packed"  # the runner's Linear layers on csrc/packed_linear.cpp
+PACKED_LINEAR = onednn.CARPOOL_PACKED_KERNEL  # the runner's Linears on csrc/packed_linear.cpp
 
 
 def use_linear_kernel(device: torch.device, dtype: torch.dtype) -> bool:

@@ -42,6 +42,9 @@ _PROBE_ROWS, _PROBE_IN, _PROBE_OUT = 8, 64, 48
 
 
 INT8_KERNEL = "int8-dynamic"
+# The generation runner's float32 Linear layers on carpool's own packed kernel
+# (carpool.generation.paged_decode.use_linear_kernel): named here with the others.
+CARPOOL_PACKED_KERNEL = "carpool-packed"
 
 
 def kernel_name(is_prepacked: bool) -> str:
@@ -60,10 +63,16 @@ def holds_prepacked(module: torch.nn.Module) -> bool:
 
 
 def linear_path(module: torch.nn.Module) -> str:
-    """How ``module``'s carpool Linear layers run: int8 where any holds int8 weights,
-    prepacked where any holds prepacked ones, else plain aten."""
+    """How ``module``'s carpool Linear layers run: int8 where any holds int8 weights, the
+    kernel a packed layer names for itself (the generation runner's ``FastLinear``:
+    ``carpool-packed`` or this module's), prepacked where any holds prepacked ones, else
+    plain aten."""
     if any(getattr(sub, "quantized", None) for sub in module.modules()):
         return INT8_KERNEL
+    for sub in module.modules():
+        named = getattr(sub, "kernel", None)
+        if isinstance(named, str) and getattr(sub, "packed", None) is not None:
+            return named
     return kernel_name(holds_prepacked(module))
 
 

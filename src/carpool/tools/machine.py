@@ -84,14 +84,15 @@ def torch_kernels() -> dict[str, Any]:
 
 def model_kernels(modules: list[Any]) -> dict[str, str]:
     """How these torch modules' carpool Linear layers run: ``{"model_linear": path}``,
-    ``int8-dynamic``, ``onednn-prepacked`` (carpool's text encoder and generation models
+    ``int8-dynamic``, ``carpool-packed`` (a generation model's float32 layers where carpool's
+    kernels build), ``onednn-prepacked`` (carpool's text encoder and generation models
     where the CPU supports it) or ``aten-linear``; empty without modules."""
     if not modules:
         return {}
     from carpool.models import onednn
 
     paths = {onednn.linear_path(module) for module in modules}
-    for path in (onednn.INT8_KERNEL, onednn.kernel_name(True)):
+    for path in (onednn.INT8_KERNEL, onednn.CARPOOL_PACKED_KERNEL, onednn.kernel_name(True)):
         if path in paths:
             return {"model_linear": path}
     return {"model_linear": onednn.kernel_name(False)}

@@ -12,6 +12,7 @@ from carpool.generation.paged_decode import PACKED_LINEAR, KernelBuild, load_ker
 from carpool.generation.runner import FastLinear, ModelRunner
 from carpool.generation.types import SeqChunk, StepInput
 from carpool.models import onednn
+from carpool.tools import machine
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +134,12 @@ def test_the_runner_packs_for_its_kernel_and_onednn_when_asked(
     path, _ = _logits()
     assert path != PACKED_LINEAR
     torch.testing.assert_close(packed, prepacked, rtol=1e-4, atol=1e-4)
+
+
+def test_the_model_names_its_kernel_to_the_machine_report(kernel_build: KernelBuild) -> None:
+    torch.manual_seed(0)
+    runner = ModelRunner(LlamaModel(LLAMA), 16, 16)
+    assert onednn.linear_path(runner.model) == PACKED_LINEAR
+    assert machine.model_kernels([runner.model]) == {"model_linear": PACKED_LINEAR}
+    runner.model.prepack(enabled=False)
+    assert machine.model_kernels([runner.model]) == {"model_linear": "aten-linear"}
