@@ -114,12 +114,13 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     parser.add_argument("--model", choices=("88m", "small"), default="88m")
     parser.add_argument("--contexts", default=f"{MIN_CONTEXT},{MAX_CONTEXT}",
                         help="the least and the most context length")  # fmt: skip
     parser.add_argument("--json", type=Path, default=RESULTS / "decode_step.json")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     malloc = serving_malloc()
     config = MODEL_88M if args.model == "88m" else MODELS["small"]
     low, high = (int(c) for c in args.contexts.split(","))

@@ -22,7 +22,7 @@ The same extension holds the runner's float32 Linear kernel (``csrc/packed_linea
 weights packed once into panels, read in order; :mod:`carpool.generation.runner`).
 
 It is compiled on first use with ``torch.utils.cpp_extension.load`` (g++/clang and ninja;
-``-O3 -march=native``) into ``carpool/<name>`` under torch's extension directory
+``-O3 -march=native -fopenmp``) into ``carpool/<name>`` under torch's extension directory
 (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``), where the build is reused
 by later processes; its name carries a hash of the source, its path (each checkout builds
 its own: the build file names the source by its absolute path, so two trees sharing one
@@ -73,6 +73,11 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCE_PATHS = (CSRC / "paged_decode.cpp", CSRC / "paged_prefill.cpp", CSRC / "packed_linear.cpp")
 HEADER_PATHS = (CSRC / "attention_common.h",)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd", "-fno-math-errno")
+# at::parallel_for is an OpenMP loop compiled into the kernels themselves: without -fopenmp
+# each kernel ran on one thread whatever torch's thread count. The build links libgomp by
+# its soname, libgomp.so.1, which torch's CPU wheel has loaded already: one OpenMP runtime.
+# A compiler without OpenMP (clang without libomp) builds without it: one thread, one line.
+OPENMP_FLAGS = ("-fopenmp",)
 # The dtypes the kernel computes in; others take the gather + SDPA path.
 KERNEL_DTYPES = (torch.float32, torch.float64)
 
@@ -84,24 +89,29 @@ class KernelBuild:
     is_available: bool
     reason: str  # why it is not available; "" when it is
     build_time_s: float
+    openmp: bool = True  # whether its loops run on torch's threads (else on one)
 
 
 _lock = threading.Lock()
 _build_result: KernelBuild | None = None
 
 
-def build_name() -> str:
+def build_name(openmp: bool = True) -> str:
     """The extension's name: a hash of the source, the compile flags, the torch version,
     the source's path and the CPU's flags (``-march=native`` code runs only where those
     flags are)."""
     digest = hashlib.sha256()
     for path in (*SOURCE_PATHS, *HEADER_PATHS):
         digest.update(path.read_bytes())
-    for part in (" ".join(CFLAGS).encode(), torch.__version__.encode()):
+    for part in (" ".join(_cflags(openmp)).encode(), torch.__version__.encode()):
         digest.update(part)
     digest.update(str(CSRC.resolve()).encode())
     digest.update(_cpu_flags().encode())
     return f"carpool_paged_decode_{digest.hexdigest()[:16]}"
+
+
+def _cflags(openmp: bool) -> list[str]:
+    return [*CFLAGS, *OPENMP_FLAGS] if openmp else list(CFLAGS)
 
 
 def _cpu_flags() -> str:
@@ -128,10 +138,10 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def build_directory() -> Path:
+def build_directory(openmp: bool = True) -> Path:
     """Where this kernel's build lives (module docstring); created if missing."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    directory = Path(root) / "carpool" / build_name()
+    directory = Path(root) / "carpool" / build_name(openmp)
     directory.mkdir(parents=True, exist_ok=True)
     return directory
 
@@ -141,22 +151,23 @@ def build_directory() -> Path:
 TORCH_BUILD_MARKER = "lock"
 
 
-def _build() -> None:
+def _build(openmp: bool = True) -> None:
     """Compiles (or reuses the cached build of) the kernel and loads it as
     ``torch.ops.carpool.paged_decode``, one process at a time (module docstring)."""
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
-    directory = build_directory()
+    directory = build_directory(openmp)
     with open(directory.with_name(f"{directory.name}.lock"), "w") as held:
         if fcntl is not None:
             fcntl.flock(held, fcntl.LOCK_EX)  # released when this process ends, however
             # No other build is in progress: a marker left here is a killed build's.
             (directory / TORCH_BUILD_MARKER).unlink(missing_ok=True)
         cpp_extension.load(
-            name=build_name(),
+            name=build_name(openmp),
             sources=[str(path) for path in SOURCE_PATHS],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=_cflags(openmp),
+            extra_ldflags=list(OPENMP_FLAGS) if openmp else [],
             build_directory=str(directory),
             is_python_module=False,
             verbose=False,
@@ -169,20 +180,34 @@ def load_kernel() -> KernelBuild:
     with _lock:
         if _build_result is None:
             started = time.perf_counter()
-            try:
-                _build()
-                torch.ops.carpool.paged_decode  # noqa: B018 (the ops are registered)
-                torch.ops.carpool.paged_prefill  # noqa: B018
-                torch.ops.carpool.packed_linear  # noqa: B018
-                result = KernelBuild(True, "", time.perf_counter() - started)
-            except Exception as error:  # any failure leaves the torch path; never crash
-                last_line = (str(error).strip().splitlines() or [""])[-1][:300]
-                reason = f"{type(error).__name__}: {last_line}"
-                result = KernelBuild(False, reason, time.perf_counter() - started)
+            result = _try_build(True, started)
+            if not result.is_available:
+                logger.info(
+                    "carpool kernels: no OpenMP build (%s); building them to run on one thread",
+                    result.reason,
+                )
+                result = _try_build(False, started)
             _build_result = result
             if result.is_available:
-                logger.info("paged decode kernel ready in %.1f s", result.build_time_s)
+                logger.info(
+                    "paged decode kernel ready in %.1f s (%s)",
+                    result.build_time_s,
+                    "on torch's threads" if result.openmp else "one thread: no OpenMP",
+                )
         return _build_result
+
+
+def _try_build(openmp: bool, started: float) -> KernelBuild:
+    try:
+        _build(openmp)
+        torch.ops.carpool.paged_decode  # noqa: B018 (the ops are registered)
+        torch.ops.carpool.paged_prefill  # noqa: B018
+        torch.ops.carpool.packed_linear  # noqa: B018
+        return KernelBuild(True, "", time.perf_counter() - started, openmp)
+    except Exception as error:  # any failure leaves the torch path; never crash
+        last_line = (str(error).strip().splitlines() or [""])[-1][:300]
+        reason = f"{type(error).__name__}: {last_line}"
+        return KernelBuild(False, reason, time.perf_counter() - started, openmp)
 
 
 def use_decode_kernel(

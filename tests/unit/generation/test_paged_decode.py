@@ -324,7 +324,7 @@ def test_prefill_kernel_refuses_too_few_blocks_and_a_block_outside_the_cache(
 def failing_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process where the kernel has not been built yet and its build fails."""
 
-    def fail() -> None:
+    def fail(openmp: bool = True) -> None:
         raise RuntimeError("Error building extension 'carpool_paged_decode': g++ not found")
 
     monkeypatch.setattr(paged_decode, "_build", fail)
@@ -353,6 +353,39 @@ def test_a_build_left_by_a_killed_process_does_not_hold_the_next_one(
     monkeypatch.setattr(cpp_extension, "load", load)
     paged_decode._build()
     assert built == [str(directory)]
+
+
+def test_the_kernels_run_on_torchs_openmp_runtime_and_no_second_one(
+    kernel_build: KernelBuild,
+) -> None:
+    assert kernel_build.openmp  # at::parallel_for compiled as a parallel loop
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc/self/maps on this system: the runtimes loaded cannot be listed")
+    # What the extension links is libgomp.so.1 by that name (a wheel's renamed copy, like
+    # scikit-learn's libgomp-<hash>.so, is that library's own and loaded for it alone).
+    paths = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
+    runtimes = {path for path in paths if Path(path).name.startswith("libgomp.so")}
+    assert len(runtimes) == 1, runtimes  # torch's: the kernels' libgomp.so.1 is the same
+
+
+def test_a_compiler_without_openmp_still_builds_the_kernels_for_one_thread(
+    kernel_build: KernelBuild, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tried: list[bool] = []
+
+    def build(openmp: bool = True) -> None:  # the ops stay registered from the real build
+        tried.append(openmp)
+        if openmp:
+            raise RuntimeError("clang: error: unsupported option '-fopenmp'")
+
+    monkeypatch.setattr(paged_decode, "_build", build)
+    monkeypatch.setattr(paged_decode, "_build_result", None)
+    with caplog.at_level(logging.INFO, logger=paged_decode.__name__):
+        result = load_kernel()
+    assert tried == [True, False]
+    assert result.is_available and not result.openmp
+    assert "no OpenMP build" in caplog.text and "unsupported option '-fopenmp'" in caplog.text
 
 
 def test_each_checkout_builds_its_own_kernel(

@@ -129,7 +129,8 @@ inline int64_t attend_one_work(const Shape& s) {
   return 2 * s.group * s.head_dim + s.group * s.block_size + 2 * s.group;
 }
 
-// CARPOOL_NO_VECTOR (-D at build) leaves the plain loops everywhere: how their tests run them.
+// CARPOOL_NO_VECTOR (-D at build) leaves the plain loops everywhere: how their tests run
+// them (tests/unit/generation/test_kernel_isa_builds.py).
 #if (defined(__GNUC__) || defined(__clang__)) && !defined(CARPOOL_NO_VECTOR)
 #define CARPOOL_VECTOR 1
 // Floats in the compiler's vector extension: eight (AVX2/AVX-512 with -march=native, two

@@ -97,14 +97,24 @@ void panel_all_rows(const float* x, const float* panel, const float* b, float* y
 }
 #endif  // CARPOOL_VECTOR
 
+// Rows of x a task takes at most: a prefill chunk's rows are split too, so that a layer
+// with few panels (N = 768: 24) still gives every thread work.
+constexpr int64_t kTaskRows = 64;
+
 void multiply(const float* x, const float* packed, const float* bias, float* y, int64_t M,
               int64_t K, int64_t N) {
   const int64_t num_panels = (N + kPanel - 1) / kPanel;
-  at::parallel_for(0, num_panels, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
+  const int64_t row_blocks = (M + kTaskRows - 1) / kTaskRows;
+  // Task t: panel t / row_blocks, rows (t % row_blocks) * kTaskRows ..; a thread's tasks are
+  // consecutive, so it takes a panel's row blocks one after another while the panel is in
+  // its cache. Each output is one task's, summed in one order: any thread count gives the
+  // same bits.
+  at::parallel_for(0, num_panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p = t / row_blocks, m = (t % row_blocks) * kTaskRows;
       const int64_t n = p * kPanel;
-      panel_all_rows(x, packed + p * K * kPanel, bias == nullptr ? nullptr : bias + n, y + n, M,
-                     K, N, std::min(kPanel, N - n));
+      panel_all_rows(x + m * K, packed + p * K * kPanel, bias == nullptr ? nullptr : bias + n,
+                     y + m * N + n, std::min(kTaskRows, M - m), K, N, std::min(kPanel, N - n));
     }
   });
 }
