@@ -132,8 +132,9 @@ class ModelRunner:
 
     ``ModelRunner(model, num_blocks, block_size, device, dtype)`` moves the model to
     ``device``/``dtype`` (eval mode), allocates ``kv_cache`` (zeros, see the module
-    docstring) and, with ``prepack=True``, switches its Linear layers to oneDNN's prepacked
-    kernels where they apply. ``seed`` seeds the generator shared by requests without a seed.
+    docstring) and, with ``prepack=True``, packs its Linear layers' weights once for the
+    fastest kernel that applies (``PagedDecoder.prepack``; ``linear_path`` names it).
+    ``seed`` seeds the generator shared by requests without a seed.
     ``decode_attention`` (``auto | kernel | torch``) picks the decode attention path
     (:func:`carpool.generation.paged_decode.use_decode_kernel`); ``decode_attention_path``
     says which one runs: ``kernel`` or ``torch``.
