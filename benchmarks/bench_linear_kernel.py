@@ -19,8 +19,6 @@ Writes benchmarks/results/linear_kernel.json.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench_decode_step import median_ms
 from benchlib import RESULTS, machine_info, utc_now, write_results
 from carpool.generation.paged_decode import load_kernel
 from carpool.models import onednn
@@ -39,13 +38,8 @@ SHAPES = [(HIDDEN, Q + 2 * KV), (Q, HIDDEN), (HIDDEN, 2 * INNER), (INNER, HIDDEN
 
 
 def _median_s(step: Callable[[], None], repeats: int) -> float:
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    step()  # warm-up
+    return median_ms(step, repeats) / 1e3
 
 
 def memory_read_gbs(repeats: int = 5) -> float:

@@ -247,8 +247,8 @@ def use_linear_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     CPU, the extension built, and ``CARPOOL_LINEAR_KERNEL`` not ``onednn`` or ``aten``.
     Never raises: where it cannot, one log line says why and the caller keeps oneDNN's
     prepacked kernel (or aten's)."""
-    choice = os.environ.get(onednn.LINEAR_KERNEL_ENV, "auto")
-    if choice in ("onednn", "aten"):
+    choice = onednn.linear_kernel_choice()
+    if choice != "auto":
         logger.info(
             "Linear layers: %s=%s, not carpool's packed kernel", onednn.LINEAR_KERNEL_ENV, choice
         )

@@ -93,14 +93,23 @@ def can_prepack(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
 LINEAR_KERNEL_ENV = "CARPOOL_LINEAR_KERNEL"
 
 
+_LINEAR_KERNEL_CHOICES = ("auto", "onednn", "aten")
+
+
+def linear_kernel_choice() -> str:
+    """``CARPOOL_LINEAR_KERNEL``: auto (the default), onednn or aten; anything else is
+    taken as auto, with a warning."""
+    choice = os.environ.get(LINEAR_KERNEL_ENV, "auto")
+    if choice in _LINEAR_KERNEL_CHOICES:
+        return choice
+    logger.warning("%s=%r is not auto, onednn or aten: taken as auto", LINEAR_KERNEL_ENV, choice)
+    return "auto"
+
+
 @functools.cache
 def _probe(dtype: torch.dtype) -> bool:
-    choice = os.environ.get(LINEAR_KERNEL_ENV, "auto")
+    choice = linear_kernel_choice()
     reason = _probe_failure(dtype) if choice != "aten" else f"{LINEAR_KERNEL_ENV}=aten"
-    if choice not in ("auto", "aten", "onednn"):
-        logger.warning(
-            "%s=%r is not auto, onednn or aten: taken as auto", LINEAR_KERNEL_ENV, choice
-        )
     if reason is not None:
         logger.info(
             "oneDNN prepacked Linear unavailable for %s, using aten linear: %s", dtype, reason
