@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from carpool.generation import huge_pages
 from carpool.generation.attention import PagedAttention, plan_attention
 from carpool.generation.block_table import BlockTables
 from carpool.generation.paged_decode import PACKED_LINEAR, use_decode_kernel, use_linear_kernel
@@ -55,7 +56,8 @@ class FastLinear(nn.Linear):
     def prepack(self, kernel: str) -> None:
         """Pack the weight for ``kernel`` (``PACKED_LINEAR`` or oneDNN's)."""
         if kernel == PACKED_LINEAR:
-            self.packed = torch.ops.carpool.pack_linear(self.weight.detach())
+            # on huge pages where Linux has them: every decode step streams it whole
+            self.packed = huge_pages.copy_of(torch.ops.carpool.pack_linear(self.weight.detach()))
         else:
             self.packed = onednn.reorder_weight(self.weight)
         self.kernel = kernel
@@ -161,11 +163,13 @@ class ModelRunner:
         self.is_prepacked = self.linear_path != onednn.kernel_name(False)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv_cache = torch.zeros(
-            (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim),
-            device=self.device,
-            dtype=dtype,
-        )
+        shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        if self.device.type == "cpu":  # on huge pages where Linux has them (huge_pages.py)
+            self.kv_cache = huge_pages.zeros(shape, dtype)
+            self.huge_pages = huge_pages.setting()
+        else:
+            self.kv_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+            self.huge_pages = f"off: {self.device.type} memory"
         self.use_decode_kernel = use_decode_kernel(decode_attention, self.device, dtype)
         self.decode_attention_path = "kernel" if self.use_decode_kernel else "torch"
         self.sampler = Sampler(seed)
