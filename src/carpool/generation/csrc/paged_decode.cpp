@@ -17,6 +17,15 @@ namespace {
 
 using namespace carpool_attention;
 
+// The task a thread runs next: its sequence's block ids and block count, and its KV head.
+// The last span of a task prefetches the next one's first (a task of a few spans would
+// otherwise start each with its first span cold; docs/benchmarks.md, "Huge pages").
+struct NextTask {
+  const int64_t* block_ids = nullptr;
+  int64_t num_blocks = 0;
+  int64_t head = 0;
+};
+
 #ifdef CARPOOL_VECTOR
 // Asks for part `part` of `num_parts` of a block's K and V rows of some heads to be brought
 // into the L2 cache: `num_rows` rows of `row_size` floats, `stride` floats apart (one
@@ -110,7 +119,7 @@ inline void add_values_of(int64_t num, const float* scores, int64_t P, const flo
 template <int64_t kD>
 void attend_group_vector(const Shape& s, const float* query, const float* k_blocks,
                          const float* v_blocks, const int64_t* block_ids, int64_t length,
-                         float scale, int64_t h, float* out, float* work) {
+                         float scale, int64_t h, float* out, float* work, const NextTask& next) {
   constexpr int64_t C = kD / kLanes;
   constexpr int64_t CP = kD / kWidth;
   constexpr int64_t kHeadsTogether = std::max<int64_t>(1, std::min<int64_t>(8, 16 / CP));
@@ -134,9 +143,14 @@ void attend_group_vector(const Shape& s, const float* query, const float* k_bloc
     const int64_t padded = (num_keys + kWidth - 1) / kWidth * kWidth;
     const int64_t next_end = std::min(num_blocks, b1 + span_blocks);
     for (int64_t g = 0; g < G; ++g) {
-      for (int64_t b = b1; b < next_end; ++b) {  // this head's share of the next span
-        const int64_t next = block_ids[b] * block_stride + head_offset;
-        prefetch_part(k_blocks + next, v_blocks + next, token_stride, B, kD, g, G);
+      // this head's share of the next span, or after the last the next task's first
+      const bool last = b1 == num_blocks;
+      const int64_t* ahead_ids = last ? next.block_ids : block_ids + b1;
+      const int64_t ahead_blocks = last ? std::min(next.num_blocks, span_blocks) : next_end - b1;
+      const int64_t ahead_offset = last ? next.head * kD : head_offset;
+      for (int64_t b = 0; b < ahead_blocks; ++b) {
+        const int64_t at = ahead_ids[b] * block_stride + ahead_offset;
+        prefetch_part(k_blocks + at, v_blocks + at, token_stride, B, kD, g, G);
       }
       vfloat q[C];
       const float* q_head = query + (h * G + g) * kD;
@@ -240,7 +254,7 @@ void check_tables(const int64_t* table, const int64_t* lengths, int64_t n, int64
 // The vector path where it applies (float32, head_dim 32/64/128/256); false: it does not.
 template <typename T>
 bool attend_fast(const Shape&, const T*, const T*, const T*, const int64_t*, int64_t, double,
-                 int64_t, T*, T*) {
+                 int64_t, T*, T*, const NextTask&) {
   return false;
 }
 
@@ -248,9 +262,10 @@ bool attend_fast(const Shape&, const T*, const T*, const T*, const int64_t*, int
 template <>
 bool attend_fast<float>(const Shape& s, const float* q, const float* k, const float* v,
                         const int64_t* ids, int64_t length, double scale, int64_t h,
-                        float* out, float* work) {
+                        float* out, float* work, const NextTask& next) {
   using Vector = void (*)(const Shape&, const float*, const float*, const float*,
-                          const int64_t*, int64_t, float, int64_t, float*, float*);
+                          const int64_t*, int64_t, float, int64_t, float*, float*,
+                          const NextTask&);
   Vector attend = nullptr;
   switch (s.head_dim) {
     case 32: attend = attend_group_vector<32>; break;
@@ -259,7 +274,7 @@ bool attend_fast<float>(const Shape& s, const float* q, const float* k, const fl
     case 256: attend = attend_group_vector<256>; break;
     default: return false;
   }
-  attend(s, q, k, v, ids, length, static_cast<float>(scale), h, out, work);
+  attend(s, q, k, v, ids, length, static_cast<float>(scale), h, out, work, next);
   return true;
 }
 #endif
@@ -292,7 +307,13 @@ void run(const at::Tensor& query, const at::Tensor& k_blocks, const at::Tensor& 
       const T* q_seq = q + i * s.num_heads * s.head_dim;
       T* o_seq = o + i * s.num_heads * s.head_dim;
       const int64_t* row = ids + i * s.max_blocks;
-      if (attend_fast(s, q_seq, k, v, row, lens[i], scale, h, o_seq, work.data())) continue;
+      NextTask next;  // none after this thread's last
+      if (task + 1 < end) {
+        const int64_t j = (task + 1) / s.num_kv_heads;
+        next = {ids + j * s.max_blocks, (lens[j] + s.block_size - 1) / s.block_size,
+                (task + 1) % s.num_kv_heads};
+      }
+      if (attend_fast(s, q_seq, k, v, row, lens[i], scale, h, o_seq, work.data(), next)) continue;
       const int64_t head_offset = h * s.group * s.head_dim;
       attend_one<T>(s, q_seq + head_offset, k + h * s.head_dim, v + h * s.head_dim, row,
                     lens[i], static_cast<T>(scale), o_seq + head_offset, work.data());
