@@ -133,6 +133,7 @@ def main() -> None:
         torch_threads=torch.get_num_threads(),
         decode_attention=decode_attention,
         generation_linear=runner.linear_path,  # the runner's Linear layers: which kernel ran
+        huge_pages=getattr(runner, "huge_pages", "off: not in this tree"),
         malloc=malloc,
     )
     print("machine:", machine, flush=True)

@@ -63,6 +63,7 @@ def main() -> None:
     machine = machine_info(
         torch_threads=torch.get_num_threads(),
         generation_linear=runner.linear_path,  # the runner's Linear layers: which kernel ran
+        huge_pages=getattr(runner, "huge_pages", "off: not in this tree"),
         malloc=malloc,
     )
     print("machine:", machine, flush=True)

@@ -227,6 +227,15 @@ def stop(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
+def carpool_kernels(port: int, model: str) -> dict[str, str]:
+    """What carpool's model config says its steps run on (decode attention, Linear
+    layers, huge pages): the parameters of ``GET /v2/models/{model}/config``."""
+    url = f"http://127.0.0.1:{port}/v2/models/{model}/config"
+    with urllib.request.urlopen(url, timeout=60) as response:
+        parameters = json.load(response).get("parameters", {})
+    return {key: value["string_value"] for key, value in parameters.items()}
+
+
 def refuses_vllm_fields(port: int, model: str) -> bool:
     """Whether the server answers 400 to vLLM's client's extra fields."""
     body = {"model": model, "prompt": "hello", "max_tokens": 1,
@@ -318,6 +327,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     prefills: list[dict[str, Any]] = []
     notes: list[str] = []
+    kernels: dict[str, dict[str, str]] = {}  # per folder, what carpool's steps ran on
     with tempfile.TemporaryDirectory(prefix="vs_vllm_") as tmp:
         root = Path(tmp)
         for name in args.folders.split(","):
@@ -333,6 +343,9 @@ def main() -> None:
                 try:
                     wait_ready(port, server, timeout_s=600)
                     drop: list[str] = []
+                    if system == "carpool":
+                        kernels[name] = carpool_kernels(port, name)
+                        print(f"{name}/carpool runs on {kernels[name]}", flush=True)
                     if (
                         system == "carpool"
                         and args.strip_fields != "no"
@@ -377,7 +390,8 @@ def main() -> None:
                       "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "dtype": "float32",
                       "folders": {k: FOLDERS[k] for k in args.folders.split(",")},
                       "carpool_src": carpool_src()},
-         "notes": notes, "rows": rows, "ratios": ratios, "prefill": prefills},
+         "carpool_kernels": kernels, "notes": notes, "rows": rows, "ratios": ratios,
+         "prefill": prefills},
     )  # fmt: skip
 
 
