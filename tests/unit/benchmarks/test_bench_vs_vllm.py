@@ -1,17 +1,17 @@
-"""bench_vs_vllm's lone-prefill timing: prompts that share no first token, sent as a
-completions request asking for one greedy token, one warm-up left out."""
+"""bench_vs_vllm's lone-prefill timing (prompts that share no first token, sent as a
+completions request asking for one greedy token, one warm-up left out), and what it
+records of carpool's kernels (its model config's string parameters)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import pytest
-
-from bench_vs_vllm import prefill_ms, prompt_ids
+from bench_vs_vllm import carpool_kernels, prefill_ms, prompt_ids
 
 
 def test_prompt_ids_stay_in_the_vocabulary_past_the_specials_and_differ_from_the_start() -> None:
@@ -21,20 +21,22 @@ def test_prompt_ids_stay_in_the_vocabulary_past_the_specials_and_differ_from_the
     assert len({p[0] for p in prompts}) == len(prompts)  # no cached prefix to reuse
 
 
-@pytest.fixture
-def completions() -> Iterator[tuple[int, list[dict[str, Any]]]]:
-    """A loopback server answering POST /v1/completions; the bodies it was sent."""
-    bodies: list[dict[str, Any]] = []
+@contextlib.contextmanager
+def loopback(answer: bytes) -> Iterator[tuple[int, list[tuple[str, str, bytes]]]]:
+    """A loopback HTTP server answering every GET and POST with ``answer`` (JSON); its
+    port, and the (method, path, body) of each request it was sent."""
+    asked: list[tuple[str, str, bytes]] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            assert self.path == "/v1/completions"
-            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            answer = b'{"choices": [{"text": "x"}]}'
+        def _answer(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            asked.append((self.command, self.path, body))
             self.send_response(200)
             self.send_header("Content-Length", str(len(answer)))
             self.end_headers()
             self.wfile.write(answer)
+
+        do_GET = do_POST = _answer
 
         def log_message(self, *args: Any) -> None:
             pass
@@ -43,19 +45,28 @@ def completions() -> Iterator[tuple[int, list[dict[str, Any]]]]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield server.server_address[1], bodies
+        yield server.server_address[1], asked
     finally:
         server.shutdown()
         server.server_close()
 
 
-def test_prefill_ms_times_each_repeat_after_a_warm_up(
-    completions: tuple[int, list[dict[str, Any]]],
-) -> None:
-    port, bodies = completions
-    times = prefill_ms(port, "small", 2000, 64, repeats=3)
+def test_prefill_ms_times_each_repeat_after_a_warm_up() -> None:
+    with loopback(b'{"choices": [{"text": "x"}]}') as (port, asked):
+        times = prefill_ms(port, "small", 2000, 64, repeats=3)
+    assert {(method, path) for method, path, _ in asked} == {("POST", "/v1/completions")}
+    bodies = [json.loads(body) for _, _, body in asked]
     assert len(times) == 3 and all(t > 0 for t in times)
     assert len(bodies) == 4  # the warm-up, untimed, then the three
     assert all(b["max_tokens"] == 1 and b["temperature"] == 0 for b in bodies)
     assert all(b["model"] == "small" and len(b["prompt"]) == 64 for b in bodies)
     assert len({b["prompt"][0] for b in bodies}) == 4
+
+
+def test_carpool_kernels_reads_the_model_configs_string_parameters() -> None:
+    parameters = {"decode_attention": "kernel", "linear": "carpool-packed", "huge_pages": "madvise"}
+    config = {"name": "88m", "parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    with loopback(json.dumps(config).encode()) as (port, asked):
+        kernels = carpool_kernels(port, "88m")
+    assert [(method, path) for method, path, _ in asked] == [("GET", "/v2/models/88m/config")]
+    assert kernels == parameters
