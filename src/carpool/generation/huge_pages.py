@@ -6,8 +6,9 @@ reads need 512 times fewer, and the processor's table walks stop stalling the st
 (docs/benchmarks.md, "Huge pages"). Linux gives an anonymous mapping 2 MiB pages when
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always``, or ``madvise`` and the
 mapping asks (``MADV_HUGEPAGE``), which is what :func:`zeros` does: the tensor's memory is
-an anonymous ``mmap`` of its own, asked for huge pages before any page of it is touched
-(the kernel then faults it in 2 MiB at a time), and freed with the tensor.
+an anonymous ``mmap`` of its own, started on a 2 MiB boundary and asked for huge pages
+before any page of it is touched, then written once (the kernel faults it in 2 MiB at a
+time), and freed with the tensor.
 
 Where that cannot be (not Linux, transparent huge pages ``never`` or absent, a mapping
 refused, ``CARPOOL_HUGE_PAGES=off``) :func:`zeros` returns ``torch.zeros`` and
@@ -33,6 +34,8 @@ ENV = "CARPOOL_HUGE_PAGES"  # "off": plain allocations
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE_PAGE_BYTES = 2 << 20
 MIN_BYTES = HUGE_PAGE_BYTES  # smaller tensors would not fill one huge page
+PAGE_BYTES = mmap.PAGESIZE
+_ANONYMOUS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
 @functools.cache
@@ -67,22 +70,38 @@ def is_enabled() -> bool:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of zeros of ``shape`` and ``dtype``, on huge pages where
-    :func:`setting` allows and the tensor fills at least one (:data:`MIN_BYTES`): a fresh
-    mapping, zero-filled by the kernel as its pages are first touched. Else
-    ``torch.zeros``; a refused mapping falls back too, with one log line."""
-    item = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * item
-    if nbytes < MIN_BYTES or not is_enabled():
-        return torch.zeros(shape, dtype=dtype)
+    """:func:`placed_zeros` without saying where."""
+    return placed_zeros(shape, dtype)[0]
+
+
+def placed_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+    """A CPU tensor of zeros of ``shape`` and ``dtype``, and where it is: on huge pages
+    (:func:`setting`'s ``madvise`` or ``always``) where they apply and the tensor fills at
+    least one (:data:`MIN_BYTES`), else ``torch.zeros`` and ``"off: <why>"`` (a refused
+    mapping also logs one line).
+
+    The mapping starts on a 2 MiB boundary (a mapping that does not gets huge pages only
+    where a whole aligned 2 MiB of it lies) and every page of it is written once here, as
+    ``torch.zeros`` writes its memory: the memory is taken now, so running short of it
+    fails at start-up, and no later read lands on the kernel's shared zero page."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    found = setting()
+    if found.startswith("off"):
+        return torch.zeros(shape, dtype=dtype), found
+    if nbytes < MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype), f"off: {nbytes} bytes, under one huge page"
     try:
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=_ANONYMOUS)
         region.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError) as error:
         logger.info("huge pages: a %d-byte mapping was refused (%s); 4 KiB pages", nbytes, error)
-        return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype), f"off: the mapping was refused ({error})"
     # frombuffer keeps `region` alive as long as the tensor (or any view of it) lives.
-    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE_BYTES
+    data = raw[start : start + nbytes]
+    data[::PAGE_BYTES].fill_(0)  # every page taken now (module docstring)
+    return data.view(dtype).view(shape), found
 
 
 def copy_of(tensor: torch.Tensor) -> torch.Tensor:

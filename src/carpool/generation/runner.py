@@ -165,8 +165,7 @@ class ModelRunner:
         self.block_size = block_size
         shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         if self.device.type == "cpu":  # on huge pages where Linux has them (huge_pages.py)
-            self.kv_cache = huge_pages.zeros(shape, dtype)
-            self.huge_pages = huge_pages.setting()
+            self.kv_cache, self.huge_pages = huge_pages.placed_zeros(shape, dtype)
         else:
             self.kv_cache = torch.zeros(shape, device=self.device, dtype=dtype)
             self.huge_pages = f"off: {self.device.type} memory"
