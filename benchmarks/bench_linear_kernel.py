@@ -10,8 +10,8 @@ any cache, so with few rows the step reads the weights from memory, as a decode 
 Reported per row count: each kernel's median step, the weights read per second,
 carpool/oneDNN and huge/4 KiB pages. For scale, what one core reads from memory (torch's
 sum over 400 MB, median of 5, on either kind of page) is measured in the same run. One
-thread; medians of ``--repeats`` steps after a warm-up, the kernels alternating row count
-by row count.
+thread; medians of ``--repeats`` steps after a warm-up; at each row count the three run
+in turn (oneDNN, carpool on huge pages, carpool on 4 KiB pages).
 
     OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python benchmarks/bench_linear_kernel.py \\
         [--rows 1,4,8,16,64,256,1024]
