@@ -169,8 +169,11 @@ class GenerationEngine:
         ``aten-linear``) and ``huge_pages`` (the KV cache's and packed weights' pages:
         ``madvise``, ``always`` or ``off: <why>``)."""
         found: dict[str, str] = {}
-        paths = ("decode_attention", "decode_attention_path"), ("linear", "linear_path")
-        for key, attr in (*paths, ("huge_pages", "huge_pages")):
+        for key, attr in (
+            ("decode_attention", "decode_attention_path"),
+            ("linear", "linear_path"),
+            ("huge_pages", "huge_pages"),
+        ):
             value = getattr(self._runner, attr, None)
             if isinstance(value, str):
                 found[key] = value

@@ -65,10 +65,6 @@ def read_setting() -> str:
     return f"off: transparent huge pages are '{chosen}' ({THP_ENABLED})"
 
 
-def is_enabled() -> bool:
-    return not setting().startswith("off")
-
-
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """:func:`placed_zeros` without saying where."""
     return placed_zeros(shape, dtype)[0]
@@ -78,40 +74,48 @@ def placed_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tens
     """A CPU tensor of zeros of ``shape`` and ``dtype``, and where it is: on huge pages
     (:func:`setting`'s ``madvise`` or ``always``) where they apply and the tensor fills at
     least one (:data:`MIN_BYTES`), else ``torch.zeros`` and ``"off: <why>"`` (a refused
-    mapping also logs one line).
+    mapping also logs one line)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    data, where = _mapped(nbytes)
+    if data is None:
+        return torch.zeros(shape, dtype=dtype), where
+    return data.view(dtype).view(shape), where
+
+
+def copy_of(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values in a contiguous tensor on huge pages (the tensor itself where
+    they do not apply: another device, a tensor smaller than one, a refused mapping)."""
+    if tensor.device.type != "cpu":
+        return tensor
+    data, _ = _mapped(tensor.numel() * tensor.element_size())
+    if data is None:
+        return tensor
+    out = data.view(tensor.dtype).view(tuple(tensor.shape))
+    out.copy_(tensor)
+    return out
+
+
+def _mapped(nbytes: int) -> tuple[torch.Tensor | None, str]:
+    """``nbytes`` of zeroed uint8 on huge pages and :func:`setting`, or None and why not.
 
     The mapping starts on a 2 MiB boundary (a mapping that does not gets huge pages only
     where a whole aligned 2 MiB of it lies) and every page of it is written once here, as
     ``torch.zeros`` writes its memory: the memory is taken now, so running short of it
     fails at start-up, and no later read lands on the kernel's shared zero page."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     found = setting()
     if found.startswith("off"):
-        return torch.zeros(shape, dtype=dtype), found
+        return None, found
     if nbytes < MIN_BYTES:
-        return torch.zeros(shape, dtype=dtype), f"off: {nbytes} bytes, under one huge page"
+        return None, f"off: {nbytes} bytes, under one huge page"
     try:
         region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=_ANONYMOUS)
         region.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError) as error:
         logger.info("huge pages: a %d-byte mapping was refused (%s); 4 KiB pages", nbytes, error)
-        return torch.zeros(shape, dtype=dtype), f"off: the mapping was refused ({error})"
+        return None, f"off: the mapping was refused ({error})"
     # frombuffer keeps `region` alive as long as the tensor (or any view of it) lives.
     raw = torch.frombuffer(region, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
     data = raw[start : start + nbytes]
-    data[::PAGE_BYTES].fill_(0)  # every page taken now (module docstring)
-    return data.view(dtype).view(shape), found
-
-
-def copy_of(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s values in a contiguous tensor of :func:`zeros`' memory (the tensor
-    itself where huge pages do not apply: a CPU tensor smaller than one, or another
-    device)."""
-    if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() < MIN_BYTES:
-        return tensor
-    if not is_enabled():
-        return tensor
-    out = zeros(tuple(tensor.shape), tensor.dtype)
-    out.copy_(tensor)
-    return out
+    data[::PAGE_BYTES].fill_(0)  # every page taken now
+    return data, found
