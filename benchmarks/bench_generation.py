@@ -581,6 +581,7 @@ def main() -> None:
         "num_blocks": num_blocks,
         "prepacked_linear": runner.is_prepacked,
         "linear": runner.linear_path,
+        "elementwise": getattr(runner, "elementwise_path", "torch"),  # older trees: torch
     }
     print("settings:", settings, flush=True)
 

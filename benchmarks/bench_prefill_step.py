@@ -64,6 +64,7 @@ def main() -> None:
         torch_threads=torch.get_num_threads(),
         generation_linear=runner.linear_path,  # the runner's Linear layers: which kernel ran
         huge_pages=getattr(runner, "huge_pages", "off: not in this tree"),
+        elementwise=getattr(runner, "elementwise_path", "torch"),  # older trees: torch
         malloc=malloc,
     )
     print("machine:", machine, flush=True)

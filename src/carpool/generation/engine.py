@@ -166,12 +166,14 @@ class GenerationEngine:
     def kernels(self) -> dict[str, str]:
         """The kernels its forward pass runs, where its runner says: ``decode_attention``
         (``kernel`` or ``torch``), ``linear`` (``carpool-packed``, ``onednn-prepacked`` or
-        ``aten-linear``) and ``huge_pages`` (the KV cache's and packed weights' pages:
-        ``madvise``, ``always`` or ``off: <why>``)."""
+        ``aten-linear``), ``elementwise`` (norms, rotary, SiLU-and-multiply:
+        ``carpool-fused`` or ``torch``) and ``huge_pages`` (the KV cache's and packed
+        weights' pages: ``madvise``, ``always`` or ``off: <why>``)."""
         found: dict[str, str] = {}
         for key, attr in (
             ("decode_attention", "decode_attention_path"),
             ("linear", "linear_path"),
+            ("elementwise", "elementwise_path"),
             ("huge_pages", "huge_pages"),
         ):
             value = getattr(self._runner, attr, None)

@@ -7,6 +7,12 @@ of a head, not interleaved pairs), cos/sin cast to the model dtype.
 
 Weights are fused where Hugging Face keeps them apart: ``qkv`` is ``q_proj``, ``k_proj``,
 ``v_proj`` stacked by rows; ``gate_up`` is ``gate_proj`` over ``up_proj``.
+
+In float32 on the CPU (``ModelRunner`` calls :meth:`LlamaModel.fuse`) a layer's elementwise
+steps run on the extension's fused ops (``csrc/fused_ops.cpp``): RMSNorm, the residual add
+with the post-attention RMSNorm, rotary positions in place on the ``qkv`` rows, and
+SiLU-and-multiply; the torch ops below are the path everywhere else, and the reference the
+fused ops are tested against.
 """
 
 from __future__ import annotations
@@ -79,6 +85,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class LlamaLayer(nn.Module):
+    fused: bool = False  # elementwise steps on carpool's fused ops (LlamaModel.fuse)
+
     def __init__(self, config: LlamaConfig, index: int) -> None:
         super().__init__()
         self.index = index
@@ -102,6 +110,8 @@ class LlamaLayer(nn.Module):
         rotary: tuple[torch.Tensor, ...],
         attention: PagedAttention,
     ) -> torch.Tensor:
+        if self.fused:
+            return self._forward_fused(x, rotary, attention)
         num_tokens = x.shape[0]
         q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)
         cos, sin = rotary
@@ -114,9 +124,31 @@ class LlamaLayer(nn.Module):
         out: torch.Tensor = x + self.down(F.silu(gate) * up)
         return out
 
+    def _forward_fused(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, ...], attention: PagedAttention
+    ) -> torch.Tensor:
+        """``forward`` on the fused ops: the same steps, each one op (module docstring)."""
+        ops = torch.ops.carpool
+        num_tokens = x.shape[0]
+        qkv = self.qkv(ops.rms_norm(x, self.input_norm.weight, self.input_norm.eps))
+        cos, sin = rotary
+        ops.rotary_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split(self.split, dim=-1)  # views on qkv's rows
+        context = attention(
+            self.index,
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+        ).reshape(num_tokens, -1)
+        x, h = ops.add_rms_norm(x, self.o_proj(context), self.post_norm.weight, self.post_norm.eps)
+        out: torch.Tensor = x + self.down(ops.silu_mul(self.gate_up(h)))
+        return out
+
 
 class LlamaModel(PagedDecoder):
     """``LlamaForCausalLM`` as a ``PagedDecoder``."""
+
+    fused: bool = False  # the final norm on the fused op too (fuse)
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -143,5 +175,18 @@ class LlamaModel(PagedDecoder):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        if self.fused:
+            normed = torch.ops.carpool.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        else:
+            normed = self.norm(hidden)
+        logits: torch.Tensor = self.lm_head(normed)
         return logits
+
+    def fuse(self, enabled: bool) -> bool:
+        """The layers' elementwise steps on the fused ops where ``enabled`` (the runner
+        checked float32 on the CPU and the extension), else torch's; returns which."""
+        self.fused = enabled
+        for layer in self.layers:
+            if isinstance(layer, LlamaLayer):
+                layer.fused = enabled
+        return enabled

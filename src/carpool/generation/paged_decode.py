@@ -19,7 +19,9 @@ the query at position p stops at key p. It replaces the two SDPA calls (the pref
 chunk itself, causally) and their log-sum-exp merge of the torch path (docs/generation.md).
 
 The same extension holds the runner's float32 Linear kernel (``csrc/packed_linear.cpp``:
-weights packed once into panels, read in order; :mod:`carpool.generation.runner`).
+weights packed once into panels, read in order; :mod:`carpool.generation.runner`) and the
+Llama layer's fused elementwise ops (``csrc/fused_ops.cpp``: RMSNorm, the residual add and
+RMSNorm, SiLU-and-multiply, rotary positions in place; :mod:`carpool.generation.llama`).
 
 It is compiled on first use with ``torch.utils.cpp_extension.load`` (g++/clang and ninja;
 ``-O3 -march=native -fopenmp``) into ``carpool/<name>`` under torch's extension directory
@@ -70,7 +72,12 @@ logger = logging.getLogger(__name__)
 DecodeAttention = Literal["auto", "kernel", "torch"]
 DECODE_ATTENTION_MODES: tuple[str, ...] = get_args(DecodeAttention)
 CSRC = Path(__file__).with_name("csrc")
-SOURCE_PATHS = (CSRC / "paged_decode.cpp", CSRC / "paged_prefill.cpp", CSRC / "packed_linear.cpp")
+SOURCE_PATHS = (
+    CSRC / "paged_decode.cpp",
+    CSRC / "paged_prefill.cpp",
+    CSRC / "packed_linear.cpp",
+    CSRC / "fused_ops.cpp",
+)
 HEADER_PATHS = (CSRC / "attention_common.h",)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd", "-fno-math-errno")
 # at::parallel_for is an OpenMP loop compiled into the kernels themselves: without -fopenmp
@@ -203,6 +210,7 @@ def _try_build(openmp: bool, started: float) -> KernelBuild:
         torch.ops.carpool.paged_decode  # noqa: B018 (the ops are registered)
         torch.ops.carpool.paged_prefill  # noqa: B018
         torch.ops.carpool.packed_linear  # noqa: B018
+        torch.ops.carpool.rms_norm  # noqa: B018
         return KernelBuild(True, "", time.perf_counter() - started, openmp)
     except Exception as error:  # any failure leaves the torch path; never crash
         last_line = (str(error).strip().splitlines() or [""])[-1][:300]
@@ -253,16 +261,29 @@ def use_linear_kernel(device: torch.device, dtype: torch.dtype) -> bool:
             "Linear layers: %s=%s, not carpool's packed kernel", onednn.LINEAR_KERNEL_ENV, choice
         )
         return False
+    return _float32_cpu_built("Linear layers: carpool's packed kernel", device, dtype)
+
+
+FUSED_OPS = "carpool-fused"  # the Llama layer's elementwise steps on csrc/fused_ops.cpp
+UNFUSED_OPS = "torch"
+
+
+def use_fused_ops(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model's elementwise steps (norms, rotary, SiLU-and-multiply) run the
+    extension's fused ops: float32 on the CPU and the extension built. Never raises: where
+    they cannot, one log line says why and the model keeps its torch ops."""
+    return _float32_cpu_built("fused ops", device, dtype)
+
+
+def _float32_cpu_built(what: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``what`` (float32 on the CPU, from the extension) runs for ``dtype`` on
+    ``device``: one log line says why not."""
     if device.type != "cpu" or dtype != torch.float32:
-        logger.debug(
-            "Linear layers: carpool's packed kernel is float32 on the CPU, not %s on %s",
-            dtype,
-            device,
-        )
+        logger.debug("%s: float32 on the CPU only, not %s on %s", what, dtype, device)
         return False
     build = load_kernel()
     if not build.is_available:
-        logger.info("Linear layers: carpool's packed kernel did not build (%s)", build.reason)
+        logger.info("%s: the extension did not build (%s)", what, build.reason)
         return False
     return True
 

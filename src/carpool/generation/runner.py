@@ -35,7 +35,14 @@ from torch import nn
 from carpool.generation import huge_pages
 from carpool.generation.attention import PagedAttention, plan_attention
 from carpool.generation.block_table import BlockTables
-from carpool.generation.paged_decode import PACKED_LINEAR, use_decode_kernel, use_linear_kernel
+from carpool.generation.paged_decode import (
+    FUSED_OPS,
+    PACKED_LINEAR,
+    UNFUSED_OPS,
+    use_decode_kernel,
+    use_fused_ops,
+    use_linear_kernel,
+)
 from carpool.generation.prompt_logprobs import PromptScorer, num_scored_rows
 from carpool.generation.sampling import Sampler
 from carpool.generation.types import SeqChunk, StepInput, StepOutput, TokenLogprobs
@@ -97,6 +104,12 @@ class PagedDecoder(nn.Module, abc.ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on some rows of the last hidden states: [n, hidden] -> [n, V]."""
 
+    def fuse(self, enabled: bool) -> bool:
+        """Runs the elementwise steps on the extension's fused ops (``FUSED_OPS``) where
+        ``enabled`` and the model has such a path; returns whether it does. A model
+        without one keeps its torch ops (the default)."""
+        return False
+
     def prepack(self, enabled: bool = True) -> str:
         """Packs every ``FastLinear``'s weight once for the fastest kernel this CPU, build
         and dtype have: carpool's packed kernel (float32 on the CPU, where the extension
@@ -135,7 +148,9 @@ class ModelRunner:
     ``ModelRunner(model, num_blocks, block_size, device, dtype)`` moves the model to
     ``device``/``dtype`` (eval mode), allocates ``kv_cache`` (zeros, see the module
     docstring) and, with ``prepack=True``, packs its Linear layers' weights once for the
-    fastest kernel that applies (``PagedDecoder.prepack``; ``linear_path`` names it).
+    fastest kernel that applies (``PagedDecoder.prepack``; ``linear_path`` names it) and
+    runs its elementwise steps on the fused ops where they apply (``PagedDecoder.fuse``;
+    ``elementwise_path``: ``carpool-fused`` or ``torch``; ``prepack=False``: torch).
     ``seed`` seeds the generator shared by requests without a seed.
     ``decode_attention`` (``auto | kernel | torch``) picks the decode attention path
     (:func:`carpool.generation.paged_decode.use_decode_kernel`); ``decode_attention_path``
@@ -160,6 +175,8 @@ class ModelRunner:
         self.dtype = dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.linear_path = self.model.prepack(enabled=prepack)  # how its Linears run
+        fused = self.model.fuse(prepack and use_fused_ops(self.device, dtype))
+        self.elementwise_path = FUSED_OPS if fused else UNFUSED_OPS  # norms, rotary, SwiGLU
         self.is_prepacked = self.linear_path != onednn.kernel_name(False)
         self.num_blocks = num_blocks
         self.block_size = block_size

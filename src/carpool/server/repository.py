@@ -265,8 +265,9 @@ class ServedModel:
         leave its batch at every step; ``max_batch_size`` is the most sequences a step
         runs (``max_num_seqs``), as Triton's TensorRT-LLM models declare it; its
         ``parameters`` (Triton's string map) name the kernels that run: decode attention
-        (``kernel`` or ``torch``) and the Linear layers', and the pages the KV cache and
-        packed weights are on (``huge_pages``)."""
+        (``kernel`` or ``torch``), the Linear layers', the elementwise steps'
+        (``elementwise``), and the pages the KV cache and packed weights are on
+        (``huge_pages``)."""
         if self.generation is not None:
             settings = self.generation.engine_settings()
             kernels = self.generation.kernels()

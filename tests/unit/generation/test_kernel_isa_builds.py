@@ -57,6 +57,7 @@ def test_the_kernels_pass_their_tests_built_for_another_cpu(flags: str, tmp_path
     tests = [
         str(HERE / "test_packed_linear.py"),
         str(HERE / "test_paged_decode.py"),
+        str(HERE / "test_fused_ops.py"),
         "-k",
         "equals or refuses or threads",
     ]

@@ -161,8 +161,9 @@ def test_a_generation_model_has_no_batch_policy_to_show_or_set():
     assert "dynamic_batching" not in config and config["max_batch_size"] == 64
     # The kernels its steps run, as Triton's string parameters.
     kernels = served.generation.kernels() if served.generation is not None else {}
-    assert set(kernels) == {"decode_attention", "linear", "huge_pages"}
+    assert set(kernels) == {"decode_attention", "linear", "elementwise", "huge_pages"}
     assert kernels["decode_attention"] in ("kernel", "torch")
+    assert kernels["elementwise"] in ("carpool-fused", "torch")
     assert kernels["huge_pages"] in ("madvise", "always") or kernels["huge_pages"].startswith("off")
     assert config["parameters"] == {k: {"string_value": v} for k, v in kernels.items()}
 
