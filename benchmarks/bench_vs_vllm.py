@@ -229,7 +229,7 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 def carpool_kernels(port: int, model: str) -> dict[str, str]:
     """What carpool's model config says its steps run on (decode attention, Linear
-    layers, huge pages): the parameters of ``GET /v2/models/{model}/config``."""
+    layers, elementwise steps, huge pages): the parameters of ``GET /v2/models/{model}/config``."""
     url = f"http://127.0.0.1:{port}/v2/models/{model}/config"
     with urllib.request.urlopen(url, timeout=60) as response:
         parameters = json.load(response).get("parameters", {})
@@ -288,6 +288,33 @@ def session_cpu_s(session_id: int) -> float:
         if int(fields[3]) == session_id:  # state ppid pgrp session ... utime(11) stime(12)
             total_ticks += int(fields[11]) + int(fields[12])
     return total_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def session_threads_cpu_s(session_id: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each live thread of a session's processes, keyed
+    ``pid/tid``: which thread of a server did the work (carpool's model step thread, or
+    vLLM's engine core, against the threads that serve HTTP)."""
+    found: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[3]) != session_id:
+                continue
+            for tid in os.listdir(f"/proc/{entry}/task"):
+                task = Path(f"/proc/{entry}/task/{tid}/stat").read_text()
+                fields = task[task.rindex(")") + 2 :].split()
+                found[f"{entry}/{tid}"] = (int(fields[11]) + int(fields[12])) / tick
+        except OSError:  # exited meanwhile
+            continue
+    return found
+
+
+def busiest_thread_cpu_s(before: dict[str, float], after: dict[str, float]) -> float:
+    """The most CPU one thread used between two ``session_threads_cpu_s`` readings."""
+    return max((cpu - before.get(key, 0.0) for key, cpu in after.items()), default=0.0)
 
 
 def row_of(result: dict[str, Any]) -> dict[str, float]:
@@ -357,9 +384,13 @@ def main() -> None:
                         label = f"c{run['concurrency']}.{run['input_len']}"
                         out = root / f"{name}.{system}.{label}.json"
                         cpu_s = session_cpu_s(server.pid)
+                        threads = session_threads_cpu_s(server.pid)
                         result = drive(args.vllm_python, port, folder, run, drop, args, out)
                         row = {"folder": name, "system": system, **run, **row_of(result)}
                         row["server_cpu_s"] = session_cpu_s(server.pid) - cpu_s
+                        row["server_busiest_thread_cpu_s"] = busiest_thread_cpu_s(
+                            threads, session_threads_cpu_s(server.pid)
+                        )
                         row["output_tokens_per_cpu_s"] = (
                             row["total_output_tokens"] / row["server_cpu_s"]
                         )

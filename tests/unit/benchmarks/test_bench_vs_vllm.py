@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from bench_vs_vllm import carpool_kernels, prefill_ms, prompt_ids
+from bench_vs_vllm import (
+    busiest_thread_cpu_s,
+    carpool_kernels,
+    prefill_ms,
+    prompt_ids,
+    session_threads_cpu_s,
+)
 
 
 def test_prompt_ids_stay_in_the_vocabulary_past_the_specials_and_differ_from_the_start() -> None:
@@ -64,9 +72,55 @@ def test_prefill_ms_times_each_repeat_after_a_warm_up() -> None:
 
 
 def test_carpool_kernels_reads_the_model_configs_string_parameters() -> None:
-    parameters = {"decode_attention": "kernel", "linear": "carpool-packed", "huge_pages": "madvise"}
+    parameters = {
+        "decode_attention": "kernel",
+        "linear": "carpool-packed",
+        "elementwise": "carpool-fused",
+        "huge_pages": "madvise",
+    }
     config = {"name": "88m", "parameters": {k: {"string_value": v} for k, v in parameters.items()}}
     with loopback(json.dumps(config).encode()) as (port, asked):
         kernels = carpool_kernels(port, "88m")
     assert [(method, path) for method, path, _ in asked] == [("GET", "/v2/models/88m/config")]
     assert kernels == parameters
+
+
+# A process in a session of its own: its main thread waits while a second thread, told to
+# go, spins for 0.6 s of CPU, says so, and sleeps (a thread that has ended is not listed).
+SPINNER = """
+import sys, threading, time
+def spin():
+    sys.stdin.readline()
+    end = time.thread_time() + 0.6
+    while time.thread_time() < end:
+        pass
+    print("spun", flush=True)
+    time.sleep(60)
+threading.Thread(target=spin, daemon=True).start()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_busiest_thread_of_a_session_is_told_apart_from_the_rest() -> None:
+    with subprocess.Popen(
+        [sys.executable, "-c", SPINNER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    ) as child:
+        assert child.stdin is not None and child.stdout is not None
+        try:
+            assert child.stdout.readline().strip() == b"ready"
+            before = session_threads_cpu_s(child.pid)
+            main = f"{child.pid}/{child.pid}"
+            assert main in before and len(before) == 2  # keyed pid/tid
+            child.stdin.write(b"go\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == b"spun"
+            after = session_threads_cpu_s(child.pid)
+            assert 0.55 <= busiest_thread_cpu_s(before, after) <= 0.9
+            assert after[main] - before[main] < 0.1
+        finally:
+            child.kill()
+    assert session_threads_cpu_s(child.pid) == {}  # no process of that session is left
