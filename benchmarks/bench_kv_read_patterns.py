@@ -34,14 +34,13 @@ Writes benchmarks/results/kv_read_patterns.json.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench_decode_step import median_ms
 from benchlib import RESULTS, machine_info, utc_now, write_results
 from carpool.generation import huge_pages
 from carpool.generation.paged_decode import load_kernel
@@ -137,16 +136,6 @@ def build_patterns() -> Any:
     )
 
 
-def median_ms(step: Callable[[], object], repeats: int) -> float:
-    step()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -211,6 +200,7 @@ def main() -> None:
         print(notes[-1], flush=True)
     rows: list[dict[str, Any]] = []
     for name, step in steps.items():
+        step()  # warm-up
         ms = median_ms(step, args.repeats)
         read = {"sequential": cache_bytes}.get(
             name, context_bytes if "kernel" in name else block_bytes
