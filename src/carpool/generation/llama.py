@@ -11,7 +11,8 @@ Weights are fused where Hugging Face keeps them apart: ``qkv`` is ``q_proj``, ``
 In float32 on the CPU (``ModelRunner`` calls :meth:`LlamaModel.fuse`) a layer's elementwise
 steps run on the extension's fused ops (``csrc/fused_ops.cpp``): RMSNorm, the residual add
 with the post-attention RMSNorm, rotary positions in place on the ``qkv`` rows, and
-SiLU-and-multiply; the torch ops below are the path everywhere else, and the reference the
+SiLU-and-multiply, wherever gradients are off (the runner's ``inference_mode``: the ops have
+no backward); the torch ops below are the path everywhere else, and the reference the
 fused ops are tested against.
 """
 
@@ -110,7 +111,7 @@ class LlamaLayer(nn.Module):
         rotary: tuple[torch.Tensor, ...],
         attention: PagedAttention,
     ) -> torch.Tensor:
-        if self.fused:
+        if self.fused and not torch.is_grad_enabled():  # the fused ops have no backward
             return self._forward_fused(x, rotary, attention)
         num_tokens = x.shape[0]
         q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)
@@ -175,7 +176,7 @@ class LlamaModel(PagedDecoder):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.fused:
+        if self.fused and not torch.is_grad_enabled():
             normed = torch.ops.carpool.rms_norm(hidden, self.norm.weight, self.norm.eps)
         else:
             normed = self.norm(hidden)

@@ -3,6 +3,8 @@ K and V, once, whichever order it takes (its sums are those of the blocks)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -11,10 +13,9 @@ from bench_kv_read_patterns import PATTERNS, build_patterns
 
 @pytest.fixture(scope="module")
 def patterns() -> object:
-    try:
-        return build_patterns()
-    except Exception as error:  # the benchmark measures the kernel alone then
-        pytest.skip(f"no C++ compiler for load_inline here: {error}")
+    if not any(shutil.which(name) for name in ("c++", "g++", "clang++")):
+        pytest.skip("no C++ compiler for load_inline here (the benchmark times the kernel alone)")
+    return build_patterns()  # with a compiler, a build error is a failure
 
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))

@@ -41,6 +41,17 @@ def test_rms_norm_equals_the_module(kernel_build: KernelBuild, size: int, rows: 
     torch.testing.assert_close(ops.rms_norm(x, norm.weight, norm.eps), norm(x))
 
 
+def test_rms_norm_adds_eps_where_it_counts(kernel_build: KernelBuild) -> None:
+    # mean(x^2) about 1e-8: eps 1e-6 sets most of the scale (a misplaced eps would show)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)) * 1e-4
+    norm = _norm(64, 3)
+    for eps in (1e-6, 1e-2):
+        norm.eps = eps
+        torch.testing.assert_close(ops.rms_norm(x, norm.weight, eps), norm(x))
+        _, normed = ops.add_rms_norm(x, x, norm.weight, eps)
+        torch.testing.assert_close(normed, norm(x + x))
+
+
 @pytest.mark.parametrize("size", SIZES)
 def test_add_rms_norm_equals_the_add_then_the_module(kernel_build: KernelBuild, size: int) -> None:
     generator = torch.Generator().manual_seed(size)
@@ -80,6 +91,19 @@ def test_rotary_equals_rotate_half_on_q_and_k_and_leaves_v(
         rotated = _rotate(want.view(tokens, num, head_dim), cos, sin)
         torch.testing.assert_close(got.view(tokens, num, head_dim), rotated)
     assert torch.equal(got_v, v)
+
+
+def test_rotary_rotates_rows_that_are_views_of_a_wider_tensor(kernel_build: KernelBuild) -> None:
+    generator = torch.Generator().manual_seed(4)
+    wide = torch.randn(7, 100, generator=generator)
+    qkv = wide[:, 10:58]  # rows 48 floats long, 100 apart: 2 heads of 16 rotated, 1 not
+    before = wide.clone()
+    angles = torch.rand(7, 1, 16, generator=generator) * 9
+    cos, sin = angles.cos(), angles.sin()
+    want = _rotate(before[:, 10:42].view(7, 2, 16), cos, sin)
+    ops.rotary_(qkv, cos, sin, 2, 16)
+    torch.testing.assert_close(wide[:, 10:42].view(7, 2, 16), want)
+    assert torch.equal(wide[:, :10], before[:, :10]) and torch.equal(wide[:, 42:], before[:, 42:])
 
 
 def test_each_op_gives_on_two_threads_what_it_gives_on_one(kernel_build: KernelBuild) -> None:
@@ -128,6 +152,8 @@ def test_each_op_refuses_what_it_cannot_take_naming_it(kernel_build: KernelBuild
         ops.rotary_(x, angles, angles, 3, 4)
     with pytest.raises(RuntimeError, match=r"cos and sin must be float32 \[2, 4\]"):
         ops.rotary_(x, torch.randn(2, 3), angles, 2, 4)
+    with pytest.raises(RuntimeError, match=r"cos and sin must be float32 \[2, 4\]"):
+        ops.rotary_(x, torch.randn(2, 2, 2), angles, 2, 4)  # 4 a row, not [T, D]
     with pytest.raises(RuntimeError, match="qkv's rows must be contiguous"):
         ops.rotary_(torch.randn(8, 2).t(), angles, angles, 2, 4)
 
@@ -146,12 +172,14 @@ LLAMA = LlamaConfig(
 
 
 def _run(
-    prepack: bool, dtype: torch.dtype = torch.float32
+    prepack: bool, dtype: torch.dtype = torch.float32, decode_attention: str = "auto"
 ) -> tuple[ModelRunner, list[int], list[torch.Tensor]]:
     """A prefill of two prompts, then eight decode steps, greedy: the tokens and each
     step's logits."""
     torch.manual_seed(0)
-    runner = ModelRunner(LlamaModel(LLAMA), 32, 16, dtype=dtype, prepack=prepack)
+    runner = ModelRunner(
+        LlamaModel(LLAMA), 32, 16, dtype=dtype, prepack=prepack, decode_attention=decode_attention
+    )
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     prompts = {1: list(range(3, 40)), 2: list(range(50, 61))}
     tables = {1: (0, 1, 2, 3), 2: (4, 5)}
@@ -170,11 +198,14 @@ def _run(
     return runner, tokens, logits
 
 
+# The kernels' attention and torch's (SDPA over gathered blocks): both take q, k and v as
+# views on the qkv rows where the ops are fused.
+@pytest.mark.parametrize("decode_attention", ["kernel", "torch"])
 def test_the_runner_fuses_float32_on_the_cpu_and_keeps_the_tokens(
-    kernel_build: KernelBuild,
+    kernel_build: KernelBuild, decode_attention: str
 ) -> None:
-    fused, fused_tokens, fused_logits = _run(prepack=True)
-    plain, plain_tokens, plain_logits = _run(prepack=False)
+    fused, fused_tokens, fused_logits = _run(prepack=True, decode_attention=decode_attention)
+    plain, plain_tokens, plain_logits = _run(prepack=False, decode_attention=decode_attention)
     assert fused.elementwise_path == FUSED_OPS and plain.elementwise_path == UNFUSED_OPS
     assert all(layer.fused for layer in fused.model.layers)
     assert not any(layer.fused for layer in plain.model.layers)
@@ -186,3 +217,15 @@ def test_the_runner_fuses_float32_on_the_cpu_and_keeps_the_tokens(
 def test_other_dtypes_keep_the_torch_ops(kernel_build: KernelBuild) -> None:
     runner, tokens, _ = _run(prepack=True, dtype=torch.bfloat16)
     assert runner.elementwise_path == UNFUSED_OPS and len(tokens) == 18
+
+
+def test_a_fused_model_keeps_the_torch_ops_where_gradients_are_on(
+    kernel_build: KernelBuild,
+) -> None:
+    runner, _, _ = _run(prepack=True)
+    model = runner.model
+    assert isinstance(model, LlamaModel) and model.fused
+    model.prepack(enabled=False)  # plain F.linear (the packed Linear has no backward either)
+    hidden = torch.randn(3, LLAMA.hidden_size, requires_grad=True)
+    model.compute_logits(hidden).sum().backward()  # the fused op has no backward
+    assert hidden.grad is not None and float(hidden.grad.abs().sum()) > 0

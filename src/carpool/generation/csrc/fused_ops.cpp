@@ -10,8 +10,9 @@
 // Each replaces a chain of torch ops, every one of which reads and writes the whole
 // activation and is dispatched on its own (RMSNorm: pow, mean, add, rsqrt, mul, mul;
 // rotary: slices, neg, cat, mul, mul, add, for q and again for k; SwiGLU: chunk, silu,
-// mul). Here each row is read once and written once, and a layer dispatches 3 ops where
-// it dispatched about 30 (docs/generation.md, "Fused elementwise ops").
+// mul). Here each op reads its rows once (RMSNorm twice: the sum of squares, then the
+// scaling) and writes them once, and a layer dispatches 4 ops where it dispatched about 30
+// (docs/generation.md, "Fused elementwise ops").
 #include "attention_common.h"
 
 namespace carpool_fused {
@@ -156,7 +157,8 @@ void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int6
   const int64_t T = qkv.size(0);
   for (const at::Tensor* angle : {&cos, &sin}) {
     TORCH_CHECK(angle->scalar_type() == at::kFloat && angle->device().is_cpu() &&
-                    angle->numel() == T * head_dim && angle->size(0) == T,
+                    angle->numel() == T * head_dim && angle->size(0) == T &&
+                    angle->size(-1) == head_dim,
                 op, ": cos and sin must be float32 [", T, ", ", head_dim,
                 "] (or [T, 1, D]) on the CPU, got ", angle->scalar_type(), " ",
                 angle->sizes());
