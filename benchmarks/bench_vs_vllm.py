@@ -60,6 +60,7 @@ a run with ``PYTHONPATH`` on another tree is told apart.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -75,7 +76,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchlib import RESULTS, ROOT, machine_info, utc_now, write_results
+from benchlib import (
+    RESULTS,
+    ROOT,
+    machine_info,
+    proc_stat_fields,
+    process_cpu_s,
+    stat_cpu_s,
+    utc_now,
+    write_results,
+)
 
 FOLDERS: dict[str, dict[str, Any]] = {
     "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -273,21 +283,26 @@ def drive(
     return result
 
 
-def session_cpu_s(session_id: int) -> float:
-    """CPU seconds (user + system) used so far by the live processes of a session: a server
-    started with ``start_new_session`` and every process it started."""
-    total_ticks = 0
+def session_pids(session_id: int) -> list[str]:
+    """The live processes of a session: a server started with ``start_new_session`` and
+    every process it started."""
+    found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
+            if entry.isdigit() and int(proc_stat_fields(f"/proc/{entry}/stat")[3]) == session_id:
+                found.append(entry)
         except OSError:  # exited meanwhile
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
-        if int(fields[3]) == session_id:  # state ppid pgrp session ... utime(11) stime(12)
-            total_ticks += int(fields[11]) + int(fields[12])
-    return total_ticks / os.sysconf("SC_CLK_TCK")
+    return found
+
+
+def session_cpu_s(session_id: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of a session."""
+    total = 0.0
+    for pid in session_pids(session_id):
+        with contextlib.suppress(OSError):  # exited meanwhile
+            total += process_cpu_s(int(pid))
+    return total
 
 
 def session_threads_cpu_s(session_id: int) -> dict[str, float]:
@@ -295,20 +310,14 @@ def session_threads_cpu_s(session_id: int) -> dict[str, float]:
     ``pid/tid``: which thread of a server did the work (carpool's model step thread, or
     vLLM's engine core, against the threads that serve HTTP)."""
     found: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in session_pids(session_id):
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            if int(stat[stat.rindex(")") + 2 :].split()[3]) != session_id:
-                continue
-            for tid in os.listdir(f"/proc/{entry}/task"):
-                task = Path(f"/proc/{entry}/task/{tid}/stat").read_text()
-                fields = task[task.rindex(")") + 2 :].split()
-                found[f"{entry}/{tid}"] = (int(fields[11]) + int(fields[12])) / tick
+            tids = os.listdir(f"/proc/{pid}/task")
         except OSError:  # exited meanwhile
             continue
+        for tid in tids:
+            with contextlib.suppress(OSError):  # ended meanwhile
+                found[f"{pid}/{tid}"] = stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
     return found
 
 

@@ -81,10 +81,21 @@ def wrk_info() -> dict[str, str]:
     return {"server_cpu": SERVER_CPU, "load_cpu": LOAD_CPU, "wrk": version.split("\n")[0]}
 
 
+def proc_stat_fields(path: str) -> list[str]:
+    """The fields of a /proc stat file (a process's or a thread's) after "pid (comm) ":
+    state(0) ppid pgrp session(3) ... utime(11) stime(12). OSError once it has ended."""
+    return Path(path).read_text().rsplit(")", 1)[1].split()
+
+
+def stat_cpu_s(path: str) -> float:
+    """CPU seconds (user + system) a /proc stat file counts."""
+    fields = proc_stat_fields(path)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) process ``pid`` has used, from /proc/PID/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return stat_cpu_s(f"/proc/{pid}/stat")
 
 
 def utc_now() -> str:
