@@ -373,8 +373,8 @@ def hf_batch(model: Any) -> Callable[[list[Request], float, dict[int, Trace]], i
         step_clock = StepClock()
         with torch.inference_mode():
             out = model.generate(
-                ids,
-                attention_mask=mask,
+                ids.to(model.device),
+                attention_mask=mask.to(model.device),
                 do_sample=False,
                 max_new_tokens=num_new,
                 min_new_tokens=num_new,
@@ -517,6 +517,7 @@ def main() -> None:
     parser.add_argument("--patterns", default=",".join(PATTERNS))
     parser.add_argument("--model", choices=sorted(MODELS), default="small")
     parser.add_argument("--max-len", type=int, default=MAX_LEN, help="longest prompt/output")
+    parser.add_argument("--device", default="cpu", help="where every system runs: cpu, cuda:0")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
     model_config = MODELS[args.model]
@@ -534,6 +535,10 @@ def main() -> None:
     torch.manual_seed(0)
     import transformers
 
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA GPU here")
+
     malloc = serving_malloc()
     machine = machine_info(
         malloc=malloc,
@@ -541,6 +546,8 @@ def main() -> None:
         torch_threads=torch.get_num_threads(),
         omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
         cpu_affinity=sorted(os.sched_getaffinity(0)),
+        device=str(device),
+        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
     )
     print("machine:", machine, flush=True)
 
@@ -571,7 +578,7 @@ def main() -> None:
     # The memory a static batch of B sequences padded to the longest prompt + output needs;
     # paged, continuous batching fits more sequences in it (--max-num-seqs).
     num_blocks = static_b * -(-(2 * args.max_len) // BLOCK_SIZE) + 64
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE)
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, device=device)
     settings = {
         "model": {**model_config, "name": args.model, "seed": MODEL_SEED, "dtype": "float32"},
         "max_num_seqs": args.max_num_seqs,
@@ -582,6 +589,8 @@ def main() -> None:
         "prepacked_linear": runner.is_prepacked,
         "linear": runner.linear_path,
         "elementwise": getattr(runner, "elementwise_path", "torch"),  # older trees: torch
+        "decode_attention": getattr(runner, "decode_attention_path", "torch"),
+        "device": str(device),
     }
     print("settings:", settings, flush=True)
 
@@ -604,7 +613,7 @@ def main() -> None:
         from transformers import LlamaForCausalLM
 
         folder = save_hf_folder(model, Path(tempfile.mkdtemp(prefix="bench_generation_")))
-        hf_model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        hf_model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
         hf_fn = hf_batch(hf_model)
         systems_run["hf"] = lambda reqs: static_batches(reqs, static_b, hf_fn)
 

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,6 +24,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from .charllama import CHARS, EOS, char_llama_folder
 from .conftest import ServedProcess, start_served_process
 
 MODEL = "tight-llama"
@@ -32,9 +32,6 @@ LIMIT_S = 30.0  # only against hangs
 MAX_MODEL_LEN = 128
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40  # 160 tokens: far less than 8 sequences of up to 128 want
-EOS = "~"
-CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
-TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 CONFIG = """\
 models:
   - name: {model}
@@ -49,41 +46,10 @@ models:
 SHARED = "Carpools share the ride, so nobody drives alone: "  # a prefix of 12 full blocks
 
 
-def _model_folder(folder: Path) -> Path:
-    """A random-weight Llama (peaked logits: large initial weights) with a character-level
-    tokenizer: printable ASCII and newline, ``~`` the EOS; no BOS, no special tokens (a
-    token that shows no text would hide from the count)."""
-    from tokenizers import Tokenizer, decoders, models
-
-    from carpool.generation.weights import random_llama, save_hf_folder
-
-    vocab = {c: i for i, c in enumerate(CHARS)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.decoder = decoders.Fuse()
-    config = {
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "vocab_size": len(vocab),
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": MAX_MODEL_LEN,
-        "initializer_range": 0.3,
-    }
-    save_hf_folder(random_llama(config, seed=3), folder)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    # An empty table of added tokens: EOS is an ordinary character, not skipped in text.
-    special = {"eos_token": EOS, "chat_template": TEMPLATE, "added_tokens_decoder": {}}
-    (folder / "tokenizer_config.json").write_text(orjson.dumps(special).decode())
-    return folder
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
     root = tmp_path_factory.mktemp("generation_fault_mix")
-    folder = _model_folder(root / "model")
+    folder = char_llama_folder(root / "model", MAX_MODEL_LEN)
     config = CONFIG.format(
         model=MODEL,
         folder=folder,
