@@ -11,7 +11,14 @@ per batch (`compute_infer` of `/v2/models/mlp/stats`, all batches of one here) a
 mean queue time. The offline batch-1 time (W1 in this process on the server CPU, one
 torch thread) is measured before and after. Medians over the rounds.
 
-    .venv/bin/python benchmarks/bench_c1.py [--rounds 5] [--seconds 4] [--json PATH]
+``--busy-core`` adds, in each round, each policy again with the server's CPU kept busy
+by a spinning process at the lowest priority (nice 19): the server preempts it whenever
+it has work, but the CPU never idles between one request and the next. The difference
+is what the CPU's idle periods cost a lone request (waking the core, and whatever its
+caches lost meanwhile), which the offline batch-1 time, a tight loop, never pays.
+
+    .venv/bin/python benchmarks/bench_c1.py [--rounds 5] [--seconds 4] [--busy-core]
+        [--json PATH]
 
 Writes benchmarks/results/c1_breakdown.json. Needs `taskset` (util-linux).
 """
@@ -19,6 +26,10 @@ Writes benchmarks/results/c1_breakdown.json. Needs `taskset` (util-linux).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +38,26 @@ import numpy as np
 
 from bench_adaptive import CONFIG, W1, goodput, serving, set_policy
 from bench_http import offline_ceiling
-from benchlib import RESULTS, machine_info, write_results
+from benchlib import RESULTS, SERVER_CPU, machine_info, write_results
 
 POLICIES = {
     "auto": {"max_delay_s": "auto", "max_batch_size": "auto"},
     "fixed 0 ms x 64": {"max_delay_s": 0.0, "max_batch_size": 64},
 }
+
+
+SPIN = "import os\nos.nice(19)\nwhile True:\n    pass\n"
+
+
+@contextlib.contextmanager
+def busy_core(cpu: str) -> Iterator[None]:
+    """A process spinning at nice 19 on ``cpu`` while the block runs."""
+    spinner = subprocess.Popen(["taskset", "-c", cpu, sys.executable, "-c", SPIN])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def _stats(url: str) -> dict[str, Any]:
@@ -68,19 +93,27 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--busy-core", action="store_true",
+                        help="also each policy with the server's CPU kept from idling")  # fmt: skip
     parser.add_argument("--json", type=Path, default=RESULTS / "c1_breakdown.json")
     args = parser.parse_args()
     machine = machine_info()
     print(f"machine: {machine}")
     batch1_ms = [1e3 / offline_ceiling(batch_size=1)]
-    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in POLICIES}
+    cores = {"": contextlib.nullcontext}
+    if args.busy_core:
+        cores[", busy core"] = lambda: busy_core(SERVER_CPU)
+    runs = [(name + core, policy, keep) for name, policy in POLICIES.items()
+            for core, keep in cores.items()]  # fmt: skip
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in runs}
     with serving(CONFIG) as url:
         for i in range(args.rounds):
-            for name, policy in POLICIES.items():
+            for name, policy, keep in runs:
                 set_policy(url, W1.model, **policy)
-                row = _round(url, args.seconds)
+                with keep():
+                    row = _round(url, args.seconds)
                 rounds[name].append(row)
-                print(f"round {i} {name:>16}: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
+                print(f"round {i} {name:>28}: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
     batch1_ms.append(1e3 / offline_ceiling(batch_size=1))
     offline_ms = float(np.median(batch1_ms))
     medians = {
@@ -89,7 +122,7 @@ def main() -> None:
     }
     for name, m in medians.items():
         print(
-            f"{name:>16}: client p50 {m['client_p50_ms']:.2f} ms = offline batch-1 "
+            f"{name:>28}: client p50 {m['client_p50_ms']:.2f} ms = offline batch-1 "
             f"{offline_ms:.2f} + {m['client_p50_ms'] - offline_ms:.2f}; server p50 "
             f"{m['server_p50_ms']:.2f}, compute {m['compute_ms']:.2f}, queue {m['queue_ms']:.3f}"
         )
@@ -97,6 +130,7 @@ def main() -> None:
         args.json,
         {
             "machine": machine,
+            "busy_core": args.busy_core,
             "offline_batch1_ms": offline_ms,
             "offline_batch1_runs_ms": batch1_ms,
             "medians": medians,
