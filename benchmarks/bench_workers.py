@@ -7,10 +7,12 @@ closed-loop for ``--duration-s``, and the CPU the server used meanwhile (user + 
 of the engine and every worker, from ``/proc/PID/stat``) is divided by the requests the
 engine answered (its ``/stats``). The ratio of workers-N to workers-1 is the front
 end's overhead: the issue's target is within 1.10, so that throughput scales with the
-cores given to the workers.
+cores given to the workers. On a machine with many cores, ``--server-cpus 0-7`` with
+``--wrk-threads 8`` and ``CARPOOL_BENCH_LOAD_CPU=8-15`` measures the other target: the
+no-op's req/s with N workers against one (``rate_ratio_to_first``; at least 3x on 16).
 
     .venv/bin/python benchmarks/bench_workers.py [--workers 1,2,4] [--duration-s 4]
-        [--concurrency 64] [--server-cpus 0] [--repeat 3]
+        [--concurrency 64] [--server-cpus 0] [--repeat 3] [--wrk-threads 1]
 
 The worker counts run interleaved, ``--repeat`` rounds of them, and each keeps its
 median CPU per request: on a loaded machine one run can be far off. The system share
@@ -101,10 +103,11 @@ def measure(
         benchlib.wait_kserve_ready(url, server)
         time.sleep(1.0)  # every worker listening (the ready lines come after the last)
         infer = f"{url}/v2/models/{model}/infer"
-        run_wrk(infer, script, args.concurrency, 1.0, benchlib.LOAD_CPU)  # warm-up
+        cpu, threads = benchlib.LOAD_CPU, args.wrk_threads
+        run_wrk(infer, script, args.concurrency, 1.0, cpu, threads=threads)  # warm-up
         (user, system, own), (answered, batches) = tree_cpu_ticks(server.pid), _answered(url, model)
         start = time.perf_counter()
-        result = run_wrk(infer, script, args.concurrency, args.duration_s, benchlib.LOAD_CPU)
+        result = run_wrk(infer, script, args.concurrency, args.duration_s, cpu, threads=threads)
         elapsed_s = time.perf_counter() - start
         user_end, system_end, own_end = tree_cpu_ticks(server.pid)
         user_s, system_s = (user_end - user) / TICKS_PER_S, (system_end - system) / TICKS_PER_S
@@ -184,6 +187,9 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=3, help="rounds; medians are kept")
     parser.add_argument("--server-cpus", default=benchlib.SERVER_CPU)
+    parser.add_argument(
+        "--wrk-threads", type=int, default=1, help="on CARPOOL_BENCH_LOAD_CPU (a CPU list)"
+    )
     parser.add_argument("--out", "--json", type=Path, default=benchlib.RESULTS / "workers.json")
     args = parser.parse_args()
     benchlib.require_wrk("bench_workers.py")
@@ -215,6 +221,7 @@ def main() -> None:
             "utc": benchlib.utc_now(),
             "duration_s": args.duration_s,
             "concurrency": args.concurrency,
+            "wrk_threads": args.wrk_threads,
             "max_delay_s": args.max_delay_s,
             "repeat": args.repeat,
             "rows": rows,

@@ -55,11 +55,18 @@ def latency_ms(text: str) -> float:
 
 
 def run_wrk(
-    url: str, script: Path, connections: int, duration_s: float, cpu: str, timeout_s: int = 10
+    url: str,
+    script: Path,
+    connections: int,
+    duration_s: float,
+    cpu: str,
+    timeout_s: int = 10,
+    threads: int = 1,
 ) -> dict[str, Any]:
-    """One closed-loop `wrk -t1` run pinned to ``cpu``: req/s, p50/p99 and error counts."""
+    """One closed-loop `wrk` run of ``threads`` threads (1: `wrk -t1`) pinned to ``cpu``
+    (a CPU list for several): req/s, p50/p99 and error counts."""
     out = subprocess.run(
-        ["taskset", "-c", cpu, "wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s",
+        ["taskset", "-c", cpu, "wrk", f"-t{threads}", f"-c{connections}", f"-d{duration_s:g}s",
          "--timeout", f"{timeout_s}s", "--latency", "-s", str(script), url],
         capture_output=True,
         text=True,

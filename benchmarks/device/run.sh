@@ -11,6 +11,8 @@
 #   gen       issue 26: continuous against static batching on the GPU (bench_generation)
 #   mem       issue 28: pinned overlapped copies, CUDA graphs (bench_cuda_memory_path)
 #   procs     issue 24: W1 on 2 process replicas against twice the one-core ceiling
+#   workers   issue 24: a no-op model's req/s with 1, 4 and 8 front-end workers on cores
+#             0-7, wrk's 8 threads on 8-15 (the target: at least 3x one worker)
 #   w1        W1 served on the GPU, batched against one request at a time (bench_cuda)
 # CARPOOL_DEVICE_LOCAL=1 skips the installs (a dry run on a machine that has them).
 set -uo pipefail
@@ -50,7 +52,7 @@ step() {  # name, seconds, command...
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests gen mem procs w1)
+[ ${#steps[@]} -eq 0 ] && steps=(tests gen mem procs workers w1)
 for s in "${steps[@]}"; do
     case $s in
     tests) step tests 240 $PY -m pytest -q -p no:cacheprovider -W ignore::UserWarning \
@@ -64,7 +66,10 @@ for s in "${steps[@]}"; do
     mem) step mem 180 $PY benchmarks/bench_cuda_memory_path.py --json "$OUT/cuda_memory_path.json" ;;
     procs) step procs 200 $PY benchmarks/bench_w1_process_replicas.py \
         --json "$OUT/w1_process_replicas_16core.json" ;;
+    workers) CARPOOL_BENCH_LOAD_CPU=8-15 step workers 150 $PY benchmarks/bench_workers.py \
+        --models noop --workers 1,4,8 --server-cpus 0-7 --wrk-threads 8 --concurrency 256 \
+        --duration-s 3 --repeat 2 --json "$OUT/workers_16core.json" ;;
     w1) step w1 200 $PY benchmarks/bench_cuda.py --json "$OUT/cuda.json" ;;
-    *) echo "unknown step $s: tests gen mem procs w1" ;;
+    *) echo "unknown step $s: tests gen mem procs workers w1" ;;
     esac
 done
