@@ -8,8 +8,9 @@ default thread executor with 1 replica, pinned to one core as bench_http.py pins
 `carpool bench` (closed loop, binary KServe, 1 x 256 float32 a request) drives each at
 concurrency 64 and 256, interleaved, ``--repeats`` times. For the baseline the load
 generator is pinned to the other core; for the process replicas on 2 cores it cannot be:
-both cores are the replicas', and what it takes of them is what the served rate loses. On
-4 cores or more the process server's loop runs on core 2 and the load generator on core 3.
+both cores are the replicas', and what it takes of them is what the served rate loses.
+Where two more cores are free (of the replicas' and the baseline's), the process server's
+loop runs on the first and the load generator on the second.
 
 Over a window inside each measured run the script reads every process's CPU time (user
 + system, /proc/PID/stat): the server, each of its children (the replicas, Python's
@@ -79,12 +80,18 @@ CONFIGS = {
     "thread": W1_MODEL + "    executor: thread\n    num_replicas: 1\n",
 }
 # Where each server runs: the thread baseline is pinned as bench_http.py pins the server.
-# The process server's replicas pin themselves to cores 0 and 1; with 4 cores or more (the
-# issue's machine), its own loop gets core 2 and the load generator core 3, else both
-# float over the replicas' cores.
-HAS_SPARE_CORES = len(os.sched_getaffinity(0)) >= 4
-SERVER_CPUS = {"process": "2" if HAS_SPARE_CORES else ",".join(CORES), "thread": SERVER_CPU}
-LOAD_CPUS = {"process": "3" if HAS_SPARE_CORES else None, "thread": LOAD_CPU}
+# The process server's replicas pin themselves to cores 0 and 1; where two more cores are
+# free of those and of the baseline's two (the issue's machine of more than 2 cores), its
+# own loop gets the first and the load generator the second, else both float over the
+# replicas' cores.
+TAKEN = {int(c) for c in (*CORES, *SERVER_CPU.split(","), *LOAD_CPU.split(",")) if c.isdigit()}
+SPARE_CORES = sorted(os.sched_getaffinity(0) - TAKEN)[:2]
+HAS_SPARE_CORES = len(SPARE_CORES) == 2
+SERVER_CPUS = {
+    "process": str(SPARE_CORES[0]) if HAS_SPARE_CORES else ",".join(CORES),
+    "thread": SERVER_CPU,
+}
+LOAD_CPUS = {"process": str(SPARE_CORES[1]) if HAS_SPARE_CORES else None, "thread": LOAD_CPU}
 
 
 @dataclass(slots=True)

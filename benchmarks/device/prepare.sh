@@ -16,7 +16,7 @@ TOP=(httptools orjson pydantic pytest pytest-asyncio pytest-timeout pytest-xdist
 # the lock's tritonclient pins a geventhttpclient with no cp312 wheel: the newest that has
 LOOSE=("tritonclient[http,grpc]")
 # the machine's own: CUDA torch and what is built against it or is large and there already
-KEEP='^(torch|triton|nvidia_|numpy|ml_dtypes|aiohttp|frozenlist|multidict|yarl|propcache|aiosignal|aiohappyeyeballs|attrs|setuptools)[-_]'
+KEEP='^(torch|triton|nvidia|numpy|ml_dtypes|aiohttp|frozenlist|multidict|yarl|propcache|aiosignal|aiohappyeyeballs|attrs|setuptools)[-_]'
 rm -rf "$KIT" && mkdir -p "$KIT/wheels" "$KIT/debs"
 exclude="$(git rev-parse --git-common-dir)/info/exclude"
 mkdir -p "$(dirname "$exclude")"
@@ -43,7 +43,7 @@ for wheel in "$KIT"/loose/*.whl; do
     $found || mv "$wheel" "$KIT/wheels/"
 done
 rm -rf "$KIT/loose"
-find "$KIT/wheels" -maxdepth 1 -name '*.whl' -printf '%f\n' | grep -E "$KEEP" |
+find "$KIT/wheels" -maxdepth 1 -name '*.whl' -printf '%f\n' | { grep -E "$KEEP" || true; } |
     while read -r wheel; do rm "$KIT/wheels/$wheel"; done
 (cd "$KIT/debs" && apt-get download wrk 'libluajit-5.1-2' >/dev/null)
 echo "$KIT: $(find "$KIT" -type f | wc -l) files, $(du -sh "$KIT" | cut -f1) (a call carries 64 MiB with the tree)"

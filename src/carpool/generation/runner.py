@@ -220,6 +220,8 @@ class ModelRunner:
         batch = self._prepare(step.chunks)
         started = time.perf_counter()
         logits, prompt_logits = self._forward(batch)
+        if self.device.type == "cuda":  # the kernels launched, not done: wait for them
+            torch.cuda.synchronize(self.device)
         model_time_s = time.perf_counter() - started
         prompt_found: tuple[tuple[TokenLogprobs, ...], ...] = ()
         if batch.prompt_rows is not None:
