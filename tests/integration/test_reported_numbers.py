@@ -38,7 +38,7 @@ from .conftest import ServedProcess, start_served_process, wait_until
 
 LIMIT_S = 20.0  # only against hangs
 SLEEP_S = 0.005  # the model's cost per call
-SLOW, SLOW_S = 999, 1.0  # a call with this value computes this much longer
+SLOW, SLOW_S = 999, 3.0  # a call with this value computes this much longer
 MAX_BATCH_SIZE = 8
 MAX_QUEUE_SIZE = 6  # < MAX_BATCH_SIZE: while the model is held, no full batch can form
 CLASSES = ("interactive", "normal", "background")  # Triton priorities 1, 2, 3
