@@ -21,8 +21,10 @@ from carpool.generation.llama import LlamaConfig, LlamaModel
 from carpool.generation.paged_decode import UNFUSED_OPS
 from carpool.generation.runner import ModelRunner
 from carpool.generation.scheduler import Scheduler, SchedulerConfig
-from carpool.generation.types import SamplingParams, SeqChunk, StepInput
+from carpool.generation.types import SamplingParams, SeqChunk
 from carpool.models import onednn
+
+from .paged_driver import run_steps
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: torch sees none here"
@@ -60,45 +62,17 @@ def _generate(
     reference: ModelRunner | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]:
     """Prompt 1 prefilled in two chunks (the second over its cached blocks) while prompts
-    2 and 3 prefill whole, then decode steps, on ``runner``: each sequence's tokens, and
-    each step's logits before it samples (float32, on the CPU). With ``reference``, that
-    runner computes every step too, on the same chunks (``runner``'s tokens): its logits
-    are the third list."""
-    outputs: dict[int, list[int]] = {i: [] for i in PROMPTS}
-    chunks = (
-        SeqChunk(1, tuple(PROMPTS[1][:20]), 0, TABLES[1], False, params, len(PROMPTS[1])),
-        *(
-            SeqChunk(i, tuple(PROMPTS[i]), 0, TABLES[i], True, params, len(PROMPTS[i]),
-                     tuple(PROMPTS[i]))
-            for i in (2, 3)
-        ),
+    2 and 3 prefill whole, then decode steps (``run_steps``): each sequence's tokens, each
+    step's logits, and ``reference``'s on the same chunks."""
+    chunks = tuple(
+        SeqChunk(i, tuple(p[:20] if i == 1 else p), 0, TABLES[i], i != 1, params, len(p),
+                 tuple(p))
+        for i, p in PROMPTS.items()
     )  # fmt: skip
-    logits: list[torch.Tensor] = []
-    reference_logits: list[torch.Tensor] = []
-    for _ in range(steps):
-        logits.append(_logits_of(runner, chunks))
-        if reference is not None:
-            reference_logits.append(_logits_of(reference, chunks))
-        sampled = runner.execute(StepInput(chunks)).sampled
-        following = []
-        for chunk, token in zip(chunks, sampled, strict=True):
-            start = chunk.start_pos + len(chunk.token_ids)
-            if token is None:  # prompt 1's first chunk: its rest comes next
-                rest = tuple(PROMPTS[1][start:])
-                history = tuple(PROMPTS[1])
-                following.append(replace(chunk, token_ids=rest, start_pos=start,
-                                         needs_logits=True, history=history))  # fmt: skip
-                continue
-            outputs[chunk.seq_id].append(token)
-            history = (*chunk.history, token) if chunk.history else ()
-            following.append(replace(chunk, token_ids=(token,), start_pos=start, history=history))
-        chunks = tuple(following)
-    return [outputs[i] for i in PROMPTS], logits, reference_logits
-
-
-def _logits_of(runner: ModelRunner, chunks: tuple[SeqChunk, ...]) -> torch.Tensor:
-    """The step's logits (it writes the same K/V again that ``execute`` then writes)."""
-    return runner.compute_logits(StepInput(chunks)).float().cpu()
+    tokens, logits, reference_logits = run_steps(
+        runner, chunks, steps, rests={1: tuple(PROMPTS[1][20:])}, reference=reference
+    )
+    return [tokens[i] for i in PROMPTS], logits, reference_logits
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:

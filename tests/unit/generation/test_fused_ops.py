@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from carpool.generation.llama import LlamaConfig, LlamaModel, RMSNorm, _rotate
 from carpool.generation.paged_decode import FUSED_OPS, UNFUSED_OPS, KernelBuild, load_kernel
 from carpool.generation.runner import ModelRunner
-from carpool.generation.types import SamplingParams, SeqChunk, StepInput
+from carpool.generation.types import SamplingParams, SeqChunk
+
+from .paged_driver import run_steps
 
 ops = torch.ops.carpool
 
@@ -184,18 +186,8 @@ def _run(
     prompts = {1: list(range(3, 40)), 2: list(range(50, 61))}
     tables = {1: (0, 1, 2, 3), 2: (4, 5)}
     chunks = tuple(SeqChunk(i, tuple(p), 0, tables[i], True, greedy) for i, p in prompts.items())
-    tokens: list[int] = []
-    logits: list[torch.Tensor] = []
-    for _ in range(9):
-        logits.append(runner.compute_logits(StepInput(chunks)))  # writes the same K/V again
-        sampled = runner.execute(StepInput(chunks)).sampled
-        tokens.extend(t for t in sampled if t is not None)
-        chunks = tuple(
-            SeqChunk(c.seq_id, (t,), c.start_pos + len(c.token_ids), c.block_table, True, greedy)
-            for c, t in zip(chunks, sampled, strict=True)
-            if t is not None
-        )
-    return runner, tokens, logits
+    tokens, logits, _ = run_steps(runner, chunks, 9)
+    return runner, [t for seq in tokens.values() for t in seq], logits
 
 
 # The kernels' attention and torch's (SDPA over gathered blocks): both take q, k and v as
