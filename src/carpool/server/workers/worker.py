@@ -155,7 +155,14 @@ async def _serve(spec: WorkerSpec) -> None:
     to_worker = Ring(spec.to_worker, spec.ring_bytes, create=False)
     stopping = asyncio.Event()
     link = Link()
-    channel = Channel(to_engine, to_worker, link.on_record, stopping.set)
+
+    def engine_lost() -> None:
+        # What waits on the engine fails now (503, UNAVAILABLE): the drain below waits
+        # for every accepted request's answer, which a dead engine would never send.
+        link.lost()
+        stopping.set()
+
+    channel = Channel(to_engine, to_worker, link.on_record, engine_lost)
     spec.sock.setblocking(False)
     await loop.create_unix_connection(lambda: channel, sock=spec.sock)
     link.channel = channel
@@ -209,7 +216,14 @@ async def _serve(spec: WorkerSpec) -> None:
 
 
 def _counts(index: int, http: HttpServer) -> dict[str, Any]:
-    return {"worker": index, "requests": http.num_requests, "connections": http.num_accepted}
+    inflight = http.app.inflight  # this worker's own --max-inflight-bytes
+    return {
+        "worker": index,
+        "requests": http.num_requests,
+        "connections": http.num_accepted,
+        "inflight_bytes": inflight.held_bytes,
+        "refused_inflight": inflight.num_refused,
+    }
 
 
 async def _report(link: Link, index: int, http: HttpServer) -> None:
