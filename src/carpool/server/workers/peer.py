@@ -98,7 +98,9 @@ class Peer:
         elif kind is Kind.CANCEL:
             self._cancel(record.header["id"])
         elif kind is Kind.COUNTS:
-            self.counts = {k: v for k, v in record.header.items() if isinstance(v, int)}
+            counts = {k: v for k, v in record.header.items() if isinstance(v, int)}
+            self._add_inflight(counts, self.counts)
+            self.counts = counts
             if record.header.get("listening"):
                 self.is_listening.set()
 
@@ -112,10 +114,21 @@ class Peer:
         for task in tasks.values():
             task.cancel()
         self.channel = None
-        self.is_listening = asyncio.Event()
+        self._add_inflight({}, self.counts)  # what it held is gone; its refusals still count
+        # Cleared, not replaced: the engine's start-up may be waiting on this one event.
+        self.is_listening.clear()
         self._earlier_requests += self.counts.get("requests", 0)
         self.counts = {}
         return len(queued) + len(tasks)
+
+    def _add_inflight(self, now: dict[str, int], before: dict[str, int]) -> None:
+        """Carry the change in what the worker reports of ``--max-inflight-bytes`` (the
+        bodies it holds, the requests it refused for them) into the engine's figures,
+        which ``/metrics`` shows: their sum over the workers."""
+        inflight = self.app.inflight
+        inflight.held_bytes += now.get("inflight_bytes", 0) - before.get("inflight_bytes", 0)
+        refused = now.get("refused_inflight", 0) - before.get("refused_inflight", 0)
+        inflight.num_refused += max(0, refused)  # a worker started again counts from 0
 
     # -- the fast path ----------------------------------------------------------------------
 
