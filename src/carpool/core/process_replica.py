@@ -51,7 +51,7 @@ from carpool.core.remote_replica import (
     RemoteReplica,
 )
 from carpool.core.replicas import BatchFn, FnFactory, is_async_callable
-from carpool.core.shm_ring import Header, Reader, Region
+from carpool.core.shm_ring import Reader, Region
 from carpool.core.stepwise import run_to_end
 from carpool.core.watchdog import Watchdog
 from carpool.errors import ConfigError, ReplicaDied
@@ -285,11 +285,15 @@ class ProcessReplica(RemoteReplica):
         loop.add_reader(process.sentinel, self._on_exit)
         try:
             await ready
+            if self._state is not ChildState.STARTING:
+                # It said ready, then died before this resumed: _on_exit, seeing it
+                # start, left the restart to this caller.
+                raise ReplicaDied(self._name, self.replica_id, self._exitcode())
         except ReplicaDied as died:
             self._discard()
             raise RuntimeError(
                 f"model {self._name!r}, replica {self.replica_id}: its process ended before "
-                f"its model was built (exit code {died.exitcode}); see its output above"
+                f"it could serve (exit code {died.exitcode}); see its output above"
             ) from None
         except BaseException:
             self._discard()
@@ -316,7 +320,14 @@ class ProcessReplica(RemoteReplica):
             return  # the answer to a call given up (past batch_timeout_s)
         kind, body = message
         if kind == "ok":
-            pending.set_result(body)
+            # Copied out now: should the child end in this same loop turn, _on_exit
+            # unlinks its output region before the call awaiting ``pending`` resumes.
+            try:
+                outputs = self._reader.read(body, copy=True)
+            except Exception as error:  # its region could not be read
+                pending.set_exception(error)
+            else:
+                pending.set_result(outputs)
         elif kind == "ready":
             pending.set_result(None)
         elif kind == "raised":
@@ -408,8 +419,7 @@ class ProcessReplica(RemoteReplica):
             pending = self._pending = self._loop.create_future()
             with contextlib.suppress(OSError):  # it died: its sentinel fails ``pending``
                 self._conn.send(header)
-            reply: Header = await self._within_timeout(pending, started)
-            outputs = self._reader.read(reply, copy=True)
+            outputs = await self._within_timeout(pending, started)  # _deliver read them
             self._restart_wait_s = RESTART_WAIT_S
             return call.output(outputs, started, now())
 

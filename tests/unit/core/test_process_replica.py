@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,10 @@ SLOW_S = 0.6
 HANG_MARK = -1.0  # ... this value, for ever
 FAIL_MARK = 13.0  # ... this value raises
 EXIT_MARK = 333.0  # ... this value ends the process with os._exit(3)
+ANSWER_EXIT_MARK = 444.0  # ... this value waits for GO_ENV's file, is answered, then the
+# process ends (os._exit(4))
+GO_ENV = "CARPOOL_TEST_GO"  # a file the test creates when a child may go on
+BUILT_ENV = "CARPOOL_TEST_BUILT"  # dying_factory's marker file
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +43,9 @@ def model(batch: Any) -> Any:
     )
     if np.any(values == EXIT_MARK):
         os._exit(3)
+    if np.any(values == ANSWER_EXIT_MARK):
+        _wait_for_go()
+        threading.Timer(0.05, os._exit, (4,)).start()
     if np.any(values == FAIL_MARK):
         raise ValueError("thirteen is unlucky")
     if np.any(values == HANG_MARK):
@@ -50,6 +59,23 @@ def model(batch: Any) -> Any:
 
 def make_model(device: str) -> Any:
     assert device == "cpu"
+    return model
+
+
+def _wait_for_go() -> None:
+    go = Path(os.environ[GO_ENV])
+    while not go.exists():
+        time.sleep(0.005)
+
+
+def dying_factory(device: str) -> Any:
+    """The model, built once GO_ENV's file exists; the process ends (os._exit(5)) 0.1 s
+    after, once it has said it is ready. The first build only (BUILT_ENV's marker)."""
+    built = Path(os.environ[BUILT_ENV])
+    if not built.exists():
+        _wait_for_go()
+        built.touch()
+        threading.Timer(0.1, os._exit, (5,)).start()
     return model
 
 
@@ -68,6 +94,16 @@ def _replicas(batcher: Batcher) -> list[ProcessReplica]:
     replicas = batcher._dispatch.replicas
     assert all(isinstance(r, ProcessReplica) for r in replicas)
     return replicas  # type: ignore[return-value]
+
+
+def _hold_loop(seconds: float, until: Any = None) -> None:
+    """Block the event loop (on purpose: what a child sends meanwhile reaches it in one
+    turn) until ``until()`` holds, if given (30 s at most), then ``seconds`` more."""
+    end = time.monotonic() + 30.0
+    while until is not None and not until():
+        assert time.monotonic() < end, "the child did not get there in time"
+        time.sleep(0.01)
+    time.sleep(seconds)
 
 
 async def _until(condition: Any, limit_s: float = 5.0) -> None:
@@ -142,6 +178,54 @@ async def test_a_child_that_exits_fails_its_batch_naming_the_exit_code() -> None
             await asyncio.wait_for(batcher.submit(np.full(1, EXIT_MARK)), 5)
         await _until(lambda: replica.is_healthy)
         assert replica.counters.num_restarts == 1
+
+
+async def test_an_answer_sent_just_before_the_child_died_still_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer and the exit reach the loop in one turn (the loop held meanwhile): the
+    batch is answered with the child's outputs, not failed nor run again, and the
+    replica is started again."""
+    go = tmp_path / "go"
+    monkeypatch.setenv(GO_ENV, str(go))
+    async with _batcher("process", num_replicas=1) as batcher:
+        (replica,) = _replicas(batcher)
+        # A first answer: this side now maps the child's output region, which the
+        # child's death unlinks (the answer below is written to the same region).
+        np.testing.assert_array_equal(await batcher.submit(np.ones(2)), [2.0, 2.0])
+        future = asyncio.ensure_future(batcher.submit(np.full(2, ANSWER_EXIT_MARK)))
+        await _until(lambda: replica._pending is not None)  # the child waits for go
+        first_pid = replica.pid
+        go.touch()
+        _hold_loop(0.5)  # meanwhile the child answers, then exits 50 ms later
+        result = await asyncio.wait_for(future, 5)
+        np.testing.assert_array_equal(result, np.full(2, 2 * ANSWER_EXIT_MARK))
+        await _until(lambda: replica.is_healthy and replica.pid != first_pid)
+        assert replica.counters.num_restarts == 1
+        np.testing.assert_array_equal(await batcher.submit(np.ones(1)), [2.0])
+
+
+async def test_a_child_that_dies_right_after_saying_ready_fails_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "ready" and the exit reach the loop in one turn: the start fails naming the exit,
+    rather than reporting a dead replica healthy (its batches would all fail, and nothing
+    would start it again)."""
+    built, go = tmp_path / "built", tmp_path / "go"
+    monkeypatch.setenv(BUILT_ENV, str(built))
+    monkeypatch.setenv(GO_ENV, str(go))
+    batcher = Batcher(
+        fn_factory=f"{__name__}:dying_factory",
+        executor="process",
+        num_replicas=1,
+        switch_interval_s=None,
+    )
+    starting = asyncio.ensure_future(batcher.start())
+    await _until(lambda: bool(multiprocessing.active_children()), 30.0)  # it is building
+    go.touch()
+    _hold_loop(0.5, until=built.exists)  # meanwhile it says ready, then exits 0.1 s later
+    with pytest.raises(RuntimeError, match="exit code 5"):
+        await asyncio.wait_for(starting, 10)
 
 
 async def test_large_batches_grow_the_region_and_other_payloads_are_pickled() -> None:
