@@ -106,5 +106,10 @@ def build_engine(
     )
     scheduler = Scheduler(limits, KVCacheManager(BlockPool(num_blocks, settings.block_size)))
     return GenerationEngine(
-        scheduler, runner, tokenizer, name=name, max_model_len=settings.max_model_len
+        scheduler,
+        runner,
+        tokenizer,
+        name=name,
+        max_model_len=settings.max_model_len,
+        model_vocab_size=model.vocab_size,
     )

@@ -132,6 +132,10 @@ class GenerationEngine:
         tokenizer: decodes tokens to text; its EOS ids stop requests.
         name: the model's name in telemetry and thread names.
         max_model_len: the most tokens (prompt + output) one sequence may hold.
+        model_vocab_size: the rows of the model's embedding, where the tokenizer's
+            vocabulary may be larger (a token added to a folder's tokenizer without
+            resizing the model); token ids are checked against the smaller
+            (:attr:`vocab_size`). None: the tokenizer's.
         clock: time source; tests pass a FakeClock.
     """
 
@@ -143,11 +147,25 @@ class GenerationEngine:
         *,
         name: str = "model",
         max_model_len: int,
+        model_vocab_size: int | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.name = name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        # Token ids a request may name (prompt, stop_token_ids, logit_bias): one past the
+        # model's embedding would fail the whole step, and every request batched in it.
+        self.vocab_size = tokenizer.vocab_size
+        if model_vocab_size is not None and model_vocab_size < tokenizer.vocab_size:
+            log.warning(
+                "model %r: its tokenizer has %d token ids, its embedding %d rows; "
+                "requests naming ids from %d on are refused",
+                name,
+                tokenizer.vocab_size,
+                model_vocab_size,
+                model_vocab_size,
+            )
+            self.vocab_size = model_vocab_size
         self._scheduler = scheduler
         self._runner = runner
         self._outputs = OutputProcessor(tokenizer)
@@ -274,7 +292,7 @@ class GenerationEngine:
         if not prompt:
             raise InvalidInput("the prompt is empty; expected at least one token")
         # An id past the embedding would fail the whole step, and every request batched in it.
-        check_token_ids(prompt, self.tokenizer.vocab_size)
+        check_token_ids(prompt, self.vocab_size)
         if len(prompt) >= self.max_model_len:
             raise InvalidInput(
                 f"the prompt has {len(prompt)} tokens; this model holds at most "
@@ -343,9 +361,12 @@ class GenerationEngine:
     ) -> None:
         for chunk, scored in zip(chunks, found, strict=True):
             stream = self._streams.get(chunk.seq_id)
-            if stream is None or stream.prompt_logprobs is None or not scored:
+            if stream is None or stream.prompt_logprobs is None:
                 continue
-            if chunk.start_pos == 0:  # the prompt's first chunk: a recompute starts afresh
+            if chunk.start_pos == 0:
+                # The prompt's first chunk: a recompute (after a preemption) starts
+                # afresh, even from a chunk that scores nothing yet (one token: its
+                # row's score waits for the next chunk's first token).
                 stream.prompt_logprobs.clear()
             stream.prompt_logprobs.extend(scored)
 

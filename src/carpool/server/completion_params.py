@@ -23,6 +23,9 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs (vLLM's default max_logprobs too)
 MAX_LOGIT_BIAS = 100.0
+MAX_TOKEN_ID_DIGITS = (
+    18  # a logit_bias key longer than this is no token id (and int() may refuse it)
+)
 
 
 def sampling_params(
@@ -40,7 +43,7 @@ def sampling_params(
         BadParam: naming the field out of range or past the context.
     """
     max_tokens = _max_tokens(doc, service, num_prompt, is_chat, fit_max_tokens)
-    vocab_size = service.tokenizer.vocab_size
+    vocab_size = service.engine.vocab_size  # the tokenizer's, or the model's if smaller
     # -1 or 0: off (vLLM writes -1); more than the vocabulary is all of it.
     top_k = min(max(integer(doc, "top_k", 0, -1), 0), vocab_size)
     try:
@@ -119,6 +122,18 @@ def _logprobs(doc: dict[str, Any], is_chat: bool) -> int | None:
     return top or 0
 
 
+def _token_id(key: Any) -> int:
+    """A logit_bias key as a token id; -1 for what is not a plain decimal integer (a
+    digit int() refuses, such as "²", or one longer than Python converts)."""
+    if not isinstance(key, str):
+        return -1
+    text = key.strip()
+    digits = text[1:] if text.startswith("-") else text
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > MAX_TOKEN_ID_DIGITS:
+        return -1
+    return int(text)
+
+
 def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
@@ -126,7 +141,7 @@ def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
         raise BadParam("logit_bias", f"logit_bias={value!r}: expected an object of token id: bias")
     bias: list[tuple[int, float]] = []
     for key, amount in value.items():
-        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else -1
+        token = _token_id(key)
         if not 0 <= token < vocab_size:
             raise BadParam(
                 "logit_bias", f"logit_bias key {key!r}: expected a token id in [0, {vocab_size})"

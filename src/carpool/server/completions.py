@@ -351,7 +351,7 @@ def _completion_prompt(service: GenerationService, prompt: Any, add_special: boo
         return service.tokenizer.encode(prompt, add_special_tokens=add_special)
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str | list):
         try:
-            return check_token_ids(prompt, service.tokenizer.vocab_size)
+            return check_token_ids(prompt, service.engine.vocab_size)
         except InvalidInput as error:
             raise BadParam("prompt", str(error)) from None
     if isinstance(prompt, list) and len(prompt) > 1:

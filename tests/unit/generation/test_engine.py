@@ -379,12 +379,19 @@ def _engine(
     max_tokens_per_step: int = 64,
     fail_at: int = 0,
     tokenizer: Tokenizer = TOKENIZER,
+    model_vocab_size: int | None = None,
 ) -> tuple[GenerationEngine, Scheduler, FlakyRunner]:
-    model = random_llama(TINY, seed=0)
+    model = random_llama({**TINY, "vocab_size": model_vocab_size or TINY["vocab_size"]}, seed=0)
     runner = FlakyRunner(ModelRunner(model, num_blocks, block_size, prepack=False, seed=0), fail_at)
     config = SchedulerConfig(max_num_batched_tokens=max_tokens_per_step, max_num_seqs=8)
     scheduler = Scheduler(config, KVCacheManager(BlockPool(num_blocks, block_size)))
-    engine = GenerationEngine(scheduler, runner, tokenizer, max_model_len=num_blocks * block_size)
+    engine = GenerationEngine(
+        scheduler,
+        runner,
+        tokenizer,
+        max_model_len=num_blocks * block_size,
+        model_vocab_size=model.vocab_size,
+    )
     return engine, scheduler, runner
 
 
@@ -404,6 +411,28 @@ async def test_prompt_token_outside_the_vocabulary_is_refused_and_spares_the_bat
         results = await asyncio.gather(bad, good, return_exceptions=True)
         assert isinstance(results[0], InvalidInput)
         assert "prompt[2]=258" in str(results[0])
+        assert isinstance(results[1], list) and len(results[1]) == 3
+    finally:
+        await engine.stop()
+    assert_all_blocks_free(scheduler)
+
+
+async def test_an_id_the_tokenizer_has_but_the_model_lacks_is_refused_and_spares_the_batch() -> (
+    None
+):
+    """A tokenizer with one more id than the model's embedding has rows (a token added to
+    a folder's tokenizer without resizing the model): that id is refused like one past
+    the vocabulary, and the request batched beside it is answered."""
+    rows = TOKENIZER.vocab_size - 1
+    engine, scheduler, _ = _engine(num_blocks=32, model_vocab_size=rows)
+    assert engine.vocab_size == rows
+    await engine.start()
+    try:
+        bad = _run(engine, [*b"hi", rows], max_tokens=3, temperature=0)
+        good = _run(engine, list(b"hello"), max_tokens=3, temperature=0)
+        results = await asyncio.gather(bad, good, return_exceptions=True)
+        assert isinstance(results[0], InvalidInput)
+        assert f"prompt[2]={rows}" in str(results[0])
         assert isinstance(results[1], list) and len(results[1]) == 3
     finally:
         await engine.stop()

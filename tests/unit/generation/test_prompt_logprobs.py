@@ -3,7 +3,9 @@ in chunks."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,3 +61,44 @@ def test_a_request_without_prompt_logprobs_gets_none(folder: Path) -> None:
     runner = ModelRunner(load_model(folder), 8, 4)
     chunk = SeqChunk(0, tuple(PROMPT), 0, (0, 1, 2), True, SamplingParams(), len(PROMPT))
     assert runner.execute(StepInput((chunk,))).prompt_logprobs == ()
+
+
+async def test_a_prompt_recomputed_after_a_preemption_has_each_log_probability_once() -> None:
+    """A background request is preempted mid-prefill by an interactive one and its prompt
+    recomputed from the start, the first chunk of the recompute one token long (the
+    step's budget is two tokens): it scores nothing yet, and the log-probabilities of the
+    first try must still be dropped, not kept ahead of the recompute's."""
+    from carpool.generation.build import GenerationSettings
+    from carpool.server.generation import GenerationService
+
+    settings = GenerationSettings(
+        num_blocks=4,
+        block_size=4,
+        max_model_len=16,
+        max_num_seqs=2,
+        max_num_batched_tokens=2,
+        dtype="float64",
+        decode_attention="torch",
+    )
+    service = GenerationService.tiny_random("tiny", settings)
+    engine = service.engine
+    await engine.start()
+    try:
+        first = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
+        scored = SamplingParams(
+            temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1, logprobs=1
+        )
+        prompt = [256, *range(97, 108)]  # 12 tokens
+
+        async def run(tokens: list[int], params: SamplingParams, priority: str) -> list[Any]:
+            return [event async for event in engine.generate(tokens, params, priority)]
+
+        _, events = await asyncio.wait_for(
+            asyncio.gather(run([256], first, "interactive"), run(prompt, scored, "background")),
+            60,
+        )
+        assert engine._scheduler.num_preemptions >= 1
+        (found,) = [e.prompt_logprobs for e in events if e.prompt_logprobs]
+        assert [t.token_id for t in found] == prompt[1:]
+    finally:
+        await engine.stop()

@@ -227,6 +227,9 @@ async def test_extensions_and_stop_forms_are_read(app):
         ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", r"\(0.0, inf\]"),
         ({"prompt": "x", "min_tokens": 17}, "min_tokens", r"in \[0, 16\]"),
         ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", "token id in"),
+        ({"prompt": "x", "logit_bias": {"\u00b2": 1}}, "logit_bias", "token id in"),  # "²"
+        ({"prompt": "x", "logit_bias": {"--5": 1}}, "logit_bias", "token id in"),
+        ({"prompt": "x", "logit_bias": {"9" * 5000: 1}}, "logit_bias", "token id in"),
         ({"prompt": "x", "logit_bias": {"5": "up"}}, "logit_bias", "expected a number"),
         ({"prompt": "x", "n": 129}, "n", r"in \[1, 128\]"),
         ({"prompt": ["a", "b"]}, "prompt", "holds 2 prompts"),
