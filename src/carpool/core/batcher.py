@@ -388,6 +388,10 @@ class Batcher(Lifecycle):
             # Started by an earlier asyncio.run(): its replica tasks ended with its loop.
             self._leave_closed_loop()  # raises if that loop is still open
             await self.start()
+        if self._state is not State.RUNNING:
+            # It waited on another caller's start, who stopped it meanwhile: queued now,
+            # nothing would ever run it.
+            raise Closed(self._name)
         request = self._make_request(payload, is_many, priority, timeout_s, cost, arrival_s)
         try:
             return await request.future
@@ -517,7 +521,7 @@ class Batcher(Lifecycle):
             expire=self._dispatch.expire,
             require_full=behind_class is not None,
             behind_class=behind_class,
-            predict_s=self._batch_times.predict_s,
+            predict_s=self._batch_times.predict_at_least_s,  # it drops only the surely late
             adaptive=self._adaptive if self._is_adaptive else None,
             above_rank=None if above is None else above.rank,
         )

@@ -80,6 +80,24 @@ async def test_submit_after_stop_raises_closed(make_batcher, drain):
         await batcher.submit(1)
 
 
+async def test_a_submit_waiting_on_a_start_that_is_then_stopped_is_refused(make_batcher, spawn):
+    """A submit that waits on another caller's start() resumes after that caller has
+    stopped the batcher: it is refused (Closed), not queued where nothing would run it."""
+    batcher = make_batcher()
+
+    async def start_then_stop() -> None:
+        await batcher.start()
+        await batcher.stop(drain=True)
+
+    stopper = spawn(start_then_stop())
+    await asyncio.sleep(0)  # the stopper is inside start()
+    submitter = spawn(batcher.submit(1))
+    await finish(stopper)
+    (outcome,) = await finish(submitter)
+    assert isinstance(outcome, Closed)
+    assert batcher.num_pending == 0
+
+
 async def test_first_submit_starts_the_batcher(make_batcher):
     batcher = make_batcher(max_delay_s=0.0)
     assert not batcher.is_running
