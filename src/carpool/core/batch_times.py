@@ -184,6 +184,27 @@ class BatchTimes:
         below = max(means)
         return means[below] * num_items / (1 << below)
 
+    def predict_at_least_s(self, num_items: float) -> float:
+        """A lower bound on a batch of ``num_items``, for deciding that a request would be
+        late: its bucket's average; else the larger of the largest smaller bucket's (a
+        batch is rarely faster than a smaller one) and the nearest larger bucket's scaled
+        down by size (time grows slower than size); 0.0 when none was measured within
+        :data:`MAX_AGE_S`. Never the larger bucket's whole time, as :meth:`predict_s`
+        gives: a size never measured would be judged by larger batches for ever (a lone
+        request with a short timeout, behind a stream of full batches, would be dropped
+        each time and its size never run, nor measured)."""
+        oldest_s = self._clock.now() - MAX_AGE_S
+        bucket = bucket_of(num_items)
+        updated_s = self._updated_s.get(bucket)
+        if updated_s is not None and updated_s >= oldest_s:
+            return self._mean_s[bucket]
+        means = {b: s for b, s in self._mean_s.items() if self._updated_s[b] >= oldest_s}
+        smaller = [b for b in means if b < bucket]
+        larger = [b for b in means if b > bucket]
+        below = means[max(smaller)] if smaller else 0.0
+        above = means[min(larger)] * num_items / (1 << min(larger)) if larger else 0.0
+        return max(below, above)
+
     def as_dict(self) -> dict[int, float]:
         """Each measured bucket's upper batch size and its mean seconds."""
         return {1 << b: s for b, s in sorted(self._mean_s.items())}

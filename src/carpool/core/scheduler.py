@@ -24,9 +24,11 @@ no threads, time passed in. That keeps every rule testable with a fake clock:
    classes above it only (``above_rank``), filled from those classes only; it takes no
    further replica, so the share caps do not apply.
 7. A request whose deadline would pass before its batch ends (now plus the compute time
-   measured for batches of that size in the same unit, :mod:`carpool.core.batch_times`)
+   measured for batches of that size in the same unit, or a lower bound where that size
+   was not measured lately: :meth:`~carpool.core.batch_times.BatchTimes.predict_at_least_s`)
    is not run: it expires now, answered at once rather than late, and leaves its place
-   to others.
+   to others. Lower classes' fill leaves the batch first: it never costs the class
+   leading the batch a request that would be on time without it.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ class Scheduler:
                 max_items = min(max_items, max_items_cap)
             plan, expired = self._plan(queue, queues, policy, max_items, now, max_units, above_rank)
             if predict_s is not None and plan.requests:
-                expired += _drop_late(plan, now + predict_s(self._units(plan, unit)))
+                expired += _drop_late(plan, lambda p: now + predict_s(self._units(p, unit)))
             for request in expired:
                 expire(request)
             if not plan.requests:
@@ -320,10 +322,32 @@ def queue_units(queue: ClassQueue, unit: str) -> float:
     return queue.live_cost if unit == UNIT_COST else float(queue.num_live_items)
 
 
-def _drop_late(plan: _Plan, end_s: float) -> list[Request]:
-    """Take out of ``plan`` the requests whose deadline falls before ``end_s``, when the
-    batch would end; they are returned to be expired. The plan keeps its other requests in
-    order (``takes`` counts only those: the late ones are no longer live when it pops)."""
+def _drop_late(plan: _Plan, end_of: Callable[[_Plan], float]) -> list[Request]:
+    """Take out of ``plan`` the requests whose deadline falls before ``end_of(plan)``,
+    when the batch would end; they are returned to be expired. The plan keeps its other
+    requests in order (``takes`` counts only those: the late ones are no longer live when
+    it pops).
+
+    Lower classes' fill (``fill_from_lower``) goes first: while a request of the class
+    leading the batch would be late only because of the fill (on time in a batch of its
+    class's requests alone), the plan's last request leaves it (it stays queued, for a
+    batch of its own) and the end is predicted again. Room filled with lower-class work
+    must never cost the leading class its answers."""
+    end_s = end_of(plan)
+    lead_count = plan.takes[0][1]  # the lead class's requests come first
+    if lead_count < len(plan.requests) and _any_late(plan.requests, end_s):
+        alone_end_s = end_of(_first(plan, lead_count))
+        lead = plan.requests[:lead_count]
+        trimmed = False
+        while len(plan.requests) > lead_count and any(
+            r.deadline_s is not None and alone_end_s <= r.deadline_s < end_s for r in lead
+        ):
+            _pop_last(plan)
+            trimmed = True
+            end_s = end_of(plan)
+        if trimmed:
+            plan.is_full = False
+            plan.max_length = max(r.length for r in plan.requests)
     late = [r for r in plan.requests if r.deadline_s is not None and r.deadline_s < end_s]
     if not late:
         return late
@@ -337,6 +361,36 @@ def _drop_late(plan: _Plan, end_s: float) -> list[Request]:
     plan.max_length = max((r.length for r in kept), default=0)
     plan.is_full = False  # it has room again; it may wait for more
     return late
+
+
+def _any_late(requests: list[Request], end_s: float) -> bool:
+    return any(r.deadline_s is not None and r.deadline_s < end_s for r in requests)
+
+
+def _first(plan: _Plan, count: int) -> _Plan:
+    """A plan of ``plan``'s first ``count`` requests, all of its first take's class."""
+    requests = plan.requests[:count]
+    return _Plan(
+        takes=[(plan.takes[0][0], count)],
+        requests=requests,
+        num_items=sum(r.num_items for r in requests),
+        cost=sum(r.cost for r in requests),
+        num_tokens=sum(r.num_tokens for r in requests),
+        max_length=max(r.length for r in requests),
+    )
+
+
+def _pop_last(plan: _Plan) -> None:
+    """Take the plan's last request out of it (it stays in its queue); ``max_length`` is
+    the caller's to recompute."""
+    request = plan.requests.pop()
+    plan.num_items -= request.num_items
+    plan.cost -= request.cost
+    plan.num_tokens -= request.num_tokens
+    queue, count = plan.takes[-1]
+    plan.takes[-1] = (queue, count - 1)
+    if count == 1:
+        plan.takes.pop()
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:
@@ -360,12 +414,6 @@ def _trim_to_preferred(plan: _Plan, preferred: tuple[int, ...]) -> bool:
     if keep == 0:
         return False
     while len(plan.requests) > keep:
-        request = plan.requests.pop()
-        plan.num_items -= request.num_items
-        plan.cost -= request.cost
-        plan.num_tokens -= request.num_tokens
-        queue, count = plan.takes[-1]
-        plan.takes[-1] = (queue, count - 1)
-        if count == 1:
-            plan.takes.pop()
+        _pop_last(plan)
+    plan.max_length = max(r.length for r in plan.requests)
     return True

@@ -65,6 +65,26 @@ def test_an_unmeasured_size_reads_the_nearest_larger_bucket(clock: FakeClock) ->
     assert times.predict_s(8) == pytest.approx(0.030)
 
 
+async def test_the_lower_bound_of_an_unmeasured_size_never_reads_a_larger_batch_whole(
+    clock: FakeClock,
+) -> None:
+    """What decides that a request would be late: the larger bucket scaled down to the
+    size, or the nearest smaller bucket's time, whichever is more; a measured size reads
+    its own bucket."""
+    times = _warm(BatchTimes(clock), 64)
+    times.observe(64, 0.032)
+    assert times.predict_at_least_s(1) == pytest.approx(0.0005)  # 0.032 x 1 / 64
+    assert times.predict_s(1) == pytest.approx(0.032)  # admission's cautious estimate
+    times = _warm(BatchTimes(clock), 2, 64)
+    times.observe(2, 0.004)
+    times.observe(64, 0.032)
+    assert times.predict_at_least_s(8) == pytest.approx(0.004)  # the smaller bucket's
+    assert times.predict_at_least_s(2) == pytest.approx(0.004)
+    assert times.predict_at_least_s(64) == pytest.approx(0.032)
+    await clock.advance(2.0)  # nothing confirmed lately: no estimate
+    assert times.predict_at_least_s(8) == 0.0
+
+
 def test_a_size_above_all_measured_scales_the_largest_by_size(clock: FakeClock) -> None:
     times = _warm(BatchTimes(clock), 4)
     times.observe(4, 0.004)

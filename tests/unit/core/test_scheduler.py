@@ -501,6 +501,30 @@ async def test_late_requests_of_several_classes_leave_the_others_in_the_batch() 
     assert h.queues.num_live == 0
 
 
+async def test_lower_class_fill_leaves_the_batch_before_the_lead_class_would_be_late() -> None:
+    """Filled to four items the batch would end at 1.4 s, past the lead's deadline (1.25);
+    with one request of fill it ends at 1.2: the rest of the fill stays queued, and
+    nothing is expired."""
+    h = await _harness(max_batch_size=4, max_delay_s=0.0)
+    lo = [h.add("lo", at=0.0) for _ in range(3)]
+    hi = h.add("hi", at=0.5, timeout_s=0.75)
+    batch = _batch(h.decide(1.0, predict_s=lambda n: 0.1 * n))
+    assert batch.requests == [hi, lo[0]]
+    assert h.expired == []
+    assert [r.state for r in lo[1:]] == [RequestState.QUEUED] * 2
+
+
+async def test_fill_stays_when_the_lead_would_be_late_even_alone() -> None:
+    """The lead's own batch already ends past its deadline: taking the fill out would save
+    nothing, so it stays and only the late request expires."""
+    h = await _harness(max_batch_size=4, max_delay_s=0.0)
+    lo = h.add("lo", at=0.0)
+    late = h.add("hi", at=0.5, timeout_s=0.55)
+    batch = _batch(h.decide(1.0, predict_s=lambda n: 0.1 * n))
+    assert batch.requests == [lo]
+    assert h.expired == [late]
+
+
 async def test_batch_of_only_late_requests_is_not_run() -> None:
     h = await _harness(max_delay_s=0.0)
     late = h.add(at=0.0, timeout_s=1.01)
