@@ -78,6 +78,7 @@ class Framing(asyncio.Protocol, abc.ABC):
         self._fields: list[tuple[bytes, bytes]] = []
         self._field_bytes = 0
         self._expects_continue = False
+        self._transfer_coding: bytes | None = None  # a Transfer-Encoding besides chunked
         # When the read being parsed came, and so the first byte of a request it begins:
         # a request's deadline (timeout_s) counts from then.
         self._read_s = 0.0
@@ -169,6 +170,7 @@ class Framing(asyncio.Protocol, abc.ABC):
         self._fields = []
         self._field_bytes = 0
         self._expects_continue = False
+        self._transfer_coding = None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -183,6 +185,8 @@ class Framing(asyncio.Protocol, abc.ABC):
         value = value.rstrip(b" \t")
         if name == b"expect" and value.lower() == b"100-continue":
             self._expects_continue = True
+        elif name == b"transfer-encoding" and value.lower().replace(b" ", b"") != b"chunked":
+            self._transfer_coding = value  # llhttp takes "gzip, chunked" as chunked
         self._fields.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -196,6 +200,13 @@ class Framing(asyncio.Protocol, abc.ABC):
         refusal = head_refusal(len(self._url), self._field_bytes, len(self._fields))
         if refusal is not None:
             raise Refused(*refusal)
+        if self._transfer_coding is not None:  # RFC 9112 6.1: a coding it cannot decode
+            coding = self._transfer_coding.decode("latin-1")
+            raise Refused(
+                501,
+                f"Transfer-Encoding {coding!r} is not supported: send the body chunked or "
+                "with Content-Length, compressed with Content-Encoding if at all",
+            )
         if self._is_over_capacity:
             raise Refused(503, str(over_connections(self._app.limits)))
         self._timer.deadline = None  # the request is read on (or answered)

@@ -91,7 +91,7 @@ def _flat_numbers(spec: JsonInput, data: list[Any]) -> npt.NDArray[Any] | None:
         or spec.datatype == "BF16"
         or count != spec.num_elements
         or not count
-        or type(data[0]) is bool
+        or bool in map(type, data)  # true/false among numbers: the general path refuses it
     ):
         return None
     if kind == "f" and dtype.itemsize >= 4:  # FP32, FP64: packed in their own width
@@ -150,6 +150,12 @@ def _bytes_from_json(where: str, data: list[Any]) -> npt.NDArray[Any]:
     return flat
 
 
+def _flat_values(data: list[Any]) -> list[Any]:
+    """The elements of a nested JSON list, flattened (a ragged one is refused before)."""
+    values: list[Any] = np.array(data, dtype=object).reshape(-1).tolist()
+    return values
+
+
 def _cast_json_numbers(
     where: str, datatype: str, parsed: npt.NDArray[Any], data: list[Any]
 ) -> npt.NDArray[Any]:
@@ -159,6 +165,9 @@ def _cast_json_numbers(
         if kind != "b":
             raise InvalidInput(f"{where}: BOOL data must be true or false")
         return parsed
+    if kind == "b" or (kind != "O" and bool in map(type, _flat_values(data))):
+        # NumPy reads [1, true] as [1, 1]: a JSON true or false is not a number.
+        raise InvalidInput(f"{where}: {datatype} data must be numbers, not true or false")
     if dtype.kind == "f":
         if kind == "O":  # UINT64-sized integers next to negative ones: still numbers
             parsed = _wide_integers_as_floats(where, datatype, data)

@@ -88,6 +88,25 @@ async def test_chunked_and_content_length_is_rejected_with_400(setup: Setup) -> 
     assert setup.batcher.num_pending == 0 and setup.model.seen == []  # never queued
 
 
+@pytest.mark.parametrize("coding", [b"gzip, chunked", b"deflate,chunked", b"x-custom, chunked"])
+async def test_a_transfer_coding_besides_chunked_is_refused_with_501(
+    setup: Setup, coding: bytes
+) -> None:
+    """RFC 9112 6.1: a coding the server cannot decode is a 501; was: read as plain
+    chunked, so a gzipped body reached the JSON decoder (a 400 about UTF-8)."""
+    protocol, transport = setup.connect()
+    protocol.data_received(
+        b"POST /v2/models/m/infer HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: "
+        + coding
+        + b"\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+    )
+    await settle()
+    (response,) = items(transport)
+    assert response[0] == 501 and transport.closed
+    assert b"Transfer-Encoding" in response[2] and coding in response[2]
+    assert setup.batcher.num_pending == 0 and setup.model.seen == []
+
+
 # ---------------------------------------------------------------------------------------
 # A refusal (400, 431) about the bytes after a request still being answered
 # ---------------------------------------------------------------------------------------

@@ -75,7 +75,6 @@ def test_fast_path_agrees_with_the_general_path(datatype: str, data: list[Any]) 
         ("UINT8", [0, 255]),
         ("INT64", [-(2**63), 2**63 - 1]),
         ("UINT64", [0, 2**64 - 1]),
-        ("UINT32", [4, True]),  # a bool after a number counts as 1, as NumPy reads it
     ],
 )
 def test_fast_path_takes_flat_lists_of_numbers(datatype: str, data: list[Any]) -> None:
@@ -102,6 +101,7 @@ def test_fast_path_arrays_are_writable(datatype: str) -> None:
         ("FP32", [[1.0], [2.0]]),  # nested: the general path flattens it
         ("FP32", ["1.0", 2.0]),
         ("FP32", [True, False]),  # all bools are BOOL data: rejected for FP32
+        ("UINT32", [4, True]),  # a bool after a number: refused too (not read as 1)
         ("INT8", [1, 128]),  # out of range: the general path names the range
         ("INT32", [1.5, 2]),
         ("UINT8", [-1, 2]),
@@ -113,6 +113,22 @@ def test_fast_path_arrays_are_writable(datatype: str) -> None:
 )
 def test_fast_path_declines_what_it_does_not_check(datatype: str, data: list[Any]) -> None:
     assert _flat_numbers(_spec(datatype, 2), data) is None
+
+
+@pytest.mark.parametrize(
+    ("datatype", "data"),
+    [
+        ("FP32", [1, True]),  # was read as [1.0, 1.0]
+        ("INT32", [True, 1]),
+        ("FP64", [[1.5], [False]]),  # nested: the general path
+        ("UINT8", [[0], [True]]),
+    ],
+)
+def test_true_or_false_among_numbers_is_refused_naming_the_input(
+    datatype: str, data: list[Any]
+) -> None:
+    with pytest.raises(InvalidInput, match=f"input 'x': {datatype} data must be numbers, not"):
+        array_from_json(_spec(datatype, 2), data)
 
 
 def test_flat_and_nested_json_data_give_the_same_fp32_values() -> None:

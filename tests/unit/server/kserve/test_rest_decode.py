@@ -270,7 +270,7 @@ def test_rejects_ragged_json_data() -> None:
         ("INT8", [1, 128], "[-128, 127]"),
         ("UINT8", [-1, 2], "[0, 255]"),
         ("INT32", [1.5, 2], "integers"),
-        ("INT64", [True, False], "integers"),
+        ("INT64", [True, False], "not true or false"),
         ("UINT64", [1.0, 1], "integers"),
         ("BYTES", ["a", 1], "element 1 must be a string"),
         ("BYTES", [["a"], ["b", "c"]], "element 0 must be a string"),
