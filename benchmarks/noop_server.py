@@ -1,4 +1,6 @@
-"""A no-op HTTP/1.1 endpoint: any request, any path, answered 200 with ``{}`` at once.
+"""A no-op HTTP/1.1 endpoint: any request, any path, answered 200 with ``{}`` at once;
+``GET /v1/models`` lists one model, ``noop`` (``carpool bench`` checks an OpenAI model
+is listed before it runs).
 
 What a load generator is measured against: it does as little per request as an HTTP
 server can in Python (uvloop, an asyncio Protocol, httptools' request parser, one
@@ -18,12 +20,18 @@ import httptools
 import uvloop
 
 RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+MODELS = b'{"object":"list","data":[{"id":"noop","object":"model"}]}'
+MODELS_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+    % (len(MODELS), MODELS)
+)
 
 
 class NoopProtocol(asyncio.Protocol):
     def __init__(self) -> None:
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
+        self._url = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -35,9 +43,12 @@ class NoopProtocol(asyncio.Protocol):
             assert self._transport is not None
             self._transport.close()
 
+    def on_url(self, url: bytes) -> None:
+        self._url = url
+
     def on_message_complete(self) -> None:
         assert self._transport is not None
-        self._transport.write(RESPONSE)
+        self._transport.write(MODELS_RESPONSE if self._url == b"/v1/models" else RESPONSE)
 
 
 async def serve(host: str, port: int) -> None:

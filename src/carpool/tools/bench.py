@@ -35,6 +35,7 @@ from carpool.tools.loadgen import (
     Arrival,
     ArrivalProcess,
     LoadGenerator,
+    RateStep,
     RunResult,
     Target,
     parse_duration,
@@ -136,10 +137,19 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         drain_timeout_s=parse_duration(args.drain_timeout, "drain-timeout"),
         json_path=writable_path("json", args.json_path),
         csv_path=writable_path("csv", args.csv_path),
-        plots_dir=Path(args.plots_dir) if args.plots_dir else None,
+        plots_dir=_plots_dir(args.plots_dir),
         show_progress=not args.no_progress and sys.stderr.isatty(),
         html_path=writable_path("html", args.html_path),
     )
+
+
+def _plots_dir(value: str | None) -> Path | None:
+    """``--plots``, checked before the run (a file in the way, a folder that cannot be
+    written): after it, the figures and the HTML report written after them were lost."""
+    if not value:
+        return None
+    writable_path("plots", Path(value) / "latency_cdf.png")
+    return Path(value)
 
 
 def _points(args: argparse.Namespace) -> tuple[Point, ...]:
@@ -255,8 +265,10 @@ async def _drive(
         return await generator.run_closed(point.concurrency, duration_s)
     if point.arrivals is not None:
         arrivals = point.arrivals
-        if is_warmup:  # warm up at the first rate of a schedule, in the same shape
-            arrivals = ArrivalProcess(arrivals.arrival, arrivals.steps[:1], arrivals.burstiness)
+        if is_warmup:  # warm up at the first rate above 0 of a schedule, in the same shape
+            first = next(s for s in arrivals.steps if s.rate_rps > 0)
+            steps = (RateStep(0.0, first.rate_rps),)
+            arrivals = ArrivalProcess(arrivals.arrival, steps, arrivals.burstiness)
         return await generator.run_open(arrivals.send_times(duration_s, rng), duration_s)
     assert point.trace is not None
     trace = point.trace

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from carpool.tools.loadgen import BEHIND_SCHEDULE_S, RequestRecord, RunResult
+from carpool.tools.loadgen import BEHIND_SCHEDULE_S, Mode, RequestRecord, RunResult
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 
@@ -89,6 +89,10 @@ def summarize(result: RunResult) -> Summary:
             errors[key] = errors.get(key, 0) + 1
     finished = [r.done_s for r in records if not math.isnan(r.done_s)]
     elapsed_s = max(finished) - result.started_s if finished else 0.0
+    if result.mode is Mode.OPEN and finished:
+        # Open loop: the rate is over the whole sending window, as the offered rate is;
+        # the last answer can come before its end (no arrival in the last gap).
+        elapsed_s = max(elapsed_s, result.duration_s)
     per_s = 1.0 / elapsed_s if elapsed_s > 0 else 0.0
     lags = [r.lag_s for r in records if not math.isnan(r.sent_s)]
     ttfts = [t for r in ok if (t := r.ttft_s) is not None]

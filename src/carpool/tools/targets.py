@@ -211,6 +211,14 @@ class _HttpTarget:
             )
         return orjson.loads(response.body)
 
+    async def _check_openai_model(self) -> None:
+        """The model is one the server lists at ``/v1/models``: otherwise every request
+        of the run would be a 404, counted and the run ended as if it had measured."""
+        listed = await self._fetch_json("/v1/models")
+        names = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
+        if self._spec.model not in names:
+            raise ConfigError("model", self._spec.model, f"one the server lists: {names}")
+
     async def call(self, record: RequestRecord) -> None:
         await self._send(record)
 
@@ -296,6 +304,7 @@ class EmbeddingsTarget(_HttpTarget):
 
     async def open(self) -> None:
         spec = self._spec
+        await self._check_openai_model()
         headers = {"Content-Type": "application/json"}
         for text in spec.texts:
             body = orjson.dumps({"model": spec.model, "input": text})
@@ -307,6 +316,7 @@ class CompletionsTarget(_HttpTarget):
 
     async def open(self) -> None:
         spec = self._spec
+        await self._check_openai_model()
         headers = {"Content-Type": "application/json"}
         for text in spec.texts:
             document: dict[str, Any] = {

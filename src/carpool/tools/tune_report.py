@@ -25,7 +25,7 @@ import yaml  # type: ignore[import-untyped]
 
 from carpool.config import load_config, parse_config
 from carpool.errors import ConfigError
-from carpool.tools.tune import TrialResult, TuneOutcome, rank_key
+from carpool.tools.tune import TrialResult, TuneOutcome, policy_values, rank_key
 
 # NumPy dtype names as KServe v2 datatypes (the ones a sample output is likely to have).
 _DATATYPES = {
@@ -394,9 +394,7 @@ def recommended_config(entry: dict[str, Any], values: dict[str, Any]) -> dict[st
     Raises:
         ConfigError: when the result would not load (a bug in the entry given).
     """
-    model = {**entry, **values}
-    if "buffer_pool" in values:  # searched as a level 0 or 1; the config takes a bool
-        model["buffer_pool"] = bool(values["buffer_pool"])
+    model = {**entry, **policy_values(values)}  # an on/off level 0 or 1 as the bool it is
     if "devices" in model and "num_replicas" in values:
         del model["devices"]  # the tuned count wins; device then names every replica's
     document = {"models": [model]}

@@ -27,7 +27,7 @@ from carpool.core.policy import BatchPolicy
 from carpool.errors import ConfigError
 from carpool.tools.modelref import MODEL_FORMS, ConfiguredModel, Form, ModelRef, resolve_import
 from carpool.tools.tune import REBUILDS, policy_values
-from carpool.tools.tune_trial import TrialConfig, WindowSample
+from carpool.tools.tune_trial import TargetRefused, TrialConfig, WindowSample
 
 ERROR_PAUSE_S = 0.001  # a closed-loop caller's pause after a failed request
 Submit = Callable[[], Awaitable[int]]  # sends one request; returns its number of items
@@ -416,7 +416,7 @@ class ServerRunner:
         )
         where = f"{self.base_url}{self._path()}"
         status = response.status_code
-        raise ConfigError("target", where, f"{expected} (it answered {status}: {reason})")
+        raise TargetRefused("target", where, f"{expected} (it answered {status}: {reason})")
 
     async def _stats(self) -> tuple[int, int]:
         stats = (await self._client.get(self._path("stats"))).json()["model_stats"][0]

@@ -26,6 +26,11 @@ from carpool.errors import ConfigError
 Number = int | float | str  # "auto" for max_delay_s / max_batch_size
 
 
+class TargetRefused(ConfigError):
+    """The server to tune refused access (401: its API key; 403: policy updates not
+    allowed): every trial would fail alike, so the search stops at once."""
+
+
 @dataclass(frozen=True, slots=True)
 class TrialConfig:
     """The values one trial sets, as ``(name, value)`` pairs in the space's order."""
@@ -165,6 +170,8 @@ async def measure_trial(
                     break
         finally:
             await runner.end_trial()
+    except TargetRefused:
+        raise  # no trial can run: the whole search stops, saying what the server needs
     except (ConfigError, OSError) as error:
         return Measurement.failed(f"{type(error).__name__}: {error}")
     return summarize(windows, k, settings.stable_spread)

@@ -80,6 +80,15 @@ def test_bad_flags_are_config_errors(argv: list[str], match: str) -> None:
         _config(*argv)
 
 
+def test_a_plots_folder_that_cannot_be_made_is_refused_before_the_run(tmp_path: Path) -> None:
+    """Was found only after the run, with a traceback, and the HTML report was lost."""
+    in_the_way = tmp_path / "afile"
+    in_the_way.write_text("")
+    with pytest.raises(ConfigError, match="plots"):
+        _config("--concurrency", "1", "--plots", str(in_the_way / "plots"))
+    assert _config("--concurrency", "1", "--plots", str(tmp_path / "p")).plots_dir == tmp_path / "p"
+
+
 def test_main_exits_2_on_a_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["http://127.0.0.1:9", "--concurrency", "0"])

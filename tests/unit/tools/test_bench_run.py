@@ -13,7 +13,14 @@ import pytest
 
 from carpool.tools.bench import BenchConfig, Point, PointResult, full_collections_held, run_bench
 from carpool.tools.benchreport import text_table
-from carpool.tools.loadgen import Arrival, ArrivalProcess, Mode, RequestRecord, RunResult
+from carpool.tools.loadgen import (
+    Arrival,
+    ArrivalProcess,
+    Mode,
+    RateStep,
+    RequestRecord,
+    RunResult,
+)
 from carpool.tools.summary import summarize
 from carpool.tools.targets import TargetSpec
 
@@ -66,6 +73,17 @@ async def test_the_warmup_does_not_change_the_measured_schedule() -> None:
         0.05, np.random.default_rng(3)
     ))  # fmt: skip
     assert counts == {expected}
+
+
+@pytest.mark.usefixtures("edgemodels")
+async def test_a_schedule_starting_at_rate_0_warms_up_at_its_first_rate_above_0() -> None:
+    """The docs allow a rate of 0; the warm-up took the first step alone, rate 0, and
+    the run failed at once (refused as a schedule with no rate above 0)."""
+    schedule = ArrivalProcess(Arrival.CONSTANT, (RateStep(0.0, 0.0), RateStep(0.02, 200.0)))
+    point = Point("schedule", arrivals=schedule)
+    [result] = await run_bench(_bench_config(point, duration_s=0.05, warmup_s=0.02))
+    expected = schedule.send_times(0.05, np.random.default_rng(3))  # every 5 ms from 20 ms
+    assert result.summary.num_requests == len(expected) > 0
 
 
 def test_text_table_shows_the_offered_rate_next_to_the_achieved_one() -> None:

@@ -45,6 +45,15 @@ def test_summary_counts_rates_errors_and_lag() -> None:
     assert summary.to_dict()["behind_schedule_ratio"] == pytest.approx(0.1)
 
 
+def test_an_open_loop_rate_counts_the_whole_sending_window() -> None:
+    """23 answers, the last at 0.961 s of a 1 s window: 23 a second, as offered (was
+    23.9: the rate stopped at the last answer)."""
+    records = [_record(i, i * 0.04, 0.001) for i in range(23)]
+    summary = summarize(RunResult(Mode.OPEN, records, 0.0, 1.0, offered_rate_rps=23.0))
+    assert summary.elapsed_s == pytest.approx(1.0)
+    assert summary.rate_rps == pytest.approx(23.0)
+
+
 def test_empty_run_sums_to_zero() -> None:
     summary = summarize(RunResult(Mode.CLOSED, [], 0.0, 1.0, concurrency=4))
     assert (summary.rate_rps, summary.num_requests, summary.latency) == (0.0, 0, None)

@@ -40,7 +40,8 @@ METADATA = {
 async def tiny_server(
     handler: Handler,
 ) -> AsyncIterator[tuple[str, list[tuple[str, dict[str, str], bytes]]]]:
-    """A keep-alive loopback server; yields its URL and the requests it received."""
+    """A keep-alive loopback server; yields its URL and the requests it received, but
+    ``/v1/models``, which it answers itself listing model ``m`` (OPENAI_MODELS)."""
     seen: list[tuple[str, dict[str, str], bytes]] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -54,8 +55,12 @@ async def tiny_server(
                 path = lines[0].split(" ")[1]
                 headers = dict(line.split(": ", 1) for line in lines[1:] if line)
                 body = await reader.readexactly(int(headers.get("Content-Length", "0")))
-                seen.append((path, headers, body))
-                for part in handler(path, headers, body):
+                if path == "/v1/models":
+                    answer = ok(orjson.dumps(OPENAI_MODELS))
+                else:
+                    seen.append((path, headers, body))
+                    answer = handler(path, headers, body)
+                for part in answer:
                     writer.write(part)
                     await writer.drain()
         finally:
@@ -67,6 +72,9 @@ async def tiny_server(
     finally:
         listener.close()
         await listener.wait_closed()
+
+
+OPENAI_MODELS = {"object": "list", "data": [{"id": "m", "object": "model"}]}
 
 
 def ok(body: bytes, status: str = "200 OK") -> list[bytes]:
@@ -159,6 +167,18 @@ async def test_embeddings_rotate_texts() -> None:
     inputs = [orjson.loads(body)["input"] for _, _, body in seen]
     assert inputs == ["a", "b", "a"]
     assert seen[0][0] == "/v1/embeddings"
+
+
+@pytest.mark.parametrize("wire", [Wire.OPENAI_EMBEDDINGS, Wire.OPENAI_COMPLETIONS])
+async def test_an_openai_model_the_server_does_not_list_is_refused_before_the_run(
+    wire: Wire,
+) -> None:
+    """Was: every request of the run a 404, and the run ended as if it had measured."""
+    async with tiny_server(lambda p, h, b: ok(b"{}")) as (url, seen):
+        target = CompletionsTarget if wire is Wire.OPENAI_COMPLETIONS else EmbeddingsTarget
+        with pytest.raises(ConfigError, match=r"invalid model='nope'.*\['m'\]"):
+            await target(TargetSpec(url, wire, model="nope", texts=("a",))).open()
+    assert seen == []
 
 
 def sse(path: str, headers: dict[str, str], body: bytes) -> list[bytes]:

@@ -109,6 +109,10 @@ def test_recommended_config_takes_a_base_entry_and_refuses_an_invalid_one(tmp_pa
     assert model["timeout_s"] == 1.0 and "devices" not in model and model["num_replicas"] == 3
     pooled = recommended_config(entry, {"buffer_pool": 1})["models"][0]
     assert pooled["buffer_pool"] is True  # a searched level 1, written as the config's bool
+    # Every on/off parameter so, not only buffer_pool (preempt=1 made the run end with
+    # no config written, after every trial had run).
+    preempting = recommended_config(entry, {"preempt": 1, "buffer_pool": 0})["models"][0]
+    assert preempting["preempt"] is True and preempting["buffer_pool"] is False
     with pytest.raises(ConfigError, match="invalid --model="):
         base_entry(base, "nope")
     with pytest.raises(ConfigError):

@@ -10,6 +10,7 @@ import pytest
 from carpool.errors import ConfigError
 from carpool.tools.tune_trial import (
     MeasureSettings,
+    TargetRefused,
     TrialConfig,
     WindowSample,
     measure_trial,
@@ -64,6 +65,19 @@ async def test_a_refused_config_is_a_failed_measurement() -> None:
     m = await measure_trial(runner, TrialConfig((("max_batch_size", 0),)), MeasureSettings())
     assert m.error is not None and "max_batch_size" in m.error
     assert m.num_requests == 0 and math.isnan(m.p99_s)
+
+
+async def test_a_server_that_refuses_access_ends_the_search_not_just_the_trial() -> None:
+    """A 403 (policy updates not allowed) or 401 would fail every trial alike: it stops
+    the search at once with what the server needs (was: each trial failed with it, and
+    the run ended saying no trial met the constraints)."""
+
+    class Refusing(SurfaceRunner):
+        async def start_trial(self, config: TrialConfig) -> None:
+            raise TargetRefused("target", "http://s/v2/models/m", "a server that allows it")
+
+    with pytest.raises(TargetRefused, match="allows it"):
+        await measure_trial(Refusing(), CONFIG, MeasureSettings())
 
 
 def test_summarize_pools_windows() -> None:
