@@ -124,6 +124,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         duration_s = parse_duration(args.duration)
     elif points[0].trace is not None:
         duration_s = float(points[0].trace[-1]) + 1e-9
+        if duration_s < MIN_TRACE_S:  # every request at once: no span to take rates over
+            raise ConfigError(
+                "trace", args.trace, f"send times spanning {MIN_TRACE_S:g} s or more, or --duration"
+            )
     else:
         duration_s = 10.0
     if duration_s <= 0:
@@ -207,6 +211,10 @@ async def run_bench(config: BenchConfig) -> list[PointResult]:
 
 # A full collection is never due while a point runs (its threshold is out of reach).
 _NO_FULL_COLLECTION = 1 << 30
+# A trace's shortest span without --duration (and what its warm-up rate is taken over):
+# send times all at 0 gave a run of 1 ns, billions of requests a second offered, and a
+# warm-up flood at the same rate.
+MIN_TRACE_S = 0.1
 
 
 @contextlib.contextmanager
@@ -272,8 +280,8 @@ async def _drive(
         return await generator.run_open(arrivals.send_times(duration_s, rng), duration_s)
     assert point.trace is not None
     trace = point.trace
-    if is_warmup:  # the trace's mean rate, Poisson
-        rate = len(trace) / max(float(trace[-1]), 1e-3)
+    if is_warmup:  # the trace's mean rate over its span (MIN_TRACE_S at least), Poisson
+        rate = len(trace) / max(float(trace[-1]), MIN_TRACE_S)
         return await generator.run_open(
             ArrivalProcess.steady(rate, Arrival.POISSON).send_times(duration_s, rng), duration_s
         )

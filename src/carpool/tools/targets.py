@@ -99,6 +99,13 @@ class TargetSpec:
     num_payloads: int = 16  # distinct payloads rotated through
     max_connections: int = 1024
 
+    def __post_init__(self) -> None:
+        """Flags checked before any request (a bad flag exits 2 without connecting)."""
+        if self.datatype is not None and self.datatype not in (*_DTYPES, "BYTES"):
+            raise ConfigError("dtype", self.datatype, f"one of {[*_DTYPES, 'BYTES']}")
+        if self.max_connections < 1:
+            raise ConfigError("max-connections", self.max_connections, "an integer >= 1")
+
     @property
     def is_http(self) -> bool:
         return self.target is not None and self.target.startswith(("http://", "https://"))

@@ -73,11 +73,21 @@ def test_schedule_and_trace(tmp_path: Path) -> None:
         (["--duration", "0s"], "duration"),
         (["--input-shape", "1,x"], "input-shape"),
         (["--texts", "/nonexistent/texts.txt"], "texts"),
+        (["--dtype", "FOO"], "invalid dtype='FOO'"),  # was found only after connecting
+        (["--max-connections", "0"], "max-connections"),
     ],
 )
 def test_bad_flags_are_config_errors(argv: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         _config(*argv)
+
+
+def test_a_trace_with_every_request_at_once_needs_a_duration(tmp_path: Path) -> None:
+    trace = tmp_path / "t.txt"
+    trace.write_text("0\n0\n0\n")
+    with pytest.raises(ConfigError, match=r"spanning 0\.1 s or more, or --duration"):
+        _config("--trace", str(trace))
+    assert _config("--trace", str(trace), "--duration", "1s").duration_s == 1.0
 
 
 def test_a_plots_folder_that_cannot_be_made_is_refused_before_the_run(tmp_path: Path) -> None:
