@@ -44,11 +44,12 @@ class NoopProtocol(asyncio.Protocol):
             self._transport.close()
 
     def on_url(self, url: bytes) -> None:
-        self._url = url
+        self._url += url  # a URL may come in parts
 
     def on_message_complete(self) -> None:
         assert self._transport is not None
         self._transport.write(MODELS_RESPONSE if self._url == b"/v1/models" else RESPONSE)
+        self._url = b""
 
 
 async def serve(host: str, port: int) -> None:

@@ -338,16 +338,14 @@ def _drop_late(plan: _Plan, end_of: Callable[[_Plan], float]) -> list[Request]:
     if lead_count < len(plan.requests) and _any_late(plan.requests, end_s):
         alone_end_s = end_of(_first(plan, lead_count))
         lead = plan.requests[:lead_count]
-        trimmed = False
         while len(plan.requests) > lead_count and any(
             r.deadline_s is not None and alone_end_s <= r.deadline_s < end_s for r in lead
         ):
             _pop_last(plan)
-            trimmed = True
-            end_s = end_of(plan)
-        if trimmed:
-            plan.is_full = False
+            # A padding model's tokens are items x the longest: the fill's may be gone.
             plan.max_length = max(r.length for r in plan.requests)
+            end_s = end_of(plan)
+        # is_full stays: the batch holds all it can run in time, and is due as it was.
     late = [r for r in plan.requests if r.deadline_s is not None and r.deadline_s < end_s]
     if not late:
         return late

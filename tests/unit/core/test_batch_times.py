@@ -76,11 +76,14 @@ async def test_the_lower_bound_of_an_unmeasured_size_never_reads_a_larger_batch_
     assert times.predict_at_least_s(1) == pytest.approx(0.0005)  # 0.032 x 1 / 64
     assert times.predict_s(1) == pytest.approx(0.032)  # admission's cautious estimate
     times = _warm(BatchTimes(clock), 2, 64)
-    times.observe(2, 0.004)
+    times.observe(2, 0.006)
     times.observe(64, 0.032)
-    assert times.predict_at_least_s(8) == pytest.approx(0.004)  # the smaller bucket's
-    assert times.predict_at_least_s(2) == pytest.approx(0.004)
+    assert times.predict_at_least_s(8) == pytest.approx(0.006)  # the smaller bucket's
+    assert times.predict_at_least_s(2) == pytest.approx(0.006)  # its own
     assert times.predict_at_least_s(64) == pytest.approx(0.032)
+    times.observe(64, 0.32)  # the larger bucket slower: its time scaled down is more
+    assert times.predict_at_least_s(8) == pytest.approx(times.as_dict()[64] * 8 / 64)
+    assert times.predict_at_least_s(8) > 0.006
     await clock.advance(2.0)  # nothing confirmed lately: no estimate
     assert times.predict_at_least_s(8) == 0.0
 

@@ -49,11 +49,14 @@ class Harness:
         num_items: int = 1,
         cost: float | None = None,
         timeout_s: float | None = None,
+        length: int = 0,
     ) -> Request:
         limits = self.policy.class_limits(class_name)
         request = Request(
             request_id=next(self._ids),
             payload=None,
+            num_tokens=length * num_items,
+            length=length,
             num_items=num_items,
             is_many=num_items > 1,
             cost=float(num_items) if cost is None else cost,
@@ -512,6 +515,18 @@ async def test_lower_class_fill_leaves_the_batch_before_the_lead_class_would_be_
     assert batch.requests == [hi, lo[0]]
     assert h.expired == []
     assert [r.state for r in lo[1:]] == [RequestState.QUEUED] * 2
+
+
+async def test_fill_trimmed_from_a_padded_batch_takes_its_length_with_it() -> None:
+    """A padding model's batch costs items x its longest: with the long fill gone the
+    lead's batch is 4 tokens, on time, not 100 (the fill's length, kept by mistake)."""
+    h = await _harness(max_batch_size=4, max_delay_s=0.0, max_batch_tokens=1000)
+    h.scheduler.padded_cost = True
+    h.add("lo", at=0.0, length=100)
+    hi = h.add("hi", at=0.5, timeout_s=0.55, length=4)
+    batch = _batch(h.decide(1.0, predict_s=lambda tokens: 0.001 * tokens))
+    assert batch.requests == [hi]
+    assert h.expired == []
 
 
 async def test_fill_stays_when_the_lead_would_be_late_even_alone() -> None:

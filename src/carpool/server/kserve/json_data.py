@@ -91,9 +91,24 @@ def _flat_numbers(spec: JsonInput, data: list[Any]) -> npt.NDArray[Any] | None:
         or spec.datatype == "BF16"
         or count != spec.num_elements
         or not count
-        or bool in map(type, data)  # true/false among numbers: the general path refuses it
+        or type(data[0]) is bool
     ):
         return None
+    flat = _packed(dtype, count, data)
+    if flat is not None and _may_hold_bools(flat) and bool in map(type, data):
+        return None  # true/false among numbers (packed as 1/0): the general path refuses it
+    return flat
+
+
+def _may_hold_bools(flat: npt.NDArray[Any]) -> bool:
+    """Whether numbers read from JSON could have been true or false (they read as 1 and
+    0): only then is each element's type looked at, which costs more than the read."""
+    return bool(np.any((flat == 0) | (flat == 1)))
+
+
+def _packed(dtype: np.dtype[Any], count: int, data: list[Any]) -> npt.NDArray[Any] | None:
+    """``data``'s ``count`` numbers as ``dtype`` through ``struct``; None where it cannot."""
+    kind = dtype.kind
     if kind == "f" and dtype.itemsize >= 4:  # FP32, FP64: packed in their own width
         code = "f" if dtype.itemsize == 4 else "d"
         packer = _packer(code, count)
@@ -165,7 +180,8 @@ def _cast_json_numbers(
         if kind != "b":
             raise InvalidInput(f"{where}: BOOL data must be true or false")
         return parsed
-    if kind == "b" or (kind != "O" and bool in map(type, _flat_values(data))):
+    may_hold_bools = kind == "O" or (kind in "iuf" and _may_hold_bools(parsed))
+    if kind == "b" or (may_hold_bools and bool in map(type, _flat_values(data))):
         # NumPy reads [1, true] as [1, 1]: a JSON true or false is not a number.
         raise InvalidInput(f"{where}: {datatype} data must be numbers, not true or false")
     if dtype.kind == "f":
@@ -196,6 +212,6 @@ def _cast_json_numbers(
 
 def _wide_integers_as_floats(where: str, datatype: str, data: list[Any]) -> npt.NDArray[Any]:
     values = np.array(data, dtype=object).reshape(-1).tolist()
-    if not all(type(value) in (int, float, bool) for value in values):
+    if not all(type(value) in (int, float) for value in values):  # true/false are not
         raise InvalidInput(f"{where}: {datatype} data must be numbers")
     return np.array(values, dtype=np.float64)

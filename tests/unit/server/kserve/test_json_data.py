@@ -122,6 +122,7 @@ def test_fast_path_declines_what_it_does_not_check(datatype: str, data: list[Any
         ("INT32", [True, 1]),
         ("FP64", [[1.5], [False]]),  # nested: the general path
         ("UINT8", [[0], [True]]),
+        ("FP64", [2**70, True]),  # integers past int64: NumPy reads an object array
     ],
 )
 def test_true_or_false_among_numbers_is_refused_naming_the_input(
