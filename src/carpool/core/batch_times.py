@@ -170,12 +170,10 @@ class BatchTimes:
         else the nearest larger bucket's (a batch is rarely slower than a larger one);
         else the largest smaller bucket's, scaled by size (an overestimate: time grows
         slower than size); 0.0 when no bucket was measured within :data:`MAX_AGE_S`."""
-        oldest_s = self._clock.now() - MAX_AGE_S
         bucket = bucket_of(num_items)
-        updated_s = self._updated_s.get(bucket)
-        if updated_s is not None and updated_s >= oldest_s:  # asked at every admission
-            return self._mean_s[bucket]
-        means = {b: s for b, s in self._mean_s.items() if self._updated_s[b] >= oldest_s}
+        own, means = self._fresh(bucket)
+        if own is not None:  # asked at every admission
+            return own
         if not means:
             return 0.0
         larger = [b for b in means if b > bucket]
@@ -193,17 +191,24 @@ class BatchTimes:
         gives: a size never measured would be judged by larger batches for ever (a lone
         request with a short timeout, behind a stream of full batches, would be dropped
         each time and its size never run, nor measured)."""
-        oldest_s = self._clock.now() - MAX_AGE_S
         bucket = bucket_of(num_items)
-        updated_s = self._updated_s.get(bucket)
-        if updated_s is not None and updated_s >= oldest_s:
-            return self._mean_s[bucket]
-        means = {b: s for b, s in self._mean_s.items() if self._updated_s[b] >= oldest_s}
+        own, means = self._fresh(bucket)
+        if own is not None:
+            return own
         smaller = [b for b in means if b < bucket]
         larger = [b for b in means if b > bucket]
         below = means[max(smaller)] if smaller else 0.0
         above = means[min(larger)] * num_items / (1 << min(larger)) if larger else 0.0
         return max(below, above)
+
+    def _fresh(self, bucket: int) -> tuple[float | None, dict[int, float]]:
+        """``bucket``'s mean if a batch confirmed it within :data:`MAX_AGE_S` (then no
+        other is looked at); else None and every bucket's mean so confirmed."""
+        oldest_s = self._clock.now() - MAX_AGE_S
+        updated_s = self._updated_s.get(bucket)
+        if updated_s is not None and updated_s >= oldest_s:
+            return self._mean_s[bucket], {}
+        return None, {b: s for b, s in self._mean_s.items() if self._updated_s[b] >= oldest_s}
 
     def as_dict(self) -> dict[int, float]:
         """Each measured bucket's upper batch size and its mean seconds."""

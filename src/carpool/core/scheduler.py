@@ -335,21 +335,21 @@ def _drop_late(plan: _Plan, end_of: Callable[[_Plan], float]) -> list[Request]:
     must never cost the leading class its answers."""
     end_s = end_of(plan)
     lead_count = plan.takes[0][1]  # the lead class's requests come first
-    if lead_count < len(plan.requests) and _any_late(plan.requests, end_s):
+    if lead_count < len(plan.requests) and any(_is_late(r, end_s) for r in plan.requests):
         alone_end_s = end_of(_first(plan, lead_count))
         lead = plan.requests[:lead_count]
         while len(plan.requests) > lead_count and any(
-            r.deadline_s is not None and alone_end_s <= r.deadline_s < end_s for r in lead
+            _is_late(r, end_s) and not _is_late(r, alone_end_s) for r in lead
         ):
             _pop_last(plan)
             # A padding model's tokens are items x the longest: the fill's may be gone.
             plan.max_length = max(r.length for r in plan.requests)
             end_s = end_of(plan)
         # is_full stays: the batch holds all it can run in time, and is due as it was.
-    late = [r for r in plan.requests if r.deadline_s is not None and r.deadline_s < end_s]
+    late = [r for r in plan.requests if _is_late(r, end_s)]
     if not late:
         return late
-    kept = [r for r in plan.requests if r.deadline_s is None or r.deadline_s >= end_s]
+    kept = [r for r in plan.requests if not _is_late(r, end_s)]
     counts = {id(q): sum(1 for r in kept if r.class_name == q.name) for q, _ in plan.takes}
     plan.takes = [(q, counts[id(q)]) for q, _ in plan.takes if counts[id(q)]]
     plan.requests = kept
@@ -361,8 +361,9 @@ def _drop_late(plan: _Plan, end_of: Callable[[_Plan], float]) -> list[Request]:
     return late
 
 
-def _any_late(requests: list[Request], end_s: float) -> bool:
-    return any(r.deadline_s is not None and r.deadline_s < end_s for r in requests)
+def _is_late(request: Request, end_s: float) -> bool:
+    """Whether ``request``'s deadline falls before ``end_s``."""
+    return request.deadline_s is not None and request.deadline_s < end_s
 
 
 def _first(plan: _Plan, count: int) -> _Plan:

@@ -197,7 +197,7 @@ def _cast_json_numbers(
     if kind not in "iu":
         # NumPy infers float64 or object when ints span int64 and uint64 (UINT64 values
         # above 2**63 - 1 next to small ones); check those element by element.
-        values = np.array(data, dtype=object).reshape(-1).tolist()
+        values = _flat_values(data)
         if not all(type(value) is int for value in values):
             raise InvalidInput(
                 f"{where}: {datatype} data must be integers in [{limits.min}, {limits.max}]"
@@ -211,7 +211,7 @@ def _cast_json_numbers(
 
 
 def _wide_integers_as_floats(where: str, datatype: str, data: list[Any]) -> npt.NDArray[Any]:
-    values = np.array(data, dtype=object).reshape(-1).tolist()
+    values = _flat_values(data)
     if not all(type(value) in (int, float) for value in values):  # true/false are not
         raise InvalidInput(f"{where}: {datatype} data must be numbers")
     return np.array(values, dtype=np.float64)
