@@ -109,6 +109,17 @@ def test_models_lists_the_embeddings_model(client):
     assert [m.id for m in client.models.list()] == [MODEL, f"{MODEL}-int8"]
 
 
+def test_a_model_is_retrieved_by_its_id_and_an_unknown_one_is_a_404(client):
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "carpool")
+    assert model.created == next(m.created for m in client.models.list() if m.id == MODEL)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("org/text-embedding-3-small")  # an id with a slash, as HF names
+    assert "'org/text-embedding-3-small'" in caught.value.body["message"]
+    assert MODEL in caught.value.body["message"]
+    assert caught.value.body["code"] == "model_not_found"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

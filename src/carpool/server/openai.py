@@ -1,4 +1,4 @@
-"""OpenAI-compatible endpoints: ``POST /v1/embeddings`` and ``GET /v1/models``.
+"""OpenAI-compatible endpoints: ``POST /v1/embeddings`` and ``GET /v1/models[/{model}]``.
 
 Pure request → response-bytes functions; :mod:`carpool.server.app` routes to them, reads
 bodies and watches for disconnects, and :func:`carpool.server.errors.openai_error` gives
@@ -48,13 +48,32 @@ class BadParam(InvalidInput):
 def list_models(repository: ModelRepository) -> bytes:
     """``GET /v1/models``: every model with an OpenAI face (generation models name their
     owner, which tells random weights apart)."""
+    data = [_model_object(name, owner) for name, owner in _owners(repository).items()]
+    return orjson.dumps({"object": "list", "data": data})
+
+
+def retrieve_model(repository: ModelRepository, name: str) -> bytes:
+    """``GET /v1/models/{model}``: that model's object, as the listing has it (what
+    ``client.models.retrieve`` asks).
+
+    Raises:
+        NotFound: no model of that name has an OpenAI face (404, naming those that do).
+    """
+    owners = _owners(repository)
+    owner = owners.get(name)
+    if owner is None:
+        raise NotFound(f"model {name!r}", sorted(owners), is_model=True)
+    return orjson.dumps(_model_object(name, owner))
+
+
+def _owners(repository: ModelRepository) -> dict[str, str]:
     owners = {name: "carpool" for name in repository.embedding_services()}
     owners |= {name: g.owned_by for name, g in repository.generation_services().items()}
-    data = [
-        {"id": name, "object": "model", "created": _STARTED, "owned_by": owner}
-        for name, owner in owners.items()
-    ]
-    return orjson.dumps({"object": "list", "data": data})
+    return owners
+
+
+def _model_object(name: str, owner: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": _STARTED, "owned_by": owner}
 
 
 async def create_embeddings(repository: ModelRepository, body: bytes) -> bytes:

@@ -18,6 +18,7 @@ Four parts, each a pure function over an injected callable (and clock, where tim
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -415,6 +416,8 @@ def options_from_args(
     if shape is None:
         raise ConfigError("shape", None, "--shape: one item's shape, e.g. 256 or -1,64")
     budget = args.memory_budget_mb
+    if budget is not None and not 0 < budget < math.inf:
+        raise ConfigError("memory_budget_mb", budget, "MiB, a finite number above 0")
     return DoctorOptions(
         shape=shape,
         dtype=args.dtype or dtype,

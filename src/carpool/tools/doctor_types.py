@@ -61,6 +61,8 @@ class DoctorOptions:
             raise ConfigError("knee_gain", self.knee_gain, "a throughput gain > 1.0")
         if self.num_probes < 1:
             raise ConfigError("num_probes", self.num_probes, "an integer >= 1")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
+            raise ConfigError("memory_budget_bytes", self.memory_budget_bytes, "bytes, above 0")
 
     @property
     def variable_axis(self) -> int | None:

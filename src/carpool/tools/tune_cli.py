@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import re
 import sys
@@ -39,6 +40,7 @@ from carpool.tools.tune import (
     Tuner,
 )
 from carpool.tools.tune_report import (
+    base_document,
     base_entry,
     datatype_of,
     recommended_config,
@@ -166,6 +168,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     ):
         if not value > 0:
             raise ConfigError(flag, value, "a number above 0")
+    budget = args.memory_budget_mb
+    if budget is not None and not 0 < budget < math.inf:
+        raise ConfigError("--memory-budget-mb", budget, "MiB, a finite number above 0")
     writable_path("--out", args.out)
     if args.report is not None:  # a folder: what goes in it must be writable
         writable_path("--report", args.report / "tune.md")
@@ -291,7 +296,8 @@ async def run(args: argparse.Namespace) -> int:
     if best is None:
         print("no trial met the constraints; no config written", file=sys.stderr)
         return 1
-    document = recommended_config(entry, best.config.as_dict())
+    base = None if args.model_config is None else base_document(args.model_config)
+    document = recommended_config(entry, best.config.as_dict(), base)
     m = best.measurement
     notes = [
         f"carpool tune {label}: {args.search}, SLO p99 <= {args.slo_p99_ms:g} ms",

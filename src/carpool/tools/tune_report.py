@@ -388,8 +388,19 @@ def base_entry(path: str | Path, name: str | None = None) -> dict[str, Any]:
     return models[0].model_dump(exclude_defaults=True)
 
 
-def recommended_config(entry: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
-    """A ``carpool serve`` config: ``entry`` with the tuned ``values`` set, validated.
+def base_document(path: str | Path) -> dict[str, Any]:
+    """A whole serve config as :func:`recommended_config` builds on it: validated, its
+    sources absolute (the recommendation may be written to another folder)."""
+    return load_config(path).model_dump(exclude_defaults=True)
+
+
+def recommended_config(
+    entry: dict[str, Any], values: dict[str, Any], base: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A ``carpool serve`` config: ``entry`` with the tuned ``values`` set, validated;
+    given the ``base`` config the entry came from (:func:`base_document`), that config
+    whole with the entry in its place (its other models and settings kept: the result
+    serves what the base served).
 
     Raises:
         ConfigError: when the result would not load (a bug in the entry given).
@@ -397,7 +408,11 @@ def recommended_config(entry: dict[str, Any], values: dict[str, Any]) -> dict[st
     model = {**entry, **policy_values(values)}  # an on/off level 0 or 1 as the bool it is
     if "devices" in model and "num_replicas" in values:
         del model["devices"]  # the tuned count wins; device then names every replica's
-    document = {"models": [model]}
+    if base is None:
+        document = {"models": [model]}
+    else:
+        models = [model if m["name"] == entry["name"] else m for m in base["models"]]
+        document = {**base, "models": models}
     parse_config(document, file="<recommended>")
     return document
 

@@ -192,6 +192,14 @@ def test_cli_strict_exits_1_when_invariance_fails(doctormodels: Any) -> None:
     assert "Batch invariance: FAIL" in result.output
 
 
+@pytest.mark.parametrize("budget", ["-1", "0", "nan", "inf"])
+def test_cli_exits_2_on_a_memory_budget_not_above_0(doctormodels: Any, budget: str) -> None:
+    args = ["doctor", "doctormodels:per_item", "--shape", "8", "--memory-budget-mb", budget]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "memory_budget_mb" in result.output
+
+
 def test_cli_exits_2_naming_a_source_that_cannot_be_imported() -> None:
     result = CliRunner().invoke(app, ["doctor", "no_such_module:fn", "--shape", "8"])
     assert result.exit_code == 2

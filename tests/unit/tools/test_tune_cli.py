@@ -120,6 +120,17 @@ def test_tune_nonpositive_slo_is_a_usage_error(tmp_path: Path) -> None:
     assert exit_info.value.code == 2
 
 
+@pytest.mark.parametrize("budget", ["-1", "0", "nan", "inf"])
+def test_tune_a_memory_budget_not_above_0_is_a_usage_error(tmp_path: Path, budget: str) -> None:
+    from carpool.tools.tune_cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["numpy:negative", "--slo-p99-ms", "50", "--out", str(tmp_path / "o.yaml"),
+              "--memory-budget-mb", budget, *FAST_TUNE])  # fmt: skip
+    assert exit_info.value.code == 2
+    assert not (tmp_path / "o.yaml").exists()
+
+
 def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -196,16 +207,19 @@ def serve_config(target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     return path
 
 
-def test_tune_tunes_a_model_of_a_serve_config_and_writes_its_entry(
+def test_tune_tunes_a_model_of_a_serve_config_and_writes_the_config_with_it(
     serve_config: Path, tmp_path: Path
 ) -> None:
-    out = tmp_path / "best.yaml"
+    """The config written serves what the base served: its other models are kept, and
+    their sources still load from another folder."""
+    out = tmp_path / "tuned" / "best.yaml"
     argv = ["tune", "--config", str(serve_config), "--model", "halved", "--slo-p99-ms", "10000",
             "--out", str(out), *GRID]  # fmt: skip
     with pytest.raises(SystemExit) as exit_info:
         carpool_main(argv)
     assert exit_info.value.code == 0
-    model = load_config(out).models[0]
+    first, model = load_config(out).models
+    assert first == load_config(serve_config).models[0]
     assert model.name == "halved" and model.source == "tune_cli_models:halve_by_name"
     assert model.max_batch_size in (1, 4) and model.max_delay_s == 0.001
     assert model.inputs is not None and model.inputs[0].shape == [-1]

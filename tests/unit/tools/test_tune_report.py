@@ -10,6 +10,7 @@ from carpool.config import load_config
 from carpool.errors import ConfigError
 from carpool.tools.tune import Constraints, Param, SearchSpace, TrialResult, TuneOutcome, Tuner
 from carpool.tools.tune_report import (
+    base_document,
     base_entry,
     pareto_front,
     recommended_config,
@@ -115,5 +116,9 @@ def test_recommended_config_takes_a_base_entry_and_refuses_an_invalid_one(tmp_pa
     assert preempting["preempt"] is True and preempting["buffer_pool"] is False
     with pytest.raises(ConfigError, match="invalid --model="):
         base_entry(base, "nope")
+    whole = recommended_config(entry, {"max_batch_size": 8}, base_document(base))
+    assert [m["name"] for m in whole["models"]] == ["mlp", "other"]
+    assert whole["models"][0]["max_batch_size"] == 8 and whole["models"][0]["timeout_s"] == 1.0
+    assert whole["models"][1] == base_document(base)["models"][1]
     with pytest.raises(ConfigError):
         recommended_config(ENTRY, {"max_batch_size": 0})

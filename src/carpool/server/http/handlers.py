@@ -230,6 +230,11 @@ async def _openai_models(served: Served, call: Call) -> Answer:
     return 200, openai.list_models(served.repository), (JSON,)
 
 
+async def _openai_model(served: Served, call: Call) -> Answer:
+    assert call.route.name is not None, "the router names the model"
+    return 200, openai.retrieve_model(served.repository, call.route.name), (JSON,)
+
+
 async def _completions(served: Served, call: Call) -> Answer | Stream:
     is_chat = call.route.kind is RouteKind.CHAT_COMPLETIONS
     document = _inflated(served, call)
@@ -258,6 +263,7 @@ _HANDLERS: dict[RouteKind, Handler] = {
     RouteKind.MODEL_STATS: _model_stats,
     RouteKind.EMBEDDINGS: _embeddings,
     RouteKind.OPENAI_MODELS: _openai_models,
+    RouteKind.OPENAI_MODEL: _openai_model,
     RouteKind.COMPLETIONS: _completions,
     RouteKind.CHAT_COMPLETIONS: _completions,
     RouteKind.DASHBOARD: _dashboard,

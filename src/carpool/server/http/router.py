@@ -14,7 +14,7 @@ Every path carpool serves is told apart here, for requests read by carpool's own
     POST /v2/repository/index                            every model and its state
     POST /v2/models/{m}[/versions/{v}]/infer             JSON and binary tensors
     GET | POST /v2/models/{m}[/versions/{v}]/policy      batch policy; POST changes fields
-    POST /v1/embeddings | GET /v1/models                 OpenAI-compatible (server/openai.py)
+    POST /v1/embeddings | GET /v1/models[/{m}]           OpenAI-compatible (server/openai.py)
     POST /v1/completions | /v1/chat/completions          generation (server/completions.py)
     GET  /metrics                                        Prometheus exposition
     GET  /dashboard | /dashboard/series | /dashboard/{file}   live charts (server/dashboard.py)
@@ -44,6 +44,7 @@ _UNSERVED = {
 }
 _OPENAI_ROUTES = [
     "POST /v1/embeddings", "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
+    "GET /v1/models/{model}",
 ]  # fmt: skip
 
 
@@ -64,6 +65,7 @@ class RouteKind(enum.Enum):
     MODEL_STATS = "model statistics"
     EMBEDDINGS = "embeddings"
     OPENAI_MODELS = "models"
+    OPENAI_MODEL = "model"
     COMPLETIONS = "completions"
     CHAT_COMPLETIONS = "chat completions"
     DASHBOARD = "dashboard"
@@ -89,6 +91,7 @@ class Route:
 
     kind: RouteKind
     model: ServedModel | None = None
+    name: str | None = None  # the model a route names that is not a ServedModel (/v1/models/m)
 
     @property
     def reads_body(self) -> bool:
@@ -204,6 +207,9 @@ def _openai(method: str, path: str, rest: list[str]) -> Route:
     if rest == ["models"]:
         _allow(method, path, "GET")
         return Route(RouteKind.OPENAI_MODELS)
+    if rest[:1] == ["models"]:  # an id may hold slashes ("org/name"), as vLLM's served names do
+        _allow(method, path, "GET")
+        return Route(RouteKind.OPENAI_MODEL, name="/".join(rest[1:]))
     if rest in (["completions"], ["chat", "completions"]):
         _allow(method, path, "POST")
         return Route(

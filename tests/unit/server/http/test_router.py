@@ -55,6 +55,7 @@ def _request(method: str, path: str, authorization: bytes | None = None) -> Http
         ("GET", "/v2/models/m/stats", RouteKind.MODEL_STATS),
         ("POST", "/v1/embeddings", RouteKind.EMBEDDINGS),
         ("GET", "/v1/models", RouteKind.OPENAI_MODELS),
+        ("GET", "/v1/models/org/name", RouteKind.OPENAI_MODEL),
         ("POST", "/v1/completions", RouteKind.COMPLETIONS),
         ("POST", "/v1/chat/completions", RouteKind.CHAT_COMPLETIONS),
         ("GET", "/metrics", RouteKind.METRICS),
@@ -116,3 +117,10 @@ def test_only_plain_targets_of_served_models_are_infer_targets(
     repository: ModelRepository, url: bytes, is_kept: bool
 ) -> None:
     assert (infer_model(repository, DEFAULT_ACCESS, url) is not None) == is_kept
+
+
+def test_a_model_id_with_slashes_is_kept_whole(repository: ModelRepository) -> None:
+    found = route(repository, DEFAULT_ACCESS, _request("GET", "/v1/models/org/name"))
+    assert found.name == "org/name"
+    with pytest.raises(MethodNotAllowed):
+        route(repository, DEFAULT_ACCESS, _request("POST", "/v1/models/org/name"))
