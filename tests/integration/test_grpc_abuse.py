@@ -480,6 +480,25 @@ def test_a_huge_model_version_is_not_found_with_the_echo_cut(
     assert len(answer.content) < 1024
 
 
+@pytest.mark.parametrize("char", ["x", "\u00e9"])  # one byte in UTF-8, and two (six encoded)
+def test_an_error_repeating_a_long_input_name_stays_invalid_argument(
+    channel: grpc.Channel, steady: Steady, char: str
+) -> None:
+    """Was: an unknown input's 20,000-character name was repeated whole in the details,
+    past the client's 16 KiB of metadata, so the client got RESOURCE_EXHAUSTED and no
+    message."""
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    request = pb.ModelInferRequest(model_name="doubler")
+    request.inputs.add(name=char * 20_000, datatype="FP32", shape=[1, 1])
+    request.raw_input_contents.append(b"\0\0\0\0")
+    for _ in range(5):  # between the soft and hard limits grpc refused some calls only
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.ModelInfer(request, timeout=LIMIT_S)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details().startswith("unknown input '" + char * 100)
+        assert caught.value.details().endswith("characters)")
+
+
 def test_refused_calls_leave_the_servers_memory_flat(
     channel: grpc.Channel, served: ServedProcess, steady: Steady
 ) -> None:

@@ -71,6 +71,9 @@ MAX_RESPONSE_BYTES = 2**31 - 1
 # keep answers for as long as it sent (700 MB of RSS in 25 s). Several batches' worth, so
 # that one busy stream still fills batches while its earlier answers go out.
 MAX_STREAM_UNANSWERED = 256
+# A status's details, in UTF-8 bytes: percent-encoded, at most three times that in the
+# trailers, under the 8 KiB a client takes without complaint (_details).
+MAX_DETAILS_BYTES = 2048
 
 
 class InferenceServicer:
@@ -278,14 +281,28 @@ def _refused(
     with the status set. Not ``context.abort()``: the exception it raises kept every
     refused call's request alive (grpcio 1.85: 40 refused 5 MB calls held 600 MiB)."""
     context.set_code(grpc.StatusCode[grpc_status(exc)])
-    context.set_details(error_message(exc))
+    context.set_details(_details(exc))
     return empty
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> NoReturn:
     """End the RPC with ``exc``'s status and message."""
-    await context.abort(grpc.StatusCode[grpc_status(exc)], error_message(exc))
+    await context.abort(grpc.StatusCode[grpc_status(exc)], _details(exc))
     raise AssertionError("grpc.aio's context.abort() returned instead of raising")
+
+
+def _details(exc: Exception) -> str:
+    """``exc``'s message as a status's details, at most :data:`MAX_DETAILS_BYTES` in
+    UTF-8. The details travel percent-encoded in the trailers (a byte outside printable
+    ASCII takes three), and past the client's metadata limit (grpc's 8 KiB soft, 16 KiB
+    hard) the client gets RESOURCE_EXHAUSTED instead: an error repeating a long string
+    the client sent would lose its status and its message."""
+    message = error_message(exc)
+    data = message.encode("utf-8")
+    if len(data) <= MAX_DETAILS_BYTES:
+        return message
+    kept = data[:MAX_DETAILS_BYTES].decode("utf-8", errors="ignore")
+    return f"{kept}... (cut: {len(message)} characters)"
 
 
 async def start_grpc_server(repository: ModelRepository, host: str, port: int) -> grpc.aio.Server:

@@ -33,6 +33,7 @@ from carpool.server.kserve.tensors import (
     RequestedOutput,
     array_from_raw,
     check_empty_shape,
+    check_num_dims,
     tensor_bytes,
 )
 from carpool.server.proto import grpc_service_pb2 as pb
@@ -97,6 +98,7 @@ def _decode_input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | No
     shape = tuple(tensor.shape)
     if any(dim < 0 for dim in shape):
         raise InvalidInput(f"{where}: shape must be integers >= 0, got {list(shape)}")
+    check_num_dims(where, shape)
     num_elements = math.prod(shape)
     if not num_elements:
         check_empty_shape(where, tensor.datatype, shape)

@@ -39,6 +39,7 @@ from carpool.server.kserve.tensors import (
     RequestedOutput,
     array_from_raw,
     check_empty_shape,
+    check_num_dims,
     numbers_from_raw,
 )
 
@@ -321,6 +322,7 @@ def _shape(where: str, shape: object) -> tuple[int, ...]:
         isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape
     ):
         raise InvalidInput(f"{where}: shape must be a list of integers >= 0, got {shape!r}")
+    check_num_dims(where, tuple(shape))
     return tuple(shape)
 
 

@@ -107,6 +107,23 @@ def unsupported_output_parameter(where: str, name: str, value: object) -> Invali
     )
 
 
+MAX_DIMS = 64  # NumPy's limit on an array's dimensions
+
+
+def check_num_dims(where: str, shape: tuple[int, ...]) -> None:
+    """Refuse a shape of more dimensions than an array may have (NumPy's ValueError was
+    answered as the server's fault, 500 / INTERNAL). ``where`` starts the message.
+
+    Raises:
+        InvalidInput: naming the count.
+    """
+    if len(shape) > MAX_DIMS:
+        raise InvalidInput(
+            f"{where}: shape has {len(shape)} dimensions, more than the {MAX_DIMS} a tensor "
+            "may have"
+        )
+
+
 def check_empty_shape(where: str, datatype: str, shape: tuple[int, ...]) -> None:
     """Refuse a shape without elements whose other dimensions no array can have.
 

@@ -146,3 +146,14 @@ def test_outputs_go_back_raw_with_classes_as_bytes() -> None:
     y_raw, c_raw = response.raw_output_contents
     np.testing.assert_array_equal(np.frombuffer(y_raw, "<f4"), [1.5, -2.0])
     assert deserialize_bytes_tensor(c_raw, 2).tolist() == [b"9:1:b", b"3:0:a"]
+
+
+def test_a_shape_of_more_dimensions_than_an_array_has_is_invalid_input() -> None:
+    """65 dimensions of 1 and 3 elements: NumPy's ValueError was answered as INTERNAL."""
+    request = _request("X", "FP32", (1,) * 64 + (3,))
+    request.raw_input_contents.append(np.arange(3, dtype=np.float32).tobytes())
+    with pytest.raises(InvalidInput, match="shape has 65 dimensions, more than the 64"):
+        decode_infer_request(request)
+    fits = _request("X", "FP32", (1,) * 63 + (3,))
+    fits.raw_input_contents.append(np.arange(3, dtype=np.float32).tobytes())
+    assert decode_infer_request(fits).inputs[0].array.shape == (1,) * 63 + (3,)

@@ -321,6 +321,18 @@ def test_rejects_a_bad_binary_size(size: object) -> None:
     assert_invalid(body, length, "input 'x'", "parameters.binary_data_size", ">= 0")
 
 
+@pytest.mark.parametrize("binary", [False, True])
+def test_a_shape_of_more_dimensions_than_an_array_has_is_invalid_input(binary: bool) -> None:
+    """65 dimensions of 1 and 3 elements: NumPy's ValueError was answered as a 500."""
+    entry: dict[str, Any] = {"name": "x", "shape": [1] * 64 + [3], "datatype": "FP32"}
+    if binary:
+        entry["parameters"] = {"binary_data_size": 12}
+        body, length = raw_request([entry], bytes(12))
+    else:
+        body, length = raw_request([{**entry, "data": [1.0, 2.0, 3.0]}])
+    assert_invalid(body, length, "input 'x'", "shape has 65 dimensions, more than the 64")
+
+
 def test_rejects_a_binary_size_that_does_not_fit_the_shape() -> None:
     entry = {
         "name": "x",
