@@ -160,6 +160,7 @@ class Batcher(Lifecycle):
         )
         cpus = check_replica_cpus(replica_cpus, len(self._devices))
         self._policy = policy if policy is not None else BatchPolicy()
+        self.first_policy = self._policy  # what it was built with (a server's config)
         self._policy_version = 0
         if policy_check is not None:
             policy_check(self._policy)

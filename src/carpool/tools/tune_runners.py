@@ -13,6 +13,7 @@ import gc
 import itertools
 import math
 import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -435,7 +436,15 @@ class ServerRunner:
         restore = {name: starting[name] for name in sorted(self._changed) if name in starting}
         try:
             if restore:
-                await self._client.post(self._path("policy"), content=orjson.dumps(restore))
+                body = orjson.dumps(restore)
+                answer = await self._client.post(self._path("policy"), content=body)
+                if answer.status_code != 200:  # said, not hidden: the model keeps a trial's
+                    print(
+                        f"carpool tune: the server refused to give {self.model!r} back its "
+                        f"policy {restore} ({answer.status_code}: {answer.text[:300]}); it "
+                        "keeps the last trial's: set it again by hand",
+                        file=sys.stderr,
+                    )
         except httpx.HTTPError:
             pass  # the server went away: there is no policy left to give back
         finally:

@@ -21,7 +21,7 @@ from carpool.server.access import DEFAULT_ACCESS, Access
 from carpool.server.app import KServeApp
 from carpool.server.repository import ModelRepository, ServedModel, TensorSpec
 
-from .apps import Exchange, call, served, started_app
+from .apps import Exchange, call, double, served, started_app
 from .http.fakes import until
 
 
@@ -293,6 +293,32 @@ async def test_a_policy_past_the_network_bounds_is_a_400_naming_the_bound(
     assert bound in orjson.loads(exchange.body)["error"]
     policy = app.repository.get("m").batcher.policy
     assert (policy.max_batch_size, policy.max_delay_s, policy.timeout_s) == (8, 0.0, None)
+
+
+async def test_the_configured_policy_is_taken_back_past_the_network_bounds() -> None:
+    """What ``carpool tune`` restores after its trials (and what a GET gave) is accepted
+    whatever the bounds: a config's 12 s window and 0.1 ms timeout, changed and given back.
+    A value past them that the config did not set is still refused."""
+    configured = BatchPolicy(max_batch_size=8, max_delay_s=12.0, timeout_s=1e-4)
+    model = Batcher(double, configured, collate="dict", clock=FakeClock())
+    spec_in, spec_out = TensorSpec("x", "FP32", (2,)), TensorSpec("y", "FP32", (2,))
+    served_model = ServedModel("m", "1", "python", (spec_in,), (spec_out,), model)
+    app = KServeApp(ModelRepository([served_model]), access=Access(allow_policy_updates=True))
+    shown = Exchange("GET", "/v2/models/m/policy")
+    await shown.run(app)
+    document = orjson.loads(shown.body)
+    fields = ("max_delay_s", "max_batch_size", "timeout_s")
+    trial = {"max_delay_s": 0.001, "max_batch_size": 4, "timeout_s": 1.0}
+    for changes in (trial, {k: document[k] for k in fields}):
+        exchange = Exchange("POST", "/v2/models/m/policy", orjson.dumps(changes))
+        await exchange.run(app)
+        assert exchange.status == 200, exchange.body
+    assert model.policy == configured
+    for changes, bound in (({"max_delay_s": 11.0}, "over 10.0 s"), ({"timeout_s": 2e-4}, "under")):
+        exchange = Exchange("POST", "/v2/models/m/policy", orjson.dumps(changes))
+        await exchange.run(app)
+        assert exchange.status == 400 and bound in orjson.loads(exchange.body)["error"]
+    assert model.policy == configured
 
 
 async def test_a_policy_within_the_network_bounds_is_applied() -> None:

@@ -180,7 +180,8 @@ async def _infer(served: Served, call: Call) -> Answer:
 async def _policy(served: Served, call: Call) -> Answer:
     batcher = _model(call).require_batcher()
     if call.route.kind is RouteKind.POLICY_SET:
-        batcher.update_policy(**_policy_changes(_inflated(served, call)))
+        changes = _policy_changes(_inflated(served, call), batcher.first_policy)
+        batcher.update_policy(**changes)
     document = _policy_document(batcher.policy)
     adaptive = batcher.adaptive_state()
     if adaptive is not None:
@@ -287,8 +288,10 @@ def _index_ready(body: bytes) -> bool:
     return ready
 
 
-def _policy_changes(body: bytes) -> dict[str, Any]:
-    """A policy POST body: a JSON object of BatchPolicy fields (lists become tuples)."""
+def _policy_changes(body: bytes, configured: BatchPolicy) -> dict[str, Any]:
+    """A policy POST body: a JSON object of BatchPolicy fields (lists become tuples).
+    ``configured``: the model's policy as its config set it, whose values are taken back
+    whatever the bounds (what ``carpool tune`` restores, what a GET gave)."""
     try:
         changes = orjson.loads(body or b"{}")
     except orjson.JSONDecodeError as error:
@@ -298,15 +301,20 @@ def _policy_changes(body: bytes) -> dict[str, Any]:
     unknown = sorted(set(changes) - set(POLICY_FIELDS))
     if unknown:
         raise InvalidInput(f"policy body: unknown field(s) {unknown}; expected {POLICY_FIELDS}")
-    _check_bounds(changes)
+    _check_bounds(changes, configured)
     return {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
 
 
-def _check_bounds(changes: dict[str, Any]) -> None:
+def _check_bounds(changes: dict[str, Any], configured: BatchPolicy) -> None:
     """Refuse a ``max_delay_s`` over MAX_POLICY_DELAY_S and a ``timeout_s`` under
-    MIN_POLICY_TIMEOUT_S; values of another kind are the policy's to refuse. Priority
-    classes are not taken over the network (POLICY_FIELDS), so these are all there is."""
+    MIN_POLICY_TIMEOUT_S, unless it is the value the model's config set; values of another
+    kind are the policy's to refuse. Priority classes are not taken over the network
+    (POLICY_FIELDS), so these are all there is."""
     delay, timeout = changes.get("max_delay_s"), changes.get("timeout_s")
+    if delay == configured.max_delay_s:
+        delay = None
+    if timeout == configured.timeout_s:
+        timeout = None
     if _is_number(delay) and delay > MAX_POLICY_DELAY_S:
         raise InvalidInput(
             f"policy body: max_delay_s {delay!r} is over {MAX_POLICY_DELAY_S} s, the most a "
