@@ -147,7 +147,23 @@ def check_replica_cpus(replica_cpus: object, num_replicas: int) -> list[list[int
         ):
             raise ConfigError("replica_cpus", replica_cpus, expected)
         cpus.append(list(entry))
+    usable = _usable_cpus()
+    outside = sorted({c for entry in cpus for c in entry} - usable) if usable else []
+    if outside:  # the child's sched_setaffinity would fail, after the parent said nothing
+        raise ConfigError(
+            "replica_cpus",
+            replica_cpus,
+            f"CPUs this process may run on, {sorted(usable)}; {outside} are not among them",
+        )
     return cpus
+
+
+def _usable_cpus() -> set[int]:
+    """The CPUs this process may run on (empty where the platform does not say)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set()
 
 
 # -- the child ------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from carpool.core.policy import BatchPolicy
 from carpool.errors import ConfigError
 from carpool.tools.orthogonal import Design, FactorEffect, design_for, main_effects
 from carpool.tools.tune_trial import Measurement, TrialConfig
@@ -49,6 +50,7 @@ TUNABLE: dict[str, type] = {
 }
 # Parameters that rebuild the batcher rather than change its policy.
 REBUILDS = ("num_replicas", "buffer_pool")
+_NOT_POLICY = ("buffer_pool", "preempt")  # on/off levels: any 0/1 runs
 _BOOLS = {"0": False, "false": False, "off": False, "1": True, "true": True, "on": True}
 STRATEGIES = ("grid", "taguchi", "hill", "halving")
 OBJECTIVES = ("throughput", "items")
@@ -79,7 +81,7 @@ class Param:
             raise ConfigError("--param", name, f"one of {sorted(TUNABLE)}")
         try:
             values = tuple(_level(name, kind, v) for v in rest.split(","))
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, OverflowError):
             also = ' or "auto"' if name in AUTO_PARAMS else ""
             raise ConfigError(
                 f"--param {name}",
@@ -88,6 +90,8 @@ class Param:
                 if kind is bool
                 else f"comma-separated {kind.__name__}s{also}",
             ) from None
+        for value in values:
+            _check_level(name, value)
         return cls(name, values)
 
 
@@ -101,7 +105,29 @@ def _level(name: str, kind: type, text: str) -> Number:
         return "auto"
     if kind is bool:
         return int(_BOOLS[text.strip().lower()])  # a level 0 or 1: the report prints numbers
-    return kind(float(text)) if kind is int else kind(text)
+    number = float(text)
+    if kind is int and not number.is_integer():  # 2.7 ran as 2 (inf: OverflowError)
+        raise ValueError(text)
+    return int(number) if kind is int else number
+
+
+def _check_level(name: str, value: Number) -> None:
+    """Refuse a level no trial could run (before the first trial: exit 2, not a search
+    whose every trial fails). Policy fields are checked as the policy checks them.
+
+    Raises:
+        ConfigError: naming the parameter and what it takes.
+    """
+    if name == "num_replicas":
+        if not (isinstance(value, int) and value >= 1):
+            raise ConfigError(f"--param {name}", value, "integers >= 1")
+        return
+    if name in _NOT_POLICY:
+        return
+    try:
+        BatchPolicy().replace(**{name: value})
+    except ConfigError as error:
+        raise ConfigError(f"--param {name}", value, error.expected) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -168,6 +168,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     ):
         if not value > 0:
             raise ConfigError(flag, value, "a number above 0")
+    if args.max_windows is not None and args.max_windows < 1:
+        raise ConfigError("--max-windows", args.max_windows, "an integer >= 1")
     budget = args.memory_budget_mb
     if budget is not None and not 0 < budget < math.inf:
         raise ConfigError("--memory-budget-mb", budget, "MiB, a finite number above 0")
@@ -247,7 +249,9 @@ async def run(args: argparse.Namespace) -> int:
     """Tune as ``args`` say; returns the exit status."""
     _check_flags(args)
     space = SearchSpace(tuple(Param.parse(t) for t in args.param or DEFAULT_PARAMS))
-    max_windows = args.max_windows or max(1, round(args.trial_duration / args.window))
+    max_windows = args.max_windows  # 0 is refused as -1 is, not taken for the default
+    if max_windows is None:
+        max_windows = max(1, round(args.trial_duration / args.window))
     settings = MeasureSettings(
         args.warmup, args.window, args.stable_spread, args.stable_windows, max_windows
     )

@@ -316,5 +316,14 @@ async def test_replicas_are_pinned_to_their_cpus() -> None:
         np.testing.assert_array_equal(await batcher.submit(np.zeros(1)), [1])
 
 
+def test_a_cpu_this_process_may_not_run_on_is_refused_before_any_replica_starts() -> None:
+    """Was: the child's sched_setaffinity failed (EINVAL) and the start ended in a
+    traceback, exit 1, not naming replica_cpus."""
+    usable = sorted(os.sched_getaffinity(0))
+    missing = max(usable) + 1
+    with pytest.raises(ConfigError, match=rf"replica_cpus.*\[{missing}\] are not among them"):
+        Batcher(affinity, executor="process", num_replicas=1, replica_cpus=[[missing]])
+
+
 def affinity(batch: np.ndarray) -> np.ndarray:
     return np.full(len(batch), len(os.sched_getaffinity(0)))

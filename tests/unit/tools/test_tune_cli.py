@@ -81,11 +81,10 @@ def test_bad_usage_exits_2(
     argv = ["tune", target, "--slo-p99-ms", "5", "--out", str(tmp_path / "x.yaml"), *extra, *FAST]
     with pytest.raises(SystemExit) as exit_info:
         carpool_main(argv)
-    if extra[-1:] == ["max_batch_size=0"]:
-        assert exit_info.value.code == 1  # a refused value is an infeasible trial, not misuse
-    else:
-        assert exit_info.value.code == 2
-        assert "carpool tune:" in capsys.readouterr().err
+    # A level no policy takes is misuse too, refused before any trial (it was exit 1, after
+    # every trial failed).
+    assert exit_info.value.code == 2
+    assert "carpool tune:" in capsys.readouterr().err
 
 
 FAST_TUNE = [
@@ -118,6 +117,30 @@ def test_tune_nonpositive_slo_is_a_usage_error(tmp_path: Path) -> None:
         main(["numpy:negative", "--slo-p99-ms", "-5", "--out", str(tmp_path / "o.yaml"),
               *FAST_TUNE])  # fmt: skip
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--param", "max_batch_size=inf"],  # was an OverflowError traceback, exit 1
+        ["--param", "max_batch_size=2.7"],  # was run and written as 2
+        ["--param", "max_batch_size=0"],  # was every trial failing, then exit 1
+        ["--param", "max_delay_s=-1"],
+        ["--param", "num_replicas=0"],
+        ["--max-windows", "0"],  # was taken for the default
+    ],
+)
+def test_a_level_or_flag_no_trial_could_run_is_a_usage_error(
+    tmp_path: Path, extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from carpool.tools.tune_cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["numpy:negative", "--slo-p99-ms", "50", "--out", str(tmp_path / "o.yaml"),
+              "--shape", "4", *extra])  # fmt: skip
+    assert exit_info.value.code == 2
+    assert extra[0] in capsys.readouterr().err
+    assert not (tmp_path / "o.yaml").exists()
 
 
 @pytest.mark.parametrize("budget", ["-1", "0", "nan", "inf"])
