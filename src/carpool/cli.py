@@ -208,6 +208,7 @@ def serve(
         key = api_key_from(api_key)  # the flag, else CARPOOL_API_KEY
         if otlp_endpoint is not None:
             traces_url(otlp_endpoint)  # a bad URL: status 2 before any model loads
+        limits = _server_limits(max_connections, max_inflight_bytes, body_timeout_s)
     except ConfigError as error:  # before the ports are taken or a model loads
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -232,7 +233,7 @@ def serve(
             grpc_port=grpc_port,
             log_level=log_level.value,
             max_request_bytes=max_request_bytes,
-            limits=ServerLimits(max_connections, max_inflight_bytes, body_timeout_s),
+            limits=limits,
             api_key=key,
             protect_metrics=protect_metrics,
             allow_policy_updates=allow_policy_updates,
@@ -250,6 +251,19 @@ def serve(
         where = f"{config}: " if config is not None and error.file is None else ""
         print(f"carpool serve: {where}{error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _server_limits(
+    max_connections: int, max_inflight_bytes: int, body_timeout_s: float
+) -> ServerLimits:
+    """The flags' :class:`ServerLimits`, a refusal naming the flag."""
+    from carpool.errors import ConfigError
+
+    try:
+        return ServerLimits(max_connections, max_inflight_bytes, body_timeout_s)
+    except ConfigError as error:
+        flag = "--" + error.field.replace("_", "-")
+        raise ConfigError(flag, error.value, error.expected) from None
 
 
 @app.command(

@@ -97,6 +97,9 @@ GENERATION_FIELDS = (
 )
 
 
+_MAX_INPUTS_DEFAULT = 2048  # texts in one embeddings request (OpenAI's own limit)
+
+
 class _Missing:
     def __repr__(self) -> str:
         return "<missing>"
@@ -200,7 +203,7 @@ class ModelConfig(_Strict):
         _POLICY_DEFAULTS["batch_timeout_s"], gt=0, allow_inf_nan=False
     )
     # embeddings: most texts in one request
-    max_inputs: int = Field(2048, ge=1)
+    max_inputs: int = Field(_MAX_INPUTS_DEFAULT, ge=1)
     # generation: KV-cache layout and step limits (GENERATION_FIELDS)
     block_size: int | None = Field(None, ge=1, le=1024)
     num_blocks: int | None = Field(None, ge=1)
@@ -480,6 +483,13 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
                 f"{at}.quantization",
                 model.quantization,
                 "no quantization: only embeddings models take one",
+            )
+        # (its default, as a dump of the config writes it, sets nothing to refuse)
+        if model.max_inputs != _MAX_INPUTS_DEFAULT and model.kind != "embeddings":
+            yield (
+                f"{at}.max_inputs",
+                model.max_inputs,
+                "no max_inputs: only embeddings models take one (texts per request)",
             )
         if model.executor in ("process", "ray") and model.kind not in ("python", "torch", "onnx"):
             yield (f"{at}.executor", model.executor, "thread, loop or auto for this kind of model")

@@ -118,6 +118,18 @@ def test_serve_unknown_log_level_is_a_usage_error(tmp_path: Path) -> None:
     assert result.exit_code == 2
 
 
+def test_serve_a_body_timeout_it_cannot_take_exits_2_naming_the_flag_before_any_model(
+    tmp_path: Path,
+) -> None:
+    """Was: refused only after the models loaded, as "serve.yaml: invalid body_timeout_s"."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(PYTHON_MODEL.replace("numpy:negative", "no_such_module_anywhere:fn"))
+    result = runner.invoke(app, ["serve", str(path), "--body-timeout-s", "inf"])
+    assert result.exit_code == 2
+    assert "invalid --body-timeout-s=inf" in result.output
+    assert "serve.yaml" not in result.output and "no_such_module" not in result.output
+
+
 def test_bench_unwritable_json_fails_before_the_run(tmp_path: Path) -> None:
     # --json is only written after the whole sweep; an unusable path then raises a traceback.
     from carpool.tools.bench import main

@@ -184,6 +184,7 @@ def test_config_datatypes_are_the_server_datatypes() -> None:
         (_with_model_line("num_replicas: 3"), "models[0].num_replicas", "one replica per"),
         (_with_model_line("dtype: float16"), "models[0].dtype", "only torch"),
         (_with_model_line("quantization: int8"), "models[0].quantization", "only embeddings"),
+        (_with_model_line("max_inputs: 3"), "models[0].max_inputs", "only embeddings"),
         (_with_model_line("quantization: int4"), "models[0].quantization", "int8"),
         (VALID.replace("source: model.onnx", "source: gone.onnx"), "models[1].source", "gone"),
         (

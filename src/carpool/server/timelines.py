@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,7 @@ from carpool.server.repository import ModelRepository
 AnyTrace = RequestTrace | GenerationTrace
 Listener = Callable[[str, AnyTrace], None]  # (model name, its request's trace)
 MAX_CAPTURE_S = 300.0
+_DECIMAL = re.compile(r"[+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", re.ASCII)
 MAX_CAPTURED = 200_000  # timelines one capture keeps; later ones are counted as dropped
 _MOMENTS = (
     "arrived_s", "batch_closed_s", "compute_started_s", "compute_ended_s", "answered_s",
@@ -122,11 +124,11 @@ def capture_seconds(query: bytes) -> float:
     Raises:
         InvalidInput: not a number in (0, MAX_CAPTURE_S].
     """
-    values = parse_qs(query.decode("latin-1")).get("seconds", ["10"])
-    try:
-        seconds = float(values[-1])
-    except ValueError:
-        seconds = math.nan
+    # A blank value is refused, not taken for the default; and only a plain decimal
+    # number (float() also takes "1_0" and Unicode spaces around it)
+    values = parse_qs(query.decode("latin-1"), keep_blank_values=True).get("seconds", ["10"])
+    text = values[-1]
+    seconds = float(text) if _DECIMAL.fullmatch(text) else math.nan
     if not 0 < seconds <= MAX_CAPTURE_S:
         raise InvalidInput(
             f"/v2/timelines?seconds={values[-1]}: expected seconds to capture, a number "

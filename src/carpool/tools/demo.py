@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import platform
 import time
@@ -115,6 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--duration-s", type=float, default=4.0, help="seconds per run")
     parser.add_argument("--max-delay-s", type=float, default=0.002, help="batching delay window")
     args = parser.parse_args(argv)
+    if args.clients < 1:
+        parser.error(f"--clients {args.clients}: expected an integer >= 1")
+    if not 0 < args.duration_s < math.inf:
+        parser.error(f"--duration-s {args.duration_s}: expected a finite number of seconds > 0")
+    if not 0 <= args.max_delay_s < math.inf:
+        parser.error(f"--max-delay-s {args.max_delay_s}: expected a finite number of seconds >= 0")
     asyncio.run(run_demo(args.clients, args.duration_s, args.max_delay_s))
 
 

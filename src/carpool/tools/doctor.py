@@ -398,6 +398,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# DoctorOptions' fields by the flags that set them.
+_FLAGS = {
+    "shape": "--shape", "dtype": "--dtype", "max_batch": "--max-batch", "rtol": "--rtol",
+    "repeats": "--repeats", "warmup": "--warmup", "lengths": "--lengths",
+    "pad_axis": "--pad-axis", "knee_gain": "--knee-gain", "num_probes": "--probes",
+}  # fmt: skip
+
+
 def options_from_args(
     args: argparse.Namespace,
     *,
@@ -417,23 +425,29 @@ def options_from_args(
         raise ConfigError("shape", None, "--shape: one item's shape, e.g. 256 or -1,64")
     budget = args.memory_budget_mb
     if budget is not None and not 0 < budget < math.inf:
-        raise ConfigError("memory_budget_mb", budget, "MiB, a finite number above 0")
-    return DoctorOptions(
-        shape=shape,
-        dtype=args.dtype or dtype,
-        max_batch=args.max_batch,
-        device=args.device or device,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        seed=args.seed,
-        memory_budget_bytes=None if budget is None else int(budget * _MIB),
-        lengths=_ints(args.lengths, "lengths") if args.lengths else (),
-        pad_axis=args.pad_axis,
-        num_probes=args.probes,
-        rtol=args.rtol,
-        knee_gain=args.knee_gain,
-        input_name=args.input_name,
-    )
+        raise ConfigError("--memory-budget-mb", budget, "MiB, a finite number above 0")
+    try:
+        return DoctorOptions(
+            shape=shape,
+            dtype=args.dtype or dtype,
+            max_batch=args.max_batch,
+            device=args.device or device,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            seed=args.seed,
+            memory_budget_bytes=None if budget is None else int(budget * _MIB),
+            lengths=_ints(args.lengths, "lengths") if args.lengths else (),
+            pad_axis=args.pad_axis,
+            num_probes=args.probes,
+            rtol=args.rtol,
+            knee_gain=args.knee_gain,
+            input_name=args.input_name,
+        )
+    except ConfigError as error:  # named as the command line names it
+        flag = _FLAGS.get(error.field)
+        if flag is None:
+            raise
+        raise ConfigError(flag, error.value, error.expected) from None
 
 
 def _prepare(args: argparse.Namespace) -> tuple[str, DoctorOptions, Callable[[], Target]]:

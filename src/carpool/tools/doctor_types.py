@@ -47,8 +47,10 @@ class DoctorOptions:
             raise ConfigError("max_batch", self.max_batch, "an integer >= 1")
         if self.rtol is not None and not self.rtol >= 0:
             raise ConfigError("rtol", self.rtol, "a tolerance >= 0")
-        if self.repeats < 1 or self.warmup < 0:
-            raise ConfigError("repeats", (self.repeats, self.warmup), "repeats >= 1, warmup >= 0")
+        if self.repeats < 1:
+            raise ConfigError("repeats", self.repeats, "an integer >= 1")
+        if self.warmup < 0:
+            raise ConfigError("warmup", self.warmup, "an integer >= 0")
         if any(n < 1 for n in self.lengths):
             raise ConfigError("lengths", self.lengths, "positive lengths")
         if self.lengths and self.variable_axis is None:
@@ -57,7 +59,7 @@ class DoctorOptions:
             raise ConfigError("lengths", self.lengths, "--lengths when --shape has a -1 dim")
         if self.pad_axis is not None and not 0 <= self.pad_axis < len(self.shape):
             raise ConfigError("pad_axis", self.pad_axis, f"an item axis in [0, {len(self.shape)})")
-        if self.knee_gain <= 1.0:
+        if not self.knee_gain > 1.0:  # NaN too
             raise ConfigError("knee_gain", self.knee_gain, "a throughput gain > 1.0")
         if self.num_probes < 1:
             raise ConfigError("num_probes", self.num_probes, "an integer >= 1")

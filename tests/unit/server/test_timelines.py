@@ -110,16 +110,34 @@ def test_a_capture_keeps_its_bound_and_counts_the_rest() -> None:
 
 
 @pytest.mark.parametrize(
-    ("query", "seconds"), [(b"", 10.0), (b"seconds=2.5", 2.5), (b"x=1&seconds=300", 300.0)]
+    ("query", "seconds"),
+    [(b"", 10.0), (b"seconds=2.5", 2.5), (b"x=1&seconds=300", 300.0), (b"seconds=1e-3", 1e-3)],
 )
 def test_capture_seconds_come_from_the_query(query: bytes, seconds: float) -> None:
     assert capture_seconds(query) == seconds
 
 
-@pytest.mark.parametrize("value", [b"0", b"-1", b"nan", b"abc", str(MAX_CAPTURE_S + 1).encode()])
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"0",
+        b"-1",
+        b"nan",
+        b"abc",
+        str(MAX_CAPTURE_S + 1).encode(),
+        b"",
+        b"1_0",
+        b"%E2%80%AF1",
+        b"inf",
+    ],
+)
 def test_capture_seconds_out_of_range_are_invalid(value: bytes) -> None:
+    """A blank value, "1_0" and a number in Unicode spaces were taken (the first two for
+    10 s, the default)."""
     with pytest.raises(InvalidInput, match="expected seconds to capture"):
         capture_seconds(b"seconds=" + value)
+    with pytest.raises(InvalidInput, match="expected seconds to capture"):
+        capture_seconds(b"seconds")
 
 
 def test_a_stage_never_reached_is_null_in_the_document() -> None:

@@ -192,12 +192,24 @@ def test_cli_strict_exits_1_when_invariance_fails(doctormodels: Any) -> None:
     assert "Batch invariance: FAIL" in result.output
 
 
-@pytest.mark.parametrize("budget", ["-1", "0", "nan", "inf"])
-def test_cli_exits_2_on_a_memory_budget_not_above_0(doctormodels: Any, budget: str) -> None:
-    args = ["doctor", "doctormodels:per_item", "--shape", "8", "--memory-budget-mb", budget]
+@pytest.mark.parametrize(
+    "extra",
+    [
+        *(["--memory-budget-mb", v] for v in ("-1", "0", "nan", "inf")),
+        ["--knee-gain", "nan"],  # was taken: "grows by >= nanx per doubling"
+        ["--knee-gain", "1"],
+        ["--probes", "0"],  # was named num_probes
+        ["--warmup", "-1"],  # was named repeats=(15, -1)
+        ["--repeats", "0"],
+    ],
+)
+def test_cli_exits_2_naming_the_flag_of_a_value_it_cannot_take(
+    doctormodels: Any, extra: list[str]
+) -> None:
+    args = ["doctor", "doctormodels:per_item", "--shape", "8", *extra]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
-    assert "memory_budget_mb" in result.output
+    assert f"invalid {extra[0]}=" in result.output
 
 
 def test_cli_exits_2_naming_a_source_that_cannot_be_imported() -> None:
