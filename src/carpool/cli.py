@@ -209,6 +209,7 @@ def serve(
         if otlp_endpoint is not None:
             traces_url(otlp_endpoint)  # a bad URL: status 2 before any model loads
         limits = _server_limits(max_connections, max_inflight_bytes, body_timeout_s)
+        _check_host(host)
     except ConfigError as error:  # before the ports are taken or a model loads
         print(f"carpool serve: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -251,6 +252,20 @@ def serve(
         where = f"{config}: " if config is not None and error.file is None else ""
         print(f"carpool serve: {where}{error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _check_host(host: str) -> None:
+    """Refuse a ``--host`` that does not resolve (a bad flag: exit 2, where a port that
+    cannot be bound is exit 3)."""
+    import socket
+
+    from carpool.errors import ConfigError
+
+    try:
+        socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as error:
+        why = getattr(error, "strerror", None) or str(error)
+        raise ConfigError("--host", host, f"an address or a name that resolves ({why})") from None
 
 
 def _server_limits(

@@ -130,6 +130,18 @@ def test_serve_a_body_timeout_it_cannot_take_exits_2_naming_the_flag_before_any_
     assert "serve.yaml" not in result.output and "no_such_module" not in result.output
 
 
+@pytest.mark.parametrize("host", ["not_a_host.invalid", "999.1.1.1"])
+def test_serve_a_host_that_does_not_resolve_exits_2_naming_the_flag(
+    tmp_path: Path, host: str
+) -> None:
+    """Was: exit 3, the status of a port already taken."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(PYTHON_MODEL)
+    result = runner.invoke(app, ["serve", str(path), "--host", host, "--grpc-port", "0"])
+    assert result.exit_code == 2
+    assert f"invalid --host={host!r}" in result.output
+
+
 def test_bench_unwritable_json_fails_before_the_run(tmp_path: Path) -> None:
     # --json is only written after the whole sweep; an unusable path then raises a traceback.
     from carpool.tools.bench import main
