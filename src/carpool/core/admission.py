@@ -24,12 +24,12 @@ from carpool.errors import ConfigError, InvalidInput
 def inspect_payload(collator: Collator, payload: Any, is_many: bool) -> tuple[int, Hashable]:
     """The payload's item count and the signature that must match to share a batch."""
     num_items = _num_items(collator, payload) if is_many else 1
+    if num_items < 1:  # before the signature, which may look at the first item
+        raise InvalidInput("submit_many got 0 items; expected at least one along axis 0")
     try:
         signature = collator.signature(payload, is_many)
     except (TypeError, ValueError, IndexError, AttributeError) as exc:
         raise InvalidInput(f"payload cannot be batched ({type(exc).__name__}: {exc})") from exc
-    if num_items < 1:
-        raise InvalidInput("submit_many got 0 items; expected at least one along axis 0")
     return num_items, signature
 
 

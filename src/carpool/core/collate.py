@@ -15,6 +15,7 @@ torch is imported only when a torch payload is actually seen.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -103,6 +104,11 @@ class TorchCollator:
     """Stacks ``torch.Tensor`` items; torch is imported on first use only."""
 
     def signature(self, payload: Any, is_many: bool) -> Hashable:
+        torch = sys.modules.get("torch")  # a tensor was made with torch: it is imported
+        if torch is None or not isinstance(payload, torch.Tensor):
+            # Refused here, at submit: a NumPy array has a shape and a dtype too, and
+            # failed only in torch.stack, reported as the model's error.
+            raise TypeError(f"collate='torch' takes torch.Tensor items, got {type(payload)}")
         shape = tuple(payload.shape[1:] if is_many else payload.shape)
         return (str(payload.dtype), shape, str(payload.device))
 
@@ -268,6 +274,8 @@ def shared_rows(payload: Mapping[str, Any]) -> int:
     Raises:
         InvalidInput: the inputs disagree, naming the lengths.
     """
+    if not payload:
+        raise InvalidInput("the payload is an empty dict: expected at least one named input")
     counts = {int(np.shape(array)[0]) for array in payload.values()}
     if len(counts) != 1:
         raise InvalidInput(f"inputs disagree on the batch dimension: {sorted(counts)}")

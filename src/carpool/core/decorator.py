@@ -11,6 +11,7 @@ from carpool.core.buffer_pool import DEFAULT_BUFFER_POOL_MB
 from carpool.core.clock import Clock
 from carpool.core.collate import Collator
 from carpool.core.policy import DEFAULT_CLASS, DEFAULT_CLASSES, BatchPolicy, ClassPolicy, CostFn
+from carpool.core.process_replica import BATCHED_ATTRIBUTE
 from carpool.core.replicas import BatchFn
 from carpool.core.telemetry import MemoryProbe, TelemetrySnapshot, TraceHook
 
@@ -47,7 +48,7 @@ class BatchedFunction:
     def __get__(self, instance: object, owner: type | None = None) -> BatchedFunction:
         if instance is None:
             return self
-        attribute = f"_carpool_batched_{self._method_name}"
+        attribute = f"{BATCHED_ATTRIBUTE}{self._method_name}"
         bound: BatchedFunction | None = getattr(instance, "__dict__", {}).get(attribute)
         if bound is None:
             if not hasattr(instance, "__dict__"):
@@ -91,10 +92,16 @@ class BatchedFunction:
         """Load the replicas and start batching (:meth:`Batcher.start`). Idempotent."""
         await self.batcher.start()
 
-    async def stop(self, drain: bool = True) -> None:
+    async def stop(self, drain: bool = True, *, timeout_s: float | None = None) -> None:
         """Stop accepting; with ``drain`` answer every accepted request first, without it
-        fail the queued ones with Closed (:meth:`Batcher.stop`)."""
-        await self.batcher.stop(drain=drain)
+        fail the queued ones with Closed; past ``timeout_s`` cut off what is left
+        (:meth:`Batcher.stop`)."""
+        await self.batcher.stop(drain=drain, timeout_s=timeout_s)
+
+    def cut_off(self) -> int:
+        """Stop at once, failing what is queued or running with Closed; returns how many
+        (:meth:`Batcher.cut_off`)."""
+        return self.batcher.cut_off()
 
     async def __aenter__(self) -> BatchedFunction:
         await self.batcher.start()

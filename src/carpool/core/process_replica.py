@@ -28,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import copy
 import dataclasses
+import functools
 import importlib
 import logging
 import multiprocessing
@@ -77,6 +79,10 @@ def _kill_children() -> None:
             process.kill()
 
 
+# The prefix of the instance attributes where a @batched method keeps its batcher.
+BATCHED_ATTRIBUTE = "_carpool_batched_"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class FunctionRef:
     """A factory giving the function at ``module``'s ``qualname`` (unwrapped when it was
@@ -85,12 +91,17 @@ class FunctionRef:
 
     module: str
     qualname: str
+    # What it is called with first: a decorated method's instance (``self``)
+    args: tuple[Any, ...] = ()
+    keywords: tuple[tuple[str, Any], ...] = ()
 
     def __call__(self, device: str) -> BatchFn:
         found: Any = importlib.import_module(self.module)
         for part in self.qualname.split("."):
             found = getattr(found, part)
         fn: BatchFn = getattr(found, "__wrapped__", found)
+        if self.args or self.keywords:
+            return functools.partial(fn, *self.args, **dict(self.keywords))
         return fn
 
 
@@ -113,6 +124,12 @@ def process_source(
     try:
         pickle.dumps(value)
     except Exception as exc:
+        if fn is not None and isinstance(value, functools.partial):
+            # A decorated method: its function by name, its instance by pickle (the
+            # partial's copied name alone gave the child the function without self).
+            ref = process_source(value.func, None, executor)[1]
+            if isinstance(ref, FunctionRef) and not (ref.args or ref.keywords):
+                return None, _bound_ref(ref, value, field, executor)
         module = getattr(value, "__module__", None)
         qualname = getattr(value, "__qualname__", "<")
         if fn is not None and isinstance(module, str) and "<" not in qualname:
@@ -125,6 +142,39 @@ def process_source(
             f"a 'module:attr' string naming one ({type(exc).__name__}: {exc})",
         ) from None
     return fn, fn_factory
+
+
+def _bound_ref(
+    ref: FunctionRef, bound: functools.partial[Any], field: str, executor: str
+) -> FunctionRef:
+    """``ref`` called with what ``bound`` passes first (a method's instance), which must
+    reach the child by pickle too."""
+    args = tuple(_without_batchers(arg) for arg in bound.args)
+    try:
+        pickle.dumps((args, bound.keywords))
+    except Exception as exc:
+        raise ConfigError(
+            field,
+            bound,
+            f"for executor={executor!r} on a method, an instance that pickles (the child "
+            f"process calls the method on a copy of it; {type(exc).__name__}: {exc})",
+        ) from None
+    return FunctionRef(ref.module, ref.qualname, args, tuple(bound.keywords.items()))
+
+
+def _without_batchers(arg: Any) -> Any:
+    """``arg``, or a shallow copy of it without the batchers ``@batched`` methods keep in
+    its ``__dict__`` (they hold threads and the method itself: no pickle takes them, and
+    the child has no use for them)."""
+    state = getattr(arg, "__dict__", None)
+    if not isinstance(state, dict) or not any(
+        isinstance(k, str) and k.startswith(BATCHED_ATTRIBUTE) for k in state
+    ):
+        return arg
+    clone = copy.copy(arg)
+    for key in [k for k in vars(clone) if isinstance(k, str) and k.startswith(BATCHED_ATTRIBUTE)]:
+        del vars(clone)[key]
+    return clone
 
 
 def check_replica_cpus(replica_cpus: object, num_replicas: int) -> list[list[int]] | None:

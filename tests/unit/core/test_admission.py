@@ -9,7 +9,14 @@ import pytest
 
 from carpool import BatchPolicy, ClassPolicy, InvalidInput
 from carpool.core.admission import deadline, inspect_payload, request_cost
-from carpool.core.collate import ListCollator, NumpyCollator
+from carpool.core.collate import (
+    DictCollator,
+    ListCollator,
+    NumpyCollator,
+    PackedCollator,
+    PaddedCollator,
+    TorchCollator,
+)
 
 
 def test_inspect_counts_items_along_axis_0_and_signs_by_trailing_shape() -> None:
@@ -23,6 +30,24 @@ def test_inspect_refuses_zero_items_and_unbatchable_payloads() -> None:
         inspect_payload(ListCollator(), [], True)
     with pytest.raises(InvalidInput, match=r"cannot be batched.*inhomogeneous"):
         inspect_payload(NumpyCollator(), [[1], [2, 3]], True)  # ragged rows
+    # A collator whose signature reads the first item: was "IndexError: list index out of
+    # range"; an empty dict was "inputs disagree on the batch dimension: []".
+    for collator in (PackedCollator(), PaddedCollator()):
+        with pytest.raises(InvalidInput, match="submit_many got 0 items"):
+            inspect_payload(collator, [], True)
+    with pytest.raises(InvalidInput, match="an empty dict"):
+        inspect_payload(DictCollator(), {}, True)
+
+
+def test_torch_collation_refuses_what_is_not_a_tensor_at_submit() -> None:
+    """Was: a NumPy item got its own group and failed in torch.stack, reported as "the
+    model raised" although the model never saw it."""
+    import torch
+
+    collator = TorchCollator()
+    assert inspect_payload(collator, torch.ones(3), False)[0] == 1
+    with pytest.raises(InvalidInput, match=r"collate='torch' takes torch.Tensor items"):
+        inspect_payload(collator, np.ones(3, np.float32), False)
 
 
 @pytest.mark.parametrize(

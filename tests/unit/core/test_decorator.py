@@ -310,3 +310,26 @@ def test_batched_decorator_refuses_a_device_string_that_is_not_a_list() -> None:
     with pytest.raises(ConfigError) as caught:
         carpool.batched(devices="cuda:0")(_double)  # type: ignore[arg-type]
     assert caught.value.field == "devices"
+
+
+async def test_stop_with_a_timeout_and_cut_off_work_on_the_decorated_function() -> None:
+    """docs/core.md's lifecycle, on the decorated object itself: stop(timeout_s=) was a
+    TypeError and cut_off() did not exist there."""
+    entered, release = threading.Event(), threading.Event()
+
+    @carpool.batched(max_batch_size=1, max_delay_s=0.0)
+    def held(batch: list[int]) -> list[int]:
+        entered.set()
+        release.wait(SAFETY_S)
+        return batch
+
+    first = asyncio.ensure_future(held(1))
+    assert await asyncio.to_thread(entered.wait, SAFETY_S)
+    queued = asyncio.ensure_future(held(2))
+    await asyncio.sleep(0)
+    await held.stop(timeout_s=0.01)  # the held batch outlives it: the rest is cut off
+    release.set()
+    for task in (first, queued):
+        with pytest.raises(carpool.Closed):
+            await asyncio.wait_for(task, SAFETY_S)
+    assert held.cut_off() == 0  # nothing left

@@ -327,3 +327,32 @@ def test_a_cpu_this_process_may_not_run_on_is_refused_before_any_replica_starts(
 
 def affinity(batch: np.ndarray) -> np.ndarray:
     return np.full(len(batch), len(os.sched_getaffinity(0)))
+
+
+class Scaled:
+    """Two batched methods run in child processes: each call needs its own instance."""
+
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    @batched(executor="process", max_delay_s=0.001)
+    def times(self, batch: np.ndarray) -> np.ndarray:
+        return batch * self.k
+
+    @batched(executor="process", max_delay_s=0.001)
+    def plus(self, batch: np.ndarray) -> np.ndarray:
+        return batch + self.k
+
+
+async def test_a_batched_method_runs_in_a_process_on_its_own_instance() -> None:
+    """Was: the child got the function by name without its instance, and every request
+    failed with "missing 1 required positional argument". The second method starts while
+    the first's batcher sits in the instance's __dict__ (which no pickle takes)."""
+    three, five = Scaled(3.0), Scaled(5.0)
+    try:
+        np.testing.assert_array_equal(await three.times(np.ones(2)), [3.0, 3.0])
+        np.testing.assert_array_equal(await five.times(np.ones(2)), [5.0, 5.0])
+        np.testing.assert_array_equal(await three.plus(np.ones(2)), [4.0, 4.0])
+    finally:
+        for method in (three.times, five.times, three.plus):
+            await method.stop()
