@@ -64,5 +64,9 @@ def test_readme_client_examples_work_against_the_built_in_models(tmp_path: Path)
         # starts at its version line.
         start = next(i for i, line in enumerate(said) if line.startswith("carpool "))
         assert shown[:4] == said[start : start + 4], "the ready lines the README shows"
+        # Then every line it shows, in order (the addresses differ): the malloc line
+        # was missing from the README.
+        heads = [line.split()[0] for line in said[start : start + len(shown)]]
+        assert heads == [line.split()[0] for line in shown], said[start:]
     finally:
         assert served.stop() == 0, served.output()

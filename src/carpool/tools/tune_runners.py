@@ -376,13 +376,15 @@ class ServerRunner:
                 )
         if self._body is None:
             await self.connect()  # also notes the starting policy, before the first change
-        self._changed.update(changes)
         document = orjson.dumps(policy_values(changes))
         response = await self._client.post(self._path("policy"), content=document)
         self._check_access(response)
         if response.status_code == 400:
             raise ConfigError("policy", changes, response.json().get("error", "a valid policy"))
         response.raise_for_status()
+        # Only now changed: a refused POST changed nothing, and close() gives back only
+        # what was (on a 403 it said the restore failed, of a policy never touched).
+        self._changed.update(changes)
         body = self._body
         client, path = self._client, self._path("infer")
         headers = {"content-type": "application/json"}
