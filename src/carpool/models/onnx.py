@@ -8,6 +8,7 @@ dimensions become ``-1``, and the first (batch) dimension is dropped.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,7 @@ def _session(path: str, device: str = "cpu") -> Any:
 
     if device == "cpu":
         providers: list[Any] = ["CPUExecutionProvider"]
-    elif device.startswith("cuda"):
+    elif re.fullmatch(r"cuda(:[0-9]+)?", device, re.ASCII):  # "cuda:x" was a ValueError
         _, _, index = device.partition(":")
         providers = [("CUDAExecutionProvider", {"device_id": int(index or 0)})]
         if "CUDAExecutionProvider" not in ort.get_available_providers():

@@ -137,7 +137,19 @@ class TorchRunner:
         if tensor.dtype == self._torch.bfloat16:  # NumPy has no bfloat16
             tensor = tensor.float()
         array: np.ndarray = tensor.numpy()
-        return array if dtype is None else array.astype(dtype, copy=False)
+        if dtype is None or not _casts_losslessly_in_kind(array.dtype, dtype):
+            return array  # the output check refuses it, naming both (500, not truncated)
+        return array.astype(dtype, copy=False)
+
+
+def _casts_losslessly_in_kind(have: np.dtype[Any], declared: np.dtype[Any]) -> bool:
+    """Whether values of ``have`` keep their kind as ``declared``: floats never go to a
+    declared integer or BOOL (1.5 became 1 on the wire, 0.3 became true)."""
+    if declared.kind == "b":
+        return have.kind == "b"
+    if declared.kind in "iu":
+        return have.kind in "iub"
+    return True
 
 
 def _check_arity(module: Any, input_names: list[str], ragged: set[str]) -> None:
@@ -214,7 +226,7 @@ def _load_export(path: Path) -> Any:
     kept = _KeepRecords()
     logger.addFilter(kept)
     try:
-        return torch.export.load(str(path)).module()
+        program = torch.export.load(str(path))
     except Exception as error:
         first = next((r.exc_info[1] for r in kept.records if r.exc_info), None)
         if first is None:
@@ -225,6 +237,29 @@ def _load_export(path: Path) -> Any:
         for record in kept.records:
             if not record.exc_info:  # a deprecation note on a file that loaded: let it out
                 logger.handle(record)
+    _check_batch_dim(program, path)
+    return program.module()
+
+
+def _check_batch_dim(program: Any, path: Path) -> None:
+    """Refuse a program exported for one batch size: it would fail every batch of another
+    size (a guard's AssertionError, a 500) depending on what a request was batched with.
+
+    Raises:
+        ConfigError: on field ``source``, naming the input and its size.
+    """
+    inputs = set(program.graph_signature.user_inputs)
+    for node in program.graph.nodes:
+        value = node.meta.get("val") if node.op == "placeholder" else None
+        shape = getattr(value, "shape", None)
+        if node.name in inputs and shape is not None and len(shape) and isinstance(shape[0], int):
+            raise ConfigError(
+                "source",
+                str(path),
+                f"a program exported with a dynamic batch dimension (input {node.name!r} "
+                f"takes batches of exactly {shape[0]}): export with dynamic_shapes="
+                f"{{{node.name!r}: {{0: torch.export.Dim('batch')}}}}",
+            )
 
 
 def torch_device(device: str) -> Any:
@@ -249,6 +284,13 @@ def torch_device(device: str) -> Any:
                 "device",
                 device,
                 f"cpu or cuda:0..cuda:{count - 1}" if count else "cpu: torch sees no CUDA device",
+            )
+    elif parsed.type != "cpu":  # mps, xpu, ...: a traceback at load, when not built in
+        backend = getattr(torch, parsed.type, None)
+        is_available = getattr(backend, "is_available", None)
+        if not (callable(is_available) and is_available()):
+            raise ConfigError(
+                "device", device, f"cpu or cuda[:N]: this torch has no {parsed.type} device"
             )
     return parsed
 
@@ -356,6 +398,8 @@ def load_module(source: str, device: str = "cpu") -> Any:
             if path.suffix == ".pt2":
                 return _load_export(path)
             return torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
+    except ConfigError:
+        raise
     except Exception as error:  # a corrupt or foreign file: say which and why
         what = "a torch.export .pt2" if path.suffix == ".pt2" else "a TorchScript"
         reason = _misnamed(path) or f"{type(error).__name__}: {str(error).split(_MINIZ_NOTE)[0]}"
@@ -378,7 +422,9 @@ def _misnamed(path: Path) -> str | None:
         return None
     if "archive_format" in names:
         return None if path.suffix == ".pt2" else "it is a torch.export program: name it .pt2"
-    if "constants.pkl" in names:
+    if "constants.pkl" in names:  # in a .pt it is what its suffix says: not misnamed
+        if path.suffix != ".pt2":
+            return None
         return "it is a TorchScript file: name it .pt, only .pt2 is read as torch.export"
     if "data.pkl" in names:
         return (

@@ -179,6 +179,24 @@ def test_torch_runner_from_torch_export_file(
     _check_two_heads(factory("cpu"), name)
 
 
+def test_a_torch_export_file_of_one_batch_size_is_refused_naming_the_input(
+    make_module: Callable[[str], str], tmp_path: Path
+) -> None:
+    """Was: loaded, then a batch of any other size failed (a guard's AssertionError, 500),
+    so a request succeeded or failed by what it was batched with."""
+    import torch
+
+    name = make_module(TORCH_MODULE)
+    exported = torch.export.export(
+        importlib.import_module(name).build().eval(), (torch.from_numpy(X), torch.ones(3, 3))
+    )
+    path = tmp_path / "fixed_batch.pt2"
+    torch.export.save(exported, str(path))
+    factory = torch_factory(str(path), input_names=["x", "y"], output_names=["sum", "total"])
+    with pytest.raises(ConfigError, match=r"input 'x' takes batches of exactly 3"):
+        factory("cpu")
+
+
 def test_torch_export_file_loads_on_several_replica_threads_at_once(
     make_module: Callable[[str], str], tmp_path: Path
 ) -> None:
@@ -260,6 +278,28 @@ def test_torch_runner_casts_to_dtype_and_back_to_declared_outputs(
     )
     out = runner({"x": X, "y": np.ones((3, 3), dtype=np.float32)})
     assert (out["sum"].dtype, out["total"].dtype) == (np.float32, np.float64)
+
+
+def test_torch_runner_leaves_floats_for_a_declared_integer_or_bool_to_the_output_check(
+    make_module: Callable[[str], str],
+) -> None:
+    """Was: cast to the declared dtype first (1.5 became 1, 0.3 became true), so the output
+    check that refuses it for every other kind (500, docs/server.md) never saw the floats.
+    Integers for a declared float, or a narrower integer, are still cast."""
+    from carpool.server.outputs import OutputMismatch, check_outputs
+    from carpool.server.repository import TensorSpec
+
+    name = make_module(TORCH_MODULE)
+    out = TorchRunner(
+        load_module(f"{name}:build"),
+        input_names=["x", "y"],
+        output_names=["sum", "total"],
+        output_dtypes=[np.dtype(np.int64), np.dtype(np.bool_)],
+    )({"x": X, "y": np.full((3, 3), 0.5, dtype=np.float32)})
+    assert out["sum"].dtype.kind == "f" and out["total"].dtype.kind == "f"
+    specs = (TensorSpec("sum", "INT64", (3,)), TensorSpec("total", "BOOL", ()))
+    with pytest.raises(OutputMismatch, match="cannot carry without losing values"):
+        check_outputs(out, specs)
 
 
 def test_torch_runner_rejects_a_wrong_number_of_outputs(
@@ -620,6 +660,49 @@ def test_a_torch_device_that_is_not_one_exits_2_naming_the_models_key(
     )
     line = _one_line(_serve(config))
     assert "models[0].device='gpu'" in line
+
+
+@JIT_LOAD_IS_DEPRECATED
+@pytest.mark.parametrize("device", ["mps", "xpu"])
+def test_an_accelerator_this_torch_lacks_exits_2_naming_the_models_key(
+    make_module: Callable[[str], str], tmp_path: Path, device: str
+) -> None:
+    """Was: a traceback (torch's RuntimeError or AssertionError when the module moved)
+    and exit 1; with a TorchScript .pt, a message blaming the file's name."""
+    import torch
+
+    if getattr(getattr(torch, device, None), "is_available", lambda: False)():
+        pytest.skip(f"this torch has a {device} device: the config is valid here")
+    name = make_module(
+        """
+        import torch
+
+        def build():
+            return torch.nn.Linear(4, 4)
+        """
+    )
+    scripted = tmp_path / "linear.pt"
+    with warnings.catch_warnings():  # TorchScript is deprecated; writing one is test setup
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(torch.jit.script(torch.nn.Linear(4, 4)), str(scripted))
+    for source in (f"{name}:build", str(scripted)):
+        config = tmp_path / "serve.yaml"
+        config.write_text(
+            f"models:\n  - name: m\n    kind: torch\n    source: {source}\n"
+            f"    device: {device}\n{IO}"
+        )
+        line = _one_line(_serve(config))
+        assert f"models[0].device='{device}'" in line and f"no {device} device" in line
+
+
+def test_an_onnx_cuda_device_with_a_bad_index_exits_2_naming_the_models_key(
+    tmp_path: Path,
+) -> None:
+    """Was: int("x") raised ValueError, a traceback and exit 1."""
+    from carpool.models.onnx import _session
+
+    with pytest.raises(ConfigError, match=r"invalid device='cuda:x': expected cpu or cuda\[:N\]"):
+        _session(str(tmp_path / "unused.onnx"), "cuda:x")
 
 
 def test_a_cuda_device_torch_cannot_use_exits_2_naming_the_models_key(
