@@ -76,7 +76,7 @@ class TorchRunner:
         self._copies = CudaCopies(self.device) if on_cuda else None
         self.graphs = None
         if cuda_graphs and (not on_cuda or ragged_inputs):
-            log.info("cuda_graphs: true needs a CUDA device and no ragged input; runs eagerly")
+            log.warning("cuda_graphs: true needs a CUDA device and no ragged input; runs eagerly")
         elif cuda_graphs:
             self.graphs = CudaGraphs(module, cuda_graphs, self.device)
 

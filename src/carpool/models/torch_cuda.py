@@ -81,7 +81,7 @@ def autocast_dtype(enabled: bool, device: Any, weights_dtype: Any) -> Any:
     if not enabled:
         return None
     if device.type != "cuda":
-        log.info("autocast: true needs a CUDA device; %s runs in its own precision", device)
+        log.warning("autocast: true needs a CUDA device; %s runs in its own precision", device)
         return None
     if weights_dtype is not None and weights_dtype != torch.float32:
         log.info("autocast: true ignored: the weights already are %s", weights_dtype)

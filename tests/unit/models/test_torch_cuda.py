@@ -51,7 +51,7 @@ def test_padding_is_counted_per_graph_batch():
 
 
 def test_autocast_on_a_cpu_falls_back_with_a_log_line(caplog):
-    with caplog.at_level(logging.INFO, logger="carpool.models.torch"):
+    with caplog.at_level(logging.WARNING, logger="carpool.models.torch"):  # seen by default
         assert autocast_dtype(True, torch.device("cpu"), None) is None
     assert "needs a CUDA device" in caplog.text
     assert autocast_dtype(False, torch.device("cuda"), None) is None
@@ -62,7 +62,7 @@ def test_autocast_on_a_cpu_falls_back_with_a_log_line(caplog):
 def test_gpu_options_on_a_cpu_runner_log_and_run_eagerly(caplog):
     x = np.random.default_rng(0).standard_normal((5, 256), dtype=np.float32)
     plain = TorchRunner(build_w1(), input_names=["x"], output_names=["y"])
-    with caplog.at_level(logging.INFO, logger="carpool.models.torch"):
+    with caplog.at_level(logging.WARNING, logger="carpool.models.torch"):  # seen by default
         runner = TorchRunner(
             build_w1(), input_names=["x"], output_names=["y"], autocast=True, cuda_graphs=(4, 8)
         )
