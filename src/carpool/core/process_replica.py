@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import copy
+import copyreg
 import dataclasses
 import functools
 import importlib
@@ -95,6 +95,11 @@ class FunctionRef:
     args: tuple[Any, ...] = ()
     keywords: tuple[tuple[str, Any], ...] = ()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The instance a method is called on, without the batchers it holds by now
+        args = tuple(_detached(arg) for arg in self.args)
+        return FunctionRef, (self.module, self.qualname, args, self.keywords)
+
     def __call__(self, device: str) -> BatchFn:
         found: Any = importlib.import_module(self.module)
         for part in self.qualname.split("."):
@@ -148,10 +153,20 @@ def _bound_ref(
     ref: FunctionRef, bound: functools.partial[Any], field: str, executor: str
 ) -> FunctionRef:
     """``ref`` called with what ``bound`` passes first (a method's instance), which must
-    reach the child by pickle too."""
-    args = tuple(_without_batchers(arg) for arg in bound.args)
+    reach the child by pickle too: its ``__dict__`` as pickle takes it by default, less the
+    batchers (:func:`_detached`)."""
+    for arg in bound.args:
+        if hasattr(arg, "__dict__") and not _pickles_its_dict(type(arg)):
+            raise ConfigError(
+                field,
+                bound,
+                f"for executor={executor!r} on a method, an instance whose class pickles "
+                f"its __dict__ as Python does by default ({type(arg).__name__} defines "
+                "__reduce__, __getstate__ or __slots__; the child process calls the method "
+                "on a copy of the instance, without the batchers kept in it)",
+            )
     try:
-        pickle.dumps((args, bound.keywords))
+        pickle.dumps((*(_detached(arg) for arg in bound.args), bound.keywords))
     except Exception as exc:
         raise ConfigError(
             field,
@@ -159,22 +174,54 @@ def _bound_ref(
             f"for executor={executor!r} on a method, an instance that pickles (the child "
             f"process calls the method on a copy of it; {type(exc).__name__}: {exc})",
         ) from None
-    return FunctionRef(ref.module, ref.qualname, args, tuple(bound.keywords.items()))
+    return FunctionRef(ref.module, ref.qualname, bound.args, tuple(bound.keywords.items()))
 
 
-def _without_batchers(arg: Any) -> Any:
-    """``arg``, or a shallow copy of it without the batchers ``@batched`` methods keep in
-    its ``__dict__`` (they hold threads and the method itself: no pickle takes them, and
-    the child has no use for them)."""
+def _pickles_its_dict(cls: type) -> bool:
+    """Whether pickle takes an instance of ``cls`` as its ``__dict__``, as for a plain
+    class: what :func:`_detached` rebuilds."""
+    klass: Any = cls
+    plain = (
+        klass.__reduce_ex__ is object.__reduce_ex__
+        and klass.__reduce__ is object.__reduce__
+        and klass.__getstate__ is object.__getstate__
+    )
+    return plain and not any("__slots__" in vars(klass) for klass in cls.__mro__)
+
+
+def _detached(arg: Any) -> Any:
+    """What pickles ``arg`` as it is, less the batchers ``@batched`` methods keep in its
+    ``__dict__`` (they hold threads and the method itself: no pickle takes them, and the
+    child has no use for them); ``arg`` itself is not touched. Asked when pickled, not when
+    the reference is made: the batcher is stored in the instance after its source is."""
     state = getattr(arg, "__dict__", None)
     if not isinstance(state, dict) or not any(
         isinstance(k, str) and k.startswith(BATCHED_ATTRIBUTE) for k in state
     ):
         return arg
-    clone = copy.copy(arg)
-    for key in [k for k in vars(clone) if isinstance(k, str) and k.startswith(BATCHED_ATTRIBUTE)]:
-        del vars(clone)[key]
-    return clone
+    kept = {
+        k: v
+        for k, v in state.items()
+        if not (isinstance(k, str) and k.startswith(BATCHED_ATTRIBUTE))
+    }
+    return _Detached(type(arg), kept)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Detached:
+    """An instance of ``cls`` with ``state`` as its ``__dict__``, once unpickled."""
+
+    cls: type
+    state: dict[str, Any]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuilt, (self.cls, self.state)
+
+
+def _rebuilt(cls: type[Any], state: dict[str, Any]) -> Any:
+    instance = copyreg.__newobj__(cls)  # type: ignore[attr-defined]  # as pickle does
+    instance.__dict__.update(state)
+    return instance
 
 
 def check_replica_cpus(replica_cpus: object, num_replicas: int) -> list[list[int]] | None:

@@ -45,7 +45,9 @@ from carpool.server.repository import ModelRepository
 AnyTrace = RequestTrace | GenerationTrace
 Listener = Callable[[str, AnyTrace], None]  # (model name, its request's trace)
 MAX_CAPTURE_S = 300.0
-_DECIMAL = re.compile(r"[+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", re.ASCII)
+# One way to match each text (a backtracking pattern took seconds on a long run of digits)
+_DECIMAL = re.compile(r"\+?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?", re.ASCII)
+_MAX_NUMBER_CHARS = 32  # past it, not a number of seconds anyone means
 MAX_CAPTURED = 200_000  # timelines one capture keeps; later ones are counted as dropped
 _MOMENTS = (
     "arrived_s", "batch_closed_s", "compute_started_s", "compute_ended_s", "answered_s",
@@ -128,7 +130,8 @@ def capture_seconds(query: bytes) -> float:
     # number (float() also takes "1_0" and Unicode spaces around it)
     values = parse_qs(query.decode("latin-1"), keep_blank_values=True).get("seconds", ["10"])
     text = values[-1]
-    seconds = float(text) if _DECIMAL.fullmatch(text) else math.nan
+    is_number = len(text) <= _MAX_NUMBER_CHARS and _DECIMAL.fullmatch(text) is not None
+    seconds = float(text) if is_number else math.nan
     if not 0 < seconds <= MAX_CAPTURE_S:
         raise InvalidInput(
             f"/v2/timelines?seconds={values[-1]}: expected seconds to capture, a number "

@@ -403,6 +403,7 @@ _FLAGS = {
     "shape": "--shape", "dtype": "--dtype", "max_batch": "--max-batch", "rtol": "--rtol",
     "repeats": "--repeats", "warmup": "--warmup", "lengths": "--lengths",
     "pad_axis": "--pad-axis", "knee_gain": "--knee-gain", "num_probes": "--probes",
+    "memory_budget_bytes": "--memory-budget-mb",
 }  # fmt: skip
 
 

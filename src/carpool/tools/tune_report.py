@@ -390,8 +390,16 @@ def base_entry(path: str | Path, name: str | None = None) -> dict[str, Any]:
 
 def base_document(path: str | Path) -> dict[str, Any]:
     """A whole serve config as :func:`recommended_config` builds on it: validated, its
-    sources absolute (the recommendation may be written to another folder)."""
-    return load_config(path).model_dump(exclude_defaults=True)
+    file sources and label files absolute (the recommendation may be written to another
+    folder)."""
+    document = load_config(path).model_dump(exclude_defaults=True)
+    folder = Path(path).resolve().parent
+    for model in document["models"]:
+        for tensor in model.get("outputs", ()):
+            labels = tensor.get("label_filename")
+            if labels is not None and not Path(labels).is_absolute():
+                tensor["label_filename"] = str(folder / labels)
+    return document
 
 
 def recommended_config(

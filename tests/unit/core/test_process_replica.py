@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
 import os
 import signal
@@ -356,3 +357,38 @@ async def test_a_batched_method_runs_in_a_process_on_its_own_instance() -> None:
     finally:
         for method in (three.times, five.times, three.plus):
             await method.stop()
+
+
+def test_a_methods_reference_pickles_its_instance_without_the_batchers_it_holds_later() -> None:
+    """Ray pickles the reference when its actor starts, after the instance stored its
+    batcher (the reference held the live instance, and Ray's pickle met a lock); and the
+    instance itself keeps its batcher (a copy that shared its __dict__ lost it, and each
+    call then started another child)."""
+    import pickle
+
+    from carpool.core.process_replica import BATCHED_ATTRIBUTE, process_source
+
+    scaled = Scaled(7.0)
+    bound = functools.partial(Scaled.__dict__["times"]._fn, scaled)
+    _, ref = process_source(bound, None)
+    scaled.__dict__[f"{BATCHED_ATTRIBUTE}times"] = threading.Lock()  # as __get__ does next
+    copy = pickle.loads(pickle.dumps(ref)).args[0]
+    assert type(copy) is Scaled and vars(copy) == {"k": 7.0}
+    assert f"{BATCHED_ATTRIBUTE}times" in vars(scaled)
+
+
+class Stated:
+    def __init__(self) -> None:
+        self.k = 1.0
+
+    def __getstate__(self) -> dict[str, float]:
+        return {"k": self.k}
+
+    @batched(executor="process")
+    def times(self, batch: np.ndarray) -> np.ndarray:
+        return batch * self.k
+
+
+def test_a_method_of_a_class_with_its_own_pickling_is_refused_saying_why() -> None:
+    with pytest.raises(ConfigError, match="defines __reduce__, __getstate__ or __slots__"):
+        Stated().times.batcher  # noqa: B018 - built on first access

@@ -195,7 +195,7 @@ def test_cli_strict_exits_1_when_invariance_fails(doctormodels: Any) -> None:
 @pytest.mark.parametrize(
     "extra",
     [
-        *(["--memory-budget-mb", v] for v in ("-1", "0", "nan", "inf")),
+        *(["--memory-budget-mb", v] for v in ("-1", "0", "nan", "inf", "1e-9")),
         ["--knee-gain", "nan"],  # was taken: "grows by >= nanx per doubling"
         ["--knee-gain", "1"],
         ["--probes", "0"],  # was named num_probes

@@ -116,6 +116,13 @@ def test_recommended_config_takes_a_base_entry_and_refuses_an_invalid_one(tmp_pa
     assert preempting["preempt"] is True and preempting["buffer_pool"] is False
     with pytest.raises(ConfigError, match="invalid --model="):
         base_entry(base, "nope")
+    labelled = tmp_path / "labelled.yaml"
+    labels_entry = {**ENTRY, "name": "other"}
+    labels_entry["outputs"] = [{**ENTRY["outputs"][0], "label_filename": "labels.txt"}]
+    (tmp_path / "labels.txt").write_text("a\nb\n")
+    write_config({"models": [labels_entry]}, labelled, [])
+    (labels_doc,) = base_document(labelled)["models"]
+    assert labels_doc["outputs"][0]["label_filename"] == str(tmp_path / "labels.txt")
     whole = recommended_config(entry, {"max_batch_size": 8}, base_document(base))
     assert [m["name"] for m in whole["models"]] == ["mlp", "other"]
     assert whole["models"][0]["max_batch_size"] == 8 and whole["models"][0]["timeout_s"] == 1.0
