@@ -22,9 +22,10 @@ from carpool.core.clock import Clock, MonotonicClock
 from carpool.core.collate import Collator
 from carpool.core.dispatch import Dispatcher
 from carpool.core.lifecycle import Lifecycle, State
+from carpool.core.model_source import process_source
 from carpool.core.options import check_options
 from carpool.core.policy import BatchPolicy, ClassLimits
-from carpool.core.process_replica import check_replica_cpus, process_source
+from carpool.core.process_replica import check_replica_cpus
 from carpool.core.queue_time import check_queue_time, predict_wait_s
 from carpool.core.queues import Queues
 from carpool.core.ray_replica import ray_replica_maker

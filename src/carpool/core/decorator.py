@@ -10,8 +10,8 @@ from carpool.core.batcher import Batcher
 from carpool.core.buffer_pool import DEFAULT_BUFFER_POOL_MB
 from carpool.core.clock import Clock
 from carpool.core.collate import Collator
+from carpool.core.model_source import BATCHED_ATTRIBUTE
 from carpool.core.policy import DEFAULT_CLASS, DEFAULT_CLASSES, BatchPolicy, ClassPolicy, CostFn
-from carpool.core.process_replica import BATCHED_ATTRIBUTE
 from carpool.core.replicas import BatchFn
 from carpool.core.telemetry import MemoryProbe, TelemetrySnapshot, TraceHook
 

@@ -57,8 +57,9 @@ from carpool.core.batch_times import BatchTimes
 from carpool.core.clock import Clock, TimerHandle
 from carpool.core.idle import BusyTime, IdleReplicas, wake
 from carpool.core.model_call import Cancels, ModelCall, RunOutput
+from carpool.core.model_source import process_source
 from carpool.core.preempt import Preemptions
-from carpool.core.process_replica import process_replicas, process_source
+from carpool.core.process_replica import process_replicas
 from carpool.core.queues import Queues
 from carpool.core.replicas import (
     BatchFn,

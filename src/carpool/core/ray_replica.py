@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from carpool.core.model_call import ModelCall, RunOutput
-from carpool.core.process_replica import ModelSource, build_from_source, process_source
+from carpool.core.model_source import ModelSource, build_from_source, process_source
 from carpool.core.ray_cluster import (
     DEFAULT_MAX_RESTARTS,
     RayOptions,

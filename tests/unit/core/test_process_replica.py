@@ -366,7 +366,7 @@ def test_a_methods_reference_pickles_its_instance_without_the_batchers_it_holds_
     call then started another child)."""
     import pickle
 
-    from carpool.core.process_replica import BATCHED_ATTRIBUTE, process_source
+    from carpool.core.model_source import BATCHED_ATTRIBUTE, process_source
 
     scaled = Scaled(7.0)
     bound = functools.partial(Scaled.__dict__["times"]._fn, scaled)
