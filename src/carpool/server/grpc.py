@@ -35,6 +35,7 @@ from carpool.server.errors import (
     DEFAULT_MAX_REQUEST_BYTES,
     NotFound,
     PortInUse,
+    echo,
     error_message,
     grpc_status,
 )
@@ -71,9 +72,9 @@ MAX_RESPONSE_BYTES = 2**31 - 1
 # keep answers for as long as it sent (700 MB of RSS in 25 s). Several batches' worth, so
 # that one busy stream still fills batches while its earlier answers go out.
 MAX_STREAM_UNANSWERED = 256
-# A status's details, in UTF-8 bytes: percent-encoded, at most three times that in the
-# trailers, under the 8 KiB a client takes without complaint (_details).
-MAX_DETAILS_BYTES = 2048
+# A status's details, in characters: at most 4 bytes each in UTF-8, each byte outside
+# printable ASCII three once percent-encoded, so under the 8 KiB a client takes (_details).
+MAX_DETAILS_CHARS = 640
 
 
 class InferenceServicer:
@@ -292,17 +293,12 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) ->
 
 
 def _details(exc: Exception) -> str:
-    """``exc``'s message as a status's details, at most :data:`MAX_DETAILS_BYTES` in
-    UTF-8. The details travel percent-encoded in the trailers (a byte outside printable
-    ASCII takes three), and past the client's metadata limit (grpc's 8 KiB soft, 16 KiB
-    hard) the client gets RESOURCE_EXHAUSTED instead: an error repeating a long string
-    the client sent would lose its status and its message."""
-    message = error_message(exc)
-    data = message.encode("utf-8")
-    if len(data) <= MAX_DETAILS_BYTES:
-        return message
-    kept = data[:MAX_DETAILS_BYTES].decode("utf-8", errors="ignore")
-    return f"{kept}... (cut: {len(message)} characters)"
+    """``exc``'s message as a status's details, cut (:func:`echo`) to
+    :data:`MAX_DETAILS_CHARS`. The details travel percent-encoded in the trailers, and past
+    the client's metadata limit (grpc's 8 KiB soft, 16 KiB hard) the client gets
+    RESOURCE_EXHAUSTED instead: an error repeating a long string the client sent would
+    lose its status and its message."""
+    return echo(error_message(exc), MAX_DETAILS_CHARS)
 
 
 async def start_grpc_server(repository: ModelRepository, host: str, port: int) -> grpc.aio.Server:
