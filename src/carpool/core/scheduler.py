@@ -10,7 +10,8 @@ no threads, time passed in. That keeps every rule testable with a fake clock:
    the time it ages is reported, so a free replica looks again then). A busy replica may
    queue a full batch of its running batch's class behind it: that takes no new replica.
 3. A batch is planned FIFO from the class, then (``fill_from_lower``) from lower classes,
-   stopping at the first request that would break ``max_batch_size`` or ``max_batch_cost``.
+   stopping at the first request that would break ``max_batch_size``, ``max_batch_cost``
+   or ``max_batch_tokens``, or once one of them is reached (then it is full).
 4. It is closed now if it is full, if the oldest request's ``max_delay_s`` has expired,
    if its class is aged, if the batcher is draining, or if a preferred size can be
    filled exactly (then the largest such). Otherwise the earliest expiry among classes
@@ -247,7 +248,11 @@ class Scheduler:
                 plan.num_tokens += request.num_tokens
                 plan.max_length = max(plan.max_length, request.length)
                 taken += 1
-                if not fits or plan.num_items == max_items:
+                if (
+                    not fits
+                    or plan.num_items == max_items
+                    or self._at_budget(plan, max_cost, max_tokens)
+                ):
                     plan.is_full = True
                     break
             if taken:
@@ -266,6 +271,17 @@ class Scheduler:
                 return float(plan.num_items * plan.max_length)
             return float(plan.num_tokens)
         return plan.cost if unit == UNIT_COST else float(plan.num_items)
+
+    def _at_budget(self, plan: _Plan, max_cost: float | None, max_tokens: float | None) -> bool:
+        """Whether the plan has reached its cost or token budget: no request that costs
+        anything fits any more, so it is as full as one at ``max_batch_size`` and goes
+        without waiting out its window."""
+        if max_cost is not None and plan.cost >= max_cost:
+            return True
+        if max_tokens is None:
+            return False
+        tokens = plan.num_items * plan.max_length if self.padded_cost else plan.num_tokens
+        return tokens >= max_tokens
 
     def _tokens_with(self, plan: _Plan, request: Request) -> int:
         """The batch's tokens if ``request`` joined it."""

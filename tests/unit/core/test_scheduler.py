@@ -209,6 +209,34 @@ async def test_closes_at_once_when_next_request_would_break_max_batch_cost() -> 
     assert batch.cost == 9.0
 
 
+@pytest.mark.parametrize("costs", [[10.0], [6.0, 4.0]])
+async def test_a_batch_that_reaches_max_batch_cost_closes_at_once(costs: list[float]) -> None:
+    """At its cost budget no request that costs anything fits: the batch is full, as one
+    at max_batch_size is, and does not wait out its window for company."""
+    h = await _harness(max_batch_size=8, max_delay_s=10.0, max_batch_cost=10.0)
+    added = [h.add(cost=c) for c in costs]
+    assert _batch(h.decide(0.0)).requests == added
+
+
+async def test_a_batch_under_max_batch_cost_still_waits_for_its_window() -> None:
+    h = await _harness(max_batch_size=8, max_delay_s=10.0, max_batch_cost=10.0)
+    h.add(cost=9.0)
+    assert h.decide(0.0).batch is None
+
+
+@pytest.mark.parametrize(("padded", "lengths"), [(False, (6, 4)), (True, (5, 3))])
+async def test_a_batch_that_reaches_max_batch_tokens_closes_at_once(
+    padded: bool, lengths: tuple[int, int]
+) -> None:
+    """Packed, 6 + 4 tokens reach a budget of 10; padded, 5 and 3 do (2 x 5)."""
+    h = await _harness(max_batch_size=8, max_delay_s=10.0, max_batch_tokens=10)
+    h.scheduler.padded_cost = padded
+    first = h.add(length=lengths[0])
+    assert h.decide(0.0).batch is None  # under the budget: it waits for company
+    second = h.add(length=lengths[1])
+    assert _batch(h.decide(0.0)).requests == [first, second]
+
+
 async def test_stops_at_first_request_that_does_not_fit_rather_than_skipping_it() -> None:
     h = await _harness(max_batch_size=4, max_delay_s=0.0)
     a = h.add(num_items=2)
@@ -786,8 +814,9 @@ def _sources(h: Harness, lead: str) -> list[str]:
 
 def _reference_plan(h: Harness, pre: Pre, lead: str) -> tuple[list[Request], bool]:
     """Rule 3 of the scheduler: FIFO from ``lead`` then lower classes, stopping at the
-    first request that would break a limit. The first request always goes (a request
-    larger than a lowered out-of-memory cap runs alone). Returns (plan, is_full)."""
+    first request that would break a limit, or once a limit is reached (full). The first
+    request always goes (a request larger than a lowered out-of-memory cap runs alone).
+    Returns (plan, is_full)."""
     max_items = _max_items(h, lead, pre.max_items_cap)
     max_cost = h.policy.max_batch_cost
     plan: list[Request] = []
@@ -805,7 +834,7 @@ def _reference_plan(h: Harness, pre: Pre, lead: str) -> tuple[list[Request], boo
             plan.append(request)
             num_items += request.num_items
             cost += request.cost
-            if num_items >= max_items:
+            if num_items >= max_items or (max_cost is not None and cost >= max_cost):
                 return plan, True
     return plan, False
 
