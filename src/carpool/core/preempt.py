@@ -44,15 +44,24 @@ class Preemptions:
         wake_at_s: float | None,
     ) -> None:
         """Until ``landing`` is done, a request of a class above ``rank`` is queued, or
-        ``wake_at_s`` (a higher class's delay runs out)."""
+        ``wake_at_s`` (a higher class's delay runs out). Then the gate is held, as
+        :meth:`note_queued` holds it, so that the lower batch stops at its next step: the
+        loop takes a few turns to run this replica's task again, and a model in steps on
+        the loop would take a step at each (a 5 ms window came due four steps late)."""
         woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting[replica_id] = (rank, woken, gate)
         timer = None
         if wake_at_s is not None:
-            timer = self._clock.call_at(wake_at_s, functools.partial(wake, woken))
+            timer = self._clock.call_at(wake_at_s, functools.partial(_due, gate, rank, woken))
         try:
             await asyncio.wait((landing, woken), return_when=asyncio.FIRST_COMPLETED)
         finally:
             del self._waiting[replica_id]
             if timer is not None:
                 timer.cancel()
+
+
+def _due(gate: StepGate, rank: int, woken: asyncio.Future[None]) -> None:
+    """A higher class's delay ran out: calls of ``rank`` wait from their next step."""
+    gate.hold(rank - 1)
+    wake(woken)

@@ -42,3 +42,17 @@ async def test_a_delay_that_runs_out_wakes_the_replica() -> None:
         preemptions.wait(0, 2, StepGate(), landing, wake_at_s=started + 0.01), 1.0
     )
     assert clock.now() - started >= 0.009 and not landing.done()
+
+
+async def test_a_delay_that_runs_out_holds_the_gate_at_once() -> None:
+    """The lower batch stops at its next step when the higher class's window ends, not
+    at the steps it would take while the replica's task gets to run again."""
+    clock = MonotonicClock()
+    preemptions = Preemptions(clock)
+    gate = StepGate()
+    gate.enter(2)  # the lower batch's call in progress
+    landing: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    await asyncio.wait_for(preemptions.wait(0, 2, gate, landing, wake_at_s=clock.now() + 0.01), 1.0)
+    assert gate.most_urgent(2) < 2  # the rank-2 call waits at its next step
+    gate.release()
+    assert gate.most_urgent(2) == 2

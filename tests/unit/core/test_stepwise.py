@@ -17,6 +17,8 @@ import pytest
 from carpool import Batcher, BatchPolicy
 from carpool.core.stepwise import TURN_EVERY_S, StepGate, is_steps, run_on_loop, run_to_end
 
+from .conftest import until
+
 REPOSITORY_ROOT = str(Path(__file__).resolve().parents[3])
 
 
@@ -256,3 +258,44 @@ async def test_a_higher_class_runs_between_the_steps_of_a_lower_class_batch(
     else:
         assert model.events[:2] == ["background starts", "background ends"]
         assert answered[-1] == "interactive"
+
+
+class StepCounter:
+    """A model in steps counting the steps taken by every batch (5 ms of blocking work
+    each, thirty of them) and noting how many had been taken when each batch started."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.started_at: dict[str, int] = {}
+
+    def __call__(self, batch: np.ndarray) -> Generator[None, None, np.ndarray]:
+        name = "background" if batch[0, 0] < 0 else "interactive"
+        self.started_at[name] = self.steps
+        for _ in range(30 if name == "background" else 1):
+            time.sleep(0.005)
+            self.steps += 1
+            yield
+        return batch * 2
+
+
+async def test_a_higher_class_window_that_runs_out_preempts_at_the_next_step() -> None:
+    """An interactive request with a 10 ms window starts after about two 5 ms steps of the
+    background batch (the window) and the one in progress, not several steps later."""
+    model = StepCounter()
+    policy = BatchPolicy(max_batch_size=4, max_delay_s=0.01, preempt=True)
+    batcher = Batcher(model, policy, executor="loop", switch_interval_s=None)
+    async with batcher:
+        background = [
+            asyncio.ensure_future(
+                batcher.submit(np.array([-1.0], np.float32), priority="background")
+            )
+            for _ in range(4)
+        ]
+        await until(lambda: "background" in model.started_at)
+        submitted_at = model.steps
+        await batcher.submit(np.array([1.0], np.float32), priority="interactive")
+        await asyncio.gather(*background)
+    # Each step takes at least 5 ms, so at most two end within the window; one more may be
+    # in progress when it ends. Without the gate held then, the loop's turns to wake the
+    # replica's task let the background batch take about four more.
+    assert model.started_at["interactive"] - submitted_at <= 4
