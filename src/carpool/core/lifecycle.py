@@ -78,6 +78,8 @@ class Lifecycle:
                 return
             self._leave_closed_loop()  # raises if that loop is still open
         if self._starting is not None:
+            if not self._is_on_its_loop():
+                raise self._on_another_loop()  # its start is that loop's to await
             try:
                 return await asyncio.shield(self._starting)
             except asyncio.CancelledError:
@@ -129,6 +131,8 @@ class Lifecycle:
             self._state = State.STOPPED
             return
         if self._starting is not None:
+            if not self._is_on_its_loop():
+                raise self._on_another_loop()
             # A start in progress would otherwise bring the batcher up after this returns.
             await asyncio.wait({self._starting})
         if self._state in (State.NEW, State.STOPPED):
@@ -196,10 +200,7 @@ class Lifecycle:
                 its futures cannot be awaited from this one, nor its tasks stopped.
         """
         if self._loop is not None and not self._loop.is_closed():
-            raise RuntimeError(
-                f"batcher {self._name!r} runs on another event loop, which is still open; "
-                "call it from that loop, stop it there first, or make one batcher per loop"
-            )
+            raise self._on_another_loop()
         self._closing = None
         self._queues.replicas_gone()
         now = self._clock.now()
@@ -210,6 +211,12 @@ class Lifecycle:
                 self._telemetry.answered(request, Outcome.CLOSED, now)
         self._dispatch.abandon()
         self._state = State.NEW
+
+    def _on_another_loop(self) -> RuntimeError:
+        return RuntimeError(
+            f"batcher {self._name!r} runs on another event loop, which is still open; "
+            "call it from that loop, stop it there first, or make one batcher per loop"
+        )
 
     async def __aenter__(self) -> Self:
         await self.start()

@@ -417,3 +417,36 @@ def test_call_from_a_second_running_loop_is_refused_before_it_is_queued():
         thread.join(SAFETY_S)
     assert results == [2, 6]
     assert double.snapshot().classes["normal"].num_requests == 2
+
+
+def test_a_call_from_another_loop_while_the_first_loop_starts_it_is_refused_as_such():
+    """While a loop in another thread is starting the batcher, a call from this thread's
+    loop awaited that start's future and got asyncio's 'attached to a different loop'
+    instead of the batcher's own error."""
+    building, built = threading.Event(), threading.Event()
+
+    def build(device: str) -> Any:
+        building.set()
+        built.wait(SAFETY_S)
+        return lambda batch: [x * 2 for x in batch]
+
+    batcher = Batcher(
+        None, BatchPolicy(max_batch_size=4, max_delay_s=0.0), fn_factory=build, collate="list"
+    )
+    results: list[int] = []
+
+    async def owner() -> None:
+        async with batcher:
+            results.append(await batcher.submit(1))
+
+    thread = threading.Thread(target=asyncio.run, args=(owner(),))
+    thread.start()
+    try:
+        assert building.wait(SAFETY_S)
+        for call in (batcher.submit(2), batcher.start(), batcher.stop()):
+            with pytest.raises(RuntimeError, match="runs on another event loop"):
+                asyncio.run(asyncio.wait_for(call, SAFETY_S))
+    finally:
+        built.set()
+        thread.join(SAFETY_S)
+    assert results == [2]
