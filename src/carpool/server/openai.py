@@ -213,7 +213,7 @@ def _inputs(value: Any) -> tuple[list[str] | None, list[Any] | None]:
         i, item = next((i, v) for i, v in enumerate(value) if not _is_token(v))
         raise BadParam(
             "input",
-            f"input[{i}] is a {type(item).__name__}; expected a token id (an integer) like "
+            f"input[{i}] is {_not_token(item)}; expected a token id (an integer) like "
             "input[0], or every item a list of token ids",
         )
     for i, item in enumerate(value):
@@ -222,8 +222,7 @@ def _inputs(value: Any) -> tuple[list[str] | None, list[Any] | None]:
                 if not _is_token(token):
                     raise BadParam(
                         "input",
-                        f"input[{i}][{j}] is a {type(token).__name__}; expected a token id "
-                        "(an integer)",
+                        f"input[{i}][{j}] is {_not_token(token)}; expected a token id (an integer)",
                     )
         if not (isinstance(item, list) and item):
             what = "an empty list" if item == [] else f"a {type(item).__name__}"
@@ -237,6 +236,15 @@ def _inputs(value: Any) -> tuple[list[str] | None, list[Any] | None]:
 
 def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _not_token(value: Any) -> str:
+    """What a value that is no token id is, for an error: the JSON reader makes an integer
+    of 2^64 or more a float, which the client did not send, so such a number is named as
+    too large rather than as a float."""
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
+        return f"the number {value:.0f}, too large for a token id"
+    return f"a {type(value).__name__}"
 
 
 def _token_array(ids: list[int], where: str) -> np.ndarray:

@@ -15,7 +15,7 @@ from carpool.core.policy import BatchPolicy
 from carpool.server.app import KServeApp
 from carpool.server.defaults import embeddings_folder
 
-from .apps import call
+from .apps import Exchange, call
 from .test_embeddings import LONG, MODEL, _vectors, served
 
 
@@ -44,6 +44,23 @@ async def test_token_ids_past_int64_are_out_of_range_not_a_float_dtype(app):
         assert got.status == 400
         message = got.json()["error"]["message"]
         assert "float" not in message and str(2**63) in message, message
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        (b"[101, 18446744073709551616, 102]", "input[1]"),
+        (b"[[101, 102], [101, 99999999999999999999999, 102]]", "input[1][1]"),
+    ],
+)
+async def test_token_ids_of_2_to_the_64_or_more_are_too_large_not_a_float(app, raw, where):
+    """JSON's reader makes such an integer a float; the client sent an integer."""
+    body = b'{"model": "' + MODEL.encode() + b'", "input": ' + raw + b"}"
+    got = await Exchange("POST", "/v1/embeddings", body).run(app)
+    assert got.status == 400
+    message = got.json()["error"]["message"]
+    assert message.startswith(f"{where} is the number ") and "too large" in message, message
+    assert "float" not in message, message
 
 
 @pytest.mark.parametrize(
