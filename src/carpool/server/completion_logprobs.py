@@ -91,6 +91,9 @@ class LogprobsWriter:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def _text(self, token_id: int) -> str:
+        """The token's own text, special tokens included (``"</s>"``, as vLLM names them:
+        left out, every special token was ``""``, two of them one key of ``top_logprobs``,
+        and an echoed prompt's offsets went short of its text)."""
         if self._as_ids:
             return f"token_id:{token_id}"
-        return self._tokenizer.decode([token_id])
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)

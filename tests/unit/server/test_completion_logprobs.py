@@ -51,3 +51,29 @@ def test_tokens_as_ids_tell_pieces_apart() -> None:
     writer = LogprobsWriter(ByteTokenizer(), is_chat=False, tokens_as_ids=True)
     top = writer.document(FOUND[1:])["top_logprobs"][0]
     assert set(top) == {f"token_id:{t}" for t in (PIECE_1, PIECE_2, A, B)}
+
+
+class SpecialTokens(ByteTokenizer):
+    """Bytes, and BOS and EOS with text of their own ("<s>", "</s>"), as a Hugging Face
+    tokenizer's special tokens have: decoded only when not skipped."""
+
+    def decode(self, token_ids, *, skip_special_tokens=True):  # type: ignore[no-untyped-def]
+        names = {self.BOS_ID: "<s>", self.EOS_ID: "</s>"}
+        if skip_special_tokens:
+            token_ids = [t for t in token_ids if t not in names]
+        return "".join(names.get(t, chr(t)) for t in token_ids)
+
+
+def test_special_tokens_are_named_by_their_text_as_vllm_names_them() -> None:
+    """They were all "": not told apart, one key of top_logprobs, and an echoed prompt's
+    offsets short of its text."""
+    bos, eos = ByteTokenizer.BOS_ID, ByteTokenizer.EOS_ID
+    found = [TokenLogprobs(A, -0.5, ((bos, -1.0), (eos, -2.0))), TokenLogprobs(eos, -3.0, ())]
+    writer = LogprobsWriter(SpecialTokens(), is_chat=False)
+    echoed = writer.prompt_document(bos, found)
+    assert echoed["tokens"] == ["<s>", "a", "</s>"]
+    assert echoed["text_offset"] == [0, 3, 4]  # "<s>a</s>"
+    assert echoed["top_logprobs"][1] == {"a": -0.5, "<s>": -1.0, "</s>": -2.0}
+    chat = LogprobsWriter(SpecialTokens(), is_chat=True).document(found[1:])
+    assert chat["content"][0]["token"] == "</s>"
+    assert chat["content"][0]["bytes"] == list(b"</s>")
