@@ -39,12 +39,13 @@ COMPLETION_FIELDS = (*_SAMPLING, "prompt", "echo")
 CHAT_FIELDS = (*_SAMPLING, "messages", "max_completion_tokens", "top_logprobs", "echo")
 
 # Changing nothing carpool writes: user and bookkeeping fields, and vLLM's defaults
-# that carpool follows anyway.
+# that carpool follows anyway (``include_reasoning``: carpool parses no reasoning out of an
+# answer, so there is none to include or leave out).
 HARMLESS = frozenset(
     {
         "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
         "request_id", "cache_salt", "spaces_between_special_tokens", "kv_transfer_params",
-        "vllm_xargs", "mm_processor_kwargs",
+        "vllm_xargs", "mm_processor_kwargs", "include_reasoning",
     }
 )  # fmt: skip
 

@@ -9,6 +9,7 @@ import pytest
 from carpool.server.completions import prepare
 from carpool.server.openai import BadParam
 from carpool.server.openai_fields import (
+    CHAT_FIELDS,
     COMPLETION_FIELDS,
     MAX_FIELD_NAMES,
     OTHER_FIELDS,
@@ -67,4 +68,13 @@ def test_neutral_values_and_harmless_fields_pass_uncounted():
     fields = IgnoredFields(strict=True)
     doc = {"tools": [], "response_format": {"type": "text"}, "user": "u", "metadata": {}}
     fields.check({"model": MODEL, **doc}, COMPLETION_FIELDS)
+    assert fields.counts() == {}
+
+
+def test_vllms_include_reasoning_passes_strict_and_uncounted():
+    """vLLM's chat request defines it; carpool parses no reasoning, so either value
+    changes nothing it writes."""
+    fields = IgnoredFields(strict=True)
+    for value in (True, False):
+        fields.check({"model": MODEL, "include_reasoning": value}, CHAT_FIELDS)
     assert fields.counts() == {}
