@@ -322,7 +322,6 @@ class ProcessReplica(RemoteReplica):
             self._restart_wait_s = min(2 * self._restart_wait_s, RESTART_WAIT_MAX_S)
             if self._state is not ChildState.DEAD:
                 return
-            self.counters.num_restarts += 1
             try:
                 await self._spawn()
             except Exception:
@@ -331,6 +330,11 @@ class ProcessReplica(RemoteReplica):
                     self._name,
                     self.replica_id,
                 )
+                continue
+            # Counted once it is up (a start that failed restarted nothing), and the wait
+            # doubles only while starts keep failing: the next death waits the least again.
+            self.counters.num_restarts += 1
+            self._restart_wait_s = RESTART_WAIT_S
 
     def _detach(self) -> None:
         """Stop watching the child and close this side of its pipe."""

@@ -17,6 +17,7 @@ import pytest
 
 from carpool import Batcher, BatchPolicy, BatchTimeout, Closed, ConfigError, ModelError, batched
 from carpool.core.process_replica import ProcessReplica
+from carpool.core.remote_replica import RESTART_WAIT_S
 
 SLOW_MARK = 7.0  # a batch holding this value computes for SLOW_S
 SLOW_S = 0.6
@@ -80,6 +81,15 @@ def dying_factory(device: str) -> Any:
     return model
 
 
+FAIL_ENV = "CARPOOL_TEST_FAIL"  # flaky_factory fails while this file exists
+
+
+def flaky_factory(device: str) -> Any:
+    if Path(os.environ[FAIL_ENV]).exists():
+        raise RuntimeError("cannot build now")
+    return model
+
+
 @batched(executor="process", max_batch_size=4, max_delay_s=0.005)
 def decorated(batch: np.ndarray) -> np.ndarray:
     return batch + 1
@@ -89,6 +99,13 @@ def _batcher(executor: str, **kw: Any) -> Batcher:
     kw.setdefault("policy", BatchPolicy(max_batch_size=4, max_delay_s=0.005))
     kw.setdefault("num_replicas", 2)
     return Batcher(model, executor=executor, switch_interval_s=None, **kw)
+
+
+def _one_from_factory(name: str) -> Batcher:
+    """One process replica built by this module's factory ``name``."""
+    return Batcher(
+        fn_factory=f"{__name__}:{name}", executor="process", num_replicas=1, switch_interval_s=None
+    )
 
 
 def _replicas(batcher: Batcher) -> list[ProcessReplica]:
@@ -215,18 +232,43 @@ async def test_a_child_that_dies_right_after_saying_ready_fails_the_start(
     built, go = tmp_path / "built", tmp_path / "go"
     monkeypatch.setenv(BUILT_ENV, str(built))
     monkeypatch.setenv(GO_ENV, str(go))
-    batcher = Batcher(
-        fn_factory=f"{__name__}:dying_factory",
-        executor="process",
-        num_replicas=1,
-        switch_interval_s=None,
-    )
+    batcher = _one_from_factory("dying_factory")
     starting = asyncio.ensure_future(batcher.start())
     await _until(lambda: bool(multiprocessing.active_children()), 30.0)  # it is building
     go.touch()
     _hold_loop(0.5, until=built.exists)  # meanwhile it says ready, then exits 0.1 s later
     with pytest.raises(RuntimeError, match="exit code 5"):
         await asyncio.wait_for(starting, 10)
+
+
+async def test_the_restart_wait_doubles_only_while_starts_fail_and_only_starts_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Was: each death doubled the wait before the next start though every start had
+    worked (5 s of downtime by the seventh idle crash), and each failed start counted as
+    a restart."""
+    failing = tmp_path / "fail"
+    monkeypatch.setenv(FAIL_ENV, str(failing))
+    batcher = _one_from_factory("flaky_factory")
+    async with batcher:
+        (replica,) = _replicas(batcher)
+        for deaths in (1, 2, 3):  # idle deaths, each start working
+            pid = replica.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            await _until(lambda: replica.is_healthy and replica.pid != pid)  # noqa: B023
+            assert replica.counters.num_restarts == deaths
+            assert replica._restart_wait_s == RESTART_WAIT_S
+        failing.touch()  # the next starts fail: the wait grows meanwhile
+        pid = replica.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await _until(lambda: replica._restart_wait_s >= 4 * RESTART_WAIT_S)
+        failing.unlink()
+        await _until(lambda: replica.is_healthy)
+        assert replica.counters.num_restarts == 4  # the failed starts restarted nothing
+        assert replica._restart_wait_s == RESTART_WAIT_S
+        np.testing.assert_array_equal(await batcher.submit(np.ones(1)), [2.0])
 
 
 async def test_large_batches_grow_the_region_and_other_payloads_are_pickled() -> None:
