@@ -16,7 +16,10 @@ Death: a call whose actor dies (``ray.kill``, a crash, its node lost) raises
 live replica, else its requests fail with a ``ModelError`` saying so. The replica then
 waits for its actor to come back: Ray restarts it (``max_restarts``) or, once Ray has
 given up, carpool creates a new one; either way the replica's ``num_restarts`` counts it
-(``carpool_replica_restarts_total``). A call that runs past ``batch_timeout_s`` fails
+(``carpool_replica_restarts_total``). An actor that dies while it has no batch is found
+by the replica asking it, every :data:`HEALTH_CHECK_S` while it idles, where it runs (Ray
+Serve checks its replicas' health the same way): the model reads not ready from then, and
+a restart Ray made meanwhile is counted then. A call that runs past ``batch_timeout_s`` fails
 with ``BatchTimeout`` and its actor is killed and comes back the same way. A model that
 raises fails only that call.
 """
@@ -60,6 +63,8 @@ from carpool.errors import ActorDied, ConfigError
 log = logging.getLogger("carpool.replicas")
 
 PLACEMENT_WAIT_LOG_S = 30.0  # a start still waiting for Ray to place it is logged this often
+HEALTH_CHECK_S = 1.0  # an idle actor is asked where it runs this often
+HEALTH_TIMEOUT_S = 10.0  # an answer later than this says nothing (a busy node), not a death
 
 
 class ReplicaActor:
@@ -112,6 +117,7 @@ class RayReplica(RemoteReplica):
         self._placement = placement
         self._actor: Any = None
         self._reason = "it was not started"  # why it is not READY, for ActorDied
+        self._watcher: asyncio.Task[None] | None = None
 
     @property
     def actor(self) -> Any:
@@ -127,6 +133,29 @@ class RayReplica(RemoteReplica):
         """
         ensure_connected()
         await self._create()
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Ask the actor where it runs every :data:`HEALTH_CHECK_S` while it has no
+        batch: a death (``kill -9`` of its process) shows now, not as the next batch's
+        failure, and a restart Ray made behind it is counted."""
+        ray = import_ray()
+        while self._state is not ChildState.CLOSED:
+            await asyncio.sleep(HEALTH_CHECK_S)
+            actor = self._actor
+            if self._state is not ChildState.READY or actor is None or self._lock.locked():
+                continue  # starting again, or a batch will say
+            try:
+                where = await asyncio.wait_for(actor.where.remote(), HEALTH_TIMEOUT_S)
+            except ray.exceptions.RayActorError as exc:
+                if self._actor is actor:
+                    self._died(_first_line(exc))
+                continue
+            except TimeoutError:
+                continue
+            moved = tuple(where) != (self.node_id, self.pid)
+            if moved and self._actor is actor and self._state is ChildState.READY:
+                self._restarted_unseen(*where)
 
     async def _create(self) -> None:
         ray = import_ray()
@@ -229,6 +258,7 @@ class RayReplica(RemoteReplica):
                 continue
             if (self.node_id, self.pid) != was:
                 self.counters.num_restarts += 1
+            self._restart_wait_s = RESTART_WAIT_S  # up again: the next death waits the least
             log.warning(
                 "model %r, replica %d: its Ray actor is up again (pid %s on node %s)",
                 self._name,
@@ -307,9 +337,9 @@ class RayReplica(RemoteReplica):
         if self._state is ChildState.CLOSED:
             return
         self._state = ChildState.CLOSED
-        restarter = self._restarter
-        if restarter is not None and not restarter.get_loop().is_closed():
-            restarter.cancel()
+        for task in (self._restarter, self._watcher):
+            if task is not None and not task.get_loop().is_closed():
+                task.cancel()
         self._discard()
         if self._placement is not None:
             self._placement.release(self.replica_id)
