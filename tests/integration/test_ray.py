@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 httpclient = pytest.importorskip("tritonclient.http")
 
-from carpool import BatchTimeout, batched  # noqa: E402
+from carpool import Batcher, BatchTimeout, ConfigError, batched  # noqa: E402
 
 from .conftest import (  # noqa: E402
     WAIT_LIMIT_S,
@@ -308,6 +308,11 @@ def offset(batch: list[float]) -> np.ndarray:
     return np.stack([x + 1, np.full(len(x), os.getpid(), dtype=x.dtype)], axis=1)
 
 
+def refusing(device: str) -> Any:
+    """A factory that refuses, as a served model's does when its own code raises."""
+    raise ConfigError("models[0].source", "mod:make", "a factory that builds the model (no)")
+
+
 def test_the_in_process_api_runs_a_function_on_ray_actors(
     cluster: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -322,6 +327,13 @@ def test_the_in_process_api_runs_a_function_on_ray_actors(
             await asyncio.sleep(0.05)
 
     async def run() -> None:
+        # A factory that refuses: its ConfigError itself, not "the actor died" (carpool
+        # serve then names the model's key and exits 2, as with a thread replica).
+        refused = Batcher(
+            fn_factory=f"{__name__}:refusing", executor="ray", ray_resources={"num_cpus": 0}
+        )
+        with pytest.raises(ConfigError, match=r"models\[0\]\.source"):
+            await refused.start()
         model = batched(
             offset,
             executor="ray",

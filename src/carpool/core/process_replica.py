@@ -143,6 +143,9 @@ def child_main(conn: Connection, source: ModelSource, device: str, cpus: list[in
     _match_torch_threads(cpus)
     try:
         fn = build_from_source(source, device)
+    except ConfigError as exc:  # the model's key and why, as a thread replica says it
+        conn.send(("failed", exc))
+        return
     except Exception as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
@@ -211,7 +214,9 @@ class ProcessReplica(RemoteReplica):
         """Start the process and wait for its model.
 
         Raises:
-            RuntimeError: the model failed to build there, or the process died first.
+            ConfigError: the model's source refused to build it (a factory that raised).
+            RuntimeError: the model failed to build there otherwise, or the process died
+                first.
         """
         await self._spawn()
 
@@ -280,6 +285,8 @@ class ProcessReplica(RemoteReplica):
             pending.set_result(None)
         elif kind == "raised":
             pending.set_exception(body)
+        elif isinstance(body, ConfigError):
+            pending.set_exception(body)  # carpool serve names the key and exits 2
         else:
             pending.set_exception(
                 RuntimeError(

@@ -78,11 +78,23 @@ class ReplicaActor:
         for folder in sys_path:
             if folder not in sys.path and os.path.isdir(folder):
                 sys.path.append(folder)
-        self._fn: BatchFn = build_from_source(source, device)
+        self._refused: ConfigError | None = None
+        try:
+            self._fn: BatchFn = build_from_source(source, device)
+        except ConfigError as exc:
+            # Ray would say only that the actor died building it: where() raises it,
+            # so that the replica's start fails naming the model's key.
+            self._refused = exc
         self._where = (str(import_ray().get_runtime_context().get_node_id()), os.getpid())
 
     def where(self) -> tuple[str, int]:
-        """The node id and process id this actor runs in."""
+        """The node id and process id this actor runs in.
+
+        Raises:
+            ConfigError: the model's source refused to build it here.
+        """
+        if self._refused is not None:
+            raise self._refused
         return self._where
 
     def run(self, batch: Any) -> tuple[tuple[str, int], Any]:
@@ -128,8 +140,9 @@ class RayReplica(RemoteReplica):
         """Connect to Ray if nothing did, create the actor and wait for its model.
 
         Raises:
-            ConfigError: Ray is not installed.
-            RuntimeError: the model failed to build in the actor.
+            ConfigError: Ray is not installed, or the model's source refused to build
+                it in the actor (a factory that raised).
+            RuntimeError: the model failed to build in the actor otherwise.
         """
         ensure_connected()
         await self._create()
@@ -169,6 +182,14 @@ class RayReplica(RemoteReplica):
         self._state = ChildState.STARTING
         try:
             self.node_id, self.pid = await self._placed(self._actor.where.remote())
+        except ray.exceptions.RayTaskError as exc:
+            self._discard()
+            if isinstance(exc.cause, ConfigError):
+                raise exc.cause from None  # carpool serve names the key and exits 2
+            raise RuntimeError(
+                f"model {self._name!r}, replica {self.replica_id}: its Ray actor could not "
+                f"say where it runs: {exc}"
+            ) from None
         except ray.exceptions.RayActorError as exc:
             self._discard()
             raise RuntimeError(

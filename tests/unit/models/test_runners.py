@@ -622,11 +622,14 @@ def _one_line(result: Any) -> str:
     return ours[0]
 
 
-@pytest.mark.parametrize("kind", ["torch", "python"])
+@pytest.mark.parametrize(
+    ("kind", "executor"), [("torch", None), ("python", None), ("python", "process")]
+)
 def test_a_model_factory_that_raises_exits_2_naming_the_models_key(
-    kind: str, make_module: Callable[[str], str], tmp_path: Path
+    kind: str, executor: str | None, make_module: Callable[[str], str], tmp_path: Path
 ) -> None:
-    # Triton fails the model's load with the reason; carpool printed a traceback, exit 1.
+    # Triton fails the model's load with the reason; carpool printed a traceback, exit 1
+    # (in a process replica still so, until the child sent the ConfigError itself).
     name = make_module(
         """
         def build():
@@ -638,7 +641,10 @@ def test_a_model_factory_that_raises_exits_2_naming_the_models_key(
     )
     attr = "build" if kind == "torch" else "make"
     config = tmp_path / "serve.yaml"
-    config.write_text(f"models:\n  - name: m\n    kind: {kind}\n    source: {name}:{attr}\n{IO}")
+    extra = f"    executor: {executor}\n" if executor else ""
+    config.write_text(
+        f"models:\n  - name: m\n    kind: {kind}\n    source: {name}:{attr}\n{IO}{extra}"
+    )
     line = _one_line(_serve(config))
     assert str(config) in line and "models[0].source" in line and "weights not found" in line
 
