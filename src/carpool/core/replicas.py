@@ -442,7 +442,10 @@ class Replica:
         watch = CallWatch(thread, timeout_s) if timeout_s is not None else None
         watching = self._watch
 
-        def job() -> tuple[Any, float, float]:
+        # The batch is the job's argument, not in its closure: a failed call's traceback
+        # keeps the job's frame, whose function (and so its closure) outlives clearing it,
+        # and the batch must be gone before the call's halves run (out of memory).
+        def job(batch: Any) -> tuple[Any, float, float]:
             started = now()
             if watch is not None:
                 watch.started_s = started
@@ -459,7 +462,7 @@ class Replica:
             outputs = run_to_end(model(batch))
             return outputs, started, now()
 
-        running = asyncio.get_running_loop().run_in_executor(thread, job)
+        running = asyncio.get_running_loop().run_in_executor(thread, job, batch)
 
         async def finish() -> RunOutput:
             if watch is not None:

@@ -136,8 +136,10 @@ class Settler:
                 return None, oom
             # The traceback's frames hold what the failed call allocated (its inputs, its
             # activations): release them, and retry only once out of this block, or the
-            # halves run out of the memory the failed call still holds.
+            # halves run out of the memory the failed call still holds. Its pooled input
+            # buffers go too (to the collector, not the pool: the model may keep them).
             _clear_frames(exc)
+            call.lease = []
         else:
             return self._answer(requests, output), False
         half = len(requests) // 2

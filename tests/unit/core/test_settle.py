@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import weakref
 from collections.abc import Awaitable
 from typing import Any
 
@@ -414,3 +415,45 @@ async def test_sync_model_raising_futures_cancelled_error_fails_only_its_batch()
         # Today the dead replica task re-raises its CancelledError from stop().
         with contextlib.suppress(BaseException):
             await asyncio.wait_for(batcher.stop(drain=False), SAFETY_S)
+
+
+def _root(array: np.ndarray) -> np.ndarray:
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+@pytest.mark.parametrize("executor", ["loop", "thread"])
+@pytest.mark.parametrize("buffer_pool", [True, False])
+async def test_oom_halves_run_after_the_failed_batchs_input_is_freed(
+    executor: str, buffer_pool: bool
+) -> None:
+    """The failed call's input batch is gone before its halves run. Was: the pooled
+    buffer stayed in the failed call's lease, and a thread's job kept the batch in its
+    closure (a cleared frame still holds its function), so the halves ran beside it and
+    could run out of memory only for that."""
+    failed: list[weakref.ref[np.ndarray]] = []
+    seen_alive: list[bool] = []
+
+    def model(batch: np.ndarray) -> np.ndarray:
+        if len(batch) > 2:
+            failed.append(weakref.ref(_root(batch)))
+            raise MemoryError("out of memory for a batch of more than two")
+        seen_alive.extend(ref() is not None for ref in failed)
+        return batch * 2
+
+    batcher = Batcher(
+        model,
+        BatchPolicy(max_batch_size=4, max_delay_s=0.05),
+        executor=executor,
+        buffer_pool=buffer_pool,
+        switch_interval_s=None,
+    )
+    async with batcher:
+        rows = [np.full(1000, float(i)) for i in range(4)]
+        results = await asyncio.wait_for(
+            asyncio.gather(*(batcher.submit(row) for row in rows)), SAFETY_S
+        )
+    for i, result in enumerate(results):
+        np.testing.assert_array_equal(result, np.full(1000, 2.0 * i))
+    assert failed and seen_alive and not any(seen_alive)
