@@ -191,11 +191,22 @@ class PooledCollator:
 
 def unalias(outputs: Any, buffers: list[Any]) -> Any:
     """``outputs`` with every array or tensor that shares memory with ``buffers`` copied
-    (through dicts, tuples, lists and :class:`Packed`)."""
+    (through dicts, tuples, lists and :class:`Packed`). A container none of whose values
+    was copied is returned as it is (its own type, whatever its constructor takes); a copy
+    keeps the array's subclass (a masked array keeps its mask)."""
     if isinstance(outputs, dict):
-        return {k: unalias(v, buffers) for k, v in outputs.items()}
+        items = {k: unalias(v, buffers) for k, v in outputs.items()}
+        changed = any(items[k] is not v for k, v in outputs.items())
+        return (
+            (type(outputs)(items) if type(outputs) is not dict else items) if changed else outputs
+        )
     if isinstance(outputs, tuple | list):
-        return type(outputs)(unalias(v, buffers) for v in outputs)
+        values = [unalias(v, buffers) for v in outputs]
+        if all(new is old for new, old in zip(values, outputs, strict=True)):
+            return outputs
+        if hasattr(outputs, "_make"):  # a namedtuple takes its fields one by one
+            return outputs._make(values)
+        return type(outputs)(values)
     if isinstance(outputs, Packed):
         return Packed(
             *(unalias(v, buffers) for v in (outputs.data, outputs.offsets, outputs.lengths))
@@ -207,7 +218,7 @@ def unalias(outputs: Any, buffers: list[Any]) -> Any:
     for buffer in buffers:
         other = _span(buffer)
         if other is not None and start < other[1] and other[0] < end:
-            return outputs.clone() if hasattr(outputs, "clone") else np.array(outputs, copy=True)
+            return outputs.clone() if hasattr(outputs, "clone") else outputs.copy(order="K")
     return outputs
 
 

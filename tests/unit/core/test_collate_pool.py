@@ -4,6 +4,7 @@ reused batch after batch, and results that never alias a buffer a later batch re
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import threading
 from typing import Any
@@ -213,6 +214,40 @@ def test_unalias_copies_only_what_shares_the_buffer():
     assert not np.shares_memory(out["a"], buffer) and np.array_equal(out["a"], view)
     assert out["b"][0] is own
     assert not np.shares_memory(out["b"][1], buffer)
+
+
+Pair = collections.namedtuple("Pair", "total peak")
+
+
+def test_unalias_keeps_a_namedtuple_whether_or_not_it_copies():
+    """Was: a namedtuple was rebuilt from one iterable, which its constructor does not
+    take, and every pooled call returning one failed as if the model had raised."""
+    buffer = np.arange(6.0)
+    own = Pair(np.ones(2), np.zeros(2))
+    assert unalias(own, [buffer]) is own  # nothing shares the buffer: left as it is
+    copied = unalias(Pair(buffer[:2], np.zeros(2)), [buffer])
+    assert type(copied) is Pair and not np.shares_memory(copied.total, buffer)
+    np.testing.assert_array_equal(copied.total, [0.0, 1.0])
+
+
+def test_unalias_copies_a_masked_array_with_its_mask():
+    """Was: copied as a plain array, the mask lost."""
+    buffer = np.array([-1.0, 2.0, -3.0])
+    masked = np.ma.array(buffer, mask=buffer < 0)
+    copied = unalias(masked, [buffer])
+    assert isinstance(copied, np.ma.MaskedArray) and not np.shares_memory(copied.data, buffer)
+    assert copied.mask.tolist() == [True, False, True]
+
+
+async def test_a_model_returning_a_namedtuple_is_answered_with_the_pool_on():
+    def model(batch: np.ndarray) -> Pair:
+        return Pair(batch.sum(axis=1), batch.max(axis=1))
+
+    async with Batcher(model, BatchPolicy(max_batch_size=8, max_delay_s=0.01)) as batcher:
+        results = await asyncio.gather(*(batcher.submit(np.arange(4.0) + i) for i in range(4)))
+    assert [(float(r[0]), float(r[1])) for r in results] == [
+        (6.0 + 4 * i, 3.0 + i) for i in range(4)
+    ]
 
 
 def test_unalias_sees_a_torch_view_of_a_numpy_buffer():
