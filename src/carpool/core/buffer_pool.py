@@ -121,7 +121,7 @@ class BufferPool:
 
     def acquire_numpy(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """An idle NumPy buffer of ``shape`` and ``dtype``, else a new one."""
-        buffer = self._take(("numpy", np.dtype(dtype).str, shape))
+        buffer = self._take(("numpy", np.dtype(dtype), shape))
         if buffer is None:
             buffer = _pinned_numpy(shape, dtype) if self.pin_memory else None
             if buffer is None:
@@ -193,7 +193,9 @@ class BufferPool:
 def _key_of(buffer: Any) -> Hashable:
     """The key a buffer was acquired under, read off the buffer itself."""
     if isinstance(buffer, np.ndarray):
-        return ("numpy", buffer.dtype.str, buffer.shape)
+        # The dtype itself: its .str is "|V4" for every structured dtype of four bytes,
+        # whatever their fields, and such buffers were handed out for one another.
+        return ("numpy", buffer.dtype, buffer.shape)
     return ("torch", str(buffer.dtype), tuple(buffer.shape), str(buffer.device))
 
 

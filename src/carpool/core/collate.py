@@ -82,7 +82,7 @@ class NumpyCollator:
 
     def signature(self, payload: Any, is_many: bool) -> Hashable:
         array = payload if type(payload) is np.ndarray else np.asarray(payload)
-        return (array.dtype.str, array.shape[1:] if is_many else array.shape)
+        return (array.dtype, array.shape[1:] if is_many else array.shape)
 
     def num_items(self, payload: Any) -> int:
         return int(np.shape(payload)[0])
@@ -138,9 +138,9 @@ class DictCollator:
     def signature(self, payload: Any, is_many: bool) -> Hashable:
         if len(payload) == 1:  # the common case, without a sort or a generator
             ((name, array),) = payload.items()
-            return ((name, array.dtype.str, array.shape[1:] if is_many else array.shape),)
+            return ((name, array.dtype, array.shape[1:] if is_many else array.shape),)
         return tuple(
-            (name, array.dtype.str, array.shape[1:] if is_many else array.shape)
+            (name, array.dtype, array.shape[1:] if is_many else array.shape)
             for name, array in sorted(payload.items())
         )
 
@@ -237,7 +237,7 @@ class RaggedDictCollator(DictCollator):
         parts = []
         for name, array in sorted(payload.items()):
             trailing = array.shape[2:] if name in self.ragged else array.shape[1:]
-            parts.append((name, array.dtype.str, trailing if is_many else array.shape))
+            parts.append((name, array.dtype, trailing if is_many else array.shape))
         return tuple(parts)
 
     def lengths(self, payload: Any, is_many: bool) -> list[int]:

@@ -59,6 +59,16 @@ def test_other_shape_or_dtype_is_not_reused(shape, dtype):
     assert pool.stats().num_buffers == 1  # the first one still idle
 
 
+def test_structured_dtypes_of_one_size_are_not_reused_for_each_other():
+    """Was: keyed by dtype.str, "|V4" for both, so a buffer of fields ("x",) came back
+    for a request of fields ("z",) and the model saw the wrong field names."""
+    pool = BufferPool(1 << 20)
+    first, second = np.dtype([("x", "<i4")]), np.dtype([("z", "<i4")])
+    pool.release(pool.acquire_numpy((2,), first))
+    assert pool.acquire_numpy((2,), second).dtype == second
+    assert pool.stats().misses == 2
+
+
 def test_two_leases_of_one_key_are_distinct_buffers():
     pool = BufferPool(1 << 20)
     a = pool.acquire_numpy((4,), np.float64)
