@@ -91,23 +91,37 @@ def check_replica_cpus(replica_cpus: object, num_replicas: int) -> list[list[int
         ):
             raise ConfigError("replica_cpus", replica_cpus, expected)
         cpus.append(list(entry))
-    usable = _usable_cpus()
-    outside = sorted({c for entry in cpus for c in entry} - usable) if usable else []
+    wanted = {c for entry in cpus for c in entry}
+    outside = sorted(wanted - _pinnable(wanted))
     if outside:  # the child's sched_setaffinity would fail, after the parent said nothing
         raise ConfigError(
             "replica_cpus",
             replica_cpus,
-            f"CPUs this process may run on, {sorted(usable)}; {outside} are not among them",
+            f"CPUs a process may be pinned to on this machine; {outside} are not among them",
         )
     return cpus
 
 
-def _usable_cpus() -> set[int]:
-    """The CPUs this process may run on (empty where the platform does not say)."""
+def _pinnable(cpus: set[int]) -> set[int]:
+    """Of ``cpus``, those a replica's process could pin itself to: its cpuset's (a
+    ``taskset`` mask narrower than it binds the server, not the replica, which may widen
+    its own). Asked of the kernel by pinning this thread to each in turn, then back;
+    all of them where the platform cannot say."""
     try:
-        return set(os.sched_getaffinity(0))
+        mask = os.sched_getaffinity(0)
     except (AttributeError, OSError):
-        return set()
+        return cpus
+    found = set()
+    try:
+        for cpu in cpus:
+            try:
+                os.sched_setaffinity(0, {cpu})
+            except (OSError, ValueError, OverflowError):
+                continue
+            found.add(cpu)
+    finally:
+        os.sched_setaffinity(0, mask)
+    return found
 
 
 # -- the child ------------------------------------------------------------------------

@@ -359,13 +359,29 @@ async def test_replicas_are_pinned_to_their_cpus() -> None:
         np.testing.assert_array_equal(await batcher.submit(np.zeros(1)), [1])
 
 
-def test_a_cpu_this_process_may_not_run_on_is_refused_before_any_replica_starts() -> None:
+def test_a_cpu_no_process_may_be_pinned_to_is_refused_before_any_replica_starts() -> None:
     """Was: the child's sched_setaffinity failed (EINVAL) and the start ended in a
     traceback, exit 1, not naming replica_cpus."""
-    usable = sorted(os.sched_getaffinity(0))
-    missing = max(usable) + 1
+    missing = max(os.cpu_count() or 1, *os.sched_getaffinity(0)) + 1
     with pytest.raises(ConfigError, match=rf"replica_cpus.*\[{missing}\] are not among them"):
         Batcher(affinity, executor="process", num_replicas=1, replica_cpus=[[missing]])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin apart")
+async def test_a_server_pinned_by_taskset_may_pin_its_replicas_to_other_cpus() -> None:
+    """A taskset mask binds the server, not its replicas (a child may widen its own), so
+    the server on one CPU with a replica on another is taken. Was: refused, as outside
+    the server's mask."""
+    mask = os.sched_getaffinity(0)
+    first, other = sorted(mask)[:2]
+    os.sched_setaffinity(0, {first})  # as `taskset -c first` would start it
+    try:
+        batcher = Batcher(affinity, executor="process", num_replicas=1, replica_cpus=[[other]])
+        assert os.sched_getaffinity(0) == {first}  # the check put this thread back
+    finally:
+        os.sched_setaffinity(0, mask)
+    async with batcher:
+        np.testing.assert_array_equal(await batcher.submit(np.zeros(1)), [1])
 
 
 def affinity(batch: np.ndarray) -> np.ndarray:
