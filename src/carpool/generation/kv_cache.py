@@ -83,7 +83,12 @@ class KVCacheManager:
         )
 
     def allocate(
-        self, request_id: int, num_total_tokens: int, prefix: CachedPrefix | None = None
+        self,
+        request_id: int,
+        num_total_tokens: int,
+        prefix: CachedPrefix | None = None,
+        *,
+        counts: bool = True,
     ) -> bool:
         """Grow ``request_id``'s table to cover ``num_total_tokens`` positions.
 
@@ -92,6 +97,9 @@ class KVCacheManager:
             num_total_tokens: computed tokens plus the tokens about to be computed.
             prefix: on admission only, the cached prefix to share (from
                 :meth:`find_cached_prefix`, with no pool change in between).
+            counts: whether ``prefix``'s lookup counts in the prefix cache's queries and
+                hits: not for a preempted request admitted again (its own blocks found
+                again, its outputs looked up too), as vLLM keeps those apart.
 
         Returns:
             True when the blocks fit; False (and nothing changed) when they do not.
@@ -111,8 +119,10 @@ class KVCacheManager:
             self.pool.incref(prefix.block_ids)  # before allocate, so they are not evicted
             entry.block_ids.extend(prefix.block_ids)
             entry.block_hashes.extend(prefix.block_hashes)
-            self.num_hit_tokens += prefix.num_tokens
-        self.num_queried_tokens += prefix.num_queried_tokens
+            if counts:
+                self.num_hit_tokens += prefix.num_tokens
+        if counts:
+            self.num_queried_tokens += prefix.num_queried_tokens
         if num_new > 0:
             entry.block_ids.extend(self.pool.allocate(num_new))
         return True

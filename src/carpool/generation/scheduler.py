@@ -289,7 +289,9 @@ class Scheduler:
             if request.sampling.prompt_logprobs is None:
                 prefix = self.kv_cache.find_cached_prefix(request.all_token_ids)
             num_new = self._cap_chunk(request.num_tokens - prefix.num_tokens, plan.num_tokens_left)
-            if not self.kv_cache.allocate(request.request_id, prefix.num_tokens + num_new, prefix):
+            first_time = request.num_preemptions == 0  # else its lookup counts no more
+            num_total = prefix.num_tokens + num_new
+            if not self.kv_cache.allocate(request.request_id, num_total, prefix, counts=first_time):
                 return  # head of line waits for blocks; nothing behind it jumps ahead
             queue.popleft()
             self._admit(request, prefix.num_tokens)

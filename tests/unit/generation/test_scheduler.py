@@ -218,6 +218,22 @@ def test_preempts_lower_class_then_most_recent_and_outputs_are_unchanged() -> No
     assert scheduler.kv_cache.pool.num_free == 4
 
 
+def test_a_preempted_request_admitted_again_counts_no_prefix_cache_lookup() -> None:
+    """Its own evicted blocks found again are no prompt found cached. Was: two prompts that
+    share nothing read as hits after a preemption, and its outputs as queries (vLLM keeps
+    a preempted request's lookups apart)."""
+    scheduler, runner = make_scheduler(num_blocks=4, block_size=2)
+    max_tokens = SamplingParams(max_tokens=6)
+    scheduler.add_request(1, [1, 2], max_tokens, class_name="background")
+    step(scheduler, runner)
+    scheduler.add_request(2, [3, 4], max_tokens)
+    scheduler.add_request(3, [5, 6], max_tokens)
+    _, _, results = run_to_end(scheduler, runner)
+    assert any(r.preempted_request_ids for r in results)
+    stats = scheduler.stats()
+    assert (stats.num_prefix_cache_queries, stats.num_prefix_cache_hits) == (6, 0)
+
+
 def test_preempted_request_goes_to_the_front_of_its_class() -> None:
     scheduler, runner = make_scheduler(num_blocks=4, block_size=2, max_num_seqs=2)
     max_tokens = SamplingParams(max_tokens=6)
