@@ -485,3 +485,73 @@ def test_a_signal_while_loading_exits_0_at_once_saying_so(gated: Gated, signum: 
     name = signal.Signals(signum).name
     assert f"stopping: {name} while the models were loading" in out, out
     assert "model(s) ready" not in out and "Traceback" not in out, out
+
+
+NEVER_PLACED = """\
+models:
+  - name: m
+    kind: python
+    source: numpy:negative
+    inputs: [{name: x, datatype: FP32, shape: [4]}]
+    outputs: [{name: y, datatype: FP32, shape: [4]}]
+    executor: ray
+    ray_resources: {num_cpus: 0, carpool_test_absent: 1}
+"""
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes below ``pid``, from /proc (those Ray starts for a driver)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_a_local_ray_replica_loads_exits_0_and_stops_that_ray(
+    tmp_path: Path, signum: int
+) -> None:
+    """Was: SIGTERM ended the server through Ray's own handler (status 15, Ray's dump),
+    and SIGINT exited 0 but left the local Ray's agents running, reparented to init."""
+    pytest.importorskip("ray")
+    config = tmp_path / "serve.yaml"
+    config.write_text(NEVER_PLACED)  # its actor waits for a resource no node has
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [str(CARPOOL), "serve", str(config), "--port", str(free_port()), "--grpc-port", "0"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        wait_until(
+            lambda: "started a local one" in log.read_text() or process.poll() is not None,
+            "the local Ray started",
+        )
+        ray_processes = _descendants(process.pid)
+        assert ray_processes, log.read_text()
+        process.send_signal(signum)
+        process.wait(timeout=RUN_LIMIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    text = log.read_text()
+    assert process.returncode == 0, text
+    assert f"stopping: {signal.Signals(signum).name} while the models were loading" in text
+    assert "SIGTERM received" not in text, text
+    wait_until(
+        lambda: not any(Path(f"/proc/{pid}").exists() for pid in ray_processes),
+        "the local Ray's processes ended",
+    )

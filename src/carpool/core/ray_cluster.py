@@ -11,10 +11,14 @@ starts, sized to this machine's CPUs, and says so in the log.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import math
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -123,7 +127,8 @@ def connect(
     if runtime_env is not None:
         kwargs["runtime_env"] = runtime_env
     try:
-        ray.init(**kwargs)
+        with _signals_kept():
+            ray.init(**kwargs)
     except (ConnectionError, ValueError, RuntimeError) as exc:
         expected = "the address of a running Ray cluster, or 'auto' for the one on this machine"
         raise ConfigError("ray.address", address, f"{expected} ({exc})") from None
@@ -141,9 +146,43 @@ def ensure_connected() -> None:
         connect(address)
         return
     num_cpus = usable_cpus()
+    with _signals_kept():
+        ray.init(num_cpus=num_cpus, include_dashboard=False)
+    global _started_here
+    _started_here = True
     log.warning(
         "no Ray cluster given (--ray-address, ray: {address: ...} in the config, or "
-        "RAY_ADDRESS): starting a local one with num_cpus=%d for executor: ray",
+        "RAY_ADDRESS): started a local one with num_cpus=%d (the CPUs this process may "
+        "run on) for executor: ray; it stops with this process",
         num_cpus,
     )
-    ray.init(num_cpus=num_cpus, include_dashboard=False)
+
+
+_started_here = False  # whether ensure_connected started a local Ray
+
+
+def stop_local() -> None:
+    """Stop the local Ray :func:`ensure_connected` started, if it did: a process that
+    ends without its exit hooks (``os._exit``, on a signal while the models load) would
+    leave Ray's own processes running. Nothing otherwise."""
+    global _started_here
+    if _started_here:
+        _started_here = False
+        import_ray().shutdown()
+
+
+@contextlib.contextmanager
+def _signals_kept() -> Iterator[None]:
+    """Around ``ray.init``: the handlers of SIGINT and SIGTERM put back after it. Ray's
+    own SIGTERM handler dumps its state and exits 15; carpool serve answers a signal
+    itself (while its models load, it ends with status 0 saying so)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in kept.items():
+            if handler is not None:
+                signal.signal(signum, handler)

@@ -166,8 +166,16 @@ def exit_on_signal_while_building() -> Iterator[None]:
 
 
 def _exit_now(name: str) -> None:
-    """End the process at once, status 0, saying that a signal came while loading."""
+    """End the process at once, status 0, saying that a signal came while loading; a local
+    Ray started for ``executor: ray`` is stopped first (its processes would outlive this
+    one, whose exit hooks do not run)."""
     logger.info(f"stopping: {name} while the models were loading; nothing was served")
+    ray_cluster = sys.modules.get("carpool.core.ray_cluster")
+    if ray_cluster is not None:
+        try:
+            ray_cluster.stop_local()
+        except Exception:
+            logger.exception("stopping the local Ray failed; its processes may be left")
     _exit(0)
 
 

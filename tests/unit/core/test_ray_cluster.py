@@ -134,7 +134,7 @@ def test_without_an_address_a_local_ray_starts_sized_to_this_machine(
     ensure_connected()
     ensure_connected()  # connected already: nothing more
     assert fake.inits == [{"num_cpus": usable_cpus(), "include_dashboard": False}]
-    assert "starting a local one" in caplog.text
+    assert "started a local one" in caplog.text
 
 
 def test_ray_address_in_the_environment_is_connected_to(monkeypatch: pytest.MonkeyPatch) -> None:
