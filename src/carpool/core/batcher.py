@@ -353,6 +353,15 @@ class Batcher(Lifecycle):
             self._telemetry.refused_from_head()
         return error
 
+    def refuse_unknown_priority(self, priority: object, num_requests: int = 1) -> InvalidInput:
+        """The :class:`InvalidInput` :meth:`submit` gives a ``priority`` naming no class,
+        counted as it counts it (``invalid``, under the default class, once per request):
+        for a server face that checks the field itself, to name it in its own error."""
+        policy = self._policy
+        for _ in range(num_requests):
+            self._telemetry.rejected(policy.default_class, "invalid")
+        return InvalidInput(f"unknown priority {priority!r}: expected one of {list(policy.limits)}")
+
     @property
     def num_free(self) -> int:
         """How many more requests the queues could admit now (a large number when some
@@ -416,10 +425,7 @@ class Batcher(Lifecycle):
         else:
             limits = policy.limits.get(priority) if isinstance(priority, str) else None
         if limits is None:
-            self._telemetry.rejected(policy.default_class, "invalid")
-            raise InvalidInput(
-                f"unknown priority {priority!r}: expected one of {list(policy.limits)}"
-            )
+            raise self.refuse_unknown_priority(priority)
         loop = self._loop  # not asyncio.get_running_loop(): that makes a getpid() syscall
         assert loop is not None, "requests are made only after start()"
         intake = self._intake

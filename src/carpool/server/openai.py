@@ -90,8 +90,14 @@ async def create_embeddings(repository: ModelRepository, body: bytes) -> bytes:
             f"dimensions={dimensions!r} is not supported: model {service.name!r} returns "
             f"{service.dimensions} dimensions and cannot shorten them; leave dimensions out",
         )
-    options = _options(doc, service)
     texts, tokens = _inputs(doc.get("input"))
+    try:
+        options = _options(doc, service)
+    except BadParam as error:
+        if error.param == "priority":  # counted as the batcher counts it, once a text
+            count = len(texts) if texts is not None else len(tokens or ())
+            service.batcher.refuse_unknown_priority(doc.get("priority"), count)
+        raise
     try:
         if texts is not None:
             embedded = await service.embed_texts(texts, **options)

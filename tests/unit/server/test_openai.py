@@ -104,6 +104,21 @@ async def test_embeddings_take_vllms_default_priority_zero(app):
     assert got.status == 400 and got.json()["error"]["param"] == "priority"
 
 
+async def test_an_unknown_priority_is_counted_invalid_once_a_text_as_over_kserve(app):
+    """Was: refused with a 400 but counted nowhere, where KServe's refusal of the same
+    priority counts one ``invalid`` rejection a text under the default class."""
+    batcher = app.repository.get(MODEL).batcher
+    got = await call(app, "/v1/embeddings", model=MODEL, input=["a", "b"], priority="nope")
+    assert got.status == 400 and got.json()["error"]["param"] == "priority"
+    body = {
+        "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [2], "data": ["a", "b"]}],
+        "parameters": {"priority": "nope"},
+    }
+    assert (await call(app, f"/v2/models/{MODEL}/infer", **body)).status == 400
+    default = batcher.policy.default_class
+    assert batcher.snapshot().classes[default].rejections["invalid"] == 4
+
+
 # -- errors --------------------------------------------------------------------------------
 
 
