@@ -85,13 +85,10 @@ def stats_from_metrics(before: str, after: str, model: str) -> ServerStats | Non
     num_batches = _delta(old, new, "carpool_batch_size_count", model)
     num_items = _delta(old, new, "carpool_batch_size_sum", model)
     mean = _ratio(num_items, num_batches)
-    lifetime_mean = _ratio(
-        _total(new, "carpool_batch_size_sum", model), _total(new, "carpool_batch_size_count", model)
+    fill = _window_fill(
+        (_total(old, "carpool_fill_ratio", model), _total(old, "carpool_batch_size_count", model)),
+        (_total(new, "carpool_fill_ratio", model), _total(new, "carpool_batch_size_count", model)),
     )
-    lifetime_fill = _total(new, "carpool_fill_ratio", model)
-    fill = None
-    if mean is not None and lifetime_mean is not None and lifetime_fill > 0:
-        fill = mean / (lifetime_mean / lifetime_fill)  # / max batch size
     effective = _select(new, "carpool_effective_compute_ratio", model)
     return ServerStats(
         model=model,
@@ -150,9 +147,7 @@ def stats_from_snapshots(before: TelemetrySnapshot, after: TelemetrySnapshot) ->
     num_batches = b1.num_batches - b0.num_batches
     num_items = b1.num_items - b0.num_items
     mean = _ratio(num_items, num_batches)
-    fill = None
-    if mean is not None and b1.fill_ratio > 0:
-        fill = mean / (b1.mean_batch_size / b1.fill_ratio)
+    fill = _window_fill((b0.fill_ratio, b0.num_batches), (b1.fill_ratio, b1.num_batches))
     sizes = {
         str(size): count - b0.size_histogram.get(size, 0)
         for size, count in sorted(b1.size_histogram.items())
@@ -172,6 +167,18 @@ def stats_from_snapshots(before: TelemetrySnapshot, after: TelemetrySnapshot) ->
         batch_size_counts=sizes,
         rejections=_snapshot_rejections(before, after),
     )
+
+
+def _window_fill(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The run's mean fill ratio from the lifetime ones (each a mean over batches of size /
+    the max batch size *that* batch had) and the batch counts at its start and end: the
+    sums of fills differenced. Was: the run's mean size over a max batch size inferred
+    from the lifetime figures, wrong (a fill of 2.05) once the policy's size had changed."""
+    (fill_0, count_0), (fill_1, count_1) = before, after
+    num_batches = count_1 - count_0
+    if num_batches <= 0:
+        return None
+    return (fill_1 * count_1 - fill_0 * count_0) / num_batches
 
 
 def _total_s(stats: LatencyStats) -> float:

@@ -50,13 +50,26 @@ def test_deltas_of_two_scrapes() -> None:
     assert stats is not None
     assert (stats.num_batches, stats.num_items) == (30, 240)
     assert stats.mean_batch_size == pytest.approx(8.0)
-    # Lifetime: 260 items / 40 batches = 6.5 at fill 0.203125, so max batch size 32.
+    # Fills summed: 0.0625 x 10 before, 0.203125 x 40 after: the run's 30 batches 7.5.
     assert stats.fill_ratio == pytest.approx(8 / 32)
     assert stats.effective_compute_ratio == pytest.approx(0.8)
     assert stats.mean_queue_wait_s == pytest.approx(2.4 / 240)
     assert stats.mean_compute_s == pytest.approx(0.3 / 30)
     assert stats.batch_size_counts == {"1": 0, "2": 0, "4": 0, "8": 30, "+Inf": 0}
     assert stats.rejections == {"queue_full": 3}
+
+
+def test_the_runs_fill_is_its_own_after_the_max_batch_size_changed() -> None:
+    """Before the run: 10 batches (20 items) under a max size of 16, lifetime fill 0.125.
+    The run: 30 batches of 8 under 64, each 0.125 full. Was: the run's mean size over a
+    max size inferred from the lifetime figures (6.5 / 0.125 = 52), 0.154 here and 2.05
+    in a review's run after a tune."""
+    buckets = {"1": 5, "2": 5, "4": 10, "8": 10, "+Inf": 10}
+    before = exposition(10, 20, buckets, (0.5, 20), (0.1, 10), 0.125, 1)
+    after_buckets = {**buckets, "8": 40, "+Inf": 40}
+    after = exposition(40, 260, after_buckets, (2.9, 260), (0.4, 40), (1.25 + 3.75) / 40, 1)
+    stats = stats_from_metrics(before, after, "mlp")
+    assert stats is not None and stats.fill_ratio == pytest.approx(8 / 64)
 
 
 def test_unknown_model_or_no_carpool_metrics_gives_none() -> None:
