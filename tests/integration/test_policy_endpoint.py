@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
+import pytest
 
 from carpool.tools.tune_runners import LoadSpec, ServerRunner
 from carpool.tools.tune_trial import MeasureSettings, TrialConfig, measure_trial
@@ -55,17 +58,20 @@ async def test_policy_changes_at_run_time_and_bad_values_are_400(
         assert (await client.get(f"{url}/policy")).json()["max_batch_size"] == 4
 
 
+@pytest.mark.parametrize("concurrency", [4, 1])
 async def test_server_runner_measures_a_trial_through_the_endpoint(
-    start_server: StartServer,
+    start_server: StartServer, concurrency: int
 ) -> None:
+    """At concurrency 1 a trial never ended: the stats request between windows waited for
+    the one connection the load's client kept taking back."""
     served = start_server(CONFIG, args=["--allow-policy-updates"])
-    runner = ServerRunner(f"http://{served.http_url}", "doubler", LoadSpec(concurrency=4))
+    runner = ServerRunner(f"http://{served.http_url}", "doubler", LoadSpec(concurrency=concurrency))
     try:
         metadata = await runner.connect()
         assert metadata["name"] == "doubler"
         settings = MeasureSettings(warmup_s=0.0, window_s=0.1, max_windows=2, num_stable_windows=1)
         config = TrialConfig((("max_batch_size", 2), ("max_delay_s", 0.0005), ("preempt", 1)))
-        m = await measure_trial(runner, config, settings)
+        m = await asyncio.wait_for(measure_trial(runner, config, settings), 30.0)
         assert m.error is None and m.num_requests > 0 and m.num_errors == 0
         assert m.mean_batch_size is not None and m.mean_batch_size <= 2
         policy = await runner.policy()

@@ -21,7 +21,7 @@ from carpool import batched
 from carpool.core.clock import FakeClock
 from carpool.errors import ConfigError
 from carpool.tools.modelref import resolve
-from carpool.tools.tune_runners import InProcessRunner, LoadDriver, LoadSpec, rss_bytes
+from carpool.tools.tune_runners import InProcessRunner, LoadDriver, LoadSpec, load_window, rss_bytes
 from carpool.tools.tune_trial import MeasureSettings, TrialConfig, measure_trial
 
 SHORT = MeasureSettings(warmup_s=0.0, window_s=0.02, max_windows=2, num_stable_windows=1)
@@ -291,3 +291,25 @@ async def test_tuner_open_loop_counts_latency_from_the_schedule() -> None:
     assert errors == 0 and len(latencies) >= 200
     # Requests 2..200 were due at ~1 ms steps during the stall and answered at 1.0 s.
     assert sum(1 for lat in latencies if lat > 0.5) >= 150
+
+
+async def test_a_window_counts_no_answer_that_landed_while_its_probe_ran() -> None:
+    """The probe (a server's stats request) takes time in which answers land: counted in a
+    window whose clock started after it, they made a server's throughput read 4-8% high."""
+
+    class Landing:
+        def __init__(self) -> None:
+            self.items = 0
+
+        def take(self) -> tuple[list[float], int, int]:
+            taken, self.items = self.items, 0
+            return [0.001] * taken, taken, 0
+
+    driver = Landing()
+
+    async def probe() -> tuple[int, int]:
+        driver.items += 5  # answers that landed while the probe waited
+        return 0, 0
+
+    _, items, errors, _, _ = await load_window(driver, 0.0, probe)  # type: ignore[arg-type]
+    assert (items, errors) == (0, 0)
