@@ -15,7 +15,7 @@ import logging
 from contextlib import aclosing
 from itertools import islice
 
-from carpool.server.http.answer import LAST_CHUNK, answer_head, chunk
+from carpool.server.http.answer import CONTINUE, LAST_CHUNK, answer_head, chunk
 from carpool.server.http.exchange import Exchange, ExchangeKind
 from carpool.server.http.framing import Framing
 from carpool.server.http.guards import READ_AHEAD_BYTES, READ_AHEAD_REQUESTS, WaitTimer
@@ -185,6 +185,15 @@ class Connection(Framing):
 
     def write(self, data: bytes) -> None:
         self._transport.write(data)
+
+    def send_continue(self) -> None:
+        """Ask for the body (``100 Continue``): its --body-timeout-s counts from now, not
+        from its head, which a pipelined request may have sent long before its turn (the
+        client waits for this before it sends the body: the deadline had passed)."""
+        self._transport.write(CONTINUE)
+        if self.state is _BODY:
+            self._body_deadline = self.loop.time() + self._app.limits.body_timeout_s
+            self._arm_wait()
 
     def answer(self, exchange: Exchange, status: int, body: bytes, headers: Headers) -> None:
         """Status line, headers and body in one write; then close, or keep alive and

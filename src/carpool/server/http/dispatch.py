@@ -33,7 +33,6 @@ import httptools
 
 from carpool.server.app import KServeApp
 from carpool.server.encoding import response_encoding
-from carpool.server.http.answer import CONTINUE
 from carpool.server.http.body import declared_too_large
 from carpool.server.http.exchange import Exchange, ExchangeKind, Head
 from carpool.server.http.handlers import Call, Stream, respond
@@ -255,7 +254,7 @@ class Dispatch:
             self._run_route(conn, exchange)  # its body, if any, is read and dropped
         elif exchange.expects_continue:
             exchange.expects_continue = False
-            conn.write(CONTINUE)
+            conn.send_continue()
 
     def received(self, conn: ConnectionPort, exchange: Exchange) -> None:
         """``exchange``, in its turn, is received in full: answer it."""

@@ -217,6 +217,8 @@ class Framing(asyncio.Protocol, abc.ABC):
         version = parser.get_http_version()
         is_upgrade = parser.should_upgrade()
         keep_alive = version != "1.0" and parser.should_keep_alive() and not is_upgrade
+        if version == "1.0":  # RFC 9110 10.1.1: ignored, and no 1xx to an HTTP/1.0 client
+            self._expects_continue = False
         head = Head(
             parser.get_method(),
             self._url,

@@ -19,6 +19,7 @@ from carpool import Batcher, BatchPolicy
 from carpool.core.clock import settle
 from carpool.server.app import KServeApp
 from carpool.server.http.server import HttpServer
+from carpool.server.limits import ServerLimits
 from carpool.server.repository import ModelRepository, ServedModel
 
 from .fakes import (
@@ -318,6 +319,47 @@ async def test_expect_continue_pipelined_behind_a_running_request(setup: Setup) 
     await until(lambda: len(Responses(bytes(transport.data[first_end + 25 :])).items) == 1)
     (response,) = Responses(bytes(transport.data[first_end + 25 :])).items
     np.testing.assert_array_equal(binary_output(response), [[8, 8]])
+
+
+async def test_a_continued_body_has_its_whole_body_time_from_the_100(setup: Setup) -> None:
+    """Was: the body's deadline ran from its head, so a request pipelined behind one that
+    ran past --body-timeout-s got "100 Continue" and then at once a 408."""
+    s, repository = await gated(limits=ServerLimits(body_timeout_s=0.2))
+    try:
+        s.model.open.clear()
+        protocol, transport = s.connect()
+        second = binary_request(4.0, extra=b"Expect: 100-continue\r\n")
+        head, body = second.split(b"\r\n\r\n", 1)
+        protocol.data_received(binary_request(1.0) + head + b"\r\n\r\n")
+        await until(lambda: s.model.running == 1)
+        await asyncio.sleep(0.3)  # the first runs past the second's body time
+        s.model.open.set()
+        await until(lambda: b"100 Continue" in transport.data)
+        await asyncio.sleep(0.05)  # within the body time counted from the 100
+        protocol.data_received(body)
+        first_end = transport.data.index(b"HTTP/1.1 100 Continue") + 25
+        await until(lambda: len(Responses(bytes(transport.data[first_end:])).items) == 1)
+        (response,) = Responses(bytes(transport.data[first_end:])).items
+        assert response[0] == 200, response
+    finally:
+        s.model.open.set()
+        await repository.stop()
+
+
+async def test_an_http10_request_expecting_100_gets_no_1xx(server: Server) -> None:
+    """RFC 9110 10.1.1: the expectation of an HTTP/1.0 request is ignored, and no 1xx goes
+    to an HTTP/1.0 client. Was: "100 Continue" written."""
+    _, connect, _ = server
+    protocol, transport = connect()
+    raw = binary_request(1.0, extra=b"Expect: 100-continue\r\n").replace(b"HTTP/1.1", b"HTTP/1.0")
+    head, body = raw.split(b"\r\n\r\n", 1)
+    protocol.data_received(head + b"\r\n\r\n")
+    await asyncio.sleep(0.01)
+    assert b"100 Continue" not in transport.data
+    protocol.data_received(body)
+    await until(lambda: len(Responses(bytes(transport.data)).items) == 1)
+    (response,) = Responses(bytes(transport.data)).items
+    np.testing.assert_array_equal(binary_output(response), [[2, 2]])
 
 
 async def test_connection_lost_while_the_model_runs(setup: Setup) -> None:
