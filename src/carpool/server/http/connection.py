@@ -129,6 +129,10 @@ class Connection(Framing):
 
     # -- exchanges in order -------------------------------------------------------------
 
+    @property
+    def num_ahead(self) -> int:
+        return len(self._queue)
+
     def schedule(self, exchange: Exchange) -> None:
         """Begin ``exchange`` now, or queue it behind the ones still being answered."""
         queue = self._queue

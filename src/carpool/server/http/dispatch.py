@@ -146,7 +146,11 @@ class Dispatch:
             exchange.size_bytes, exchange.is_too_large = declared, True
             exchange.keep_alive = exchange.keeps_body = False
             return
-        refusal = self.early_refusal(conn, model)
+        # Pipelined behind requests of its own connection, it reaches the queue only once
+        # they are answered: the queues as they are now say nothing of its turn (they
+        # hold those very requests), so the batcher judges it then. Its body is read,
+        # within the byte budget like any other.
+        refusal = None if conn.num_ahead else self.early_refusal(conn, model)
         if refusal is None and declared and not exchange.hold(declared, app.inflight):
             refusal = self.overloaded()
         if refusal is not None:

@@ -362,6 +362,19 @@ async def test_an_http10_request_expecting_100_gets_no_1xx(server: Server) -> No
     np.testing.assert_array_equal(binary_output(response), [[2, 2]])
 
 
+async def test_pipelined_requests_are_judged_by_the_queue_at_their_turn(setup: Setup) -> None:
+    """Was: with a queue bound of 1, four requests in one write got 200 and three 429s,
+    the queue being full of the first one when their heads were read; each reaches the
+    queue only once the one before it is answered."""
+    setup.batcher.update_policy(max_queue_size=1)
+    protocol, transport = setup.connect()
+    protocol.data_received(b"".join(binary_request(float(v)) for v in (1, 2, 3, 4)))
+    await until(lambda: len(items(transport)) == 4)
+    assert [status for status, _, _ in items(transport)] == [200] * 4
+    outputs = [float(binary_output(r)[0, 0]) for r in items(transport)]
+    assert outputs == [2.0, 4.0, 6.0, 8.0]
+
+
 async def test_connection_lost_while_the_model_runs(setup: Setup) -> None:
     setup.model.open.clear()
     protocol, transport = setup.connect()
