@@ -32,6 +32,7 @@ from .conftest import (
     HERE,
     ServedProcess,
     StartServer,
+    free_port,
     start_served_process,
     wait_until,
 )
@@ -335,3 +336,39 @@ def test_a_taken_port_fails_at_once_before_the_models_load(tmp_path: Path) -> No
         done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, done.stderr
     assert f"HTTP port 127.0.0.1:{port}: could not bind" in done.stderr
+
+
+def _close_from_the_server(http_url: str, count: int = 4) -> None:
+    """Requests with ``Connection: close``: the server closes first, and its side of each
+    connection stays in TIME_WAIT."""
+    host, port = http_url.rsplit(":", 1)
+    for _ in range(count):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            while sock.recv(4096):
+                pass
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(["--workers", "2"], ["--workers", "2"]), ([], ["--workers", "2"]), (["--workers", "2"], [])],
+    ids=["workers-then-workers", "one-then-workers", "workers-then-one"],
+)
+def test_a_restart_on_the_same_port_right_after_a_stop_serves(
+    tmp_path: Path, first: list[str], second: list[str]
+) -> None:
+    """Was: with --workers, the next start on the port exited 3 ("Address already in use")
+    while the connections the stopped server had closed were in TIME_WAIT (about 60 s):
+    the workers' listeners and the other servers' checks set different options."""
+    ports = (free_port(), free_port())
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    served = start_served_process(CONFIG, tmp_path / "first", args=first, ports=ports)
+    _close_from_the_server(served.http_url)
+    assert served.stop() == 0, served.output()
+    again = start_served_process(CONFIG, tmp_path / "second", args=second, ports=ports)
+    try:
+        x = np.ones((1, 1), dtype=np.float32)
+        assert np.array_equal(_infer_http(again.http_url, x), 2 * x)
+    finally:
+        assert again.stop() == 0, again.output()

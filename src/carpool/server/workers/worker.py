@@ -17,6 +17,7 @@ the requests still waiting failing with 503 / UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import math
@@ -127,24 +128,45 @@ def _is_flagged(flags: shared_memory.SharedMemory, index: int) -> bool:
     return buf is not None and buf[index] == 1
 
 
-def bind_shared(host: str, port: int) -> socket.socket:
+def bind_shared(host: str, port: int, *, listens: bool = False) -> socket.socket:
     """A socket bound to ``host:port`` with SO_REUSEPORT, so every worker (and the
     engine, holding the port) binds it: the kernel spreads connections over the ones
-    that listen. Without SO_REUSEADDR: a second server's own check (which retries with
-    it, :func:`carpool.server.run.check_ports`) must not get the port while it is held
-    and not yet listened on; SO_REUSEPORT alone binds over a previous run's TIME_WAIT."""
+    that listen.
+
+    A worker's socket (``listens``) has SO_REUSEADDR too: the connections it accepts
+    inherit it, so their TIME_WAIT after a stop does not hold the port against the next
+    server's check (:func:`carpool.server.run.check_ports`, which retries with it). The
+    engine's holding socket binds without it, so that a second server's check does not
+    get the port while it is held and not yet listened on; only where a previous run's
+    TIME_WAIT without SO_REUSEPORT (a server without workers) refuses that bind, it binds
+    with SO_REUSEADDR and then clears it (a later bind sees the option as it is now)."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
-    sock = socket.socket(family, kind, proto)
+
+    def bound(reuse_address: bool) -> socket.socket:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if reuse_address:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    if listens:
+        return bound(True)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(address)
-    except OSError:
-        sock.close()
-        raise
+        return bound(False)
+    except OSError as error:
+        if error.errno != errno.EADDRINUSE:
+            raise
+    sock = bound(True)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
     return sock
 
 
@@ -173,7 +195,7 @@ async def _serve(spec: WorkerSpec) -> None:
     )
     http = HttpServer(app)
     http.dispatch = WorkerDispatch(app, link, lambda: _counts(spec.index, http))
-    listener = bind_shared(spec.host, spec.port)
+    listener = bind_shared(spec.host, spec.port, listens=True)
     grpc_server = None
     servicer = WorkerServicer(repository, link)
     if spec.grpc_port:
