@@ -155,3 +155,36 @@ def _busy(url: str) -> bool:
             elif line.startswith("carpool_pending_requests{"):
                 pending += float(line.rsplit(" ", 1)[1])
     return accepted == len(BATCH) and pending == 0
+
+
+def _completion(url: str) -> httpx.Response:
+    body = {"model": "tiny-random-llama", "prompt": "hello", "max_tokens": 1000}
+    return httpx.post(f"http://{url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60)
+
+
+def _generating(url: str, count: int) -> bool:
+    for line in httpx.get(f"http://{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("carpool_generation_requests_running{"):
+            return float(line.rsplit(" ", 1)[1]) >= count
+    return False
+
+
+def test_a_drain_timeout_cuts_off_generation_requests_with_503(start_server: StartServer) -> None:
+    """Was: a generation model's requests were not cut off (counted 0), and when the
+    grace ended their connections were closed with no answer."""
+    server = start_server(None, args=["--drain-timeout-s", "0.3"])  # the built-in models
+    url = server.http_url
+    with ThreadPoolExecutor(3) as pool:
+        running = [pool.submit(_completion, url) for _ in range(3)]
+        wait_until(lambda: _generating(url, 3), "three completions generating")
+        server.stopped = True
+        server.process.terminate()
+        try:
+            status = server.process.wait(timeout=EXIT_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            pytest.fail(f"carpool serve did not exit after SIGTERM:\n{server.output()}")
+        answers = [job.result(timeout=60) for job in running]
+    assert status == 1, server.output()
+    assert [r.status_code for r in answers] == [503] * 3, [r.text for r in answers]
+    assert "3 request(s) still unanswered were cut off" in server.output()

@@ -487,7 +487,26 @@ class GenerationEngine:
         log.exception("model %r: a step of %d sequences failed", self.name, len(chunks))
         self._fail_seqs([c.seq_id for c in chunks], error)
 
+    def cut_off(self) -> int:
+        """Fail every request still in flight with :class:`Closed` (a drain cut off at its
+        deadline): each is answered (503, or an error event on a stream already begun),
+        not left for its connection to be closed unanswered. Returns how many."""
+        if self._state is _State.NEW or self._state is _State.STOPPED:
+            return 0
+        seq_ids = list(self._streams)
+        self._end_seqs(seq_ids, lambda: Closed(self.name), "abort")
+        return len(seq_ids)
+
     def _fail_seqs(self, seq_ids: list[int], error: Exception) -> None:
+        def failure() -> Exception:
+            failed = ModelError(f"generation step failed: {type(error).__name__}: {error}")
+            failed.__cause__ = error
+            return failed
+
+        self._end_seqs(seq_ids, failure, "error")
+
+    def _end_seqs(self, seq_ids: list[int], error: Callable[[], Exception], outcome: str) -> None:
+        """End ``seq_ids`` now, each stream given ``error()``; counted as ``outcome``."""
         now = self._clock.now()
         for seq_id in seq_ids:
             stream = self._streams.pop(seq_id, None)
@@ -495,8 +514,7 @@ class GenerationEngine:
                 continue
             stream.is_done = True
             self._leaving.append((seq_id, FinishReason.ABORT))
-            failure = ModelError(f"generation step failed: {type(error).__name__}: {error}")
-            failure.__cause__ = error
-            stream.events.put_nowait(failure)
-            self._telemetry.finished(stream.times, "error", now)
-            self._report(seq_id, stream, "error", now)
+            stream.events.put_nowait(error())
+            self._telemetry.finished(stream.times, outcome, now)
+            self._report(seq_id, stream, outcome, now)
+        self._wake.set()

@@ -162,9 +162,11 @@ class ServedModel:
             await self._batcher().stop(drain=drain)
 
     def cut_off(self) -> int:
-        """Cut the batcher's drain off (:meth:`Batcher.cut_off`); how many requests it
-        failed. A generation engine's requests are not cut off: 0."""
-        return 0 if self.batcher is None else self.batcher.cut_off()
+        """Cut the drain off (:meth:`Batcher.cut_off`, :meth:`GenerationEngine.cut_off`):
+        what is still queued or running fails with Closed; how many requests that was."""
+        if self.generation is not None:
+            return self.generation.engine.cut_off()
+        return self._batcher().cut_off()
 
     @property
     def is_ready(self) -> bool:

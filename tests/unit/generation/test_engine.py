@@ -296,6 +296,22 @@ async def test_stop_without_drain_aborts_requests_in_flight(engine, runner):
     assert last.finish_reason is FinishReason.ABORT
 
 
+async def test_a_drain_cut_off_fails_what_is_in_flight_with_closed(engine, runner):
+    """--drain-timeout-s: what a generation engine still ran was not cut off (its count 0),
+    and its clients' connections were closed with no answer when the grace ended."""
+    runner.gate = threading.Semaphore(0)
+    task = asyncio.ensure_future(_collect(engine, _prompt("q"), max_tokens=30))
+    await eventually(lambda: engine.num_active == 1)
+    stopping = asyncio.ensure_future(engine.stop(drain=True))
+    await eventually(lambda: not engine.is_running)
+    assert engine.cut_off() == 1
+    with pytest.raises(Closed):
+        await task
+    runner.gate.release(100)
+    await stopping
+    assert engine.num_active == 0 and engine.cut_off() == 0
+
+
 async def test_telemetry_counts_tokens_and_times_steps(engine, runner):
     runner.scripts[0] = list(b"abc")
     await _collect(engine, _prompt("hi"), max_tokens=3)
