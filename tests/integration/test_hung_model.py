@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from .conftest import DOUBLER_CONFIG, StartServer, wait_until
+from .conftest import DOUBLER_CONFIG, ServedProcess, StartServer, wait_until
 
 MODEL = """\
   - name: {name}
@@ -130,18 +130,23 @@ def test_sigterm_with_a_request_stuck_exits_after_the_drain_timeout_with_status_
     with ThreadPoolExecutor(1) as pool:
         stuck = pool.submit(_batch_http, url, BATCH)
         wait_until(lambda: _busy(url), "the hung batch to be running")
-        server.stopped = True
-        server.process.terminate()
-        try:
-            status = server.process.wait(timeout=EXIT_LIMIT_S)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            pytest.fail(f"carpool serve did not exit after SIGTERM:\n{server.output()}")
+        status = _terminated(server)
         answers = stuck.result(timeout=60)
 
     assert status == 1, server.output()
     assert [r.status_code for r in answers] == [503] * 4
     assert "4 request(s) still unanswered were cut off" in server.output()
+
+
+def _terminated(server: ServedProcess) -> int:
+    """SIGTERM ``server``; its exit status (a net of EXIT_LIMIT_S, not a timing)."""
+    server.stopped = True
+    server.process.terminate()
+    try:
+        return server.process.wait(timeout=EXIT_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        pytest.fail(f"carpool serve did not exit after SIGTERM:\n{server.output()}")
 
 
 def _busy(url: str) -> bool:
@@ -177,13 +182,7 @@ def test_a_drain_timeout_cuts_off_generation_requests_with_503(start_server: Sta
     with ThreadPoolExecutor(3) as pool:
         running = [pool.submit(_completion, url) for _ in range(3)]
         wait_until(lambda: _generating(url, 3), "three completions generating")
-        server.stopped = True
-        server.process.terminate()
-        try:
-            status = server.process.wait(timeout=EXIT_LIMIT_S)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            pytest.fail(f"carpool serve did not exit after SIGTERM:\n{server.output()}")
+        status = _terminated(server)
         answers = [job.result(timeout=60) for job in running]
     assert status == 1, server.output()
     assert [r.status_code for r in answers] == [503] * 3, [r.text for r in answers]
