@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from carpool import ClassPolicy, DeadlineExceeded
+from carpool import Batcher, BatchPolicy, ClassPolicy, DeadlineExceeded, ModelError
 from carpool.core.clock import settle
 
 from .conftest import SAFETY_S, finish
@@ -353,3 +353,30 @@ async def test_one_replica_woken_by_a_request_leaves_no_timer_behind(
     fake_model.release()
     assert await finish(first, second) == [0, 10]
     assert fake_model.sizes == [2]
+
+
+async def test_a_failed_batch_is_not_fitted_as_the_models_time_for_its_size() -> None:
+    """Was: every landed batch's span was fitted, a failed one's too (its bisection, or an
+    exception at once), and a model raising for a second left the adaptive line at no
+    overhead and max_batch_size: auto at 1 item."""
+    failing = True
+
+    def model(batch: list[int]) -> list[int]:
+        if failing:
+            raise ValueError("not now")
+        return [x * 2 for x in batch]
+
+    policy = BatchPolicy(max_delay_s="auto", max_batch_size="auto", slo_s=0.05)
+    async with Batcher(model, policy, collate="list", switch_interval_s=None) as batcher:
+        for _ in range(3):
+            results = await asyncio.gather(
+                *(batcher.submit(i) for i in range(4)), return_exceptions=True
+            )
+            assert all(isinstance(r, ModelError) for r in results)
+        state = batcher.adaptive_state()
+        assert state is not None and state.num_batches == 0
+        failing = False
+        for _ in range(2):  # a size's first batch is a warm-up, never fitted
+            assert await asyncio.wait_for(batcher.submit(3), SAFETY_S) == 6
+        state = batcher.adaptive_state()
+        assert state is not None and state.num_batches == 1
