@@ -217,6 +217,20 @@ class Adaptive:
         # class -> (policy, batches fitted, when, cap): see admission_cap
         self._admission_caps: dict[str, tuple[BatchPolicy, int, float, float]] = {}
 
+    def forget(self) -> None:
+        """Back to no traffic seen: rates, targets and returns counted in a budget unit the
+        policy no longer has."""
+        for table in (
+            self._rates,
+            self._units,
+            self._company,
+            self._returns,
+            self._refused,
+            self._targets,
+            self._admission_caps,
+        ):
+            table.clear()
+
     def arrived(
         self,
         class_name: str,

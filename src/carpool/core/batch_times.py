@@ -62,6 +62,11 @@ class BatchTimeFit:
     )
 
     def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """Back to no batch seen (the policy's budget unit changed: a line in another
+        unit says nothing of this one)."""
         self._sw = self._sb = self._sbb = self._st = self._sbt = 0.0
         self._stt = self._sww = 0.0  # for the slope's standard error
         self._slope: float | None = None  # the last slope the sizes seen identified
@@ -144,6 +149,13 @@ class BatchTimes:
         self._mean_s: dict[int, float] = {}
         self._updated_s: dict[int, float] = {}
         self._seen: set[int] = set()  # buckets whose first (cold) batch has run
+
+    def forget(self) -> None:
+        """Back to no batch seen, the line too (in place: the controller reads it)."""
+        self.fit.forget()
+        self._mean_s.clear()
+        self._updated_s.clear()
+        self._seen.clear()
 
     def observe(self, num_items: float, compute_s: float, model_s: float | None = None) -> None:
         """A batch of ``num_items`` (in the policy's budget unit: items, tokens or

@@ -354,18 +354,15 @@ class Batcher(Lifecycle):
         return error
 
     def refuse_unknown_priority(self, priority: object, num_requests: int = 1) -> InvalidInput:
-        """The :class:`InvalidInput` :meth:`submit` gives a ``priority`` naming no class,
-        counted as it counts it (``invalid``, under the default class, once per request):
-        for a server face that checks the field itself, to name it in its own error."""
-        policy = self._policy
-        for _ in range(num_requests):
-            self._telemetry.rejected(policy.default_class, "invalid")
-        return InvalidInput(f"unknown priority {priority!r}: expected one of {list(policy.limits)}")
+        """The error :meth:`submit` gives a ``priority`` naming no class, counted as it
+        counts it (``invalid``, under the default class): for a face that names it itself."""
+        self._telemetry.rejected(self._policy.default_class, "invalid", num_requests)
+        classes = list(self._policy.limits)
+        return InvalidInput(f"unknown priority {priority!r}: expected one of {classes}")
 
     @property
     def num_free(self) -> int:
-        """How many more requests the queues could admit now (a large number when some
-        class has no bound)."""
+        """How many more requests the queues could admit now (many if a class is unbounded)."""
         return self._queues.num_free()
 
     def cancel(self, request: Request) -> None:
@@ -546,8 +543,7 @@ class Batcher(Lifecycle):
     # -- policy and telemetry ---------------------------------------------------------
 
     def set_trace_hook(self, hook: TraceHook | None) -> None:
-        """Call ``hook`` with each finished request's :class:`RequestTrace` from now on,
-        in place of the constructor's ``on_trace``; None: no hook (no trace is built)."""
+        """Call ``hook`` with each finished request's trace from now on (None: no trace)."""
         self._telemetry.on_trace = None if hook is None else guarded_hook(hook, self._name)
 
     def set_policy(self, policy: BatchPolicy) -> None:
@@ -565,6 +561,10 @@ class Batcher(Lifecycle):
         if self._pool is not None:  # size buckets follow the preferred sizes
             self._pool.preferred = policy.preferred_batch_sizes
         self._queues.reconfigure(policy)
+        if policy.budget_unit != self._policy.budget_unit:
+            # Times, line and rates count the old unit (read as the new, 200 ms batches).
+            self._batch_times.forget()
+            self._adaptive.forget()
         self._policy = policy
         self._is_adaptive = policy.is_adaptive
         self._policy_version += 1
@@ -584,16 +584,14 @@ class Batcher(Lifecycle):
             self._adaptive.answered(now, units_by_class(batch.requests, self._policy.budget_unit))
 
     def adaptive_state(self) -> AdaptiveState | None:
-        """What ``max_delay_s``/``max_batch_size`` "auto" has in force now, per class, and
-        the fitted batch-time line; None when the policy has neither."""
+        """What "auto" has in force now, per class, and the fitted line; None without it."""
         if not self._is_adaptive:
             return None
         return self._adaptive.state(self._policy, self._clock.now())
 
     def snapshot(self, *, quantiles: bool = True) -> TelemetrySnapshot:
-        """Everything measured so far, as frozen typed values. ``quantiles=False`` skips
-        the percentiles (``p*_s`` and ``max_s`` are NaN), which sort the recent samples:
-        a scraper that needs only counts, sums and buckets (``/metrics``) asks for that."""
+        """Everything measured so far, as frozen typed values. ``quantiles=False`` skips the
+        percentiles (NaN), which sort recent samples: for a scrape of counts (``/metrics``)."""
         replicas = self._dispatch.replica_counters()
         uptime = self._clock.now() - self._started_s if replicas else 0.0
         return self._telemetry.snapshot(

@@ -318,10 +318,10 @@ class Telemetry:
         counters.requests += 1
         counters.items += request.num_items
 
-    def rejected(self, class_name: str, reason: str) -> None:
+    def rejected(self, class_name: str, reason: str, num: int = 1) -> None:
         counters = self._classes.get(class_name)
         if counters is not None:
-            counters.rejections[reason] += 1
+            counters.rejections[reason] += num
 
     def refused_from_head(self) -> None:
         """A request refused before its class was known (:meth:`Batcher.refuse_early`)."""

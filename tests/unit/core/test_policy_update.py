@@ -667,3 +667,27 @@ def test_set_policy_refuses_what_is_not_a_batch_policy() -> None:
         batcher.set_policy({"max_batch_size": 8})  # type: ignore[arg-type]
     assert caught.value.field == "policy"
     assert batcher.policy.max_batch_size == 32  # unchanged
+
+
+async def test_a_new_budget_unit_starts_the_adaptive_line_and_rates_afresh():
+    """Was: a line fitted per unit of cost was read per item after max_batch_cost went
+    (0.01 ms an item where the model takes 1 ms), and one batch of 200 ran 200 ms under a
+    50 ms SLO; the rates, in the old unit, stayed too."""
+    policy = BatchPolicy(
+        max_delay_s="auto",
+        max_batch_size="auto",
+        slo_s=0.05,
+        max_batch_cost=5000.0,
+        cost_fn=lambda item: 100.0,
+    )
+    async with Batcher(lambda batch: batch, policy, collate="list") as batcher:
+        for size in (1, 2, 4, 8, 16) * 2:
+            await asyncio.gather(*(batcher.submit(i) for i in range(size)))
+        before = batcher.adaptive_state()
+        assert before is not None and before.unit == "cost" and before.num_batches > 0
+        batcher.update_policy(max_batch_cost=None, cost_fn=None)
+        after = batcher.adaptive_state()
+        assert after is not None and after.unit == "items"
+        assert (after.num_batches, after.per_item_s) == (0, 0.0)
+        assert all(c.arrival_rate_rps == 0.0 for c in after.classes)
+        assert await batcher.submit(7) == 7
