@@ -12,7 +12,7 @@ open-loop traffic both rates agree. From them, each time a replica is free:
 
 - **Target size.** The smallest batch ``b`` that keeps the replica at most
   :data:`TARGET_UTILIZATION` busy at the class's rate ``r``: ``r * t(b) / b <= rho``.
-  At low load that is 1 (send at once: waiting buys nothing); as the rate rises it
+  At low load that is one request (send at once: waiting buys nothing); as the rate rises it
   grows, and past the model's capacity it is the size cap. With ``rho`` 1 it is the
   size a replica that sends whatever waits whenever it is free settles at (each batch's
   time brings the next batch): the controller waits only when the queue holds less than
@@ -314,6 +314,13 @@ class Adaptive:
             return 0.0
         return min(company.rate_rps(now), self.units_rps(class_name, now))
 
+    def one_request(self, class_name: str, now: float) -> float:
+        """What a lone request of the class brings, in the budget unit: its mean over the
+        recent arrivals (1.0 before any), which may be under 1 (a cost of 0.25)."""
+        requests = self.rate_rps(class_name, now)
+        units = self.units_rps(class_name, now)
+        return units / requests if requests > 0.0 and units > 0.0 else 1.0
+
     def request_units(self, class_name: str, now: float) -> float:
         """The class's mean request in the budget unit, over its recent arrivals (1.0
         before any)."""
@@ -438,7 +445,8 @@ class Adaptive:
         """The batch size worth waiting for at the class's rate now (module docstring)."""
         rate = self.company_rps(limits.name, now)
         overhead_s, per_item_s = self._fit.line()
-        wanted = _keep_up_size(rate, overhead_s, per_item_s, max_items)
+        one = self.one_request(limits.name, now)
+        wanted = _keep_up_size(rate, overhead_s, per_item_s, max_items, one)
         held = self._targets.get(limits.name)
         if held is not None and abs(wanted - held) <= HYSTERESIS * held:
             wanted = min(held, max_items)
@@ -473,8 +481,26 @@ class Adaptive:
         if rate is None or rate_rps <= 0.0 or rate.last_arrival_s is None:
             return now
         due = now + (target - num_items) / rate_rps
-        due = min(due, rate.last_arrival_s + GAP_FACTOR / rate_rps)
+        # The rate is in units: a mean gap between requests is one request's units over it.
+        gap_s = self.one_request(limits.name, now) / rate_rps
+        due = min(due, rate.last_arrival_s + GAP_FACTOR * gap_s)
         return min(due, oldest_arrival_s + self.budget_s(limits, target))
+
+    def _lone_delay_s(
+        self, limits: ClassLimits, max_items: float, now: float
+    ) -> tuple[float, float]:
+        """(the window a request arriving now alone would get, the target it waits for):
+        :meth:`due_s` for it, from the rates as they are now (what a scrape shows must not
+        be a target held from traffic that has gone), without moving the held target."""
+        one = self.one_request(limits.name, now)
+        rate_rps = self.company_rps(limits.name, now)
+        overhead_s, per_item_s = self._fit.line()
+        target = _keep_up_size(rate_rps, overhead_s, per_item_s, max_items, one)
+        if one >= target or rate_rps <= 0.0:
+            return 0.0, target
+        # Its own arrival is the class's last: the gap rule counts from now.
+        wait_s = min((target - one) / rate_rps, GAP_FACTOR * one / rate_rps)
+        return max(0.0, min(wait_s, self.budget_s(limits, target))), target
 
     def budget_s(self, limits: ClassLimits, num_items: float) -> float:
         """The longest the oldest request of a batch of ``num_items`` may wait for
@@ -495,9 +521,7 @@ class Adaptive:
             if not limits.is_auto_delay or not self.is_warm:
                 delay_s, target = limits.max_delay_s, max_items
             else:
-                target = min(self._targets.get(limits.name, 1.0), max_items)
-                wait_s = (target - 1) / rate_rps if rate_rps > 0 else 0.0
-                delay_s = min(wait_s, self.budget_s(limits, target))
+                delay_s, target = self._lone_delay_s(limits, max_items, now)
             arrival_rps = self.rate_rps(limits.name, now)
             share = self.closed_loop_share(limits.name)
             refusing = self.is_refusing(limits.name, now)
@@ -513,16 +537,21 @@ class Adaptive:
         )
 
 
-def _keep_up_size(rate_rps: float, overhead_s: float, per_item_s: float, max_items: float) -> float:
+def _keep_up_size(
+    rate_rps: float, overhead_s: float, per_item_s: float, max_items: float, one: float = 1.0
+) -> float:
     """The smallest batch that keeps the replica at most TARGET_UTILIZATION busy at
-    ``rate_rps`` (``max_items`` when none does), in [1, max_items]."""
+    ``rate_rps`` (``max_items`` when none does), in [one, max_items]: ``one`` request's
+    units at least (``max_items`` where that is less), so at low load a lone request goes
+    at once whatever its size in the unit."""
     rho = TARGET_UTILIZATION
-    if rate_rps * (overhead_s + per_item_s) <= rho:
-        return 1.0
+    low = min(one, max_items)
+    if rate_rps * (overhead_s + per_item_s * one) <= rho:
+        return low
     if rate_rps * per_item_s >= rho:
         return max_items
     wanted = math.ceil(min(max_items, rate_rps * overhead_s / (rho - rate_rps * per_item_s)))
-    return max(1.0, min(wanted, max_items))
+    return min(max_items, max(low, wanted))
 
 
 def _lower_cap(

@@ -25,7 +25,9 @@ from carpool.core.adaptive import (
     SLO_HEADROOM,
     TARGET_UTILIZATION,
     Adaptive,
+    AdaptiveState,
     ArrivalRate,
+    ClassChoice,
     CompanyRate,
 )
 from carpool.core.batch_times import BatchTimeFit
@@ -865,3 +867,71 @@ def test_its_rates_count_the_unit_and_a_request_its_mean_size() -> None:
     assert adaptive.rate_rps("normal", 2.0) == pytest.approx(100.0, rel=0.05)
     assert adaptive.company_rps("normal", 2.0) == pytest.approx(30_000.0, rel=0.05)
     assert adaptive.request_units("normal", 2.0) == pytest.approx(300.0)
+
+
+def _choice(state: AdaptiveState, name: str) -> ClassChoice:
+    return next(c for c in state.classes if c.name == name)
+
+
+def _unit_fit(overhead_s: float, per_unit_s: float, sizes: list[float]) -> BatchTimeFit:
+    fit = BatchTimeFit()
+    for size in sizes * 3:
+        fit.observe(size, overhead_s + per_unit_s * size)
+    return fit
+
+
+def test_a_lone_request_of_under_one_unit_goes_at_once_at_low_load() -> None:
+    """Was: the target had a floor of one unit (four requests of cost 0.25), and the gap
+    rule read the unit rate as requests: a lone request waited 30 ms at 22% load."""
+    policy = BatchPolicy(max_delay_s="auto", max_batch_cost=16.0, slo_s=0.05)
+    limits = policy.class_limits(None)
+    adaptive = Adaptive(_unit_fit(0.002, 0.001, [0.25, 0.5, 1, 2, 4, 8]))
+    for i in range(501):  # 100 requests a second of 0.25 each
+        adaptive.arrived(limits.name, i / 100, True, units=0.25)
+    now = 5.0
+    assert adaptive.target_size(limits, 16.0, now) == pytest.approx(0.25)
+    assert adaptive.due_s(limits, 0.25, 16.0, now, now) == now
+
+
+def test_under_tokens_the_gap_rule_counts_requests_not_tokens() -> None:
+    """Was: two mean gaps read as 2 / (tokens per second), 0.07 ms at 100 requests a second
+    of 300 tokens, where two gaps between requests are 20 ms."""
+    policy = BatchPolicy(max_delay_s="auto", max_batch_tokens=8192, slo_s=0.5)
+    limits = policy.class_limits(None)
+    adaptive = Adaptive(_unit_fit(0.008, 0.00005, [300, 600, 1200, 2400, 4800]))
+    for i in range(501):
+        adaptive.arrived(limits.name, i / 100, True, units=300.0)
+    now = 5.0
+    target = adaptive.target_size(limits, 8192.0, now)
+    assert target > 300  # at this rate waiting for company pays
+    assert adaptive.due_s(limits, 300.0, 8192.0, now, now) - now == pytest.approx(0.02)
+
+
+def test_the_reported_window_is_never_negative_nor_its_target_past_the_cap() -> None:
+    """Was: with max_batch_cost 0.5 the target stayed at one unit, over the cap, and the
+    reported window (target - 1) / rate went negative."""
+    policy = BatchPolicy(max_delay_s="auto", max_batch_cost=0.5, slo_s=0.05)
+    limits = policy.class_limits(None)
+    adaptive = Adaptive(_unit_fit(0.002, 0.001, [0.1, 0.2, 0.3, 0.4, 0.5]))
+    for i in range(1001):
+        adaptive.arrived(limits.name, i / 200, True, units=0.1)
+    choice = _choice(adaptive.state(policy, 5.0), limits.name)
+    assert choice.delay_s >= 0.0 and choice.batch_size <= choice.max_batch_size
+
+
+def test_the_reported_window_does_not_grow_once_the_traffic_has_gone() -> None:
+    """Was: a target held from a burst divided by the decaying rate: 5 ms reported during
+    it, 37 ms a second after, while a lone request then went at once."""
+    policy = _policy()
+    limits = policy.class_limits(None)
+    adaptive = Adaptive(_fit())
+    for i in range(10_001):  # 2000 a second for 5 s
+        adaptive.arrived(limits.name, i / 2000, True)
+        if i % 100 == 0:
+            adaptive.due_s(limits, 1, 64, i / 2000, i / 2000)
+    during = _choice(adaptive.state(policy, 5.0), limits.name)
+    assert during.delay_s > 0  # at this rate it waits for company
+    for later_s in (5.5, 6.0):  # what a lone request arriving then gets: two gaps at most
+        after = _choice(adaptive.state(policy, later_s), limits.name)
+        assert after.delay_s <= GAP_FACTOR / after.company_rate_rps + 1e-9, (later_s, after)
+    assert _choice(adaptive.state(policy, 8.0), limits.name).delay_s == 0.0  # at once
