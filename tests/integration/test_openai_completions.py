@@ -7,6 +7,7 @@ where an OpenAI or vLLM user would otherwise see carpool answer differently
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from pathlib import Path
 
@@ -197,6 +198,42 @@ def test_client_leaving_mid_stream_aborts_and_the_server_goes_on(served, client)
     metrics = _metrics(served)
     assert metrics[("carpool_generation_requests_running", (("model", MODEL),))] == 0
     assert metrics[("carpool_generation_kv_cache_usage_ratio", (("model", MODEL),))] == 0
+
+
+def test_a_stalled_stream_whose_client_half_closes_is_aborted(served, client):
+    """Was: a client that never read its stream and then shut its side (SHUT_WR) was not
+    taken as gone while answer bytes waited unread: its 16 choices generated to the end
+    for nobody and the connection was held until the client closed it."""
+    aborted_before = _finished(served, "abort")
+    body = orjson.dumps(
+        {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "stream": True,
+         "ignore_eos": True, "n": 16, "logprobs": 5}
+    )  # fmt: skip
+    host, port = served.http_url.rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # it never reads
+    try:
+        sock.connect((host, int(port)))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        deadline = time.monotonic() + 30  # polling the server's view, not timing it
+        while (
+            _metrics(served).get(("carpool_generation_requests_running", (("model", MODEL),)), 0)
+            < 16
+        ):
+            assert time.monotonic() < deadline, "the choices never ran"
+            time.sleep(0.05)
+        time.sleep(3.0)  # answers fill the socket's buffers, then the server's own
+        sock.shutdown(socket.SHUT_WR)
+        while _finished(served, "abort") < aborted_before + 16:
+            assert time.monotonic() < deadline + 30, "the server never aborted the choices"
+            time.sleep(0.05)
+    finally:
+        sock.close()
+    response = client.completions.create(model=MODEL, prompt="still there?", max_tokens=4)
+    assert response.choices[0].finish_reason in ("stop", "length")
 
 
 def test_metrics_show_generation_in_vllm_vocabulary(served, client):

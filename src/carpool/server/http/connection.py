@@ -82,7 +82,12 @@ class Connection(Framing):
 
     def eof_received(self) -> None:
         """The client's FIN: taken as gone (as uvicorn, nginx and Go's net/http take it;
-        on the wire a half-close cannot be told from a close); the transport closes."""
+        on the wire a half-close cannot be told from a close); the transport closes. With
+        answer bytes it has not read yet the transport is aborted instead: a close waits
+        for them to be read, which a gone client never does, so the connection was not
+        lost and what it ran (a stream generating for nobody) was never cancelled."""
+        if self._transport.get_write_buffer_size():
+            self._transport.abort()
 
     def pause_writing(self) -> None:
         self.is_write_paused = True

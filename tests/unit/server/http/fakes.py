@@ -46,6 +46,12 @@ class FakeTransport:
     def close(self) -> None:
         self.closed = True
 
+    def abort(self) -> None:
+        self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0  # every write taken at once
+
     def pause_reading(self) -> None:
         pass
 
