@@ -262,6 +262,14 @@ class Transport:
             self.closed = True
             asyncio.get_running_loop().call_soon(self._lose)
 
+    def abort(self) -> None:
+        """Closed now, what is buffered dropped: lost on the next turn, as close()."""
+        self.close()
+
+    def get_write_buffer_size(self) -> int:
+        """The transport's own buffer: the unread answers past the high-water mark."""
+        return self.unread_bytes if self.write_paused else 0
+
     def _lose(self) -> None:
         if not self.lost:
             self.lost = True
