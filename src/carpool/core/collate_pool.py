@@ -196,10 +196,13 @@ def unalias(outputs: Any, buffers: list[Any]) -> Any:
     keeps the array's subclass (a masked array keeps its mask)."""
     if isinstance(outputs, dict):
         items = {k: unalias(v, buffers) for k, v in outputs.items()}
-        changed = any(items[k] is not v for k, v in outputs.items())
-        return (
-            (type(outputs)(items) if type(outputs) is not dict else items) if changed else outputs
-        )
+        if all(items[k] is v for k, v in outputs.items()):
+            return outputs
+        if type(outputs) is dict:
+            return items
+        rebuilt = outputs.copy()  # its own type where it keeps one (a defaultdict's factory)
+        rebuilt.update(items)
+        return rebuilt
     if isinstance(outputs, tuple | list):
         values = [unalias(v, buffers) for v in outputs]
         if all(new is old for new, old in zip(values, outputs, strict=True)):

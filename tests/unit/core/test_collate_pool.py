@@ -230,6 +230,16 @@ def test_unalias_keeps_a_namedtuple_whether_or_not_it_copies():
     np.testing.assert_array_equal(copied.total, [0.0, 1.0])
 
 
+def test_unalias_keeps_a_defaultdict_and_its_factory_when_it_copies():
+    """The first fix rebuilt dicts as type(outputs)(items): a defaultdict takes a factory
+    first, and every request of a model returning one failed."""
+    buffer = np.arange(6.0)
+    out = collections.defaultdict(list, {"emb": buffer[:2]})
+    copied = unalias(out, [buffer])
+    assert type(copied) is collections.defaultdict and copied.default_factory is list
+    assert not np.shares_memory(copied["emb"], buffer)
+
+
 def test_unalias_copies_a_masked_array_with_its_mask():
     """Was: copied as a plain array, the mask lost."""
     buffer = np.array([-1.0, 2.0, -3.0])
