@@ -546,7 +546,7 @@ def _keep_up_size(
     at once whatever its size in the unit."""
     rho = TARGET_UTILIZATION
     low = min(one, max_items)
-    if rate_rps * (overhead_s + per_item_s * one) <= rho:
+    if rate_rps * (overhead_s + per_item_s * one) <= rho * one:  # r t(one) / one <= rho
         return low
     if rate_rps * per_item_s >= rho:
         return max_items

@@ -29,6 +29,7 @@ from carpool.core.adaptive import (
     ArrivalRate,
     ClassChoice,
     CompanyRate,
+    _keep_up_size,
 )
 from carpool.core.batch_times import BatchTimeFit
 from carpool.core.policy import (
@@ -891,6 +892,15 @@ def test_a_lone_request_of_under_one_unit_goes_at_once_at_low_load() -> None:
     now = 5.0
     assert adaptive.target_size(limits, 16.0, now) == pytest.approx(0.25)
     assert adaptive.due_s(limits, 0.25, 16.0, now, now) == now
+
+
+def test_requests_of_under_one_unit_go_at_once_only_if_one_at_a_time_keeps_up() -> None:
+    """The low-load shortcut tested r t(one) <= rho where the rule is r t(b) / b <= rho:
+    8 requests a second of cost 0.25 at t(b) = 0.2 + 0.01 b were sent one at a time,
+    162% of the replica."""
+    target = _keep_up_size(2.0, 0.2, 0.01, 64.0, 0.25)
+    assert 2.0 * (0.2 + 0.01 * target) / target <= TARGET_UTILIZATION
+    assert _keep_up_size(2.0, 0.2, 0.01, 64.0, 1.0) == 1.0  # a request of one unit: as ever
 
 
 def test_under_tokens_the_gap_rule_counts_requests_not_tokens() -> None:
