@@ -141,17 +141,20 @@ def bucket_of(num_items: float) -> int:
 class BatchTimes:
     """Recent compute seconds per batch-size bucket; ``predict_s`` reads them."""
 
-    __slots__ = ("_clock", "_mean_s", "_seen", "_updated_s", "fit")
+    __slots__ = ("_clock", "_mean_s", "_seen", "_updated_s", "fit", "unit")
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, unit: str = "items") -> None:
         self._clock = clock
         self.fit = BatchTimeFit()
         self._mean_s: dict[int, float] = {}
         self._updated_s: dict[int, float] = {}
         self._seen: set[int] = set()  # buckets whose first (cold) batch has run
+        self.unit = unit  # the budget unit of the batches observed (see forget)
 
-    def forget(self) -> None:
-        """Back to no batch seen, the line too (in place: the controller reads it)."""
+    def forget(self, unit: str) -> None:
+        """Back to no batch seen, the line too (in place: the controller reads it), now in
+        ``unit``: a batch formed in another (one still running) is not fitted after."""
+        self.unit = unit
         self.fit.forget()
         self._mean_s.clear()
         self._updated_s.clear()

@@ -193,7 +193,7 @@ class Batcher(Lifecycle):
             self._intake.check(self._policy)
         self._request_ids = itertools.count()
         self._oom = OomCap()
-        self._batch_times = BatchTimes(clock)
+        self._batch_times = BatchTimes(clock, self._policy.budget_unit)
         self._adaptive = Adaptive(self._batch_times.fit)
         self._is_adaptive = self._policy.is_adaptive
         dispatch = Dispatcher(
@@ -563,7 +563,7 @@ class Batcher(Lifecycle):
         self._queues.reconfigure(policy)
         if policy.budget_unit != self._policy.budget_unit:
             # Times, line and rates count the old unit (read as the new, 200 ms batches).
-            self._batch_times.forget()
+            self._batch_times.forget(policy.budget_unit)
             self._adaptive.forget()
         self._policy = policy
         self._is_adaptive = policy.is_adaptive

@@ -563,8 +563,9 @@ class Dispatcher:
             if busy is not None:
                 busy.add(end, compute_s)
             self._telemetry.batch_done(batch, replica.counters, compute_s)
-            if self._batch_times is not None and answered:
-                self._batch_times.observe(batch.units, compute_s, model_s)
+            times = self._batch_times
+            if times is not None and answered and batch.unit == times.unit:
+                times.observe(batch.units, compute_s, model_s)
             if self.on_landed is not None:
                 self.on_landed(batch, end)
             if self._intake.has_lengths:

@@ -73,8 +73,9 @@ class Batch:
     closed_s: float
     replica_id: int = -1
     # Its size in the policy's budget unit (items, tokens or cost): what its compute time
-    # is learned against (carpool.core.batch_times); the scheduler sets it.
+    # is learned against (carpool.core.batch_times); the scheduler sets both.
     units: float = 0.0
+    unit: str = "items"
 
     def start(self, replica_id: int, now: float, idle_since_s: float | None) -> None:
         """Mark every request running on ``replica_id`` from ``now`` (deadline timers off).

@@ -195,7 +195,7 @@ class Scheduler:
                 continue
             counts = not (require_full and behind_class == queue.name)
             batch = self._commit(plan, queue, max_items, now, counts)
-            batch.units = self._units(plan, unit)
+            batch.units, batch.unit = self._units(plan, unit), unit
             return Decision(batch=batch)
         return Decision(wake_at_s=wake_at_s, ages_at_s=ages_first_s)
 

@@ -691,3 +691,26 @@ async def test_a_new_budget_unit_starts_the_adaptive_line_and_rates_afresh():
         assert (after.num_batches, after.per_item_s) == (0, 0.0)
         assert all(c.arrival_rate_rps == 0.0 for c in after.classes)
         assert await batcher.submit(7) == 7
+
+
+async def test_batches_formed_in_the_old_unit_are_not_fitted_after_it_changed():
+    """Batches still running when the unit changes land after the line started afresh:
+    their size in cost was fitted as items (each 200 ms batch read as 1000 items)."""
+    release = asyncio.Event()
+
+    async def model(batch: list[int]) -> list[int]:
+        await release.wait()
+        return batch
+
+    policy = BatchPolicy(
+        max_delay_s="auto", max_batch_size="auto", slo_s=0.05, max_batch_cost=1000.0,
+        cost_fn=lambda item: 100.0,
+    )  # fmt: skip
+    async with Batcher(model, policy, collate="list", num_replicas=3) as batcher:
+        running = [asyncio.ensure_future(batcher.submit(i)) for i in range(30)]
+        await settle()
+        batcher.update_policy(max_batch_cost=None, cost_fn=None)
+        release.set()
+        await asyncio.gather(*running)
+        state = batcher.adaptive_state()
+        assert state is not None and state.unit == "items" and state.num_batches == 0
