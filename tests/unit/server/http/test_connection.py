@@ -10,6 +10,7 @@ import asyncio
 import gzip
 import socket
 from contextlib import suppress
+from typing import Any
 
 import numpy as np
 import pytest
@@ -301,13 +302,20 @@ async def test_pipelined_after_a_400_and_mixed_paths_keep_order(setup: Setup) ->
     assert outputs == [2, 4, 6]
 
 
-async def test_expect_continue_pipelined_behind_a_running_request(setup: Setup) -> None:
-    setup.model.open.clear()
-    protocol, transport = setup.connect()
+async def _expecting_behind_a_running_request(s: Setup) -> tuple[Any, Any, bytes]:
+    """A request held running, a second pipelined behind it with ``Expect: 100-continue``
+    and only its head sent: the connection, its transport and the second's body."""
+    s.model.open.clear()
+    protocol, transport = s.connect()
     second = binary_request(4.0, extra=b"Expect: 100-continue\r\n")
     head, body = second.split(b"\r\n\r\n", 1)
     protocol.data_received(binary_request(1.0) + head + b"\r\n\r\n")
-    await until(lambda: setup.model.running == 1)
+    await until(lambda: s.model.running == 1)
+    return protocol, transport, body
+
+
+async def test_expect_continue_pipelined_behind_a_running_request(setup: Setup) -> None:
+    protocol, transport, body = await _expecting_behind_a_running_request(setup)
     assert b"100 Continue" not in transport.data  # not before the first answer
     assert transport.reading  # read ahead (READ_AHEAD_*): a hang-up is still seen
     setup.model.open.set()
@@ -321,17 +329,12 @@ async def test_expect_continue_pipelined_behind_a_running_request(setup: Setup) 
     np.testing.assert_array_equal(binary_output(response), [[8, 8]])
 
 
-async def test_a_continued_body_has_its_whole_body_time_from_the_100(setup: Setup) -> None:
+async def test_a_continued_body_has_its_whole_body_time_from_the_100() -> None:
     """Was: the body's deadline ran from its head, so a request pipelined behind one that
     ran past --body-timeout-s got "100 Continue" and then at once a 408."""
     s, repository = await gated(limits=ServerLimits(body_timeout_s=0.2))
     try:
-        s.model.open.clear()
-        protocol, transport = s.connect()
-        second = binary_request(4.0, extra=b"Expect: 100-continue\r\n")
-        head, body = second.split(b"\r\n\r\n", 1)
-        protocol.data_received(binary_request(1.0) + head + b"\r\n\r\n")
-        await until(lambda: s.model.running == 1)
+        protocol, transport, body = await _expecting_behind_a_running_request(s)
         await asyncio.sleep(0.3)  # the first runs past the second's body time
         s.model.open.set()
         await until(lambda: b"100 Continue" in transport.data)
