@@ -441,11 +441,15 @@ class Adaptive:
 
     # -- the delay -----------------------------------------------------------------
 
-    def target_size(self, limits: ClassLimits, max_items: float, now: float) -> float:
-        """The batch size worth waiting for at the class's rate now (module docstring)."""
+    def target_size(
+        self, limits: ClassLimits, max_items: float, now: float, one: float | None = None
+    ) -> float:
+        """The batch size worth waiting for at the class's rate now (module docstring);
+        ``one``: :meth:`one_request`, when the caller has it."""
         rate = self.company_rps(limits.name, now)
         overhead_s, per_item_s = self._fit.line()
-        one = self.one_request(limits.name, now)
+        if one is None:
+            one = self.one_request(limits.name, now)
         wanted = _keep_up_size(rate, overhead_s, per_item_s, max_items, one)
         held = self._targets.get(limits.name)
         if held is not None and abs(wanted - held) <= HYSTERESIS * held:
@@ -467,7 +471,8 @@ class Adaptive:
         once. Never later than :meth:`budget_s` after its oldest request's arrival."""
         if not self.is_warm:
             return oldest_arrival_s + limits.max_delay_s
-        target = self.target_size(limits, max_items, now)
+        one = self.one_request(limits.name, now)
+        target = self.target_size(limits, max_items, now, one)
         returns = self._returns.get(limits.name)
         back = 0.0 if returns is None else returns.pending(now)
         if returns is not None and back >= 1.0 and num_items + 1.0 <= max_items:
@@ -482,7 +487,7 @@ class Adaptive:
             return now
         due = now + (target - num_items) / rate_rps
         # The rate is in units: a mean gap between requests is one request's units over it.
-        gap_s = self.one_request(limits.name, now) / rate_rps
+        gap_s = one / rate_rps
         due = min(due, rate.last_arrival_s + GAP_FACTOR * gap_s)
         return min(due, oldest_arrival_s + self.budget_s(limits, target))
 
