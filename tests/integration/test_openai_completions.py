@@ -236,6 +236,61 @@ def test_a_stalled_stream_whose_client_half_closes_is_aborted(served, client):
     assert response.choices[0].finish_reason in ("stop", "length")
 
 
+def _gauge(served: ServedProcess, name: str) -> float:
+    return _metrics(served).get((name, (("model", MODEL),)), 0.0)
+
+
+def test_a_stalled_stream_is_held_then_finishes_whole_when_its_client_reads(served):
+    """Back-pressure. Was: a client that stopped reading its stream left its choices
+    generating on into the server's memory (some 310 MB for n=128 with 20 log-probabilities),
+    outside every limit. Now each choice is held out of the steps once it is a few events
+    ahead of its reader, and goes on when the reader does."""
+    body = orjson.dumps(
+        {"model": MODEL, "prompt": "hello", "max_tokens": 500, "stream": True,
+         "ignore_eos": True, "n": 16, "logprobs": 20,
+         "stream_options": {"include_usage": True}}
+    )  # fmt: skip
+    host, port = served.http_url.rsplit(":", 1)
+    before = _gauge(served, "carpool_generation_tokens_total")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.settimeout(60)
+    try:
+        sock.connect((host, int(port)))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        deadline = time.monotonic() + 60  # polling the server's view, not timing it
+        while _gauge(served, "carpool_generation_requests_held") < 16:
+            assert time.monotonic() < deadline, "the choices were never all held"
+            time.sleep(0.1)
+        generated = _gauge(served, "carpool_generation_tokens_total")
+        time.sleep(1.0)
+        assert _gauge(served, "carpool_generation_tokens_total") == generated
+        # Held short of what was asked: the kernel's send buffer takes some 2,800 of these
+        # events (Linux's default tcp_wmem max, 4 MiB), each choice's queue a few dozen.
+        assert generated - before < 16 * 500
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        answer = b""
+        while b"data: [DONE]" not in answer:  # now it reads, all of it
+            data = sock.recv(1 << 16)
+            assert data, "the server closed the stream before its end"
+            answer += data
+    finally:
+        sock.close()
+    events = [
+        orjson.loads(line[len(b"data: ") :])
+        for line in answer.split(b"\n")
+        if line.startswith(b"data: {")
+    ]
+    finished = [c for e in events for c in e["choices"] if c.get("finish_reason")]
+    assert sorted(c["index"] for c in finished) == list(range(16))
+    assert {c["finish_reason"] for c in finished} == {"length"}
+    assert events[-1]["usage"]["completion_tokens"] == 16 * 500
+    assert _gauge(served, "carpool_generation_requests_held") == 0
+
+
 def test_metrics_show_generation_in_vllm_vocabulary(served, client):
     client.completions.create(model=MODEL, prompt="count me", max_tokens=3)
     names = {name for name, _ in _metrics(served)}

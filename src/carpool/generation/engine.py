@@ -17,6 +17,12 @@ so the event loop keeps serving HTTP while the model computes.
 The scheduler ends a request at ``max_tokens``; the output processor ends it at a stop
 token (EOS unless ``ignore_eos``, ``stop_token_ids``) or a stop string, and holds back
 text that could be the start of one.
+
+Back-pressure: a request whose consumer has ``max_unread_events`` events not yet taken (a
+streaming client that stopped reading: its connection waits for the client, and so stops
+taking) is *held* out of the steps (``Scheduler.hold``) until its consumer has taken half
+of them; the others step on. What a stalled reader costs is then bounded by that queue,
+not by its ``max_tokens`` and ``n``; its KV blocks stay until a preemption needs them.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from carpool.core.clock import Clock, MonotonicClock
-from carpool.errors import Closed, InvalidInput, ModelError
+from carpool.errors import Closed, ConfigError, InvalidInput, ModelError
 from carpool.generation.output import OutputProcessor, OutputState
 from carpool.generation.request import FinishReason, RequestEvent
 from carpool.generation.scheduler import Scheduler, ScheduleResult
@@ -52,6 +58,9 @@ from carpool.generation.types import (
 )
 
 log = logging.getLogger("carpool.generation")
+# Events a request's consumer may leave untaken before the request is held out of the
+# steps: a client this many tokens behind its stream (module docstring, back-pressure).
+DEFAULT_MAX_UNREAD_EVENTS = 32
 GenerationTraceHook = Callable[[GenerationTrace], None]
 
 
@@ -91,8 +100,8 @@ class _Stream:
     """One request in flight: its queue of events, its output state and its times."""
 
     __slots__ = (
-        "events", "is_done", "output", "priority", "prompt_ids", "prompt_logprobs", "sampling",
-        "steps", "times",
+        "events", "is_done", "is_held", "output", "priority", "prompt_ids", "prompt_logprobs",
+        "sampling", "steps", "times",
     )  # fmt: skip
 
     def __init__(
@@ -110,6 +119,7 @@ class _Stream:
         self.events: asyncio.Queue[GenerationEvent | BaseException] = asyncio.Queue()
         self.times = RequestTimes(now, len(prompt_ids))
         self.is_done = False
+        self.is_held = False  # out of the steps until its consumer catches up
         self.steps: list[tuple[float, float]] = []  # kept only while a trace hook is on
         # Scored so far; None once sent with the first event (a recompute scores again).
         self.prompt_logprobs: list[TokenLogprobs] | None = []
@@ -137,6 +147,11 @@ class GenerationEngine:
             resizing the model); token ids are checked against the smaller
             (:attr:`vocab_size`). None: the tokenizer's.
         clock: time source; tests pass a FakeClock.
+        max_unread_events: events a request's consumer may leave untaken before the
+            request is held out of the steps (see the module docstring).
+
+    Raises:
+        ConfigError: ``max_unread_events`` is not an integer >= 2.
     """
 
     def __init__(
@@ -149,8 +164,16 @@ class GenerationEngine:
         max_model_len: int,
         model_vocab_size: int | None = None,
         clock: Clock | None = None,
+        max_unread_events: int = DEFAULT_MAX_UNREAD_EVENTS,
     ) -> None:
+        if (
+            isinstance(max_unread_events, bool)
+            or not isinstance(max_unread_events, int)
+            or max_unread_events < 2
+        ):
+            raise ConfigError("max_unread_events", max_unread_events, "an integer >= 2")
         self.name = name
+        self._max_unread_events = max_unread_events
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         # Token ids a request may name (prompt, stop_token_ids, logit_bias): one past the
@@ -173,6 +196,7 @@ class GenerationEngine:
         self._streams: dict[int, _Stream] = {}
         self._joining: list[int] = []
         self._leaving: list[tuple[int, FinishReason]] = []
+        self._resuming: list[int] = []  # held, and their consumers caught up
         self._seq_ids = itertools.count()
         self._wake = asyncio.Event()
         self._state = _State.NEW
@@ -269,6 +293,10 @@ class GenerationEngine:
         try:
             while True:
                 event = await stream.events.get()
+                if stream.is_held and stream.events.qsize() <= self._max_unread_events // 2:
+                    stream.is_held = False
+                    self._resuming.append(seq_id)
+                    self._wake.set()
                 if isinstance(event, BaseException):
                     raise event
                 yield event
@@ -426,6 +454,9 @@ class GenerationEngine:
                 del self._streams[seq_id]
                 stream.is_done = True
                 stream.events.put_nowait(error)
+        resuming, self._resuming = self._resuming, []
+        for seq_id in resuming:
+            self._scheduler.hold(seq_id, held=False)  # a no-op for one finished since
         leaving, self._leaving = self._leaving, []
         for seq_id, reason in leaving:
             try:  # a no-op for one the scheduler finished itself (length)
@@ -454,6 +485,9 @@ class GenerationEngine:
                 stream.events.put_nowait(
                     GenerationEvent(delta.text, delta.token_ids, None, None, logprobs, prompt)
                 )
+                if not stream.is_held and stream.events.qsize() >= self._max_unread_events:
+                    stream.is_held = True  # its consumer is behind: let it catch up
+                    self._scheduler.hold(event.request_id)
             return
         self._finish(event.request_id, delta.finish_reason, now, delta.token_ids, logprobs)
 

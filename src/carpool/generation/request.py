@@ -80,6 +80,7 @@ class GenRequest:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 before it
     num_preemptions: int = 0
     admit_seq: int = -1  # order of the latest admission: higher is more recent
+    is_held: bool = False  # out of the steps while its reader is behind (Scheduler.hold)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -15,7 +15,10 @@ after it. Out of blocks, the tail of that order (lowest class, most recently adm
 its class's waiting queue. *Waiting* requests (class, then arrival) are admitted only in
 a step that preempted nothing, sharing their longest cached prefix; a prompt longer than
 the budget left is split over steps (chunked prefill); one that does not fit stops
-admission, so shorter ones behind it cannot starve it.
+admission, so shorter ones behind it cannot starve it. A *held* request (its client reads
+slower than it generates: the engine's back-pressure, :meth:`Scheduler.hold`) is passed
+over, running or waiting, until it is let back in; running, it keeps its blocks until a
+preemption takes them.
 
 A request ends here at ``max_tokens`` (its KV room was reserved for that many); a stop
 token or stop string (the output processor, ``output.py``, finds them) or a client that
@@ -106,6 +109,7 @@ class SchedulerStats:
     num_prompt_tokens: int  # of admitted requests, counted once each
     num_generation_tokens: int  # appended to requests
     num_finished: int  # by any reason, aborts included
+    num_held: int = 0  # unfinished, out of the steps while their readers are behind
 
 
 @dataclass(slots=True)
@@ -143,6 +147,7 @@ class Scheduler:
         self.num_prompt_tokens = 0  # of admitted requests, counted once each
         self.num_generation_tokens = 0
         self.num_finished = 0
+        self._num_held = 0
 
     # -- requests in and out --------------------------------------------------------------
 
@@ -215,6 +220,18 @@ class Scheduler:
         self._release(request)
         return RequestEvent(request_id, (), reason)
 
+    def hold(self, request_id: int, held: bool = True) -> None:
+        """Take a request out of the steps (``held``), or let it back in: the engine holds
+        one whose client has not read what it already generated. Held, a running request
+        keeps its blocks (a preemption may take them, as any running request's), and a
+        waiting one is passed over without stopping those behind it. An unknown id (a
+        finished request) is ignored."""
+        request = self._requests.get(request_id)
+        if request is None or request.is_held == held:
+            return
+        request.is_held = held
+        self._num_held += 1 if held else -1
+
     def get_request(self, request_id: int) -> GenRequest | None:
         """An unfinished request, or None."""
         return self._requests.get(request_id)
@@ -223,7 +240,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduleResult:
         """Form the next step: running requests first, then waiting ones if nothing was
-        preempted. Empty only when no request is unfinished (``has_unfinished()``)."""
+        preempted. Empty only when no request is unfinished (``has_unfinished()``) or every
+        unfinished one is held."""
         plan = _StepPlan(num_tokens_left=self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted_request_ids:
@@ -241,11 +259,14 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         plan.num_pending_decodes = sum(
-            r.num_tokens - r.num_computed_tokens == 1 for r in self._running
+            r.num_tokens - r.num_computed_tokens == 1 and not r.is_held for r in self._running
         )
         i = 0
         while i < len(self._running):
             request = self._running[i]
+            if request.is_held:
+                i += 1
+                continue
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new == 1:
                 plan.num_pending_decodes -= 1
@@ -269,7 +290,7 @@ class Scheduler:
 
     def _preempt(self, victim: GenRequest, plan: _StepPlan) -> None:
         self._running.pop()
-        if victim.num_tokens - victim.num_computed_tokens == 1:
+        if victim.num_tokens - victim.num_computed_tokens == 1 and not victim.is_held:
             plan.num_pending_decodes -= 1
         self.kv_cache.free(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
@@ -281,10 +302,9 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while plan.num_tokens_left > 0 and len(self._running) < self.config.max_num_seqs:
-            queue = next((q for q in self._waiting if q), None)
-            if queue is None:
+            request = self._next_waiting()
+            if request is None:
                 return
-            request = queue[0]
             prefix = CachedPrefix()  # prompt log-probabilities need every position computed
             if request.sampling.prompt_logprobs is None:
                 prefix = self.kv_cache.find_cached_prefix(request.all_token_ids)
@@ -293,9 +313,24 @@ class Scheduler:
             num_total = prefix.num_tokens + num_new
             if not self.kv_cache.allocate(request.request_id, num_total, prefix, counts=first_time):
                 return  # head of line waits for blocks; nothing behind it jumps ahead
-            queue.popleft()
+            queue = self._waiting[request.rank]
+            if queue[0] is request:
+                queue.popleft()
+            else:
+                queue.remove(request)  # held ones were passed over
             self._admit(request, prefix.num_tokens)
             self._add_chunk(request, num_new, plan)
+
+    def _next_waiting(self) -> GenRequest | None:
+        """The first waiting request not held, by class then arrival."""
+        for queue in self._waiting:
+            if self._num_held:
+                found = next((r for r in queue if not r.is_held), None)
+                if found is not None:
+                    return found
+            elif queue:
+                return queue[0]
+        return None
 
     def _admit(self, request: GenRequest, num_cached_tokens: int) -> None:
         request.status = RequestStatus.RUNNING
@@ -382,6 +417,9 @@ class Scheduler:
         return RequestEvent(request.request_id, (token_id,), request.finish_reason)
 
     def _release(self, request: GenRequest) -> None:
+        if request.is_held:
+            request.is_held = False
+            self._num_held -= 1
         self.kv_cache.free(request.request_id)
         del self._requests[request.request_id]
         self._finished_seq_ids.append(request.request_id)
@@ -415,4 +453,5 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_finished=self.num_finished,
+            num_held=self._num_held,
         )

@@ -52,6 +52,7 @@ from carpool.server.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, Ignored
 from carpool.server.repository import ModelRepository
 
 MAX_CHOICES = 128  # OpenAI's bound on n
+CHOICE_EVENTS_AHEAD = 2  # a choice's events in the merge of n > 1 (_choices) not yet read
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +161,12 @@ def _echo(doc: dict[str, Any], service: GenerationService, prompt_ids: list[int]
 
 async def _choices(call: CompletionCall) -> AsyncGenerator[tuple[int, GenerationEvent], None]:
     """Every choice's events as they come, each with its choice's index. Leaving early
-    (or one choice failing) aborts every choice still running."""
+    (or one choice failing) aborts every choice still running.
+
+    Each choice has at most :data:`CHOICE_EVENTS_AHEAD` events in the merge: what a slow
+    reader has not taken waits in the engine, which holds a choice that falls too far
+    behind (carpool.generation.engine, back-pressure) rather than generating on into
+    this queue."""
     engine = call.service.engine
     if call.n == 1:
         events = engine.generate(call.prompt_ids, call.sampling, call.priority)
@@ -171,11 +177,14 @@ async def _choices(call: CompletionCall) -> AsyncGenerator[tuple[int, Generation
             await events.aclose()
         return
     queue: asyncio.Queue[tuple[int, GenerationEvent | BaseException | None]] = asyncio.Queue()
+    rooms = [asyncio.Semaphore(CHOICE_EVENTS_AHEAD) for _ in range(call.n)]
 
     async def pump(index: int) -> None:
+        room = rooms[index]
         try:
             sampling = call.choice_sampling(index)
             async for event in engine.generate(call.prompt_ids, sampling, call.priority):
+                await room.acquire()
                 queue.put_nowait((index, event))
         except Exception as error:
             queue.put_nowait((index, error))
@@ -192,6 +201,7 @@ async def _choices(call: CompletionCall) -> AsyncGenerator[tuple[int, Generation
             elif isinstance(item, BaseException):
                 raise item
             else:
+                rooms[index].release()
                 yield index, item
     finally:
         for task in tasks:

@@ -316,6 +316,11 @@ def _generation_metrics(snapshots: list[tuple[str, GenerationSnapshot]]) -> Iter
     waiting = GaugeMetricFamily(
         "carpool_generation_requests_waiting", "Requests waiting to run.", labels=model
     )
+    held = GaugeMetricFamily(
+        "carpool_generation_requests_held",
+        "Requests held out of the steps until their clients read what they generated.",
+        labels=model,
+    )
     kv = GaugeMetricFamily(
         "carpool_generation_kv_cache_usage_ratio",
         "KV-cache blocks in use / all blocks, 0 to 1.",
@@ -356,6 +361,7 @@ def _generation_metrics(snapshots: list[tuple[str, GenerationSnapshot]]) -> Iter
         key = [served]
         running.add_metric(key, snap.scheduler.num_running)
         waiting.add_metric(key, snap.scheduler.num_waiting)
+        held.add_metric(key, snap.scheduler.num_held)
         kv.add_metric(key, snap.scheduler.kv_cache_usage)
         queries.add_metric(key, snap.scheduler.num_prefix_cache_queries)
         hits.add_metric(key, snap.scheduler.num_prefix_cache_hits)
@@ -367,7 +373,7 @@ def _generation_metrics(snapshots: list[tuple[str, GenerationSnapshot]]) -> Iter
         for name, (_, field) in histograms.items():
             stats: LatencyStats = getattr(snap, field)
             families[name].add_metric(key, _buckets(stats), _histogram_sum(stats))
-    yield from (running, waiting, kv, queries, hits, preemptions, prompt, generated, finished)
+    yield from (running, waiting, held, kv, queries, hits, preemptions, prompt, generated, finished)
     yield from families.values()
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from carpool.errors import Closed, InvalidInput, ModelError
+from carpool.errors import Closed, ConfigError, InvalidInput, ModelError
 from carpool.generation.block_pool import BlockPool
 from carpool.generation.engine import GenerationEngine, GenerationEvent
 from carpool.generation.kv_cache import KVCacheManager
@@ -310,6 +310,42 @@ async def test_a_drain_cut_off_fails_what_is_in_flight_with_closed(engine, runne
     runner.gate.release(100)
     await stopping
     assert engine.num_active == 0 and engine.cut_off() == 0
+
+
+async def test_a_request_whose_consumer_stops_reading_is_held_and_the_others_step_on(
+    scheduler, runner, clock
+):
+    """Back-pressure. Was: a streaming client that stopped reading left its request
+    generating into an unbounded queue (a stalled reader of n=128 with 20 log-probabilities
+    held some 310 MB in the server, outside every limit)."""
+    engine = GenerationEngine(
+        scheduler, runner, ByteTokenizer(), name="fake", max_model_len=64, clock=clock,
+        max_unread_events=4,
+    )  # fmt: skip
+    await engine.start()
+    try:
+        runner.scripts[0] = list(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMN")  # 40 tokens
+        stalled = engine.generate(_prompt("s"), SamplingParams(max_tokens=40))
+        first = await anext(stalled)  # then it reads nothing
+        other = await _collect(engine, _prompt("o"), max_tokens=30)
+        assert other[-1].finish_reason is FinishReason.LENGTH
+        assert runner.counts[0] == 1 + 4  # the token read, then four unread: held
+        assert engine.snapshot().scheduler.num_held == 1
+        rest = [event async for event in stalled]
+        assert first.text + "".join(e.text for e in rest) == "".join(map(chr, runner.scripts[0]))
+        assert rest[-1].finish_reason is FinishReason.LENGTH
+        assert engine.snapshot().scheduler.num_held == 0
+    finally:
+        await engine.stop(drain=False)
+    assert_all_blocks_free(scheduler)
+
+
+@pytest.mark.parametrize("value", [0, 1, 2.5, True])
+def test_max_unread_events_must_be_an_integer_of_at_least_two(scheduler, runner, value):
+    with pytest.raises(ConfigError, match="max_unread_events"):
+        GenerationEngine(
+            scheduler, runner, ByteTokenizer(), max_model_len=64, max_unread_events=value
+        )
 
 
 async def test_telemetry_counts_tokens_and_times_steps(engine, runner):

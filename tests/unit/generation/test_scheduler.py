@@ -196,6 +196,96 @@ def test_waiting_requests_are_admitted_by_class_then_arrival() -> None:
     assert order == [3, 2, 4, 1]
 
 
+# -- held requests (the engine's back-pressure) -------------------------------------------
+
+
+def test_a_held_request_sits_out_the_steps_and_resumes_with_its_output_unchanged() -> None:
+    scheduler, runner = make_scheduler()
+    scheduler.add_request(1, [1, 2], SamplingParams(max_tokens=6))
+    scheduler.add_request(2, [3, 4], SamplingParams(max_tokens=6))
+    outputs: dict[int, list[int]] = {1: [], 2: []}
+
+    def take(events: list[RequestEvent]) -> list[int]:
+        for event in events:
+            outputs[event.request_id].extend(event.new_token_ids)
+        return [e.request_id for e in events]
+
+    assert take(step(scheduler, runner)[1]) == [1, 2]
+    num_free = scheduler.kv_cache.pool.num_free
+    scheduler.hold(1)
+    assert scheduler.stats().num_held == 1
+    for _ in range(2):
+        assert take(step(scheduler, runner)[1]) == [2]  # 1 sits out, keeping its blocks
+    assert scheduler.kv_cache.pool.num_free <= num_free
+    scheduler.hold(1, held=False)
+    more, _, _ = run_to_end(scheduler, runner)
+    for request_id, tokens in more.items():
+        outputs[request_id].extend(tokens)
+    assert outputs == {1: reference_output([1, 2], 6), 2: reference_output([3, 4], 6)}
+    assert scheduler.stats().num_held == 0
+    assert_all_blocks_free(scheduler)
+
+
+def test_a_step_with_every_request_held_is_empty() -> None:
+    scheduler, runner = make_scheduler()
+    scheduler.add_request(1, [1, 2], SamplingParams(max_tokens=6))
+    step(scheduler, runner)
+    scheduler.hold(1)
+    assert scheduler.schedule().is_empty
+    assert scheduler.has_unfinished()
+
+
+def test_a_held_waiting_request_does_not_stop_admission_behind_it() -> None:
+    """A preempted request whose reader is behind waits at the front of its class; those
+    behind it are admitted past it, and it comes back when let in."""
+    scheduler, runner = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(1, [1, 2], SamplingParams(max_tokens=1))
+    scheduler.add_request(2, [3, 4], SamplingParams(max_tokens=1))
+    scheduler.hold(1)
+    result, _ = step(scheduler, runner)
+    assert [c.seq_id for c in result.step_input.chunks] == [2]
+    assert scheduler.get_request(1) is not None and scheduler.num_waiting == 1
+    assert scheduler.schedule().is_empty
+    scheduler.hold(1, held=False)
+    _, finals, _ = run_to_end(scheduler, runner)
+    assert list(finals) == [1]
+    assert_all_blocks_free(scheduler)
+
+
+def test_a_held_request_that_finishes_is_no_longer_counted_held() -> None:
+    scheduler, runner = make_scheduler()
+    scheduler.add_request(1, [1, 2], SamplingParams(max_tokens=6))
+    step(scheduler, runner)
+    scheduler.hold(1)
+    scheduler.finish_request(1, FinishReason.ABORT)
+    assert scheduler.stats().num_held == 0
+    scheduler.hold(1, held=False)  # finished: ignored
+    assert_all_blocks_free(scheduler)
+
+
+def test_a_held_running_request_may_be_preempted_and_still_gives_its_output() -> None:
+    scheduler, runner = make_scheduler(num_blocks=4, block_size=2)
+    max_tokens = SamplingParams(max_tokens=6)
+    scheduler.add_request(1, [1, 2], max_tokens)
+    scheduler.add_request(2, [3, 4], max_tokens)
+    outputs: dict[int, list[int]] = {1: [], 2: []}
+    for event in step(scheduler, runner)[1]:
+        outputs[event.request_id].extend(event.new_token_ids)
+    scheduler.hold(2)  # the most recent: the victim when 1 needs a block
+    preempted: list[int] = []
+    while scheduler.get_request(1) is not None:
+        result, events = step(scheduler, runner)
+        preempted.extend(result.preempted_request_ids)
+        for event in events:
+            outputs[event.request_id].extend(event.new_token_ids)
+    assert preempted == [2]
+    assert outputs[1] == reference_output([1, 2], 6)
+    scheduler.hold(2, held=False)
+    more, _, _ = run_to_end(scheduler, runner)
+    assert outputs[2] + more[2] == reference_output([3, 4], 6)
+    assert_all_blocks_free(scheduler)
+
+
 # -- preemption -----------------------------------------------------------------------------
 
 
