@@ -332,7 +332,10 @@ def test_idle_slowloris_and_stalled_body_connections_are_closed(
     sent nothing, sent half a request line, or a head and half the body its
     Content-Length promised, stayed open for ever (each holding a file descriptor)."""
     body = _body(6)
-    stalled_body = b"POST %s HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (INFER, len(body) + 5)
+    stalled_body = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % (
+        INFER,
+        len(body) + 5,
+    )
     kinds = {"idle": b"", "half-line": b"POST /v2/mod", "half-body": stalled_body + body}
     sockets = {kind: [_connect(served.http_url) for _ in range(20)] for kind in kinds}
     for kind, data in kinds.items():
@@ -495,7 +498,7 @@ def test_sigterm_with_abusive_connections_open_exits_0_and_answers_the_accepted(
 ) -> None:
     server = start_server(CONFIG)
     body = _body(1)
-    stalled = b"POST %s HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (INFER, len(body) + 5)
+    stalled = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % (INFER, len(body) + 5)
     opened = [_connect(server.http_url) for _ in range(30)]
     for i, sock in enumerate(opened):
         sock.sendall([b"", b"POST /v2/mod", stalled + body][i % 3])
@@ -504,7 +507,8 @@ def test_sigterm_with_abusive_connections_open_exits_0_and_answers_the_accepted(
         {"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32", "data": [21]}]}
     )
     accepted.sendall(
-        b"POST /v2/models/slow/infer HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(slow), slow)
+        b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s"
+        % (len(slow), slow)
     )
     wait_until(lambda: _num_requests(server.http_url, "slow") > 0, "the slow request to queue")
     server.process.send_signal(signal.SIGTERM)

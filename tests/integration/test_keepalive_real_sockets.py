@@ -653,7 +653,9 @@ def test_pipelined_fast_and_asgi_requests_then_a_stalled_body_gets_408(
     body = orjson.dumps(
         {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 4], "data": X[:4]}]}
     )
-    stalled = b"POST /v2/models/good/infer HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (len(body) + 5)
+    stalled = b"POST /v2/models/good/infer HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % (
+        len(body) + 5
+    )
     with _connect(served) as sock:
         sock.sendall(_good_request() + ready + _good_request() + ready)
         statuses = [status for status, _ in _read_answers(sock, 4)]

@@ -79,6 +79,7 @@ class Framing(asyncio.Protocol, abc.ABC):
         self._field_bytes = 0
         self._expects_continue = False
         self._transfer_coding: bytes | None = None  # a Transfer-Encoding besides chunked
+        self._num_hosts = 0  # Host fields
         # When the read being parsed came, and so the first byte of a request it begins:
         # a request's deadline (timeout_s) counts from then.
         self._read_s = 0.0
@@ -171,6 +172,7 @@ class Framing(asyncio.Protocol, abc.ABC):
         self._field_bytes = 0
         self._expects_continue = False
         self._transfer_coding = None
+        self._num_hosts = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -187,6 +189,8 @@ class Framing(asyncio.Protocol, abc.ABC):
             self._expects_continue = True
         elif name == b"transfer-encoding" and value.lower().replace(b" ", b"") != b"chunked":
             self._transfer_coding = value  # llhttp takes "gzip, chunked" as chunked
+        elif name == b"host":
+            self._num_hosts += 1
         self._fields.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -207,6 +211,14 @@ class Framing(asyncio.Protocol, abc.ABC):
                 f"Transfer-Encoding {coding!r} is not supported: send the body chunked or "
                 "with Content-Length, compressed with Content-Encoding if at all",
             )
+        version = self._parser.get_http_version()
+        if not version.startswith("1."):  # RFC 9110 15.6.6: another major version
+            raise Refused(505, f"HTTP/{version} is not supported here; send HTTP/1.1")
+        if self._num_hosts != 1 and (self._num_hosts or version != "1.0"):  # RFC 9112 3.2
+            raise Refused(
+                400,
+                f"{self._num_hosts} Host header fields; an HTTP/{version} request has one",
+            )
         if self._is_over_capacity:
             raise Refused(503, str(over_connections(self._app.limits)))
         self._timer.deadline = None  # the request is read on (or answered)
@@ -214,7 +226,6 @@ class Framing(asyncio.Protocol, abc.ABC):
             self._first = None
             return  # after a 413 or connection: close, the rest of the read is ignored
         parser = self._parser
-        version = parser.get_http_version()
         is_upgrade = parser.should_upgrade()
         keep_alive = version != "1.0" and parser.should_keep_alive() and not is_upgrade
         if version == "1.0":  # RFC 9110 10.1.1: ignored, and no 1xx to an HTTP/1.0 client

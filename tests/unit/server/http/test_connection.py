@@ -274,6 +274,40 @@ async def test_http10_without_and_with_keep_alive_closes(setup: Setup) -> None:
         np.testing.assert_array_equal(binary_output(response), [[2, 2]])
 
 
+async def test_a_request_line_of_another_major_version_gets_505(setup: Setup) -> None:
+    """RFC 9110 15.6.6. Was: an ``HTTP/2.0`` request line answered 200, as HTTP/1.1
+    (llhttp parses only 0.9, 1.x and 2.0; others get its 400)."""
+    protocol, transport = setup.connect()
+    protocol.data_received(LIVE.replace(b"HTTP/1.1", b"HTTP/2.0", 1))
+    await until(lambda: len(items(transport)) == 1)
+    ((status, _, body),) = items(transport)
+    assert status == 505 and b"HTTP/2.0" in body and b"HTTP/1.1" in body
+
+
+@pytest.mark.parametrize(
+    ("version", "hosts", "status"),
+    [
+        (b"1.1", b"Host: t\r\nHost: u\r\n", 400),
+        (b"1.1", b"", 400),
+        (b"1.0", b"Host: t\r\nHost: u\r\n", 400),
+        (b"1.0", b"", 200),
+    ],
+)
+async def test_an_http11_request_has_one_host_field_and_an_http10_one_at_most(
+    setup: Setup, version: bytes, hosts: bytes, status: int
+) -> None:
+    """RFC 9112 3.2: a 400 to an HTTP/1.1 request without a Host field, and to any request
+    with more than one. Was: 200 for either."""
+    protocol, transport = setup.connect()
+    raw = b"GET /v2/health/live HTTP/" + version + b"\r\n" + hosts + b"\r\n"
+    protocol.data_received(raw)
+    await until(lambda: len(items(transport)) == 1)
+    ((answered, _, body),) = items(transport)
+    assert answered == status
+    if status == 400:
+        assert b"Host header fields; an HTTP/" + version + b" request has one" in body
+
+
 async def test_request_after_connection_close_is_ignored(setup: Setup) -> None:
     protocol, transport = setup.connect()
     protocol.data_received(
