@@ -200,24 +200,37 @@ def test_client_leaving_mid_stream_aborts_and_the_server_goes_on(served, client)
     assert metrics[("carpool_generation_kv_cache_usage_ratio", (("model", MODEL),))] == 0
 
 
-def test_a_stalled_stream_whose_client_half_closes_is_aborted(served, client):
-    """Was: a client that never read its stream and then shut its side (SHUT_WR) was not
-    taken as gone while answer bytes waited unread: its 16 choices generated to the end
-    for nobody and the connection was held until the client closed it."""
-    aborted_before = _finished(served, "abort")
-    body = orjson.dumps(
-        {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "stream": True,
-         "ignore_eos": True, "n": 16, "logprobs": 5}
-    )  # fmt: skip
+def _unread_stream(served: ServedProcess, document: dict[str, object]) -> socket.socket:
+    """A connection that posted ``document`` to /v1/completions and, with a receive buffer
+    of 1 KiB, reads nothing until the test does."""
+    body = orjson.dumps(document)
     host, port = served.http_url.rsplit(":", 1)
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # it never reads
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.settimeout(60)
     try:
         sock.connect((host, int(port)))
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def test_a_stalled_stream_whose_client_half_closes_is_aborted(served, client):
+    """Was: a client that never read its stream and then shut its side (SHUT_WR) was not
+    taken as gone while answer bytes waited unread: its 16 choices generated to the end
+    for nobody and the connection was held until the client closed it."""
+    aborted_before = _finished(served, "abort")
+    sock = _unread_stream(
+        served,
+        {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "stream": True,
+         "ignore_eos": True, "n": 16, "logprobs": 5},
+    )  # fmt: skip
+    try:
         deadline = time.monotonic() + 30  # polling the server's view, not timing it
         while (
             _metrics(served).get(("carpool_generation_requests_running", (("model", MODEL),)), 0)
@@ -245,22 +258,14 @@ def test_a_stalled_stream_is_held_then_finishes_whole_when_its_client_reads(serv
     generating on into the server's memory (some 310 MB for n=128 with 20 log-probabilities),
     outside every limit. Now each choice is held out of the steps once it is a few events
     ahead of its reader, and goes on when the reader does."""
-    body = orjson.dumps(
+    before = _gauge(served, "carpool_generation_tokens_total")
+    sock = _unread_stream(
+        served,
         {"model": MODEL, "prompt": "hello", "max_tokens": 500, "stream": True,
          "ignore_eos": True, "n": 16, "logprobs": 20,
-         "stream_options": {"include_usage": True}}
+         "stream_options": {"include_usage": True}},
     )  # fmt: skip
-    host, port = served.http_url.rsplit(":", 1)
-    before = _gauge(served, "carpool_generation_tokens_total")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-    sock.settimeout(60)
     try:
-        sock.connect((host, int(port)))
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
-            b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
         deadline = time.monotonic() + 60  # polling the server's view, not timing it
         while _gauge(served, "carpool_generation_requests_held") < 16:
             assert time.monotonic() < deadline, "the choices were never all held"
