@@ -485,6 +485,10 @@ class Adaptive:
         rate_rps = self.company_rps(limits.name, now)
         if rate is None or rate_rps <= 0.0 or rate.last_arrival_s is None:
             return now
+        if _keeps_up_alone(rate_rps, *self._fit.line(), one):
+            # Requests one at a time keep up: company buys nothing. Under tokens or cost a
+            # request smaller than the mean one (the target's floor) would else wait for it.
+            return now
         due = now + (target - num_items) / rate_rps
         # The rate is in units: a mean gap between requests is one request's units over it.
         gap_s = one / rate_rps
@@ -551,12 +555,18 @@ def _keep_up_size(
     at once whatever its size in the unit."""
     rho = TARGET_UTILIZATION
     low = min(one, max_items)
-    if rate_rps * (overhead_s + per_item_s * one) <= rho * one:  # r t(one) / one <= rho
+    if _keeps_up_alone(rate_rps, overhead_s, per_item_s, one):
         return low
     if rate_rps * per_item_s >= rho:
         return max_items
     wanted = math.ceil(min(max_items, rate_rps * overhead_s / (rho - rate_rps * per_item_s)))
     return min(max_items, max(low, wanted))
+
+
+def _keeps_up_alone(rate_rps: float, overhead_s: float, per_item_s: float, one: float) -> bool:
+    """Whether requests sent one at a time (``one`` unit each) keep the replica at most
+    TARGET_UTILIZATION busy at ``rate_rps`` units a second: r t(one) / one <= rho."""
+    return rate_rps * (overhead_s + per_item_s * one) <= TARGET_UTILIZATION * one
 
 
 def _lower_cap(
