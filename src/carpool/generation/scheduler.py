@@ -17,8 +17,9 @@ a step that preempted nothing, sharing their longest cached prefix; a prompt lon
 the budget left is split over steps (chunked prefill); one that does not fit stops
 admission, so shorter ones behind it cannot starve it. A *held* request (its client reads
 slower than it generates: the engine's back-pressure, :meth:`Scheduler.hold`) is passed
-over, running or waiting, until it is let back in; running, it keeps its blocks until a
-preemption takes them.
+over, running or waiting, until it is let back in. It takes no seat of ``max_num_seqs``,
+and it is the first preempted when blocks run out, for a running request or for the head
+of the waiting line: a stalled reader never keeps the others out.
 
 A request ends here at ``max_tokens`` (its KV room was reserved for that many); a stop
 token or stop string (the output processor, ``output.py``, finds them) or a client that
@@ -223,9 +224,9 @@ class Scheduler:
     def hold(self, request_id: int, held: bool = True) -> None:
         """Take a request out of the steps (``held``), or let it back in: the engine holds
         one whose client has not read what it already generated. Held, a running request
-        keeps its blocks (a preemption may take them, as any running request's), and a
-        waiting one is passed over without stopping those behind it. An unknown id (a
-        finished request) is ignored."""
+        keeps its blocks until another request needs them (held ones are preempted
+        first) and takes no seat of ``max_num_seqs``; a waiting one is passed over without
+        stopping those behind it. An unknown id (a finished request) is ignored."""
         request = self._requests.get(request_id)
         if request is None or request.is_held == held:
             return
@@ -274,22 +275,37 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            num_preempted = len(plan.preempted_request_ids)
             if not self._allocate_or_preempt(request, num_new, plan):
                 return  # the request itself was the victim: it was the tail
             self._add_chunk(request, num_new, plan)
+            if len(plan.preempted_request_ids) != num_preempted:  # held ones before it left
+                i = self._running.index(request)
             i += 1
 
     def _allocate_or_preempt(self, request: GenRequest, num_new: int, plan: _StepPlan) -> bool:
         num_total = request.num_computed_tokens + num_new
         while not self.kv_cache.allocate(request.request_id, num_total):
-            victim = self._running[-1]  # lowest class, most recently admitted
+            victim = self._held_victim() or self._running[-1]  # else lowest class, latest
             self._preempt(victim, plan)
             if victim is request:
                 return False
         return True
 
+    def _held_victim(self) -> GenRequest | None:
+        """The running request to preempt first for blocks: a held one (it is not
+        stepping), the lowest class and most recently admitted of them."""
+        if self._num_held:
+            for request in reversed(self._running):
+                if request.is_held:
+                    return request
+        return None
+
     def _preempt(self, victim: GenRequest, plan: _StepPlan) -> None:
-        self._running.pop()
+        if self._running[-1] is victim:
+            self._running.pop()
+        else:
+            self._running.remove(victim)
         if victim.num_tokens - victim.num_computed_tokens == 1 and not victim.is_held:
             plan.num_pending_decodes -= 1
         self.kv_cache.free(victim.request_id)
@@ -301,18 +317,29 @@ class Scheduler:
         plan.preempted_request_ids.append(victim.request_id)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        while plan.num_tokens_left > 0 and len(self._running) < self.config.max_num_seqs:
+        # Held requests take no seat: a stalled reader must not keep others out.
+        num_seated = len(self._running)
+        if self._num_held:
+            num_seated -= sum(r.is_held for r in self._running)
+        while plan.num_tokens_left > 0 and num_seated < self.config.max_num_seqs:
             request = self._next_waiting()
             if request is None:
                 return
-            prefix = CachedPrefix()  # prompt log-probabilities need every position computed
-            if request.sampling.prompt_logprobs is None:
-                prefix = self.kv_cache.find_cached_prefix(request.all_token_ids)
-            num_new = self._cap_chunk(request.num_tokens - prefix.num_tokens, plan.num_tokens_left)
-            first_time = request.num_preemptions == 0  # else its lookup counts no more
-            num_total = prefix.num_tokens + num_new
-            if not self.kv_cache.allocate(request.request_id, num_total, prefix, counts=first_time):
-                return  # head of line waits for blocks; nothing behind it jumps ahead
+            while True:
+                prefix = CachedPrefix()  # prompt log-probabilities need every position
+                if request.sampling.prompt_logprobs is None:
+                    prefix = self.kv_cache.find_cached_prefix(request.all_token_ids)
+                num_new = self._cap_chunk(
+                    request.num_tokens - prefix.num_tokens, plan.num_tokens_left
+                )
+                first_time = request.num_preemptions == 0  # else its lookup counts no more
+                num_total = prefix.num_tokens + num_new
+                if self.kv_cache.allocate(request.request_id, num_total, prefix, counts=first_time):
+                    break
+                victim = self._held_victim()  # nor the blocks a request waits for
+                if victim is None:
+                    return  # head of line waits for blocks; nothing behind it jumps ahead
+                self._preempt(victim, plan)
             queue = self._waiting[request.rank]
             if queue[0] is request:
                 queue.popleft()
@@ -320,6 +347,7 @@ class Scheduler:
                 queue.remove(request)  # held ones were passed over
             self._admit(request, prefix.num_tokens)
             self._add_chunk(request, num_new, plan)
+            num_seated += 1
 
     def _next_waiting(self) -> GenRequest | None:
         """The first waiting request not held, by class then arrival."""

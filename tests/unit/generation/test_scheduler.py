@@ -252,6 +252,64 @@ def test_a_held_waiting_request_does_not_stop_admission_behind_it() -> None:
     assert_all_blocks_free(scheduler)
 
 
+def test_a_held_request_takes_no_seat_from_a_waiting_one() -> None:
+    """Was (with the hold): a client that stopped reading kept its running request's seat
+    of max_num_seqs for as long as it stayed connected, and the waiting ones out."""
+    scheduler, runner = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(1, [1, 2], SamplingParams(max_tokens=6))
+    step(scheduler, runner)
+    scheduler.add_request(2, [3, 4], SamplingParams(max_tokens=6))
+    scheduler.hold(1)
+    result, _ = step(scheduler, runner)
+    assert [c.seq_id for c in result.step_input.chunks] == [2]
+
+
+def test_a_held_request_gives_its_blocks_to_the_head_of_the_waiting_line() -> None:
+    scheduler, runner = make_scheduler(num_blocks=3, block_size=2)
+    scheduler.add_request(1, [1, 2, 3], SamplingParams(max_tokens=3))  # 3 blocks at most
+    step(scheduler, runner)
+    step(scheduler, runner)
+    scheduler.add_request(2, [4, 5, 6], SamplingParams(max_tokens=3))
+    scheduler.hold(1)
+    result, _ = step(scheduler, runner)
+    assert result.preempted_request_ids == (1,)
+    assert [c.seq_id for c in result.step_input.chunks] == [2]
+    outputs: list[int] = []
+    for _ in range(20):  # 2 runs while 1 waits held
+        _, events = step(scheduler, runner)
+        outputs.extend(t for e in events for t in e.new_token_ids)
+        if scheduler.get_request(2) is None:
+            break
+    assert outputs == reference_output([4, 5, 6], 3)[1:]
+    assert scheduler.get_request(1) is not None  # held, waiting: it does not run
+    scheduler.hold(1, held=False)
+    rest, _, _ = run_to_end(scheduler, runner)
+    assert rest[1] == reference_output([1, 2, 3], 3)[2:]
+    assert_all_blocks_free(scheduler)
+
+
+def test_a_running_request_out_of_blocks_preempts_a_held_one_before_the_tail() -> None:
+    scheduler, runner = make_scheduler(num_blocks=4, block_size=2)
+    max_tokens = SamplingParams(max_tokens=6)
+    scheduler.add_request(1, [1, 2], max_tokens)  # admitted first: not the tail
+    scheduler.add_request(2, [3, 4], max_tokens)
+    step(scheduler, runner)
+    scheduler.hold(1)
+    preempted: list[int] = []
+    outputs: list[int] = []
+    for _ in range(20):
+        result, events = step(scheduler, runner)
+        preempted.extend(result.preempted_request_ids)
+        outputs.extend(t for e in events if e.request_id == 2 for t in e.new_token_ids)
+        if scheduler.get_request(2) is None:
+            break
+    assert preempted == [1]  # where the tail, 2 itself, was the victim before
+    assert outputs == reference_output([3, 4], 6)[1:]
+    scheduler.hold(1, held=False)
+    run_to_end(scheduler, runner)
+    assert_all_blocks_free(scheduler)
+
+
 def test_a_held_request_that_finishes_is_no_longer_counted_held() -> None:
     scheduler, runner = make_scheduler()
     scheduler.add_request(1, [1, 2], SamplingParams(max_tokens=6))
