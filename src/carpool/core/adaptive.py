@@ -211,7 +211,7 @@ class Adaptive:
         self._rates: dict[str, ArrivalRate] = {}  # requests
         self._units: dict[str, ArrivalRate] = {}  # units
         self._company: dict[str, CompanyRate] = {}  # units
-        self._returns: dict[str, Returns] = {}  # units
+        self._returns: dict[str, Returns] = {}  # requests
         self._refused: dict[str, ArrivalRate] = {}  # requests refused at admission
         self._targets: dict[str, float] = {}
         # class -> (policy, batches fitted, when, cap): see admission_cap
@@ -252,15 +252,18 @@ class Adaptive:
         rate.note(now, num)
         self._units[class_name].note(now, units)
         self._company[class_name].note(now, had_company, units)
-        self._returns[class_name].arrived(now, units)
+        self._returns[class_name].arrived(now, num)
 
-    def answered(self, now: float, units_by_class: dict[str, float]) -> None:
-        """A batch landed at ``now``, answering these units of each class
-        (:mod:`carpool.core.returns`: do their clients come straight back?)."""
-        for class_name, units in units_by_class.items():
+    def answered(self, now: float, requests_by_class: dict[str, int]) -> None:
+        """A batch landed at ``now``, answering these requests of each class
+        (:mod:`carpool.core.returns`: do their clients come straight back?). Requests,
+        not units: each is a client that may come back, whatever its size; counted in
+        tokens, a short text following a long one read as most of a client still on its
+        way, and a lone client under ``max_batch_tokens`` waited for it."""
+        for class_name, num in requests_by_class.items():
             returns = self._returns.get(class_name)
             if returns is not None:
-                returns.answered(now, units)
+                returns.answered(now, num)
 
     def refused(self, class_name: str, now: float, units: float = 1.0) -> None:
         """A request of the class, of ``units`` in the budget unit, was refused at
@@ -474,10 +477,10 @@ class Adaptive:
         one = self.one_request(limits.name, now)
         target = self.target_size(limits, max_items, now, one)
         returns = self._returns.get(limits.name)
-        back = 0.0 if returns is None else returns.pending(now)
-        if returns is not None and back >= 1.0 and num_items + 1.0 <= max_items:
+        back = 0.0 if returns is None else returns.pending(now)  # requests
+        if returns is not None and back >= 1.0 and num_items + one <= max_items:
             # A closed loop's clients are on their way back: wait for them, not the rate.
-            wanted = min(max_items, num_items + back)
+            wanted = min(max_items, num_items + back * one)
             return min(returns.window_end_s, oldest_arrival_s + self.budget_s(limits, wanted))
         if num_items >= target:
             return now

@@ -31,7 +31,7 @@ from carpool.core.queues import Queues
 from carpool.core.ray_replica import ray_replica_maker
 from carpool.core.replicas import BatchFn, FnFactory, check_threading, replica_devices
 from carpool.core.request import Batch, Outcome, Request, RequestState
-from carpool.core.scheduler import Decision, Scheduler, request_units, units_by_class
+from carpool.core.scheduler import Decision, Scheduler, request_units, requests_by_class
 from carpool.core.telemetry import (
     MemoryProbe,
     NullTelemetry,
@@ -581,7 +581,7 @@ class Batcher(Lifecycle):
 
     def _landed(self, batch: Batch, now: float) -> None:
         if self._is_adaptive:
-            self._adaptive.answered(now, units_by_class(batch.requests, self._policy.budget_unit))
+            self._adaptive.answered(now, requests_by_class(batch.requests))
 
     def adaptive_state(self) -> AdaptiveState | None:
         """What "auto" has in force now, per class, and the fitted line; None without it."""

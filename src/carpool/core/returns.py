@@ -10,8 +10,9 @@ half the clients. What tells the two apart is *when* requests arrive: a closed l
 back within a round trip of their answers, open-loop traffic does not care when answers
 leave. So, per class:
 
-- when a batch lands, the units it answered are noted; arrivals within
-  :data:`RETURN_WINDOW_S` after it are counted as coming back;
+- when a batch lands, the requests it answered are noted (clients, whatever each holds
+  in the budget unit); requests arriving within :data:`RETURN_WINDOW_S` after it are
+  counted as coming back;
 - when the next batch lands, the share of the previous one that came back, beyond what the
   class's rate between windows would have brought anyway, updates a moving average
   (:data:`SMOOTHING`); (the overall rate would not do: a closed loop's arrivals all fall
@@ -45,15 +46,15 @@ class Returns:
     __slots__ = ("_after", "_answered", "_answered_s", "_back", "outside_rate", "share")
 
     def __init__(self) -> None:
-        self._answered = 0.0  # units the last landed batch answered
+        self._answered = 0.0  # requests the last landed batch answered
         self._answered_s = -math.inf  # when it landed
-        self._back = 0.0  # units arrived within the window after it
-        self._after = 0.0  # units arrived after that window
-        self.outside_rate = 0.0  # units per second arriving between windows (average)
+        self._back = 0.0  # requests arrived within the window after it
+        self._after = 0.0  # requests arrived after that window
+        self.outside_rate = 0.0  # requests per second arriving between windows (average)
         self.share = 0.0  # moving average of the share that came back
 
-    def answered(self, now: float, units: float) -> None:
-        """A batch holding ``units`` of the class landed at ``now``."""
+    def answered(self, now: float, num: float) -> None:
+        """A batch answering ``num`` requests of the class landed at ``now``."""
         if self._answered > 0:
             since_s = max(0.0, now - self._answered_s)
             window_s = min(RETURN_WINDOW_S, since_s)
@@ -63,17 +64,17 @@ class Returns:
             beyond = self._back - self.outside_rate * window_s
             sample = min(1.0, max(0.0, beyond / self._answered))
             self.share += SMOOTHING * (sample - self.share)
-        self._answered, self._answered_s = units, now
+        self._answered, self._answered_s = num, now
         self._back = self._after = 0.0
 
-    def arrived(self, now: float, units: float) -> None:
+    def arrived(self, now: float, num: float) -> None:
         if now - self._answered_s <= RETURN_WINDOW_S:
-            self._back += units
+            self._back += num
         else:
-            self._after += units
+            self._after += num
 
     def pending(self, now: float) -> float:
-        """Units of the last landed batch still expected back within its window (0
+        """Requests of the last landed batch still expected back within its window (0
         outside a closed loop, or once the window closed)."""
         if self.share < CLOSED_LOOP_SHARE or now - self._answered_s > RETURN_WINDOW_S:
             return 0.0

@@ -322,13 +322,13 @@ def request_units(request: Request, unit: str) -> float:
     return request.cost if unit == UNIT_COST else float(request.num_items)
 
 
-def units_by_class(requests: list[Request], unit: str) -> dict[str, float]:
-    """What ``requests`` hold in ``unit``, per class."""
-    units: dict[str, float] = {}
+def requests_by_class(requests: list[Request]) -> dict[str, int]:
+    """How many of ``requests`` each class has."""
+    counts: dict[str, int] = {}
     for request in requests:
         name = request.class_name
-        units[name] = units.get(name, 0.0) + request_units(request, unit)
-    return units
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def queue_units(queue: ClassQueue, unit: str) -> float:

@@ -186,3 +186,38 @@ async def test_auto_learns_batch_times_per_token_under_a_token_budget(
     state = batcher.adaptive_state()
     assert state is not None and state.unit == "tokens"
     assert state.per_item_s == pytest.approx(0.011 / 100, rel=0.1)
+
+
+async def test_a_lone_client_of_long_and_short_texts_is_never_kept_waiting_under_tokens(
+    make_batcher, fake_clock: FakeClock, spawn
+):
+    """Was: closed-loop returns were counted in tokens, so a short text sent right after a
+    long one's answer read as most of the long one still on its way back, and under
+    ``max_delay_s: auto`` it waited for that up to the return window (5 ms), where a
+    client that sends one request at a time has nothing more coming."""
+    started: list[float] = []
+    gate = asyncio.Event()
+
+    async def model(batch: Packed) -> Any:
+        started.append(fake_clock.now())
+        await gate.wait()
+        return np.add.reduceat(batch.data, batch.offsets)
+
+    batcher = make_batcher(
+        model, collate="packed", max_batch_tokens=1000, max_delay_s="auto", slo_s=1.0
+    )
+    waits = []
+    for i in range(40):
+        gate.clear()
+        sent = fake_clock.now()
+        task = spawn(batcher.submit(seq((200, 20)[i % 2])))
+        await settle()
+        while len(started) <= i:  # waiting: time moves until it goes
+            await fake_clock.advance(0.0005)
+        waits.append(started[i] - sent)
+        await fake_clock.advance(0.002 + 0.00005 * (200, 20)[i % 2])  # it computes
+        gate.set()
+        await settle()
+        assert task.done()
+        await fake_clock.advance(0.0003)  # the client sends its next text at once
+    assert max(waits[12:]) == 0.0
