@@ -26,6 +26,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
 
 from .conftest import (
     DOUBLER_CONFIG,
@@ -128,6 +129,33 @@ def test_tritonclient_gets_the_answers_of_one_worker(
     finally:
         assert one.stop() == 0, one.output()
     np.testing.assert_array_equal(expected, 2 * x)
+
+
+def test_grpc_config_and_statistics_of_an_unknown_name_or_version_are_refused_as_in_one_process(
+    served: ServedProcess,
+) -> None:
+    """Was: a worker sent the name and version to the engine percent-encoded, so the
+    NOT_FOUND quoted them encoded ('%C3%ABcho', '1%20'), and a version of 30 MB took
+    seconds of the worker's loop to encode, stalling its other connections."""
+    assert served.grpc_url is not None
+    client = grpcclient.InferenceServerClient(served.grpc_url)
+    try:
+        for name, version, expected in (
+            ("ëcho", "", "model 'ëcho' not found"),
+            ("doubler", "1 ", "version '1 ' of model 'doubler' not found"),
+            ("", "1", "model '' not found"),
+            ("doubler", "é" * 3_000_000, "not found"),
+        ):
+            asks = [client.get_model_config, client.get_inference_statistics]
+            for ask in asks[: 1 if not name else 2]:  # statistics of no name: every model's
+                with pytest.raises(InferenceServerException) as refused:
+                    ask(name, version)
+                assert refused.value.status() == "StatusCode.NOT_FOUND"
+                assert expected in refused.value.message()
+                assert len(refused.value.message()) < 1000
+        assert client.get_model_config("doubler", "1").config.name == "doubler"
+    finally:
+        client.close()
 
 
 def test_new_connections_spread_over_both_workers_and_metrics_agree(

@@ -163,7 +163,7 @@ def _metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # no grpc hints
     """Refuses a gRPC call without the key with UNAUTHENTICATED before its message is
     parsed; the probes' calls (:data:`OPEN_GRPC_METHODS`) go through without one. The
-    refusal sets the status and returns, as ``grpc._refused`` does: ``context.abort()``
+    refusal sets the status and returns, as ``grpc.refused_call`` does: ``context.abort()``
     kept every refused call's request alive."""
 
     def __init__(self, access: Access) -> None:

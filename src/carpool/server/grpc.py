@@ -129,7 +129,7 @@ class InferenceServicer:
         try:
             model = self.repository.get(request.name, request.version or None)
         except Exception as exc:
-            return _refused(context, exc, pb.ModelMetadataResponse())
+            return refused_call(context, exc, pb.ModelMetadataResponse())
         meta = model.metadata()
         return pb.ModelMetadataResponse(
             name=meta["name"],
@@ -145,7 +145,7 @@ class InferenceServicer:
         try:
             return await self._infer(request)
         except Exception as exc:
-            return _refused(context, exc, pb.ModelInferResponse())
+            return refused_call(context, exc, pb.ModelInferResponse())
 
     async def ModelStreamInfer(
         self,
@@ -206,7 +206,7 @@ class InferenceServicer:
         try:
             model = self.repository.get(request.name, request.version or None)
         except Exception as exc:
-            return _refused(context, exc, pb.ModelConfigResponse())
+            return refused_call(context, exc, pb.ModelConfigResponse())
         return pb.ModelConfigResponse(config=model_config(model))
 
     async def ModelStatistics(
@@ -218,7 +218,7 @@ class InferenceServicer:
             else:  # as Triton: no name, every model
                 models = list(self.repository)
         except Exception as exc:
-            return _refused(context, exc, pb.ModelStatisticsResponse())
+            return refused_call(context, exc, pb.ModelStatisticsResponse())
         return pb.ModelStatisticsResponse(model_stats=[model_statistics(m) for m in models])
 
     async def RepositoryIndex(
@@ -275,7 +275,7 @@ def model_statistics(model: ServedModel) -> pb.ModelStatistics:
 _Response = TypeVar("_Response")
 
 
-def _refused(
+def refused_call(
     context: grpc.aio.ServicerContext[Any, Any], exc: Exception, empty: _Response
 ) -> _Response:
     """End a unary RPC with ``exc``'s status and message: the handler returns ``empty``
@@ -408,7 +408,7 @@ def _parsing(
         try:
             request = parse(data)
         except DecodeError as error:
-            return _refused(context, _not_parsed(message, error), response())
+            return refused_call(context, _not_parsed(message, error), response())
         return await behavior(request, context)
 
     return handle

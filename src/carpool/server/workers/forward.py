@@ -13,7 +13,6 @@ events) comes back chunk by chunk.
 from __future__ import annotations
 
 import asyncio
-import urllib.parse
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -22,7 +21,7 @@ import orjson
 from google.protobuf import json_format  # type: ignore[import-untyped]  # no stubs installed
 
 from carpool.server.app import KServeApp
-from carpool.server.grpc import InferenceServicer
+from carpool.server.grpc import InferenceServicer, refused_call
 from carpool.server.http.dispatch import Dispatch
 from carpool.server.http.exchange import Exchange
 from carpool.server.http.handlers import Stream
@@ -142,7 +141,11 @@ class WorkerServicer(InferenceServicer):
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelConfigResponse:
-        document = await self._ask(context, _model_path(request, "config"))
+        try:
+            path = self._model_path(request, "config")
+        except Exception as exc:
+            return refused_call(context, exc, pb.ModelConfigResponse())
+        document = await self._ask(context, path)
         if document is None:
             return pb.ModelConfigResponse()
         config = pb.ModelConfig()
@@ -152,12 +155,23 @@ class WorkerServicer(InferenceServicer):
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelStatisticsResponse:
-        path = _model_path(request, "stats") if request.name else "/v2/models/stats"
+        try:
+            path = self._model_path(request, "stats") if request.name else "/v2/models/stats"
+        except Exception as exc:
+            return refused_call(context, exc, pb.ModelStatisticsResponse())
         document = await self._ask(context, path)
         answer = pb.ModelStatisticsResponse()
         if document is not None:
             json_format.ParseDict(document, answer, ignore_unknown_fields=True)
         return answer
+
+    def _model_path(self, request: Any, action: str) -> str:
+        """The engine's path for ``action`` of the model ``request`` names, once the
+        worker's mirror knows it (``NotFound`` as in one process, else). Was: the name and
+        version sent percent-encoded, which errors quoted encoded, and which took seconds
+        of the worker's loop for a version of tens of MB."""
+        model = self.repository.get(request.name, request.version or None)
+        return f"/v2/models/{model.name}/{action}"  # its only version, asked or not
 
     async def _ask(
         self, context: grpc.aio.ServicerContext[Any, Any], path: str
@@ -185,11 +199,3 @@ class WorkerServicer(InferenceServicer):
             self._link.cancel(request_id)
             raise
         return forwarded
-
-
-def _model_path(request: Any, action: str) -> str:
-    name = urllib.parse.quote(request.name, safe="")
-    if request.version:
-        version = urllib.parse.quote(request.version, safe="")
-        return f"/v2/models/{name}/versions/{version}/{action}"
-    return f"/v2/models/{name}/{action}"
