@@ -188,6 +188,25 @@ class DeadlineExceeded(CarpoolError, TimeoutError):
         return (self.request_id, self.timeout_s, self.waited_s, self.left_s), {}
 
 
+class GenerationTimedOut(DeadlineExceeded):
+    """A generation request's deadline passed before its answer was complete: what it
+    was generating was stopped (its KV blocks freed), and nothing is answered but this."""
+
+    def __init__(self, timeout_s: float, ran_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.ran_s = ran_s
+        self.request_id, self.waited_s, self.left_s = -1, ran_s, 0.0
+        CarpoolError.__init__(
+            self,
+            f"the generation did not finish within its timeout of {_duration(timeout_s)} "
+            f"and was stopped after {_duration(ran_s)}; raise the timeout (KServe's timeout "
+            "parameter in µs) or lower the load",
+        )
+
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.timeout_s, self.ran_s), {}
+
+
 class ModelError(CarpoolError):
     """The model raised while running this request; ``__cause__`` is the original error."""
 

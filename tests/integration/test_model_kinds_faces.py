@@ -18,6 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
 
 from .conftest import ServedProcess, start_served_process, wait_until
 
@@ -207,6 +208,32 @@ def test_generation_kserve_face_answers_an_infer_built_from_its_metadata(
     assert http.is_model_ready(GENERATION)
     texts = _infer_text(http, GENERATION, [b"a", b"b", b"a"]).as_numpy("TEXT")
     assert texts.shape == (3,) and texts[0] == texts[2]  # greedy: same prompt, same text
+
+
+@pytest.mark.parametrize("wire", ["http", "grpc"])
+def test_generation_kserve_timeout_stops_the_generation_with_503(
+    served: ServedProcess, request: pytest.FixtureRequest, wire: str
+) -> None:
+    """Triton's ``timeout`` parameter (µs). Was: ignored by the generation model, which
+    answered 200 whatever the deadline, where every other model expires the request."""
+    client = request.getfixturevalue(wire)
+    module = httpclient if wire == "http" else grpcclient
+    tensor = module.InferInput("TEXT", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
+    finished_before = _metric(served.http_url, "carpool_generation_requests_finished_total")
+    with pytest.raises(InferenceServerException) as expired:
+        client.infer(GENERATION, [tensor], parameters={"timeout": 1})
+    status = "503" if wire == "http" else "StatusCode.UNAVAILABLE"
+    assert expired.value.status() == status
+    assert "did not finish within its timeout of 1 µs" in expired.value.message()
+    wait_until(  # stopped: its engine request ended (aborted), not left running
+        lambda: (
+            _metric(served.http_url, "carpool_generation_requests_finished_total") > finished_before
+        ),
+        "the stopped generation to end",
+    )
+    texts = client.infer(GENERATION, [tensor], parameters={"timeout": 60_000_000})
+    assert texts.as_numpy("TEXT").shape == (1,)
 
 
 # -- the embeddings model ---------------------------------------------------------------

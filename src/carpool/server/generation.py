@@ -15,13 +15,14 @@ service with no core batcher, and the repository starts and drains the engine.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from carpool.core.policy import DEFAULT_CLASSES
-from carpool.errors import ConfigError, InvalidInput
+from carpool.errors import ConfigError, GenerationTimedOut, InvalidInput
 from carpool.generation.build import GenerationSettings, build_engine, resolve_settings
 from carpool.generation.engine import GenerationEngine
 from carpool.generation.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -106,18 +107,27 @@ class GenerationService:
 
     async def infer(self, payload: dict[str, np.ndarray], options: dict[str, Any]) -> Any:
         """The KServe face: ``TEXT`` rows in, each row's greedy continuation
-        (``KSERVE_MAX_TOKENS`` tokens) out as ``TEXT``."""
+        (``KSERVE_MAX_TOKENS`` tokens) out as ``TEXT``. With a ``timeout`` (``timeout_s``
+        here) the rows not done when it runs out are stopped, and the request fails with
+        :class:`~carpool.errors.GenerationTimedOut` (503, UNAVAILABLE)."""
         rows = []
         for i, value in enumerate(payload["TEXT"].reshape(-1)):
             try:
                 rows.append(value.decode("utf-8") if isinstance(value, bytes) else str(value))
             except UnicodeDecodeError as error:
                 raise InvalidInput(f"input 'TEXT' row {i} is not valid UTF-8 ({error})") from None
-        priority = options.get("priority")
+        priority, timeout_s = options.get("priority"), options.get("timeout_s")
+        started_s = time.monotonic()
         rows_running = [asyncio.ensure_future(self._greedy(text, priority)) for text in rows]
+        deadline = asyncio.timeout(timeout_s)  # None: no deadline of its own
         try:
-            texts = await asyncio.gather(*rows_running)
-        finally:  # a row refused fails the request: the others' text is for nobody
+            async with deadline:
+                texts = await asyncio.gather(*rows_running)
+        except TimeoutError:
+            if timeout_s is None or not deadline.expired():
+                raise
+            raise GenerationTimedOut(timeout_s, time.monotonic() - started_s) from None
+        finally:  # a row refused, or the deadline: the others' text is for nobody
             for row in rows_running:
                 row.cancel()
         return {"TEXT": np.array([t.encode("utf-8") for t in texts], dtype=object)}
