@@ -116,7 +116,7 @@ class QueueFull(CarpoolError):
         return (self.queue, self.limit), {}
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
     """Milliseconds to 0.1 ms, or whole microseconds below that.
 
     KServe's ``timeout`` parameter is given in microseconds: a 1 µs timeout shown as
@@ -142,14 +142,14 @@ class QueueTooLong(QueueFull):
         self.wait_s = wait_s
         self.slo_s = slo_s
         bound = (
-            f"max_queue_time_s={_duration(limit_s)}"
+            f"max_queue_time_s={duration_text(limit_s)}"
             if slo_s is None
-            else f"the {_duration(limit_s)} that slo_s={_duration(slo_s)} leaves for it "
+            else f"the {duration_text(limit_s)} that slo_s={duration_text(slo_s)} leaves for it "
             "(max_queue_time_s: auto)"
         )
         CarpoolError.__init__(
             self,
-            f"queue {queue!r} holds about {_duration(wait_s)} of work ahead of this request, "
+            f"queue {queue!r} holds about {duration_text(wait_s)} of work ahead of this request, "
             f"more than {bound}; retry later",
         )
 
@@ -170,14 +170,14 @@ class DeadlineExceeded(CarpoolError, TimeoutError):
         self.left_s = left_s
         if left_s > 0:
             what = (
-                f"request {request_id} would end past its timeout of {_duration(timeout_s)}: "
-                f"it had {_duration(left_s)} left, less than its batch takes here (as "
+                f"request {request_id} would end past its timeout of {duration_text(timeout_s)}: "
+                f"it had {duration_text(left_s)} left, less than its batch takes here (as "
                 "measured), and was dropped before it ran rather than answered late"
             )
         else:
             what = (
-                f"request {request_id} waited {_duration(waited_s)}, past its timeout of "
-                f"{_duration(timeout_s)}, and was dropped before it ran"
+                f"request {request_id} waited {duration_text(waited_s)}, past its timeout of "
+                f"{duration_text(timeout_s)}, and was dropped before it ran"
             )
         super().__init__(
             f"{what}; raise the timeout (timeout_s, or KServe's timeout parameter in µs) "
@@ -186,25 +186,6 @@ class DeadlineExceeded(CarpoolError, TimeoutError):
 
     def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
         return (self.request_id, self.timeout_s, self.waited_s, self.left_s), {}
-
-
-class GenerationTimedOut(DeadlineExceeded):
-    """A generation request's deadline passed before its answer was complete: what it
-    was generating was stopped (its KV blocks freed), and nothing is answered but this."""
-
-    def __init__(self, timeout_s: float, ran_s: float) -> None:
-        self.timeout_s = timeout_s
-        self.ran_s = ran_s
-        self.request_id, self.waited_s, self.left_s = -1, ran_s, 0.0
-        CarpoolError.__init__(
-            self,
-            f"the generation did not finish within its timeout of {_duration(timeout_s)} "
-            f"and was stopped after {_duration(ran_s)}; raise the timeout (KServe's timeout "
-            "parameter in µs) or lower the load",
-        )
-
-    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
-        return (self.timeout_s, self.ran_s), {}
 
 
 class ModelError(CarpoolError):

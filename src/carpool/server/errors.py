@@ -15,7 +15,9 @@ MethodNotAllowed   405   UNIMPLEMENTED       a known path, another method (``All
 NotSupported       501   UNIMPLEMENTED       a Triton extension carpool does not implement
 PayloadTooLarge    413   RESOURCE_EXHAUSTED  body over the configured limit
 QueueFull          429   UNAVAILABLE         admission refused; ``Retry-After`` tells when
-DeadlineExceeded   503   UNAVAILABLE         the deadline passed while queued
+DeadlineExceeded   503   UNAVAILABLE         the deadline passed while queued (for a
+                                             generation model: GenerationTimedOut,
+                                             before its answer was complete)
 Closed             503   UNAVAILABLE         the server is draining, or cut its drain off
 Overloaded         503   UNAVAILABLE         a server limit (connections, bytes held);
                                              ``Retry-After`` tells when
@@ -46,6 +48,7 @@ from carpool.errors import (
     InvalidInput,
     ModelError,
     QueueFull,
+    duration_text,
 )
 
 # The most characters of a client's own input (a path, a model name or version) an error
@@ -61,6 +64,25 @@ def echo(text: str, limit: int = MAX_ECHO_CHARS) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... (cut: {len(text)} characters)"
+
+
+class GenerationTimedOut(DeadlineExceeded):
+    """A generation request's deadline passed before its answer was complete: what it
+    was generating was stopped (its KV blocks freed), and nothing is answered but this."""
+
+    def __init__(self, timeout_s: float, ran_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.ran_s = ran_s
+        self.request_id, self.waited_s, self.left_s = -1, ran_s, 0.0
+        CarpoolError.__init__(
+            self,
+            f"the generation did not finish within its timeout of {duration_text(timeout_s)} "
+            f"and was stopped after {duration_text(ran_s)}; raise the timeout (KServe's timeout "
+            "parameter in µs) or lower the load",
+        )
+
+    def _init_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        return (self.timeout_s, self.ran_s), {}
 
 
 class NotFound(CarpoolError):

@@ -22,11 +22,12 @@ from typing import Any
 import numpy as np
 
 from carpool.core.policy import DEFAULT_CLASSES
-from carpool.errors import ConfigError, GenerationTimedOut, InvalidInput
+from carpool.errors import ConfigError, InvalidInput
 from carpool.generation.build import GenerationSettings, build_engine, resolve_settings
 from carpool.generation.engine import GenerationEngine
 from carpool.generation.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from carpool.generation.types import SamplingParams
+from carpool.server.errors import GenerationTimedOut
 
 RANDOM_WEIGHTS_LABEL = "carpool (random weights, byte tokenizer: output is noise)"
 # The built-in random-weight model: ~0.3M parameters, fast on one CPU core.
@@ -109,7 +110,7 @@ class GenerationService:
         """The KServe face: ``TEXT`` rows in, each row's greedy continuation
         (``KSERVE_MAX_TOKENS`` tokens) out as ``TEXT``. With a ``timeout`` (``timeout_s``
         here) the rows not done when it runs out are stopped, and the request fails with
-        :class:`~carpool.errors.GenerationTimedOut` (503, UNAVAILABLE)."""
+        :class:`~carpool.server.errors.GenerationTimedOut` (503, UNAVAILABLE)."""
         rows = []
         for i, value in enumerate(payload["TEXT"].reshape(-1)):
             try:
