@@ -25,6 +25,7 @@ from carpool.errors import (
 from carpool.server import errors as server_errors
 from carpool.server.errors import (
     DrainTimedOut,
+    GenerationTimedOut,
     MethodNotAllowed,
     NotFound,
     NotSupported,
@@ -88,6 +89,7 @@ SERVER_ERRORS = [
     Overloaded("connections (--max-connections 8)"),
     PortInUse("HTTP port 127.0.0.1:8000: could not bind (address in use)"),
     DrainTimedOut(3, 5.0),
+    GenerationTimedOut(0.001, 0.0042),
 ]
 
 
@@ -122,6 +124,7 @@ def test_server_errors_survive_pickle_and_copy_with_their_fields(
         (SERVER_ERRORS[4], 403, "PERMISSION_DENIED", None),
         (SERVER_ERRORS[5], 413, "RESOURCE_EXHAUSTED", None),
         (SERVER_ERRORS[6], 503, "UNAVAILABLE", (b"retry-after", b"1")),
+        (SERVER_ERRORS[9], 503, "UNAVAILABLE", None),
         (QueueFull("normal", 8), 429, "UNAVAILABLE", (b"retry-after", b"1")),
         (QueueTooLong("normal", 0.08, 0.05), 429, "UNAVAILABLE", (b"retry-after", b"1")),
         (ConfigError("max_batch_size", 0, "an integer >= 1"), 400, "INVALID_ARGUMENT", None),
