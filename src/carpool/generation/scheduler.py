@@ -116,7 +116,8 @@ class SchedulerStats:
 @dataclass(slots=True)
 class _StepPlan:
     num_tokens_left: int
-    num_pending_decodes: int = 0  # running decodes not scheduled yet: their tokens are held
+    # Seated running decodes not scheduled yet: their tokens are kept for them.
+    pending_decodes: set[int] = field(default_factory=set)
     chunks: list[SeqChunk] = field(default_factory=list)
     preempted_request_ids: list[int] = field(default_factory=list)
     num_prefill_tokens: int = 0
@@ -259,29 +260,25 @@ class Scheduler:
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        plan.num_pending_decodes = sum(
-            r.num_tokens - r.num_computed_tokens == 1 and not r.is_held for r in self._running
-        )
-        i = 0
-        while i < len(self._running):
-            request = self._running[i]
-            if request.is_held:
-                i += 1
-                continue
+        seated = self._running
+        if self._num_held or len(seated) > self.config.max_num_seqs:
+            # Held requests sit out; and past max_num_seqs (requests let back in from a
+            # hold while others took their seats) the last in the running order wait.
+            seated = [r for r in seated if not r.is_held][: self.config.max_num_seqs]
+        plan.pending_decodes = {
+            r.request_id for r in seated if r.num_tokens - r.num_computed_tokens == 1
+        }
+        for request in list(seated):  # a copy: preemptions take requests out of _running
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted for one before it
             num_new = request.num_tokens - request.num_computed_tokens
-            if num_new == 1:
-                plan.num_pending_decodes -= 1
-            num_new = self._cap_chunk(num_new, plan.num_tokens_left - plan.num_pending_decodes)
+            plan.pending_decodes.discard(request.request_id)
+            num_new = self._cap_chunk(num_new, plan.num_tokens_left - len(plan.pending_decodes))
             if num_new <= 0:
-                i += 1
                 continue
-            num_preempted = len(plan.preempted_request_ids)
             if not self._allocate_or_preempt(request, num_new, plan):
                 return  # the request itself was the victim: it was the tail
             self._add_chunk(request, num_new, plan)
-            if len(plan.preempted_request_ids) != num_preempted:  # held ones before it left
-                i = self._running.index(request)
-            i += 1
 
     def _allocate_or_preempt(self, request: GenRequest, num_new: int, plan: _StepPlan) -> bool:
         num_total = request.num_computed_tokens + num_new
@@ -301,13 +298,27 @@ class Scheduler:
                     return request
         return None
 
+    def _fits_without_held(self, num_total: int, prefix: CachedPrefix) -> bool:
+        """Whether a request admitted with ``prefix`` for ``num_total`` tokens would fit
+        once every held running request gave its blocks back: else preempting them would
+        throw their K/V away for nothing."""
+        pool = self.kv_cache.pool
+        freed = {
+            block
+            for r in self._running
+            if r.is_held
+            for block in self.kv_cache.block_table(r.request_id)
+            if pool.ref_count(block) == 1
+        }
+        needed = self.kv_cache.num_blocks_for(num_total) - len(prefix.block_ids)
+        return needed <= pool.num_free + len(freed)
+
     def _preempt(self, victim: GenRequest, plan: _StepPlan) -> None:
         if self._running[-1] is victim:
             self._running.pop()
         else:
             self._running.remove(victim)
-        if victim.num_tokens - victim.num_computed_tokens == 1 and not victim.is_held:
-            plan.num_pending_decodes -= 1
+        plan.pending_decodes.discard(victim.request_id)
         self.kv_cache.free(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -337,7 +348,7 @@ class Scheduler:
                 if self.kv_cache.allocate(request.request_id, num_total, prefix, counts=first_time):
                     break
                 victim = self._held_victim()  # nor the blocks a request waits for
-                if victim is None:
+                if victim is None or not self._fits_without_held(num_total, prefix):
                     return  # head of line waits for blocks; nothing behind it jumps ahead
                 self._preempt(victim, plan)
             queue = self._waiting[request.rank]

@@ -310,6 +310,43 @@ def test_a_running_request_out_of_blocks_preempts_a_held_one_before_the_tail() -
     assert_all_blocks_free(scheduler)
 
 
+def test_requests_let_back_in_from_a_hold_never_make_a_step_past_max_num_seqs() -> None:
+    """Was: two held requests gave their seats to two new ones, then, let back in, all
+    four ran every step with max_num_seqs 2 (80 sequences a step at 64 over HTTP)."""
+    scheduler, runner = make_scheduler(max_num_seqs=2)
+    max_tokens = SamplingParams(max_tokens=8)
+    for request_id in (1, 2):
+        scheduler.add_request(request_id, [request_id, 5], max_tokens)
+    step(scheduler, runner)
+    scheduler.hold(1)
+    scheduler.hold(2)
+    for request_id in (3, 4):
+        scheduler.add_request(request_id, [request_id, 6], max_tokens)
+    step(scheduler, runner)
+    scheduler.hold(1, held=False)
+    scheduler.hold(2, held=False)
+    outputs, _, results = run_to_end(scheduler, runner)
+    assert max(len(r.step_input.chunks) for r in results) == 2
+    assert [c.seq_id for c in results[0].step_input.chunks] == [1, 2]  # first in order
+    for request_id in (3, 4):
+        assert len(outputs[request_id]) == 7  # its first token came before
+    assert_all_blocks_free(scheduler)
+
+
+def test_held_requests_keep_their_blocks_when_the_waiting_head_would_not_fit_anyway() -> None:
+    """Was: preempted one by one for the head of the waiting line, which still did not
+    fit once they were all gone: their K/V thrown away, nothing admitted."""
+    scheduler, runner = make_scheduler(num_blocks=8, block_size=2)
+    scheduler.add_request(1, list(range(1, 10)), SamplingParams(max_tokens=2))
+    scheduler.add_request(2, [1, 2, 3], SamplingParams(max_tokens=4))
+    step(scheduler, runner)
+    scheduler.hold(2)
+    scheduler.add_request(3, list(range(20, 28)), SamplingParams(max_tokens=2))
+    result, _ = step(scheduler, runner)
+    assert result.preempted_request_ids == ()
+    assert [c.seq_id for c in result.step_input.chunks] == [1]
+
+
 def test_a_held_request_that_finishes_is_no_longer_counted_held() -> None:
     scheduler, runner = make_scheduler()
     scheduler.add_request(1, [1, 2], SamplingParams(max_tokens=6))
