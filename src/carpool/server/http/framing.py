@@ -26,7 +26,13 @@ import httptools
 
 from carpool.server.http.body import BodyCheck
 from carpool.server.http.exchange import Exchange, ExchangeKind, Head
-from carpool.server.http.guards import MAX_HEAD_BYTES, WaitTimer, grown_head_refusal, head_refusal
+from carpool.server.http.guards import (
+    MAX_HEAD_BYTES,
+    WaitTimer,
+    grown_head_refusal,
+    head_refusal,
+    host_refusal,
+)
 from carpool.server.http.host import Host
 from carpool.server.http.refusals import Refused
 from carpool.server.http.repeats import RepeatedHead, repeated_head
@@ -79,7 +85,7 @@ class Framing(asyncio.Protocol, abc.ABC):
         self._field_bytes = 0
         self._expects_continue = False
         self._transfer_coding: bytes | None = None  # a Transfer-Encoding besides chunked
-        self._num_hosts = 0  # Host fields
+        self._hosts: list[bytes] = []  # the values of its Host fields
         # When the read being parsed came, and so the first byte of a request it begins:
         # a request's deadline (timeout_s) counts from then.
         self._read_s = 0.0
@@ -137,6 +143,9 @@ class Framing(asyncio.Protocol, abc.ABC):
             if isinstance(refused, Refused):
                 log.warning("Refused HTTP request: %s", refused)
                 self._refuse(refused.status, str(refused))
+            elif str(error) == "Invalid HTTP version":  # llhttp: HTTP/1.2, HTTP/3.0
+                log.warning("Refused HTTP request: %s", error)
+                self._refuse(505, "only HTTP/1.1 and HTTP/1.0 are served here")
             else:
                 log.warning("Invalid HTTP request received: %s", error)
                 self._refuse(400, f"invalid HTTP/1.1 request: {error}")
@@ -172,7 +181,7 @@ class Framing(asyncio.Protocol, abc.ABC):
         self._field_bytes = 0
         self._expects_continue = False
         self._transfer_coding = None
-        self._num_hosts = 0
+        self._hosts = []
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -190,7 +199,7 @@ class Framing(asyncio.Protocol, abc.ABC):
         elif name == b"transfer-encoding" and value.lower().replace(b" ", b"") != b"chunked":
             self._transfer_coding = value  # llhttp takes "gzip, chunked" as chunked
         elif name == b"host":
-            self._num_hosts += 1
+            self._hosts.append(value)
         self._fields.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -214,11 +223,9 @@ class Framing(asyncio.Protocol, abc.ABC):
         version = self._parser.get_http_version()
         if not version.startswith("1."):  # RFC 9110 15.6.6: another major version
             raise Refused(505, f"HTTP/{version} is not supported here; send HTTP/1.1")
-        if self._num_hosts != 1 and (self._num_hosts or version != "1.0"):  # RFC 9112 3.2
-            raise Refused(
-                400,
-                f"{self._num_hosts} Host header fields; an HTTP/{version} request has one",
-            )
+        host_refused = host_refusal(version, self._hosts)
+        if host_refused is not None:
+            raise Refused(*host_refused)
         if self._is_over_capacity:
             raise Refused(503, str(over_connections(self._app.limits)))
         self._timer.deadline = None  # the request is read on (or answered)

@@ -18,6 +18,7 @@ take longer than ``--body-timeout-s`` in all.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 
 # Pipelined requests read ahead of the one being answered before reading pauses. Reading
@@ -47,6 +48,23 @@ def head_refusal(target_bytes: int, field_bytes: int, num_fields: int) -> tuple[
             f"request line and header fields of {head_bytes} bytes exceed the limit of "
             f"{MAX_HEAD_BYTES} bytes"
         )
+    return None
+
+
+# RFC 9112 3.2 / RFC 3986 3.2.2: Host = uri-host [ ":" port ], the host a reg-name (of
+# unreserved, sub-delims and %-escapes, possibly empty) or an IP literal in brackets.
+_HOST_VALUE = re.compile(rb"(?:\[[0-9A-Za-z:.]+\]|[A-Za-z0-9\-._~!$&'()*+,;=%]*)(?::[0-9]*)?")
+
+
+def host_refusal(version: str, hosts: list[bytes]) -> tuple[int, str] | None:
+    """The status and message refusing a request whose ``Host`` fields (their values)
+    are not what RFC 9112 3.2 asks: exactly one in HTTP/1.1 (none or one in HTTP/1.0),
+    holding a host and an optional port; None when they are."""
+    if len(hosts) > 1 or (not hosts and version != "1.0"):
+        return 400, f"{len(hosts)} Host header fields; an HTTP/{version} request has one"
+    if hosts and _HOST_VALUE.fullmatch(hosts[0]) is None:
+        value = hosts[0][:64].decode("latin-1")
+        return 400, f"Host {value!r} is not a host and an optional port (RFC 9112 3.2)"
     return None
 
 

@@ -274,14 +274,33 @@ async def test_http10_without_and_with_keep_alive_closes(setup: Setup) -> None:
         np.testing.assert_array_equal(binary_output(response), [[2, 2]])
 
 
-async def test_a_request_line_of_another_major_version_gets_505(setup: Setup) -> None:
-    """RFC 9110 15.6.6. Was: an ``HTTP/2.0`` request line answered 200, as HTTP/1.1
-    (llhttp parses only 0.9, 1.x and 2.0; others get its 400)."""
+@pytest.mark.parametrize("version", [b"2.0", b"3.0", b"1.2"])
+async def test_a_request_line_of_another_version_gets_505(setup: Setup, version: bytes) -> None:
+    """RFC 9110 15.6.6. Was: an ``HTTP/2.0`` request line answered 200, as HTTP/1.1, and
+    ``HTTP/3.0`` or ``HTTP/1.2`` a 400 (llhttp refuses them before the head is done)."""
     protocol, transport = setup.connect()
-    protocol.data_received(LIVE.replace(b"HTTP/1.1", b"HTTP/2.0", 1))
+    protocol.data_received(LIVE.replace(b"HTTP/1.1", b"HTTP/" + version, 1))
     await until(lambda: len(items(transport)) == 1)
     ((status, _, body),) = items(transport)
-    assert status == 505 and b"HTTP/2.0" in body and b"HTTP/1.1" in body
+    assert status == 505 and b"HTTP/1.1" in body
+
+
+@pytest.mark.parametrize(
+    ("value", "status"),
+    [(b"a, b", 400), (b"a b", 400), (b"http://a/", 400), (b"x:80:90", 400)]
+    + [(v, 200) for v in (b"", b"127.0.0.1:8000", b"[::1]:80", b"example.com:", b"a,b")],
+)
+async def test_a_host_value_is_a_host_and_an_optional_port(
+    setup: Setup, value: bytes, status: int
+) -> None:
+    """RFC 9112 3.2: a Host field with an invalid value is a 400. Was: 200."""
+    protocol, transport = setup.connect()
+    protocol.data_received(LIVE.replace(b"Host: t", b"Host: " + value, 1))
+    await until(lambda: len(items(transport)) == 1)
+    ((answered, _, body),) = items(transport)
+    assert answered == status
+    if status == 400:
+        assert b"is not a host and an optional port" in body
 
 
 @pytest.mark.parametrize(
