@@ -678,7 +678,10 @@ def check_triton_stats(
     latency_s = sum(per_class(samples, "carpool_request_latency_seconds_sum").values())
     queue_s = sum(per_class(samples, "carpool_queue_wait_seconds_sum").values())
     assert inference["success"]["ns"] == pytest.approx(latency_s * 1e9, abs=1)
-    assert inference["queue"] == {"count": num_ok, "ns": pytest.approx(queue_s * 1e9, abs=1)}
+    # Triton's queue runs to the call's start: a closed batch's wait for the replica too.
+    assert inference["queue"]["count"] == num_ok
+    assert queue_s * 1e9 - 1 <= inference["queue"]["ns"]
+    assert inference["queue"]["ns"] + inference["compute_infer"]["ns"] <= inference["success"]["ns"]
     # As Triton: per successful request, its model call's time (here each call enclosed
     # the model's own measure of itself, and lay within the request's latency).
     call_s = {v: call["ended"] - call["started"] for call in calls for v in call["values"]}

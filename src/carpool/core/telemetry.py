@@ -169,6 +169,9 @@ class BatchStats:
     completed_size_compute_s: dict[int, float] = field(default_factory=dict)
     # Each successful request's model call, its seconds summed (Triton's compute_infer).
     completed_compute_s: float = 0.0
+    # Each successful request's arrival to its model call's start, summed (Triton's
+    # queue: a closed batch's wait for a busy replica included).
+    completed_queue_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +301,7 @@ class Telemetry:
         self._ok_sizes: Counter[int] = Counter()
         self._ok_size_compute: defaultdict[int, float] = defaultdict(float)
         self._ok_compute_s = 0.0
+        self._ok_queue_s = 0.0
         self._last_ok_unix_s: float | None = None
         self._fill_sum = 0.0
         self._num_tokens = 0
@@ -384,6 +388,7 @@ class Telemetry:
         first = requests[0]
         call_s = first.compute_end_s - first.compute_start_s
         num_items = 0
+        queue_s = 0.0
         # A class's counters and SLO looked up once per run of requests of that class.
         classes, slos = self._classes, self._slo
         name: str | None = None
@@ -398,6 +403,7 @@ class Telemetry:
             num_items += request.num_items
             counters.latency.observe(total_s)
             counters.queue_wait.observe(request.batch_closed_s - request.arrival_s)
+            queue_s += request.compute_start_s - request.arrival_s
             if slo is not None:
                 counters.slo_total += 1
                 counters.slo_met += total_s <= slo
@@ -412,6 +418,7 @@ class Telemetry:
         self._ok_batches += 1
         self._ok_items += num_items
         self._ok_compute_s += call_s * len(requests)  # as Triton: each request's call
+        self._ok_queue_s += queue_s
         self._ok_sizes[num_items] += 1
         self._ok_size_compute[num_items] += call_s
         self._last_ok_unix_s = time.time()
@@ -479,6 +486,7 @@ class Telemetry:
                 completed_size_histogram=dict(sorted(self._ok_sizes.items())),
                 completed_size_compute_s=dict(sorted(self._ok_size_compute.items())),
                 completed_compute_s=self._ok_compute_s,
+                completed_queue_s=self._ok_queue_s,
             ),
             replicas=tuple(
                 ReplicaStats(

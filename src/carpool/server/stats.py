@@ -30,11 +30,6 @@ def model_stats(model: ServedModel) -> dict[str, Any]:
     snap = model.require_batcher().snapshot()
     completed = sum(c.num_completed for c in snap.classes.values())
     failed = sum(c.num_failed + sum(c.rejections.values()) for c in snap.classes.values())
-    queue_ns = sum(
-        c.queue_wait.mean_s * c.queue_wait.count
-        for c in snap.classes.values()
-        if c.queue_wait.count
-    )
     batches = snap.batches
     return _document(
         model,
@@ -43,7 +38,7 @@ def model_stats(model: ServedModel) -> dict[str, Any]:
         execution_count=batches.num_completed_batches,
         success=_duration(completed, snap.latency),
         fail=(failed, 0),
-        queue_ns=round(queue_ns * 1e9),
+        queue_ns=round(batches.completed_queue_s * 1e9),
         compute_infer_ns=round(batches.completed_compute_s * 1e9),
         batch_stats=[
             (size, count, round(batches.completed_size_compute_s.get(size, 0.0) * 1e9))
