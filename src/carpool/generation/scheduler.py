@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from carpool.core.policy import DEFAULT_CLASS, DEFAULT_CLASSES
@@ -303,15 +303,17 @@ class Scheduler:
         once every held running request gave its blocks back: else preempting them would
         throw their K/V away for nothing."""
         pool = self.kv_cache.pool
-        freed = {
+        held_refs = Counter(
             block
             for r in self._running
             if r.is_held
             for block in self.kv_cache.block_table(r.request_id)
-            if pool.ref_count(block) == 1
-        }
-        needed = self.kv_cache.num_blocks_for(num_total) - len(prefix.block_ids)
-        return needed <= pool.num_free + len(freed)
+        )  # a block the held requests alone hold (a shared prompt's too) is freed
+        freed = {block for block, num in held_refs.items() if pool.ref_count(block) == num}
+        # A prefix block with no holder left is revived, which takes a free block.
+        revived = sum(pool.ref_count(b) == 0 or b in freed for b in prefix.block_ids)
+        num_new = max(0, self.kv_cache.num_blocks_for(num_total) - len(prefix.block_ids))
+        return num_new + revived <= pool.num_free + len(freed)
 
     def _preempt(self, victim: GenRequest, plan: _StepPlan) -> None:
         if self._running[-1] is victim:

@@ -347,6 +347,40 @@ def test_held_requests_keep_their_blocks_when_the_waiting_head_would_not_fit_any
     assert [c.seq_id for c in result.step_input.chunks] == [1]
 
 
+def test_held_requests_sharing_a_prompt_give_their_blocks_to_a_waiting_head_that_then_fits() -> (
+    None
+):
+    """Was: blocks the held requests shared (the n > 1 choices of one stalled completion
+    share the prompt's) were not counted as freed, and a head that fits once they are all
+    preempted waited forever, its steps empty."""
+    scheduler, runner = make_scheduler(num_blocks=8, block_size=2)
+    scheduler.add_request(1, [1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
+    step(scheduler, runner)  # its two full prompt blocks are cached
+    scheduler.add_request(2, [1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
+    step(scheduler, runner)
+    scheduler.hold(1)
+    scheduler.hold(2)
+    scheduler.add_request(3, list(range(20, 34)), SamplingParams(max_tokens=1))  # 7 blocks
+    result, _ = step(scheduler, runner)
+    assert sorted(result.preempted_request_ids) == [1, 2]
+    assert [c.seq_id for c in result.step_input.chunks] == [3]
+
+
+def test_a_held_request_whose_blocks_are_the_heads_prefix_is_not_preempted_for_nothing() -> None:
+    """Was: its cached blocks counted both as freed and as the head's prefix (no new block
+    needed), where reviving them takes free blocks: preempted, and the head still waited."""
+    scheduler, runner = make_scheduler(num_blocks=8, block_size=2)
+    scheduler.add_request(1, [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=6))
+    step(scheduler, runner)
+    scheduler.add_request(2, [9, 9, 9], SamplingParams(max_tokens=4))
+    step(scheduler, runner)
+    scheduler.hold(1)
+    scheduler.add_request(3, [1, 2, 3, 4, 5, 6, *range(30, 38)], SamplingParams(max_tokens=1))
+    result, _ = step(scheduler, runner)
+    assert result.preempted_request_ids == ()
+    assert [c.seq_id for c in result.step_input.chunks] == [2]
+
+
 def test_a_held_request_that_finishes_is_no_longer_counted_held() -> None:
     scheduler, runner = make_scheduler()
     scheduler.add_request(1, [1, 2], SamplingParams(max_tokens=6))
