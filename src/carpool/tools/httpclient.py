@@ -40,6 +40,13 @@ def split_url(url: str) -> tuple[str, int, str]:
     return parts.hostname, parts.port or 80, parts.path.rstrip("/")
 
 
+def host_header(host: str, port: int | None = None) -> str:
+    """The ``Host`` value for ``host`` (and ``port``): an IPv6 address in brackets, as a
+    URL writes it (RFC 9112 3.2; ``urlsplit().hostname`` drops them)."""
+    named = f"[{host}]" if ":" in host else host
+    return named if port is None else f"{named}:{port}"
+
+
 def encode_request(
     method: str,
     host: str,
@@ -168,7 +175,7 @@ class HttpClient:
 
     async def get(self, path: str) -> HttpResponse:
         """A one-off GET (metadata, /metrics): encoded here, not on any hot path."""
-        return await self.request(encode_request("GET", self.host, path))
+        return await self.request(encode_request("GET", host_header(self.host), path))
 
     async def close(self) -> None:
         for connection in list(self._connections):

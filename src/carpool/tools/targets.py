@@ -32,7 +32,14 @@ from carpool.core.batcher import Batcher
 from carpool.core.decorator import BatchedFunction
 from carpool.core.telemetry import TelemetrySnapshot
 from carpool.errors import ConfigError
-from carpool.tools.httpclient import ChunkSink, HttpClient, SseParser, encode_request, split_url
+from carpool.tools.httpclient import (
+    ChunkSink,
+    HttpClient,
+    SseParser,
+    encode_request,
+    host_header,
+    split_url,
+)
 from carpool.tools.loadgen import RequestRecord, Target
 from carpool.tools.modelref import (
     MODEL_FORMS,
@@ -201,7 +208,7 @@ class _HttpTarget:
     def __init__(self, spec: TargetSpec) -> None:
         host, port, self._prefix = split_url(spec.label)
         self._spec = spec
-        self._host_header = f"{host}:{port}"
+        self._host_header = host_header(host, port)
         self.client = HttpClient(host, port, max_connections=spec.max_connections)
         self.requests: list[bytes] = []
         self.num_items = 1

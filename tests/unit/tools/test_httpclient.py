@@ -10,10 +10,12 @@ from contextlib import asynccontextmanager
 import pytest
 
 from carpool.errors import ConfigError
+from carpool.server.http.guards import host_refusal
 from carpool.tools.httpclient import (
     HttpClient,
     SseParser,
     encode_request,
+    host_header,
     json_error_message,
     split_url,
 )
@@ -215,3 +217,21 @@ def test_sse_crlf_split_between_chunks() -> None:
     parser = SseParser()
     assert parser.feed(b"data: a\r\n\r") == []
     assert parser.feed(b"\n") == [b"a"]
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://[::1]:8000", "[::1]:8000"),
+        ("http://127.0.0.1:8000/p", "127.0.0.1:8000"),
+        ("http://localhost", "localhost:80"),
+    ],
+)
+def test_the_host_header_of_a_url_is_one_the_server_takes(url: str, expected: str) -> None:
+    """Was: an IPv6 host went out as ``Host: ::1:8000`` (``urlsplit().hostname`` drops the
+    brackets), which the server refuses with 400 (RFC 9112 3.2): `carpool bench` against
+    ``http://[::1]:...`` got 400 for every request."""
+    host, port, _ = split_url(url)
+    assert host_header(host, port) == expected
+    assert host_refusal("1.1", [expected.encode()]) is None
+    assert host_refusal("1.1", [host_header(host).encode()]) is None
