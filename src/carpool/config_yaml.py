@@ -32,8 +32,16 @@ class _StrictLoader(yaml.SafeLoader):  # type: ignore[misc]
 def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> Any:
     seen: set[Any] = set()
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *anchor`: its keys are merged below, the mapping's own win
         key = loader.construct_object(key_node)
-        if key in seen:
+        try:
+            is_twice = key in seen
+        except TypeError:  # a list or mapping as a key (`? [x, y]`)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a key must be a plain value, found {key!r}", key_node.start_mark
+            ) from None
+        if is_twice:
             raise yaml.constructor.ConstructorError(
                 None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark
             )

@@ -277,6 +277,28 @@ def test_config_duplicate_key_is_an_error(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_a_yaml_merge_key_merges_and_the_mapping_s_own_keys_win(tmp_path: Path) -> None:
+    """Was: ``<<: *base`` was refused as "not valid YAML" (the duplicate-key check built
+    the merge key without its constructor)."""
+    text = VALID.replace("  - name: doubler\n", "  - &base\n    name: doubler\n", 1)
+    text = text.replace(
+        "  - name: classifier\n    kind: onnx\n    source: model.onnx\n    device: cpu\n",
+        "  - <<: *base\n    name: twin\n    max_batch_size: 32\n",
+    )
+    models = load_config(_write(tmp_path, text)).models
+    assert [(m.name, m.max_batch_size, m.source) for m in models] == [
+        ("doubler", 64, "mypkg.mod:double"),
+        ("twin", 32, "mypkg.mod:double"),
+    ]
+
+
+def test_a_key_that_is_a_list_is_a_config_error_not_a_crash(tmp_path: Path) -> None:
+    """Was: ``? [x, y]`` raised TypeError (unhashable) out of the loader: a traceback and
+    exit 1 where a bad file is one line and exit 2."""
+    error = _error(_write(tmp_path, VALID + "? [x, y]\n: 1\n"))
+    assert "a key must be a plain value" in str(error)
+
+
 def test_reports_how_many_more_problems_there_are(config_dir: Path) -> None:
     text = VALID.replace("max_delay_s: 0.002", "max_delay_s: -1").replace(
         "max_batch_size: 64", "max_batch_size: 0"
