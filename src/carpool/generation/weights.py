@@ -225,7 +225,13 @@ def load_model(folder: str | Path) -> PagedDecoder:
             raise ConfigError("path", str(path), "an existing file", file=str(path))
     config = json.loads(config_path.read_text())
     model = model_from_config(config, file=str(config_path))
-    load_hf_state(model, load_file(weights_path), file=str(weights_path))
+    try:
+        tensors = load_file(weights_path)
+    except Exception as error:  # safetensors' own error: a cut or corrupt file
+        raise ConfigError(
+            WEIGHTS_FILE, None, f"a safetensors file that reads ({error})", file=str(weights_path)
+        ) from None
+    load_hf_state(model, tensors, file=str(weights_path))
     return model.eval()
 
 

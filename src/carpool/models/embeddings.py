@@ -359,7 +359,12 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
         raise ConfigError(
             "model.safetensors", None, "the weights file (only safetensors is read)", file=str(path)
         )
-    tensors = load_file(str(path), device="cpu")
+    try:
+        tensors = load_file(str(path), device="cpu")
+    except Exception as error:  # safetensors' own error: a cut or corrupt file
+        raise ConfigError(
+            "model.safetensors", None, f"a safetensors file that reads ({error})", file=str(path)
+        ) from None
     if any(key.startswith("bert.") for key in tensors):  # saved from BertFor... heads
         return {k.removeprefix("bert."): v for k, v in tensors.items() if k.startswith("bert.")}
     return tensors

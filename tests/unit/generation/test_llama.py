@@ -166,6 +166,14 @@ def test_missing_tensor_names_file_and_key(tmp_path: Path) -> None:
         load_model(tmp_path)
 
 
+def test_a_corrupt_weights_file_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    """Was: safetensors' own error out of `carpool serve`, a traceback and exit 1."""
+    save_hf_folder(random_llama(CONFIG), tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(bytes(100))
+    with pytest.raises(ConfigError, match=r"model\.safetensors: .*a safetensors file that reads"):
+        load_model(tmp_path)
+
+
 def test_unsupported_rope_type_is_a_config_error() -> None:
     config = {**CONFIG, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}
     with pytest.raises(ConfigError, match="rope_type"):

@@ -238,6 +238,14 @@ def test_missing_file_is_named(tmp_path: Path, name: str, message: str) -> None:
         TextEncoder.from_folder(_linked_copy(tmp_path, skip=(name,)))
 
 
+def test_a_corrupt_weights_file_is_named(tmp_path: Path) -> None:
+    """Was: safetensors' own error out of `carpool serve`, a traceback and exit 1."""
+    folder = _linked_copy(tmp_path, skip=("model.safetensors",))
+    (folder / "model.safetensors").write_bytes(bytes(100))
+    with pytest.raises(ConfigError, match=r"model\.safetensors.*a safetensors file that reads"):
+        TextEncoder.from_folder(folder)
+
+
 def test_unsupported_module_is_named(tmp_path: Path) -> None:
     folder = _linked_copy(tmp_path, skip=("modules.json",))
     modules = json.loads((FOLDER / "modules.json").read_text())
