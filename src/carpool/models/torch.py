@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from carpool.core.dtypes import integers_fit
 from carpool.core.layout import Packed
 from carpool.core.replicas import BUILD_LOCK
 from carpool.core.telemetry import MemoryProbe
@@ -137,18 +138,20 @@ class TorchRunner:
         if tensor.dtype == self._torch.bfloat16:  # NumPy has no bfloat16
             tensor = tensor.float()
         array: np.ndarray = tensor.numpy()
-        if dtype is None or not _casts_losslessly_in_kind(array.dtype, dtype):
+        if dtype is None or not _casts_losslessly(array, dtype):
             return array  # the output check refuses it, naming both (500, not truncated)
         return array.astype(dtype, copy=False)
 
 
-def _casts_losslessly_in_kind(have: np.dtype[Any], declared: np.dtype[Any]) -> bool:
-    """Whether values of ``have`` keep their kind as ``declared``: floats never go to a
-    declared integer or BOOL (1.5 became 1 on the wire, 0.3 became true)."""
+def _casts_losslessly(array: np.ndarray, declared: np.dtype[Any]) -> bool:
+    """Whether the values of ``array`` keep their kind and value as ``declared``: floats
+    never go to a declared integer or BOOL (1.5 became 1 on the wire, 0.3 became true),
+    nor integers to one too narrow for them (3e9 became -1294967296 as INT32)."""
+    have = array.dtype
     if declared.kind == "b":
         return have.kind == "b"
     if declared.kind in "iu":
-        return have.kind in "iub"
+        return have.kind in "iub" and integers_fit(array, declared)
     return True
 
 

@@ -302,6 +302,41 @@ def test_torch_runner_leaves_floats_for_a_declared_integer_or_bool_to_the_output
         check_outputs(out, specs)
 
 
+def test_torch_runner_leaves_integers_too_wide_for_the_declared_type_to_the_output_check(
+    make_module: Callable[[str], str],
+) -> None:
+    """Was: cast to the declared INT32 first, so 3e9 went out as -1294967296."""
+    from carpool.server.outputs import OutputMismatch, check_outputs
+    from carpool.server.repository import TensorSpec
+
+    name = make_module(
+        """
+        import torch
+
+
+        class Billions(torch.nn.Module):
+            def forward(self, x):
+                return x.to(torch.int64) * 1_000_000_000
+
+
+        def build():
+            return Billions().eval()
+        """
+    )
+    runner = TorchRunner(
+        load_module(f"{name}:build"),
+        input_names=["x"],
+        output_names=["y"],
+        output_dtypes=[np.dtype(np.int32)],
+    )
+    out = runner({"x": np.array([[1, 3]], dtype=np.int64)})
+    assert out["y"].tolist() == [[1_000_000_000, 3_000_000_000]]  # not wrapped
+    with pytest.raises(OutputMismatch, match="cannot hold"):
+        check_outputs(out, (TensorSpec("y", "INT32", (2,)),))
+    small = runner({"x": np.array([[1, 2]], dtype=np.int64)})
+    assert small["y"].dtype == np.int32  # values that fit are still cast
+
+
 def test_torch_runner_rejects_a_wrong_number_of_outputs(
     make_module: Callable[[str], str],
 ) -> None:

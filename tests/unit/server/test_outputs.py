@@ -106,6 +106,32 @@ def test_each_datatype_takes_the_kinds_it_carries_without_loss(
         check_outputs({"Y": bad}, outputs)
 
 
+@pytest.mark.parametrize(
+    ("datatype", "value", "fits"),
+    [
+        ("INT32", np.array([3_000_000_000], np.int64), False),
+        ("UINT8", np.array([-1], np.int64), False),
+        ("UINT64", np.array([-1], np.int64), False),
+        ("INT8", np.array([-128, 127], np.int64), True),
+        ("UINT32", np.array([0, 4_294_967_295], np.uint64), True),
+        ("INT64", np.array([True, False]), True),
+        ("INT16", np.zeros(0, np.int64), True),
+    ],
+)
+def test_integers_a_declared_integer_datatype_cannot_hold_are_refused(
+    datatype: str, value: np.ndarray, fits: bool
+) -> None:
+    """Was: only the kind was checked, so int64 3e9 for a declared INT32 went out as
+    -1294967296, and -1 for UINT8 as 255 (docs/server.md: a datatype the declared one
+    carries without losing values)."""
+    specs = (TensorSpec("Y", datatype, ()),)
+    if fits:
+        check_outputs({"Y": value}, specs)
+        return
+    with pytest.raises(OutputMismatch, match=f"the declared {datatype} cannot hold"):
+        check_outputs({"Y": value}, specs)
+
+
 def test_the_wrapper_keeps_a_model_sync_or_async() -> None:
     specs = (TensorSpec("Y", "FP32", (-1,)),)
 
