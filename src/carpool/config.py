@@ -459,6 +459,16 @@ def _semantic_problems(config: ServeConfig, base_dir: Path) -> Any:
                 if key == "inputs" and tensor.label_filename is not None:
                     where = f"{at}.inputs[{j}].label_filename"
                     yield (where, tensor.label_filename, "nothing: only outputs take class labels")
+                if tensor.ragged and key == "outputs":
+                    where = f"{at}.outputs[{j}].ragged"
+                    yield (where, True, "nothing: only inputs are ragged (Triton's too)")
+                elif tensor.ragged and not tensor.shape:
+                    where = f"{at}.inputs[{j}].ragged"
+                    yield (
+                        where,
+                        True,
+                        "an input whose shape has a first dimension, its length ([-1])",
+                    )
             names = [t.name for t in tensors or []]
             for j, name in enumerate(names):
                 if name in names[:j]:

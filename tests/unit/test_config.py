@@ -248,6 +248,22 @@ def test_config_datatypes_are_the_server_datatypes() -> None:
         (_with_model_line("cuda_graphs: true"), "models[0].cuda_graphs", "only torch models"),
         (_with_model_line("autocast: true"), "models[0].autocast", "only torch models"),
         (_with_model_line("batch_timeout_s: .inf"), "models[0].batch_timeout_s", "finite"),
+        (
+            VALID.replace(
+                "datatype: FP32, shape: [-1]}]\n    max_batch",
+                "datatype: FP32, shape: [-1], ragged: true}]\n    max_batch",
+            ),
+            "models[0].outputs[0].ragged",
+            "only inputs are ragged",
+        ),
+        (
+            VALID.replace(
+                "[{name: INPUT0, datatype: FP32, shape: [-1]}]",
+                "[{name: INPUT0, datatype: FP32, shape: [], ragged: true}]",
+            ),
+            "models[0].inputs[0].ragged",
+            "shape has a first dimension",
+        ),
         ("models: []\n", "models", "at least 1 item"),
         ("", "(top level)", "the file is empty"),
         ("models:\n  - name: [\n", "line 3", "valid YAML"),
