@@ -15,9 +15,9 @@ MethodNotAllowed   405   UNIMPLEMENTED       a known path, another method (``All
 NotSupported       501   UNIMPLEMENTED       a Triton extension carpool does not implement
 PayloadTooLarge    413   RESOURCE_EXHAUSTED  body over the configured limit
 QueueFull          429   UNAVAILABLE         admission refused; ``Retry-After`` tells when
-DeadlineExceeded   503   UNAVAILABLE         the deadline passed while queued (for a
-                                             generation model: GenerationTimedOut,
-                                             before its answer was complete)
+DeadlineExceeded   503   UNAVAILABLE         the deadline passed while queued
+GenerationTimedOut 503   UNAVAILABLE         a generation model's deadline passed before
+                                             its answer was complete
 Closed             503   UNAVAILABLE         the server is draining, or cut its drain off
 Overloaded         503   UNAVAILABLE         a server limit (connections, bytes held);
                                              ``Retry-After`` tells when
@@ -66,16 +66,14 @@ def echo(text: str, limit: int = MAX_ECHO_CHARS) -> str:
     return f"{text[:limit]}... (cut: {len(text)} characters)"
 
 
-class GenerationTimedOut(DeadlineExceeded):
+class GenerationTimedOut(CarpoolError, TimeoutError):
     """A generation request's deadline passed before its answer was complete: what it
     was generating was stopped (its KV blocks freed), and nothing is answered but this."""
 
     def __init__(self, timeout_s: float, ran_s: float) -> None:
         self.timeout_s = timeout_s
         self.ran_s = ran_s
-        self.request_id, self.waited_s, self.left_s = -1, ran_s, 0.0
-        CarpoolError.__init__(
-            self,
+        super().__init__(
             f"the generation did not finish within its timeout of {duration_text(timeout_s)} "
             f"and was stopped after {duration_text(ran_s)}; raise the timeout (KServe's timeout "
             "parameter in µs) or lower the load",
@@ -242,6 +240,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (QueueFull, 429),
     (Overloaded, 503),
     (DeadlineExceeded, 503),
+    (GenerationTimedOut, 503),
     (Closed, 503),
     (BatchTimeout, 504),  # before ModelError, its base class
     (ModelError, 500),
@@ -261,6 +260,7 @@ _GRPC_STATUS: tuple[tuple[type[BaseException], str], ...] = (
     (QueueFull, "UNAVAILABLE"),  # as Triton; gRPC maps HTTP 429 to it too
     (Overloaded, "UNAVAILABLE"),
     (DeadlineExceeded, "UNAVAILABLE"),
+    (GenerationTimedOut, "UNAVAILABLE"),
     (Closed, "UNAVAILABLE"),
     (BatchTimeout, "DEADLINE_EXCEEDED"),
 )

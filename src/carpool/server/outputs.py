@@ -26,6 +26,7 @@ from carpool.core.dtypes import integers_fit
 from carpool.core.layout import Packed
 from carpool.core.replicas import is_async_callable
 from carpool.core.stepwise import is_steps
+from carpool.server.kserve.tensors import DATATYPES
 from carpool.server.repository import TensorSpec
 
 BatchFn = Callable[[Any], Any]
@@ -149,9 +150,10 @@ def _check_kind(spec: TensorSpec, value: Any) -> None:
             f"{spec.datatype} cannot carry without losing values; return "
             f"{_RETURN[spec.datatype]} or declare the output's datatype as it is"
         )
-    declared = _INTEGER_DTYPES.get(spec.datatype)
+    declared = DATATYPES.get(spec.datatype)
     if (
         declared is not None
+        and declared.kind in "iu"
         and kind in "iu"
         and isinstance(value, np.ndarray)
         and not integers_fit(value, declared)
@@ -161,13 +163,6 @@ def _check_kind(spec: TensorSpec, value: Any) -> None:
             f"to {value.max()}, which the declared {spec.datatype} cannot hold (they would "
             "wrap on the wire); return values in its range or declare a wider datatype"
         )
-
-
-_INTEGER_DTYPES = {
-    f"{sign}INT{bits}": np.dtype(f"{sign.lower() and 'u'}int{bits}")
-    for sign in ("", "U")
-    for bits in (8, 16, 32, 64)
-}
 
 
 _RETURN = {
